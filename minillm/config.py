@@ -1,0 +1,221 @@
+"""Model and engine configuration.
+
+``ModelConfig`` is our own small, explicit view of a Hugging Face ``config.json``: only the
+fields the Llama-family decoder needs, with defaults resolved once here so the model code
+never has to ask "is this field present?". ``EngineConfig`` holds the knobs of a running
+engine (device, dtype, context length, execution mode).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minillm.errors import ModelLoadError
+
+#: ``model_type`` values we can run, and what distinguishes them. All share one decoder.
+SUPPORTED_MODEL_TYPES = {
+    "llama": "Llama 1/2/3, SmolLM, TinyLlama",
+    "mistral": "Mistral (optionally with a sliding window)",
+    "qwen2": "Qwen2 (bias on the q/k/v projections)",
+}
+
+#: RoPE frequency variants implemented in ``minillm.models.rope``.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Turn ``"bf16"``/``"float32"``/``torch.float16`` into a ``torch.dtype``; reject others."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; use one of fp32, bf16, fp16")
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of fp32, bf16, fp16 (or 'auto')")
+    return DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of one Llama-family checkpoint."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    rope_theta: float
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
+    torch_dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def rope_type(self) -> str:
+        return self.rope_scaling.get("rope_type", "default")
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (embedding counted once when tied), for MBU/MFU arithmetic."""
+        h, i, L = self.hidden_size, self.intermediate_size, self.num_layers
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        if self.attention_bias:
+            per_layer += q + 2 * kv
+        embed = self.vocab_size * h
+        return L * per_layer + h + embed * (1 if self.tie_word_embeddings else 2)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config") -> ModelConfig:
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            supported = ", ".join(sorted(SUPPORTED_MODEL_TYPES))
+            raise ModelLoadError(
+                f"{source}: unknown architecture model_type={model_type!r} "
+                f"(architectures={raw.get('architectures')}); minillm supports: {supported}"
+            )
+        try:
+            hidden = int(raw["hidden_size"])
+            num_heads = int(raw["num_attention_heads"])
+            num_layers = int(raw["num_hidden_layers"])
+            vocab = int(raw["vocab_size"])
+            inter = int(raw["intermediate_size"])
+        except KeyError as missing:
+            raise ModelLoadError(f"{source}: required field {missing} is missing") from None
+        num_kv = int(raw.get("num_key_value_heads") or num_heads)
+        if num_heads % num_kv:
+            raise ModelLoadError(
+                f"{source}: num_attention_heads={num_heads} is not a multiple of "
+                f"num_key_value_heads={num_kv}"
+            )
+        head_dim = int(raw.get("head_dim") or hidden // num_heads)
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ModelLoadError(f"{source}: hidden_act={raw['hidden_act']!r} is not supported (silu only)")
+
+        # transformers >= 5 writes "rope_parameters"; older configs use rope_theta + rope_scaling.
+        rope = dict(raw.get("rope_parameters") or {})
+        legacy = raw.get("rope_scaling") or {}
+        rope = {**legacy, **rope}
+        if "type" in rope and "rope_type" not in rope:
+            rope["rope_type"] = rope.pop("type")
+        rope.setdefault("rope_type", "default")
+        theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+        if rope["rope_type"] not in SUPPORTED_ROPE_TYPES:
+            raise ModelLoadError(
+                f"{source}: rope_type={rope['rope_type']!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        if raw.get("sliding_window") and raw.get("use_sliding_window", model_type == "mistral"):
+            max_pos = int(raw.get("max_position_embeddings", 2048))
+            if int(raw["sliding_window"]) < max_pos:
+                raise ModelLoadError(
+                    f"{source}: sliding_window={raw['sliding_window']} is not supported yet "
+                    f"(full attention only)"
+                )
+        # Qwen2 always has q/k/v bias; Llama/Mistral declare it with attention_bias.
+        bias = bool(raw.get("attention_bias", False)) or model_type == "qwen2"
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            model_type=model_type,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv,
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bias,
+            rope_theta=theta,
+            rope_scaling=rope,
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> ModelConfig:
+        path = Path(folder) / "config.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{folder}: no config.json; is this a Hugging Face model folder?")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ModelLoadError(f"{path}: not valid JSON ({err})") from None
+        return cls.from_dict(raw, source=str(path))
+
+
+EXECUTION_MODES = ("kv_cache", "naive")
+
+
+@dataclass
+class EngineConfig:
+    """How an engine runs a model. Every field is validated in ``__post_init__``.
+
+    ``mode="naive"`` recomputes the whole sequence at every step (no cache): slow, but the
+    simplest correct engine, and the rung every optimisation is tested against.
+    """
+
+    device: str = "auto"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    mode: str = "kv_cache"
+    num_threads: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in EXECUTION_MODES:
+            raise ValueError(f"mode={self.mode!r}; expected one of {EXECUTION_MODES}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads={self.num_threads} must be >= 1")
+        if self.dtype != "auto":
+            parse_dtype(self.dtype)
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(f"device={self.device!r} is not a torch device") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} requested but CUDA is not available")
+        return device
+
+    def resolve_dtype(self, model: ModelConfig, device: torch.device) -> torch.dtype:
+        """``auto``: the checkpoint's half-precision type if it has one (bf16 on CPU), else fp32."""
+        if self.dtype != "auto":
+            return parse_dtype(self.dtype)
+        stored = model.torch_dtype.replace("torch.", "")
+        if stored in ("bfloat16", "float16"):
+            return torch.bfloat16 if device.type == "cpu" else DTYPES[stored]
+        return torch.float32

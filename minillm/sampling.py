@@ -1,0 +1,174 @@
+"""Sampling parameters and the sampler that turns logits into the next token.
+
+The pipeline, applied per row of a batch with that row's own parameters:
+
+    logits → repetition penalty → (greedy: argmax)
+           → / temperature → top-k → top-p → min-p → sample with the request's own RNG
+
+Each request owns a ``torch.Generator``. Sampling uses the "exponential race": draw
+``E_i ~ Exp(1)`` for every token and pick ``argmax p_i / E_i``, which selects token ``i`` with
+probability exactly ``p_i``. Because the noise comes from the request's generator only, the
+same seed gives the same tokens whether the request runs alone or in a batch of strangers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to choose tokens for one request. Defaults: greedy, 64 new tokens.
+
+    ``temperature=0`` is greedy decoding. ``top_k=0``, ``top_p=1``, ``min_p=0`` and
+    ``repetition_penalty=1`` disable those filters. ``stop`` strings end generation and are
+    cut from the text; ``stop_token_ids`` (and the model's EOS unless ``ignore_eos``) end it
+    and are kept in ``token_ids`` but not in ``text``.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int = 64
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        def number(name: str) -> float:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+                raise ValueError(f"{name}={value!r} must be a number")
+            return float(value)
+
+        if number("temperature") < 0 or math.isinf(self.temperature):
+            raise ValueError(f"temperature={self.temperature} must be >= 0 and finite (0 = greedy)")
+        if not 0 < number("top_p") <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if not 0 <= number("min_p") <= 1:
+            raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
+        if number("repetition_penalty") <= 0 or math.isinf(self.repetition_penalty):
+            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0 and finite")
+        for name in ("top_k", "max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name}={value!r} must be an integer")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed={self.seed!r} must be an integer or None")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Logit processors. Each takes float logits [B, V] and per-row parameters, and returns logits
+# with excluded tokens set to -inf. They are pure functions so tests can feed them
+# constructed logits.
+# --------------------------------------------------------------------------------------------
+
+NEG_INF = float("-inf")
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: list[Sequence[int]], penalty: torch.Tensor) -> torch.Tensor:
+    """CTRL-style penalty on every token already in the prompt or output (as HF does it):
+    positive logits are divided by ``penalty``, negative ones multiplied, so either way the
+    token becomes less likely for ``penalty > 1``."""
+    out = logits.clone()
+    for row, ids in enumerate(seen):
+        p = float(penalty[row])
+        if p == 1.0 or not ids:
+            continue
+        idx = torch.as_tensor(sorted(set(ids)), device=logits.device)
+        vals = out[row, idx]
+        out[row, idx] = torch.where(vals > 0, vals / p, vals * p)
+    return out
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep the ``k`` largest logits of each row (``k = 0``: keep all). Ties with the k-th are kept."""
+    vocab = logits.shape[-1]
+    k = torch.where(top_k <= 0, vocab, top_k.clamp(max=vocab)).to(torch.long)
+    sorted_logits = logits.sort(dim=-1, descending=True).values
+    kth = sorted_logits.gather(-1, (k - 1).unsqueeze(-1))
+    return logits.masked_fill(logits < kth, NEG_INF)
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Nucleus: keep the smallest set of most likely tokens whose probability reaches ``top_p``.
+
+    A token is kept when the probability mass of the tokens ranked above it is still below
+    ``top_p``; the most likely token is therefore always kept.
+    """
+    probs, order = logits.softmax(dim=-1).sort(dim=-1, descending=True)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop_sorted = (mass_before >= top_p.unsqueeze(-1)) & (top_p.unsqueeze(-1) < 1.0)
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, NEG_INF)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p`` times the most likely token's."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(-1)
+    return logits.masked_fill(probs < threshold, NEG_INF)
+
+
+def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p: the distribution a sampled row draws from."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
+    logits = logits / temperature.unsqueeze(-1)
+    if any(p.top_k > 0 for p in params):
+        logits = apply_top_k(logits, torch.tensor([p.top_k for p in params], device=device))
+    if any(p.top_p < 1.0 for p in params):
+        logits = apply_top_p(logits, torch.tensor([p.top_p for p in params], device=device))
+    if any(p.min_p > 0.0 for p in params):
+        logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
+    return logits
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+    seen: list[Sequence[int]] | None = None,
+) -> list[int]:
+    """Choose one token per row of ``logits[B, V]``."""
+    logits = logits.float()
+    if seen is not None and any(p.repetition_penalty != 1.0 for p in params):
+        penalty = torch.tensor([p.repetition_penalty for p in params])
+        logits = apply_repetition_penalty(logits, seen, penalty)
+    tokens = logits.argmax(dim=-1).tolist()
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled:
+        rows = filtered_logits(logits[sampled], [params[i] for i in sampled])
+        probs = rows.softmax(dim=-1)
+        for j, i in enumerate(sampled):
+            noise = torch.empty_like(probs[j]).exponential_(generator=generators[i])
+            tokens[i] = int((probs[j] / noise).argmax())
+    return tokens

@@ -1,0 +1,195 @@
+"""Per-request state and the objects handed back to callers.
+
+A ``Sequence`` is one request as the engine sees it: its token ids (prompt then output), its
+sampling parameters and random generator, its text so far, and the timestamps metrics are
+computed from. ``RequestOutput`` is the caller's view of a finished (or streaming) request.
+"""
+
+from __future__ import annotations
+
+import enum
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from minillm.sampling import SamplingParams
+from minillm.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (``time.perf_counter()`` seconds) and the latencies derived from them.
+
+    TTFT (time to first token) = first token − arrival: queueing plus prefill.
+    TPOT (time per output token) = mean gap between later tokens: the decode speed a reader feels.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished_time: float | None = None
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if not self.token_times else self.token_times[0] - self.arrival_time
+
+    @property
+    def queueing_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def tpot(self) -> float | None:
+        gaps = self.inter_token_latencies
+        return statistics.fmean(gaps) if gaps else None
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    def as_dict(self) -> dict[str, float | None]:
+        return {
+            "arrival_time": self.arrival_time,
+            "ttft": self.ttft,
+            "tpot": self.tpot,
+            "e2e_latency": self.e2e_latency,
+            "queueing_time": self.queueing_time,
+            "num_tokens": len(self.token_times),
+        }
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | None while running
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StreamDelta:
+    """What ``LLM.stream`` yields: the token just produced and the text it made visible.
+
+    ``text`` may be empty (half a UTF-8 character, or text held back because it could be the
+    start of a stop string) and is released by a later delta. The last delta has
+    ``finish_reason`` set.
+    """
+
+    request_id: int
+    token_id: int | None
+    text: str
+    finish_reason: str | None = None
+
+
+class Sequence:
+    def __init__(
+        self,
+        request_id: int,
+        prompt: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        generator: torch.Generator,
+        max_model_len: int,
+        arrival_time: float | None = None,
+    ):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.generator = generator
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.metrics = RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
+        self.text = ""
+        self._emitted = 0  # characters of `text` already handed to a stream
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self._stop_ids |= tokenizer.eos_token_ids
+        # A request never outgrows the context: it stops with "length" at max_model_len.
+        self.max_output = min(params.max_tokens, max_model_len - len(self.prompt_token_ids))
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, now: float | None = None) -> None:
+        """Record a generated token, update the text, and decide whether the request is done."""
+        self.output_token_ids.append(token_id)
+        self.metrics.token_times.append(time.perf_counter() if now is None else now)
+        if token_id in self._stop_ids:
+            self._finish("stop")
+            return
+        text_before = len(self.text)
+        self.text += self._detok.add(token_id)
+        if self.params.stop and self._cut_at_stop_string(text_before):
+            self._finish("stop")
+        elif len(self.output_token_ids) >= self.max_output:
+            self._finish("length")
+
+    def _cut_at_stop_string(self, text_before: int) -> bool:
+        longest = max(len(s) for s in self.params.stop)
+        # Only a match that ends in the new text can be new; start just far enough back.
+        search_from = max(0, text_before - longest + 1)
+        hits = [i for s in self.params.stop if (i := self.text.find(s, search_from)) != -1]
+        if hits:
+            self.text = self.text[: min(hits)]
+            return True
+        return False
+
+    def _finish(self, reason: str) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.metrics.finished_time = time.perf_counter()
+
+    def take_stream_text(self) -> str:
+        """Text that is safe to show now: all of it once finished, otherwise all but a tail
+        that might still grow into a stop string."""
+        hold = 0 if self.is_finished or not self.params.stop else max(len(s) for s in self.params.stop) - 1
+        end = max(self._emitted, len(self.text) - hold)
+        delta = self.text[self._emitted : end]
+        self._emitted = end
+        return delta
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=list(self.prompt_token_ids),
+            text=self.text,
+            token_ids=list(self.output_token_ids),
+            finish_reason=self.finish_reason,
+            metrics=self.metrics,
+        )

@@ -1,0 +1,90 @@
+"""Text ↔ token ids, chat templates and incremental detokenization.
+
+We lean on ``transformers``' fast tokenizer (Rust ``tokenizers`` underneath) for encoding and
+for rendering chat templates exactly as the model was trained, and add what an engine needs
+on top: the set of end-of-sequence ids, and ``IncrementalDetokenizer`` which turns a growing
+list of ids into text deltas without re-decoding everything or emitting half a UTF-8 character.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from minillm.errors import ModelLoadError
+
+ChatMessages = list[dict[str, str]]
+
+
+class Tokenizer:
+    def __init__(self, folder: str | Path):
+        folder = Path(folder)
+        if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
+            raise ModelLoadError(f"{folder}: no tokenizer.json / tokenizer_config.json found")
+        from transformers import AutoTokenizer
+
+        try:
+            self.hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        except (OSError, ValueError, json.JSONDecodeError) as err:
+            raise ModelLoadError(f"{folder}: cannot load the tokenizer ({err})") from None
+        self.eos_token_ids = self._eos_ids(folder)
+
+    def _eos_ids(self, folder: Path) -> frozenset[int]:
+        ids: set[int] = set()
+        if self.hf.eos_token_id is not None:
+            ids.add(int(self.hf.eos_token_id))
+        gen = folder / "generation_config.json"
+        if gen.is_file():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
+        return frozenset(ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: ChatMessages) -> str:
+        """The prompt text for a chat, ending where the assistant's reply should begin."""
+        if not self.has_chat_template:
+            raise ValueError("this model's tokenizer has no chat template; pass a plain string prompt")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"chat message {i} must be a dict with 'role' and 'content', got {m!r}")
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a stream of token ids.
+
+    Decoding ids one at a time is wrong for byte-level BPE: a character may span several
+    tokens, and a token's leading space depends on its neighbour. We decode a short window
+    ``ids[prefix:]`` and compare it with ``ids[prefix:read]``; whatever is new is the delta,
+    unless it ends in the replacement character (an incomplete UTF-8 sequence), in which case
+    we wait for the next token.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix_offset : self.read_offset])
+        after = decode(self.ids[self.prefix_offset :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return after[len(before) :]
+        return ""
