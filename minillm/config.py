@@ -187,6 +187,9 @@ class EngineConfig:
     mode: str = "kv_cache"
     num_threads: int | None = None
     seed: int = 0
+    attention_backend: str = "auto"
+    cpu_prepack: bool | None = None  # None: on for CPU where oneDNN supports it (measured faster)
+
 
     def __post_init__(self) -> None:
         if self.mode not in EXECUTION_MODES:
@@ -199,6 +202,9 @@ class EngineConfig:
             raise ValueError(f"num_threads={self.num_threads} must be >= 1")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
+        from minillm.attention import get_backend
+
+        get_backend(self.attention_backend)  # raises ValueError naming a bad backend
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

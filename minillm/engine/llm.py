@@ -34,7 +34,8 @@ Prompt = Union[str, list[int], ChatMessages]
 class LLM:
     def __init__(self, model: str | Path = "smollm2-135m", **engine_args):
         """``engine_args`` are ``EngineConfig`` fields: device, dtype, max_model_len,
-        max_num_seqs, mode ("kv_cache" | "naive"), num_threads, seed."""
+        max_num_seqs, mode ("kv_cache" | "naive"), num_threads, seed, attention_backend
+        ("auto" | "torch" | "sdpa"), cpu_prepack."""
         self.engine_config = EngineConfig(**engine_args)
         if self.engine_config.num_threads is not None:
             torch.set_num_threads(self.engine_config.num_threads)
@@ -50,8 +51,19 @@ class LLM:
             )
         self.tokenizer = Tokenizer(self.model_dir)
         self.model = load_model(self.model_dir, self.dtype, self.device, max_positions=self.max_model_len)
+        self.model.set_attention_backend(self.engine_config.attention_backend)
+        if self._should_prepack():
+            self.model.prepack_for_cpu()
         self._rng = random.Random(self.engine_config.seed)
         self._next_id = 0
+
+    def _should_prepack(self) -> bool:
+        from minillm.models.cpu_prepack import prepack_available
+
+        wanted = self.engine_config.cpu_prepack
+        if wanted is None:  # on by default: measured faster on CPU (see cpu_prepack.py)
+            wanted = True
+        return bool(wanted) and self.device.type == "cpu" and prepack_available(self.dtype)
 
     @property
     def mode(self) -> str:

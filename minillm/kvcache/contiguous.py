@@ -36,6 +36,9 @@ class ContiguousKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.batch_size = batch_size
         self.max_len = max_len
+        # Per-layer views, made once: indexing the 5-D slab anew 60x per step costs real time.
+        self.k_layers = list(self.k.unbind(0))
+        self.v_layers = list(self.v.unbind(0))
 
     @property
     def nbytes(self) -> int:
@@ -50,19 +53,19 @@ class ContiguousKVCache:
         per-row positions.
         """
         batch, t = positions.shape
+        k_cache, v_cache = self.k_layers[layer], self.v_layers[layer]
         if same_start is not None:
-            start = same_start
-            self.k[layer, :batch, :, start : start + t] = k
-            self.v[layer, :batch, :, start : start + t] = v
+            k_cache[:batch, :, same_start : same_start + t] = k
+            v_cache[:batch, :, same_start : same_start + t] = v
             return
         rows = torch.arange(batch, device=positions.device)[:, None]
         # Advanced indices (rows, positions) broadcast to [B, T]; the sliced head axis goes last.
-        self.k[layer, :batch][rows, :, positions] = k.transpose(1, 2)
-        self.v[layer, :batch][rows, :, positions] = v.transpose(1, 2)
+        k_cache[rows, :, positions] = k.transpose(1, 2)
+        v_cache[rows, :, positions] = v.transpose(1, 2)
 
     def read(self, layer: int, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views (no copy) of the first ``length`` positions of rows ``0..batch-1``."""
-        return self.k[layer, :batch, :, :length], self.v[layer, :batch, :, :length]
+        return self.k_layers[layer][:batch, :, :length], self.v_layers[layer][:batch, :, :length]
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of row ``src`` into row ``dst`` (batch compaction)."""

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minillm.attention import attention, causal_mask
+from minillm.attention import AttentionFn, causal_mask, get_backend
 from minillm.config import ModelConfig
 from minillm.kvcache import ContiguousKVCache
 from minillm.models.rope import RotaryEmbedding, apply_rope
@@ -32,8 +32,8 @@ class ForwardBatch:
 
     ``input_ids`` and ``positions`` are ``[B, T]``: B sequences, T new tokens each (right-padded
     when prompts differ in length). ``positions`` are absolute — they pick the RoPE angle and
-    the cache slot. With ``cache=None`` the model attends only to the tokens it is given (the
-    naive engine); otherwise it first writes the new K/V into the cache and attends to
+    the cache slot. With ``cache=None`` the model attends only to the tokens it is given, which
+    must sit at positions ``0..T-1`` (the naive engine); otherwise it first writes the new K/V into the cache and attends to
     positions ``0 .. kv_len-1`` of it. ``logit_index[B]`` selects which of the T positions
     need logits (the last real token of each row); ``None`` returns logits for all of them.
     ``same_start`` lets the cache write a slice instead of scattering, decided once per step
@@ -48,8 +48,31 @@ class ForwardBatch:
     same_start: int | None = None  # set when every row's new tokens start at this position
 
 
+@dataclass
+class AttentionMask:
+    """Which keys each query may see, in the cheapest form that says it.
+
+    ``mask=None, is_causal=False``: every query sees every key (a decode step whose rows all
+    have the same length). ``is_causal=True``: the usual triangle (a prefill from position 0).
+    Otherwise an explicit boolean ``mask[B, 1, T, S]``. Fused kernels run fastest without a
+    mask tensor, so we only build one when rows really differ.
+    """
+
+    mask: torch.Tensor | None = None
+    is_causal: bool = False
+
+    @classmethod
+    def for_batch(cls, batch: ForwardBatch, kv_len: int) -> AttentionMask:
+        """The mask for new tokens at ``batch.positions`` attending to cache positions ``< kv_len``."""
+        t = batch.input_ids.shape[1]
+        if batch.same_start is not None and batch.same_start + t == kv_len:
+            return cls(is_causal=t > 1)  # all rows at the same position: a plain causal triangle
+        return cls(mask=causal_mask(batch.positions, kv_len))
+
+
 class RMSNorm(nn.Module):
-    """``x / rms(x) * weight``, computed in fp32 and cast back, as the checkpoints were trained."""
+    """``x / rms(x) * weight``: scale each token's vector to unit root-mean-square, then
+    re-weight each channel. PyTorch's fused kernel accumulates in fp32 for half types."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -57,8 +80,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -75,18 +97,18 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-                mask: torch.Tensor) -> torch.Tensor:
+                mask: AttentionMask, attention_fn: AttentionFn) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
-        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, KV, T, D]
-        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        h, kv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(b, t, h + 2 * kv, self.head_dim)
+        qk = apply_rope(qkv[:, :, : h + kv], cos, sin)  # q and k heads rotated in one go
+        q = qk[:, :, :h].transpose(1, 2)  # [B, H, T, D]
+        k = qk[:, :, h:].transpose(1, 2)  # [B, KV, T, D]
+        v = qkv[:, :, h + kv :].transpose(1, 2)
         if batch.cache is not None:
             batch.cache.write(self.layer_index, batch.positions, k, v, batch.same_start)
-            k, v = batch.cache.read(self.layer_index, b, mask.shape[-1])
-        out = attention(q, k, v, mask, self.scale)  # [B, H, T, D]
+            k, v = batch.cache.read(self.layer_index, b, batch.kv_len)
+        out = attention_fn(q, k, v, mask.mask, mask.is_causal, self.scale)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.q_size))
 
 
@@ -112,8 +134,8 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config)
 
-    def forward(self, x, cos, sin, batch, mask):
-        x = x + self.attn(self.input_norm(x), cos, sin, batch, mask)
+    def forward(self, x, cos, sin, batch, mask, attention_fn):
+        x = x + self.attn(self.input_norm(x), cos, sin, batch, mask, attention_fn)
         return x + self.mlp(self.post_attn_norm(x))
 
 
@@ -126,14 +148,22 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope: RotaryEmbedding | None = None
+        self.attention_fn: AttentionFn = get_backend("auto")
+
+    def set_attention_backend(self, name: str) -> None:
+        self.attention_fn = get_backend(name)
 
     def init_rope(self, max_positions: int) -> None:
         """Build the cos/sin table once weights are on their device (it is not a parameter)."""
         self.rope = RotaryEmbedding(self.config, max_positions, self.embed_tokens.weight.device)
 
-    @property
-    def head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def prepack_for_cpu(self) -> None:
+        """Swap every linear layer (and the tied LM head) for a oneDNN-prepacked one."""
+        from minillm.models.cpu_prepack import PackedLinear, prepack_linears
+
+        prepack_linears(self)
+        if self.lm_head is None:  # tied: pack a copy of the embedding matrix as the head
+            self.lm_head = PackedLinear(self.embed_tokens.weight)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -142,10 +172,14 @@ class LlamaForCausalLM(nn.Module):
             raise RuntimeError("call init_rope(max_positions) before running the model")
         x = self.embed_tokens(batch.input_ids)
         cos, sin = self.rope.lookup(batch.positions, x.dtype)
-        kv_len = batch.kv_len if batch.cache is not None else batch.input_ids.shape[1]
-        mask = causal_mask(batch.positions, kv_len)  # built once, shared by every layer
+        if batch.cache is None:  # the naive engine: positions are 0..T-1, a plain causal triangle
+            mask = AttentionMask(is_causal=batch.input_ids.shape[1] > 1)
+        else:
+            mask = AttentionMask.for_batch(batch, batch.kv_len)  # built once, shared by every layer
         for layer in self.layers:
-            x = layer(x, cos, sin, batch, mask)
+            x = layer(x, cos, sin, batch, mask, self.attention_fn)
         if batch.logit_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), batch.logit_index]  # [B, hidden]
-        return F.linear(self.norm(x), self.head_weight).float()
+        x = self.norm(x)
+        logits = F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
+        return logits.float()

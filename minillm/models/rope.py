@@ -56,22 +56,30 @@ class RotaryEmbedding:
         angles = torch.outer(positions, inv_freq)  # [P, D/2]
         angles = torch.cat([angles, angles], dim=-1)  # [P, D]: pairs (i, i + D/2) share an angle
         self.cos = (angles.cos() * attention_scaling).to(device)
-        self.sin = (angles.sin() * attention_scaling).to(device)
+        sin = angles.sin() * attention_scaling
+        half = sin.shape[-1] // 2
+        # rotate_half(x) * sin == roll(x, half) * signed_sin: fold the minus sign into the table
+        self.signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(device)
 
     @property
     def max_positions(self) -> int:
         return self.cos.shape[0]
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for ``positions[B, T]`` shaped ``[B, 1, T, D]`` (broadcast over heads)."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        """cos/sin for ``positions[B, T]`` shaped ``[B, T, 1, D]`` (broadcast over heads)."""
+        return self.cos[positions].unsqueeze(2).to(dtype), self.signed_sin[positions].unsqueeze(2).to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[x1, x2] -> [-x2, x1]``: the 90° turn of every (i, i + D/2) pair (the textbook form)."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x[B, heads, T, D]`` by the angles whose cos/sin are given."""
-    return x * cos + rotate_half(x) * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x[B, T, heads, D]``: ``x·cos + rotate_half(x)·sin``.
+
+    Computed as ``x·cos + roll(x, D/2)·signed_sin`` (the sign of ``rotate_half`` lives in the
+    table), which is the same arithmetic in 3 tensor ops instead of 6 — it runs 30× per step.
+    """
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)

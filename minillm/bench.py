@@ -1,0 +1,183 @@
+"""Generation benchmark: minillm against HF ``transformers`` ``generate()``, same run, same settings.
+
+For each dtype and batch size both engines generate ``new_tokens`` tokens (EOS ignored, greedy)
+after a ``prompt_len``-token prompt. Each engine is timed twice per repeat: generating one
+token (that wall time is TTFT: prefill + the first sample) and generating all of them. The
+decode rate is ``batch × (new_tokens − 1) / (t_all − t_one)``: only the one-token steps, and
+measured identically for both engines. Medians over ``repeats``; the ratio minillm/HF is
+computed from medians of the same run, since this machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from minillm.config import parse_dtype
+
+
+def machine_description(device: torch.device) -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": str(device),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def _prompts(tokenizer, batch: int, prompt_len: int) -> list[list[int]]:
+    """``batch`` different prompts of exactly ``prompt_len`` tokens (no padding for either engine)."""
+    text = (
+        "The history of computing is a story of machines that grew faster by moving less data. "
+        "Early computers read their programs from punched cards; later ones kept them in memory. "
+        "Caches, pipelines and parallel units followed, each hiding the slowness of memory a little. "
+    ) * 40
+    ids = tokenizer.encode(text)
+    return [ids[7 * i : 7 * i + prompt_len] for i in range(batch)]
+
+
+def _time(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _measure(run, batch: int, new_tokens: int, repeats: int, device: torch.device) -> dict:
+    run(1), run(new_tokens)  # warm-up: allocator, kernels, caches
+    ttfts, totals = [], []
+    for _ in range(repeats):
+        ttfts.append(_time(lambda: (run(1), _sync(device))))
+        totals.append(_time(lambda: (run(new_tokens), _sync(device))))
+    ttft, total = statistics.median(ttfts), statistics.median(totals)
+    decode_s = max(total - ttft, 1e-9)
+    return {
+        "ttft_ms": 1000 * ttft,
+        "total_s": total,
+        "decode_tok_s": batch * (new_tokens - 1) / decode_s,
+        "tpot_ms": 1000 * decode_s / (new_tokens - 1),
+        "ttft_samples_ms": [1000 * t for t in ttfts],
+        "total_samples_s": totals,
+    }
+
+
+def run_generate_benchmark(
+    model: str = "smollm2-135m",
+    dtypes=("fp32", "bf16"),
+    batch_sizes=(1, 8),
+    prompt_len: int = 64,
+    new_tokens: int = 64,
+    repeats: int = 3,
+    threads: int | None = None,
+    device: str = "auto",
+    include_hf: bool = True,
+    out_dir: str | None = None,
+) -> dict:
+    from minillm.engine import LLM
+    from minillm.sampling import SamplingParams
+
+    if threads:
+        torch.set_num_threads(threads)
+    rows = []
+    machine = None
+    for dtype_name in dtypes:
+        dtype = parse_dtype(dtype_name)
+        llm = LLM(model, dtype=dtype_name, device=device)
+        machine = machine or machine_description(llm.device)
+        hf = None
+        if include_hf:
+            from transformers import AutoModelForCausalLM
+
+            hf = AutoModelForCausalLM.from_pretrained(str(llm.model_dir), dtype=dtype).to(llm.device).eval()
+        for batch in batch_sizes:
+            prompts = _prompts(llm.tokenizer, batch, prompt_len)
+
+            def run_minillm(n, prompts=prompts):
+                llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+
+            row = {"dtype": dtype_name, "batch": batch, "minillm": _measure(run_minillm, batch, new_tokens, repeats, llm.device)}
+            if hf is not None:
+                ids = torch.tensor(prompts, device=llm.device)
+                mask = torch.ones_like(ids)
+
+                def run_hf(n, ids=ids, mask=mask):
+                    with torch.inference_mode():
+                        hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                    do_sample=False, pad_token_id=0)
+
+                row["hf"] = _measure(run_hf, batch, new_tokens, repeats, llm.device)
+                row["decode_ratio"] = row["minillm"]["decode_tok_s"] / row["hf"]["decode_tok_s"]
+                row["ttft_ratio"] = row["hf"]["ttft_ms"] / row["minillm"]["ttft_ms"]
+            rows.append(row)
+            print(_format_row(row), flush=True)
+        del llm, hf
+    result = {
+        "benchmark": "generate",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "model": model,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "repeats": repeats,
+        "machine": machine,
+        "rows": rows,
+    }
+    print()
+    print(format_table(result))
+    if out_dir:
+        path = Path(out_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        tag = (machine or {}).get("gpu") or "cpu"
+        name = f"generate-{result['date'][:10]}-{tag.replace(' ', '_')}-{machine['torch_threads']}t.json"
+        (path / name).write_text(json.dumps(result, indent=2))
+        print(f"\nwrote {path / name}")
+    return result
+
+
+def _format_row(row: dict) -> str:
+    m = row["minillm"]
+    line = f"{row['dtype']:>5} batch {row['batch']:>2}: minillm {m['decode_tok_s']:7.1f} tok/s, TTFT {m['ttft_ms']:7.1f} ms"
+    if "hf" in row:
+        h = row["hf"]
+        line += f" | HF {h['decode_tok_s']:7.1f} tok/s, TTFT {h['ttft_ms']:7.1f} ms | decode x{row['decode_ratio']:.2f}"
+    return line
+
+
+def format_table(result: dict) -> str:
+    """A Markdown table of the result, as pasted into the README."""
+    lines = [
+        "| dtype | batch | minillm decode tok/s | HF decode tok/s | ratio | minillm TTFT ms | HF TTFT ms |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        m, h = r["minillm"], r.get("hf")
+        hf_tok = f"{h['decode_tok_s']:.1f}" if h else "-"
+        hf_ttft = f"{h['ttft_ms']:.1f}" if h else "-"
+        ratio = f"{r['decode_ratio']:.2f}x" if h else "-"
+        lines.append(
+            f"| {r['dtype']} | {r['batch']} | {m['decode_tok_s']:.1f} | {hf_tok} | {ratio} | {m['ttft_ms']:.1f} | {hf_ttft} |"
+        )
+    return "\n".join(lines)

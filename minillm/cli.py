@@ -1,0 +1,197 @@
+"""The ``minillm`` command line: generate, chat, assets, bench.
+
+    minillm generate --prompt "The capital of France is" --max-tokens 16
+    minillm generate --chat --stream --prompt "Write a haiku about caches"
+    minillm chat
+    minillm assets
+    minillm bench --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default="smollm2-135m", help="short name or HF-format folder (default: smollm2-135m)")
+    g.add_argument("--dtype", default="auto", help="fp32 | bf16 | fp16 | auto (default: auto)")
+    g.add_argument("--device", default="auto", help="cpu | cuda | auto (default: auto)")
+    g.add_argument("--mode", default="kv_cache", choices=["kv_cache", "naive"], help="execution mode")
+    g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--seed", type=int, default=None)
+
+
+def _sampling_params(args):
+    from minillm.sampling import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        seed=args.seed,
+    )
+
+
+def _llm(args):
+    from minillm.engine import LLM
+
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        mode=args.mode,
+        max_model_len=args.max_model_len,
+        num_threads=args.threads,
+    )
+
+
+def cmd_generate(args) -> int:
+    params = _sampling_params(args)  # validate before the slow model load
+    llm = _llm(args)
+    prompts = [[{"role": "user", "content": p}] if args.chat else p for p in args.prompt]
+    if args.stream:
+        for prompt in prompts:
+            for delta in llm.stream(prompt, params):
+                print(delta.text, end="", flush=True)
+            print()
+        return 0
+    outputs = llm.generate(prompts, params)
+    for out in outputs:
+        if args.json:
+            record = {
+                "prompt": out.prompt,
+                "text": out.text,
+                "token_ids": out.token_ids,
+                "finish_reason": out.finish_reason,
+                "metrics": out.metrics.as_dict(),
+            }
+            print(json.dumps(record))
+        else:
+            print(out.text)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    params = _sampling_params(args)
+    llm = _llm(args)
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print("minillm chat: type a message, /reset to clear the history, /exit or Ctrl-D to quit.")
+    while True:
+        try:
+            line = input("you> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if not line:
+            continue
+        if line == "/exit":
+            return 0
+        if line == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        history.append({"role": "user", "content": line})
+        print("assistant> ", end="", flush=True)
+        reply = []
+        for delta in llm.stream(history, params):
+            reply.append(delta.text)
+            print(delta.text, end="", flush=True)
+        print()
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_assets(args) -> int:
+    from minillm.assets import REGISTRY, resolve_model
+
+    names = args.model or sorted(REGISTRY)
+    for name in names:
+        path = resolve_model(name, progress=True)
+        print(f"{name}: {path}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from minillm.bench import run_generate_benchmark
+
+    run_generate_benchmark(
+        model=args.model,
+        dtypes=args.dtypes,
+        batch_sizes=args.batch_sizes,
+        prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens,
+        repeats=args.repeats,
+        threads=args.threads,
+        device=args.device,
+        include_hf=not args.no_hf,
+        out_dir=args.out,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minillm", description="A compact LLM inference engine and course.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="generate text for one or more prompts")
+    p.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable: runs batched)")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    p.add_argument("--json", action="store_true", help="print one JSON record per prompt, with metrics")
+    _add_engine_args(p)
+    _add_sampling_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive streaming chat")
+    p.add_argument("--system", default=None, help="system message")
+    _add_engine_args(p)
+    _add_sampling_args(p)
+    p.set_defaults(func=cmd_chat, temperature=0.0, max_tokens=256)
+
+    p = sub.add_parser("assets", help="convert the bundled model(s) into HF folders (idempotent)")
+    p.add_argument("--model", action="append", help="asset name (default: all)")
+    p.set_defaults(func=cmd_assets)
+
+    p = sub.add_parser("bench", help="decode/prefill benchmark against HF transformers generate()")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8])
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF baseline")
+    p.add_argument("--out", default=None, help="folder for the JSON result (default: print only)")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        print(f"minillm: error: {err}", file=sys.stderr)
+        return 2
