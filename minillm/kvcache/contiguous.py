@@ -55,8 +55,10 @@ class ContiguousKVCache:
         batch, t = positions.shape
         k_cache, v_cache = self.k_layers[layer], self.v_layers[layer]
         if same_start is not None:
-            k_cache[:batch, :, same_start : same_start + t] = k
-            v_cache[:batch, :, same_start : same_start + t] = v
+            if batch < self.batch_size:
+                k_cache, v_cache = k_cache[:batch], v_cache[:batch]
+            k_cache.narrow(2, same_start, t).copy_(k)
+            v_cache.narrow(2, same_start, t).copy_(v)
             return
         rows = torch.arange(batch, device=positions.device)[:, None]
         # Advanced indices (rows, positions) broadcast to [B, T]; the sliced head axis goes last.
@@ -65,7 +67,10 @@ class ContiguousKVCache:
 
     def read(self, layer: int, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views (no copy) of the first ``length`` positions of rows ``0..batch-1``."""
-        return self.k_layers[layer][:batch, :, :length], self.v_layers[layer][:batch, :, :length]
+        k, v = self.k_layers[layer], self.v_layers[layer]
+        if batch < self.batch_size:
+            k, v = k[:batch], v[:batch]
+        return k.narrow(2, 0, length), v.narrow(2, 0, length)
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of row ``src`` into row ``dst`` (batch compaction)."""

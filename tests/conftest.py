@@ -1,0 +1,117 @@
+"""Shared fixtures: tiny random-weight models in HF format, built locally (no hub), and the
+real SmolLM2 asset (converted once per machine)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CORPUS = (
+    "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer "
+    "the slings and arrows of outrageous fortune, or to take arms against a sea of troubles. "
+    "Caches keep keys and values; attention reads them back. Ünïcödé: café, naïve, 東京, 🙂. 0123456789 "
+)
+
+
+def build_tokenizer(folder: Path) -> int:
+    """A small byte-level BPE tokenizer with ChatML special tokens; returns its vocab size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([CORPUS] * 20, trainer=trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>", "chat_template": CHATML, "clean_up_tokenization_spaces": False,
+    }))
+    return tok.get_vocab_size()
+
+
+TINY_VARIANTS = {
+    # name: (transformers config class name, overrides)
+    "llama_mha": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=4)),
+    "llama_gqa": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "llama_mqa": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=1)),
+    "qwen2_bias": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, use_sliding_window=False)),
+    "llama_untied": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
+    "llama_head_dim": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24)),
+    "mistral": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
+    "llama3_rope": ("LlamaConfig", dict(
+        num_attention_heads=4, num_key_value_heads=2,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    )),
+    "linear_rope": ("LlamaConfig", dict(
+        num_attention_heads=4, num_key_value_heads=2, rope_scaling={"rope_type": "linear", "factor": 2.0},
+    )),
+}
+
+
+def build_tiny_model(folder: Path, variant: str, seed: int = 0) -> Path:
+    """Random-weight HF model of a given variant, saved as safetensors with our tokenizer."""
+    import transformers
+
+    cls_name, overrides = TINY_VARIANTS[variant]
+    vocab = build_tokenizer(folder)
+    kwargs = dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        initializer_range=0.2,  # peaky logits, so greedy argmax is not decided by rounding
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    kwargs.update(overrides)
+    config = getattr(transformers, cls_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # HF leaves biases at zero; make Qwen2's q/k/v bias actually matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(1.0 if "norm" in name else 0.0, 0.2)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {name: build_tiny_model(root / name, name) for name in TINY_VARIANTS}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_models) -> Path:
+    return tiny_models["llama_gqa"]
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from minillm.assets import gguf_path, REGISTRY, resolve_model
+
+    try:
+        gguf_path(REGISTRY["smollm2-135m"])
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    return resolve_model("smollm2-135m")
+
+
+def hf_model(folder: Path, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
