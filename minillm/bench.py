@@ -116,25 +116,35 @@ def run_generate_benchmark(
         for batch in batch_sizes:
             prompts = _prompts(llm.tokenizer, batch, prompt_len)
 
-            def run_minillm(n, prompts=prompts):
+            def run_minillm(n, prompts=prompts, llm=llm):
                 llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
 
-            row = {"dtype": dtype_name, "batch": batch, "minillm": _measure(run_minillm, batch, new_tokens, repeats, llm.device)}
+            row = {
+                "dtype": dtype_name,
+                "batch": batch,
+                "minillm": _measure(run_minillm, batch, new_tokens, repeats, llm.device),
+            }
             if hf is not None:
                 ids = torch.tensor(prompts, device=llm.device)
                 mask = torch.ones_like(ids)
 
-                def run_hf(n, ids=ids, mask=mask):
+                def run_hf(n, ids=ids, mask=mask, hf=hf):
                     with torch.inference_mode():
-                        hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                    do_sample=False, pad_token_id=0)
+                        hf.generate(
+                            ids,
+                            attention_mask=mask,
+                            max_new_tokens=n,
+                            min_new_tokens=n,
+                            do_sample=False,
+                            pad_token_id=0,
+                        )
 
                 row["hf"] = _measure(run_hf, batch, new_tokens, repeats, llm.device)
                 row["decode_ratio"] = row["minillm"]["decode_tok_s"] / row["hf"]["decode_tok_s"]
                 row["ttft_ratio"] = row["hf"]["ttft_ms"] / row["minillm"]["ttft_ms"]
             rows.append(row)
             print(_format_row(row), flush=True)
-        del llm, hf
+        del llm, hf  # free this dtype's weights before loading the next
     result = {
         "benchmark": "generate",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

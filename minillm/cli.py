@@ -1,10 +1,10 @@
 """The ``minillm`` command line: generate, chat, assets, bench.
 
-    minillm generate --prompt "The capital of France is" --max-tokens 16
-    minillm generate --chat --stream --prompt "Write a haiku about caches"
-    minillm chat
-    minillm assets
-    minillm bench --quick
+minillm generate --prompt "The capital of France is" --max-tokens 16
+minillm generate --chat --stream --prompt "Write a haiku about caches"
+minillm chat
+minillm assets
+minillm bench --quick
 """
 
 from __future__ import annotations

@@ -106,8 +106,7 @@ class ModelConfig:
         num_kv = int(raw.get("num_key_value_heads") or num_heads)
         if num_heads % num_kv:
             raise ModelLoadError(
-                f"{source}: num_attention_heads={num_heads} is not a multiple of "
-                f"num_key_value_heads={num_kv}"
+                f"{source}: num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv}"
             )
         head_dim = int(raw.get("head_dim") or hidden // num_heads)
         if raw.get("hidden_act", "silu") != "silu":
@@ -130,8 +129,7 @@ class ModelConfig:
             max_pos = int(raw.get("max_position_embeddings", 2048))
             if int(raw["sliding_window"]) < max_pos:
                 raise ModelLoadError(
-                    f"{source}: sliding_window={raw['sliding_window']} is not supported yet "
-                    f"(full attention only)"
+                    f"{source}: sliding_window={raw['sliding_window']} is not supported yet (full attention only)"
                 )
         # Qwen2 always has q/k/v bias; Llama/Mistral declare it with attention_bias.
         bias = bool(raw.get("attention_bias", False)) or model_type == "qwen2"
@@ -189,7 +187,6 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     cpu_prepack: bool | None = None  # None: on for CPU where oneDNN supports it (measured faster)
-
 
     def __post_init__(self) -> None:
         if self.mode not in EXECUTION_MODES:

@@ -150,6 +150,7 @@ class Sequence:
         self.output_token_ids.append(token_id)
         self.metrics.token_times.append(time.perf_counter() if now is None else now)
         if token_id in self._stop_ids:
+            self.text += self._detok.flush()
             self._finish("stop")
             return
         text_before = len(self.text)
@@ -157,6 +158,7 @@ class Sequence:
         if self.params.stop and self._cut_at_stop_string(text_before):
             self._finish("stop")
         elif len(self.output_token_ids) >= self.max_output:
+            self.text += self._detok.flush()
             self._finish("length")
 
     def _cut_at_stop_string(self, text_before: int) -> bool:

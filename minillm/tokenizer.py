@@ -88,3 +88,11 @@ class IncrementalDetokenizer:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             return after[len(before) :]
         return ""
+
+    def flush(self) -> str:
+        """At the end of a stream: whatever is still held back (shown as replacement chars)."""
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix_offset : self.read_offset])
+        after = decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return after[len(before) :]

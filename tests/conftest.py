@@ -37,11 +37,19 @@ def build_tokenizer(folder: Path) -> int:
     tok.train_from_iterator([CORPUS] * 20, trainer=trainer)
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>",
-        "pad_token": "<|endoftext|>", "chat_template": CHATML, "clean_up_tokenization_spaces": False,
-    }))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<|im_start|>",
+                "eos_token": "<|im_end|>",
+                "unk_token": "<|endoftext|>",
+                "pad_token": "<|endoftext|>",
+                "chat_template": CHATML,
+                "clean_up_tokenization_spaces": False,
+            }
+        )
+    )
     return tok.get_vocab_size()
 
 
@@ -54,14 +62,28 @@ TINY_VARIANTS = {
     "llama_untied": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
     "llama_head_dim": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24)),
     "mistral": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
-    "llama3_rope": ("LlamaConfig", dict(
-        num_attention_heads=4, num_key_value_heads=2,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
-    )),
-    "linear_rope": ("LlamaConfig", dict(
-        num_attention_heads=4, num_key_value_heads=2, rope_scaling={"rope_type": "linear", "factor": 2.0},
-    )),
+    "llama3_rope": (
+        "LlamaConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
+    "linear_rope": (
+        "LlamaConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_scaling={"rope_type": "linear", "factor": 2.0},
+        ),
+    ),
 }
 
 
@@ -72,10 +94,17 @@ def build_tiny_model(folder: Path, variant: str, seed: int = 0) -> Path:
     cls_name, overrides = TINY_VARIANTS[variant]
     vocab = build_tokenizer(folder)
     kwargs = dict(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
         initializer_range=0.2,  # peaky logits, so greedy argmax is not decided by rounding
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
     kwargs.update(overrides)
     config = getattr(transformers, cls_name)(**kwargs)
@@ -102,7 +131,7 @@ def tiny_model(tiny_models) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    from minillm.assets import gguf_path, REGISTRY, resolve_model
+    from minillm.assets import REGISTRY, gguf_path, resolve_model
 
     try:
         gguf_path(REGISTRY["smollm2-135m"])

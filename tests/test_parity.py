@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import TINY_VARIANTS, hf_model
+
 from minillm import LLM, SamplingParams
 from minillm.kvcache import ContiguousKVCache
 from minillm.models import load_model
@@ -24,9 +24,17 @@ def hf_greedy(hf, prompt: list[int], steps: int) -> tuple[list[int], list[torch.
     """HF reference, one sequence at a time (no padding): greedy tokens and each step's logits."""
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps,
-                          do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    return out.sequences[0, len(prompt):].tolist(), [step[0].float() for step in out.logits]
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    return out.sequences[0, len(prompt) :].tolist(), [step[0].float() for step in out.logits]
 
 
 @pytest.mark.parametrize("variant", sorted(TINY_VARIANTS))
@@ -61,7 +69,7 @@ def test_decode_logits_and_greedy_tokens_match_hf(tiny_models, variant):
     logits = ours(ForwardBatch(ids, positions, cache, kv_len=width, logit_index=last, same_start=0))
     tokens: list[list[int]] = [[] for _ in PROMPTS]
     for step in range(STEPS):
-        for row, (ref_tokens, ref_logits) in enumerate(references):
+        for row, (_, ref_logits) in enumerate(references):
             diff = (logits[row] - ref_logits[step]).abs().max().item()
             assert diff <= ATOL, f"{variant} row {row} step {step}: logits differ by {diff:.2e}"
             tokens[row].append(int(logits[row].argmax()))

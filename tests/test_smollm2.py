@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import hf_model
+
 from minillm import LLM, SamplingParams
 from minillm.assets import _unpermute_rope, resolve_model
 from minillm.models import load_model
@@ -31,8 +31,13 @@ def reference(smollm2_dir):
 
 
 def test_converted_folder_is_complete(smollm2_dir):
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ):
         assert (smollm2_dir / name).is_file(), name
     config = json.loads((smollm2_dir / "config.json").read_text())
     assert (config["num_hidden_layers"], config["hidden_size"], config["num_key_value_heads"]) == (30, 576, 3)
@@ -48,6 +53,7 @@ def test_conversion_is_idempotent(smollm2_dir):
 
 def test_unpermute_inverts_llama_cpp_permutation():
     """llama.cpp's converter interleaves each head's rows; we must undo exactly that."""
+
     def llama_cpp_permute(w, n_head):
         return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -77,9 +83,15 @@ def test_greedy_tokens_match_hf_generate(llm, reference):
     for prompt, out in zip(PROMPTS, outs):
         ids = torch.tensor([out.prompt_token_ids])
         with torch.no_grad():
-            ref = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=24,
-                                     do_sample=False, pad_token_id=2)
-        assert out.token_ids == ref[0, ids.shape[1]:].tolist(), prompt
+            ref = reference.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=24,
+                min_new_tokens=24,
+                do_sample=False,
+                pad_token_id=2,
+            )
+        assert out.token_ids == ref[0, ids.shape[1] :].tolist(), prompt
 
 
 def test_bf16_default_runs_and_stays_close(smollm2_dir):

@@ -32,7 +32,12 @@ def torch_attention(q, k, v, mask, is_causal, scale):
 
 def sdpa_attention(q, k, v, mask, is_causal, scale):
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=is_causal and mask is None, scale=scale,
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=is_causal and mask is None,
+        scale=scale,
         enable_gqa=k.shape[1] != q.shape[1],
     )
 

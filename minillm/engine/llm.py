@@ -46,9 +46,7 @@ class LLM:
         limit = self.model_config.max_position_embeddings
         self.max_model_len = self.engine_config.max_model_len or limit
         if self.max_model_len > limit:
-            raise ValueError(
-                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}"
-            )
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}")
         self.tokenizer = Tokenizer(self.model_dir)
         self.model = load_model(self.model_dir, self.dtype, self.device, max_positions=self.max_model_len)
         self.model.set_attention_backend(self.engine_config.attention_backend)

@@ -44,8 +44,9 @@ class ContiguousKVCache:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              same_start: int | None = None) -> None:
+    def write(
+        self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, same_start: int | None = None
+    ) -> None:
         """Store ``k, v[B, kv_heads, T, D]`` of row ``b`` at ``positions[b, :]``.
 
         When every row writes the same span (``same_start`` given: prefill from 0, or a decode

@@ -96,8 +96,15 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-                mask: AttentionMask, attention_fn: AttentionFn) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        mask: AttentionMask,
+        attention_fn: AttentionFn,
+    ) -> torch.Tensor:
         b, t, _ = x.shape
         h, kv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(b, t, h + 2 * kv, self.head_dim)
@@ -146,7 +153,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
         self.rope: RotaryEmbedding | None = None
         self.attention_fn: AttentionFn = get_backend("auto")
 
