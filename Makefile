@@ -32,6 +32,7 @@ course: setup
 	$(BIN)/jupyter lab --notebook-dir=notebooks
 
 test: setup
+	$(BIN)/ruff check minillm tests benchmarks
 	$(BIN)/python -m pytest tests
 
 lint: $(STAMP)
