@@ -4,8 +4,8 @@ For each dtype and batch size both engines generate ``new_tokens`` tokens (EOS i
 after a ``prompt_len``-token prompt. Each engine is timed twice per repeat: generating one
 token (that wall time is TTFT: prefill + the first sample) and generating all of them. The
 decode rate is ``batch × (new_tokens − 1) / (t_all − t_one)``: only the one-token steps, and
-measured identically for both engines. Medians over ``repeats``; the ratio minillm/HF is
-computed from medians of the same run, since this machine is shared and noisy.
+measured identically for both engines. The engines' repeats are interleaved and we report
+medians; the ratio minillm/HF comes from the same run, since this machine is shared and noisy.
 """
 
 from __future__ import annotations
@@ -67,22 +67,30 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _measure(run, batch: int, new_tokens: int, repeats: int, device: torch.device) -> dict:
-    run(1), run(new_tokens)  # warm-up: allocator, kernels, caches
-    ttfts, totals = [], []
+def _measure(runs: dict, batch: int, new_tokens: int, repeats: int, device: torch.device) -> dict:
+    """Time every engine in ``runs`` (name → ``run(n_tokens)``), interleaving their repeats so
+    that machine noise hits all of them alike."""
+    for run in runs.values():
+        run(1), run(new_tokens)  # warm-up: allocator, kernels, caches
+    ttfts = {name: [] for name in runs}
+    totals = {name: [] for name in runs}
     for _ in range(repeats):
-        ttfts.append(_time(lambda: (run(1), _sync(device))))
-        totals.append(_time(lambda: (run(new_tokens), _sync(device))))
-    ttft, total = statistics.median(ttfts), statistics.median(totals)
-    decode_s = max(total - ttft, 1e-9)
-    return {
-        "ttft_ms": 1000 * ttft,
-        "total_s": total,
-        "decode_tok_s": batch * (new_tokens - 1) / decode_s,
-        "tpot_ms": 1000 * decode_s / (new_tokens - 1),
-        "ttft_samples_ms": [1000 * t for t in ttfts],
-        "total_samples_s": totals,
-    }
+        for name, run in runs.items():
+            ttfts[name].append(_time(lambda run=run: (run(1), _sync(device))))
+            totals[name].append(_time(lambda run=run: (run(new_tokens), _sync(device))))
+    results = {}
+    for name in runs:
+        ttft, total = statistics.median(ttfts[name]), statistics.median(totals[name])
+        decode_s = max(total - ttft, 1e-9)
+        results[name] = {
+            "ttft_ms": 1000 * ttft,
+            "total_s": total,
+            "decode_tok_s": batch * (new_tokens - 1) / decode_s,
+            "tpot_ms": 1000 * decode_s / (new_tokens - 1),
+            "ttft_samples_ms": [1000 * t for t in ttfts[name]],
+            "total_samples_s": totals[name],
+        }
+    return results
 
 
 def run_generate_benchmark(
@@ -119,11 +127,7 @@ def run_generate_benchmark(
             def run_minillm(n, prompts=prompts, llm=llm):
                 llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
 
-            row = {
-                "dtype": dtype_name,
-                "batch": batch,
-                "minillm": _measure(run_minillm, batch, new_tokens, repeats, llm.device),
-            }
+            runs = {"minillm": run_minillm}
             if hf is not None:
                 ids = torch.tensor(prompts, device=llm.device)
                 mask = torch.ones_like(ids)
@@ -139,7 +143,9 @@ def run_generate_benchmark(
                             pad_token_id=0,
                         )
 
-                row["hf"] = _measure(run_hf, batch, new_tokens, repeats, llm.device)
+                runs["hf"] = run_hf
+            row = {"dtype": dtype_name, "batch": batch, **_measure(runs, batch, new_tokens, repeats, llm.device)}
+            if hf is not None:
                 row["decode_ratio"] = row["minillm"]["decode_tok_s"] / row["hf"]["decode_tok_s"]
                 row["ttft_ratio"] = row["hf"]["ttft_ms"] / row["minillm"]["ttft_ms"]
             rows.append(row)
