@@ -1,0 +1,67 @@
+"""How checks report: a printed verdict for the learner, a JSON line for the grader.
+
+Each check ends in one of three states. *pass*: a sentence saying what now works.
+*fail*: a ``CheckFailed`` (an ``AssertionError``) whose message says what is wrong, where, and
+a hint — raised, so the cell turns red. *not attempted*: the learner's function still raises
+``NotImplementedError``; we say so quietly and the notebook carries on.
+
+When ``MINILLM_GRADE_LOG`` names a file (``minillm course grade`` sets it), every verdict is
+also appended to that file as a JSON line.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+GRADE_LOG_ENV = "MINILLM_GRADE_LOG"
+PASS, FAIL, NOT_ATTEMPTED = "pass", "fail", "not attempted"
+
+
+class CheckFailed(AssertionError):
+    """The learner's code ran but produced the wrong thing; the message says what and where."""
+
+
+@dataclass
+class CheckResult:
+    check: str
+    status: str
+    message: str
+
+
+def _record(result: CheckResult) -> None:
+    path = os.environ.get(GRADE_LOG_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(asdict(result)) + "\n")
+
+
+def check(func: Callable[..., str]) -> Callable[..., CheckResult]:
+    """Turn ``func`` (returns a success sentence, raises ``CheckFailed``) into a reporting check."""
+
+    @functools.wraps(func)
+    def run(*args, **kwargs) -> CheckResult:
+        name = func.__name__
+        try:
+            message = func(*args, **kwargs)
+        except NotImplementedError:
+            result = CheckResult(name, NOT_ATTEMPTED, "not attempted yet: replace `raise NotImplementedError()`")
+            _record(result)
+            print(f"⏭  {name}: {result.message}")
+            return result
+        except CheckFailed as err:
+            _record(CheckResult(name, FAIL, str(err)))
+            raise
+        except Exception as err:  # the learner's code crashed: that is a failure too, with its error
+            message = f"your code raised {type(err).__name__}: {err}"
+            _record(CheckResult(name, FAIL, message))
+            raise CheckFailed(message) from err
+        result = CheckResult(name, PASS, message)
+        _record(result)
+        print(f"✅ {name}: {message}")
+        return result
+
+    return run
