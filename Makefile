@@ -34,6 +34,8 @@ course: setup
 test: setup
 	$(BIN)/ruff check minillm tests benchmarks
 	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest --nbval --nbval-current-env solutions
+	$(BIN)/python -m pytest --nbval-lax --nbval-current-env notebooks
 
 lint: $(STAMP)
 	$(BIN)/ruff check minillm tests benchmarks

@@ -47,6 +47,18 @@ REGISTRY: dict[str, ModelAsset] = {
 }
 
 
+#: Small models committed to the repository (trained by ``data/recipes/train_tiny_shakespeare.py``).
+LOCAL_MODELS = {
+    "tiny-shakespeare-1m": "tiny-shakespeare-1m",
+    "tiny-shakespeare-8m": "tiny-shakespeare-8m",
+}
+
+
+def data_dir() -> Path:
+    """The repository's ``data/`` folder (present in a source checkout)."""
+    return Path(__file__).resolve().parent.parent / "data"
+
+
 def cache_dir() -> Path:
     """Where converted models live: ``$MINILLM_CACHE`` or ``<repo>/.cache/minillm`` (git-ignored)."""
     env = os.environ.get("MINILLM_CACHE")
@@ -81,10 +93,15 @@ def resolve_model(name_or_path: str | os.PathLike, convert: bool = True, progres
                 raise ModelNotFoundError(f"{key!r} is not converted yet; run `minillm assets`")
             convert_gguf_to_hf(gguf_path(REGISTRY[key]), target, progress=progress)
         return target
+    if key in LOCAL_MODELS:
+        folder = data_dir() / LOCAL_MODELS[key]
+        if not (folder / "config.json").is_file():
+            raise ModelNotFoundError(f"{key!r} is not in {folder}; run data/recipes/train_tiny_shakespeare.py")
+        return folder
     path = Path(key).expanduser()
     if path.is_dir():
         return path
-    known = ", ".join(sorted(REGISTRY))
+    known = ", ".join(sorted(REGISTRY) + sorted(LOCAL_MODELS))
     raise ModelNotFoundError(f"model {key!r} is neither a known name ({known}) nor an existing folder")
 
 

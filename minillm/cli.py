@@ -150,6 +150,40 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_course_build(args) -> int:
+    from pathlib import Path
+
+    from minillm.course.build import build
+
+    differing = build(Path(args.solutions), Path(args.notebooks), check_only=args.check)
+    if args.check:
+        for path in differing:
+            print(f"out of date: {path}")
+        return 1 if differing else 0
+    print(f"wrote {len(differing)} notebook(s)" if differing else "notebooks/ is up to date")
+    return 0
+
+
+def cmd_course_grade(args) -> int:
+    from pathlib import Path
+
+    from minillm.course.grade import grade_folder, grade_notebook
+
+    path = Path(args.path)
+    if path.is_dir():
+        grades = grade_folder(path, args.csv)
+    elif path.is_file():
+        grades = [grade_notebook(path)]
+    else:
+        raise FileNotFoundError(f"{path}: no such notebook or folder")
+    if args.json:
+        print(json.dumps([g.as_dict() for g in grades], indent=2))
+    else:
+        for g in grades:
+            print(g.as_text())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minillm", description="A compact LLM inference engine and course.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -185,6 +219,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-hf", action="store_true", help="skip the HF baseline")
     p.add_argument("--out", default=None, help="folder for the JSON result (default: print only)")
     p.set_defaults(func=cmd_bench)
+
+    course = sub.add_parser("course", help="course tools: build student notebooks, grade submissions")
+    course_sub = course.add_subparsers(dest="course_command", required=True)
+    p = course_sub.add_parser("build", help="generate notebooks/ from solutions/")
+    p.add_argument("--solutions", default="solutions")
+    p.add_argument("--notebooks", default="notebooks")
+    p.add_argument("--check", action="store_true", help="only report notebooks that are out of date (exit 1)")
+    p.set_defaults(func=cmd_course_build)
+    p = course_sub.add_parser("grade", help="run a notebook (or every notebook in a folder) and report its checks")
+    p.add_argument("path", help="a .ipynb file or a folder of submissions")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--csv", default=None, help="CSV path for a folder (default: FOLDER/grades.csv)")
+    p.set_defaults(func=cmd_course_grade)
     return parser
 
 

@@ -54,6 +54,18 @@ class LLM:
             self.model.prepack_for_cpu()
         self._rng = random.Random(self.engine_config.seed)
         self._next_id = 0
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Run one tiny prefill and decode step so one-time costs (kernel selection, oneDNN
+        primitive creation, allocator growth) are not billed to the first real request's TTFT."""
+        runner = self._runner()
+        dummy = Sequence(-1, "", [0], SamplingParams(max_tokens=1), self.tokenizer,
+                         torch.Generator(device=self.device), self.max_model_len)
+        runner.start([dummy])
+        runner.prefill()
+        dummy.output_token_ids.append(0)
+        runner.decode()
 
     def _should_prepack(self) -> bool:
         from minillm.models.cpu_prepack import prepack_available

@@ -1,0 +1,37 @@
+"""The course machinery: checks for every exercise, helpers, notebook build and grading.
+
+    from minillm.course import check_next_token
+    check_next_token(next_token)
+"""
+
+from minillm.course.checks import (
+    check_causal_attention,
+    check_generate_cached,
+    check_generate_naive,
+    check_kv_read,
+    check_kv_write,
+    check_next_token,
+)
+from minillm.course.helpers import forward_logits, forward_step, new_cache
+from minillm.course.results import CheckFailed, CheckResult
+
+#: Every check, by chapter: what `minillm course grade` expects a complete notebook to pass.
+CHECKS_BY_CHAPTER = {
+    "01_prefill_and_decode": ["check_next_token", "check_generate_naive", "check_causal_attention"],
+    "02_kv_cache": ["check_kv_write", "check_kv_read", "check_generate_cached"],
+}
+
+__all__ = [
+    "CHECKS_BY_CHAPTER",
+    "CheckFailed",
+    "CheckResult",
+    "check_causal_attention",
+    "check_generate_cached",
+    "check_generate_naive",
+    "check_kv_read",
+    "check_kv_write",
+    "check_next_token",
+    "forward_logits",
+    "forward_step",
+    "new_cache",
+]

@@ -1,0 +1,24 @@
+"""Widgets and plots (plotly + ipywidgets) that show the engine's memory and time.
+
+Every function returns a plain ``plotly.graph_objects.Figure`` (or an ipywidgets container
+around one), built from numbers the engine really produced, so they are testable outside a
+notebook and work the same on CPU and CUDA.
+"""
+
+from minillm.viz.kv_memory import KV_PRESETS, KVPreset, kv_cache_bytes, kv_memory_figure, kv_memory_widget
+from minillm.viz.roofline import MachinePeaks, RooflinePoint, measure_machine, measure_step_points, roofline_figure
+from minillm.viz.timeline import latency_timeline
+
+__all__ = [
+    "KV_PRESETS",
+    "KVPreset",
+    "MachinePeaks",
+    "RooflinePoint",
+    "kv_cache_bytes",
+    "kv_memory_figure",
+    "kv_memory_widget",
+    "latency_timeline",
+    "measure_machine",
+    "measure_step_points",
+    "roofline_figure",
+]

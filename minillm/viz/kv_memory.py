@@ -1,0 +1,124 @@
+"""The KV-cache memory calculator.
+
+Per token, every layer stores one key and one value vector per KV head:
+
+    bytes = 2 (K and V) × layers × kv_heads × head_dim × bytes_per_value × tokens × batch
+
+GQA/MQA shrink ``kv_heads``; quantizing the cache shrinks ``bytes_per_value``; paging shrinks
+the waste around ``tokens``. The presets are the published architectures (and the seed
+article's 96-layer example), so the chapter can check the articles' figures with arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
+
+
+@dataclass(frozen=True)
+class KVPreset:
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    params: float  # parameter count, for the weights-vs-cache comparison
+    note: str = ""
+
+
+KV_PRESETS = {
+    p.name: p
+    for p in [
+        KVPreset("SmolLM2-135M", 30, 3, 64, 134.5e6, "GQA: 9 query heads share 3 KV heads"),
+        KVPreset("Llama-2-7B", 32, 32, 128, 6.74e9, "MHA"),
+        KVPreset("Llama-3-8B", 32, 8, 128, 8.03e9, "GQA 32/8"),
+        KVPreset("Llama-3-70B", 80, 8, 128, 70.6e9, "GQA 64/8"),
+        KVPreset("96-layer example (seed article)", 96, 96, 128, 175e9, "MHA, GPT-3-sized"),
+    ]
+}
+
+
+def kv_cache_bytes(layers: int, kv_heads: int, head_dim: int, dtype: str | float, seq_len: int, batch: int = 1) -> float:
+    """Bytes of K and V for ``batch`` sequences of ``seq_len`` tokens."""
+    for name, value in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim), ("seq_len", seq_len),
+                        ("batch", batch)):
+        if value < 0:
+            raise ValueError(f"{name}={value} must be >= 0")
+    per_value = DTYPE_BYTES[dtype] if isinstance(dtype, str) else float(dtype)
+    return 2 * layers * kv_heads * head_dim * per_value * seq_len * batch
+
+
+def weight_bytes(params: float, dtype: str | float) -> float:
+    return params * (DTYPE_BYTES[dtype] if isinstance(dtype, str) else float(dtype))
+
+
+def human_bytes(n: float) -> str:
+    """Decimal units (GB = 1e9 bytes), as the articles and vendors quote them."""
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{n:.3g} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1000
+    return f"{n:.3g} PB"
+
+
+def kv_memory_figure(preset: KVPreset | str, dtype: str = "fp16", seq_lens=None, batches=(1, 8, 32, 128)):
+    """Memory against sequence length, one line per batch size, with the weights for scale."""
+    import plotly.graph_objects as go
+
+    p = KV_PRESETS[preset] if isinstance(preset, str) else preset
+    seq_lens = list(seq_lens or [2**i for i in range(7, 16)])
+    fig = go.Figure()
+    for b in batches:
+        ys = [kv_cache_bytes(p.layers, p.kv_heads, p.head_dim, dtype, s, b) / 1e9 for s in seq_lens]
+        fig.add_trace(go.Scatter(x=seq_lens, y=ys, mode="lines+markers", name=f"KV cache, batch {b}"))
+    weights = weight_bytes(p.params, dtype) / 1e9
+    fig.add_trace(go.Scatter(x=[seq_lens[0], seq_lens[-1]], y=[weights, weights], mode="lines",
+                             line=dict(dash="dash", color="black"), name=f"weights ({dtype})"))
+    fig.update_layout(
+        title=f"{p.name}: KV cache memory ({dtype}) — {p.layers} layers × {p.kv_heads} KV heads × {p.head_dim}",
+        xaxis=dict(title="sequence length (tokens)", type="log"),
+        yaxis=dict(title="GB", type="log"),
+        template="plotly_white",
+    )
+    return fig
+
+
+def kv_memory_widget():
+    """Sliders for the calculator: pick a preset (or edit its numbers) and see bytes and the plot."""
+    import ipywidgets as w
+    import plotly.graph_objects as go
+
+    preset = w.Dropdown(options=list(KV_PRESETS), value="Llama-2-7B", description="model")
+    layers = w.IntText(description="layers")
+    kv_heads = w.IntText(description="KV heads")
+    head_dim = w.IntText(description="head dim")
+    dtype = w.Dropdown(options=list(DTYPE_BYTES), value="fp16", description="dtype")
+    seq_len = w.IntSlider(value=4096, min=128, max=131072, step=128, description="seq len")
+    batch = w.IntSlider(value=1, min=1, max=512, description="batch")
+    readout = w.HTML()
+    figure = go.FigureWidget(kv_memory_figure(preset.value))
+
+    def load_preset(*_):
+        p = KV_PRESETS[preset.value]
+        layers.value, kv_heads.value, head_dim.value = p.layers, p.kv_heads, p.head_dim
+
+    def update(*_):
+        total = kv_cache_bytes(layers.value, kv_heads.value, head_dim.value, dtype.value, seq_len.value, batch.value)
+        per_token = kv_cache_bytes(layers.value, kv_heads.value, head_dim.value, dtype.value, 1, 1)
+        readout.value = (f"<b>{human_bytes(total)}</b> of KV cache "
+                         f"({human_bytes(per_token)} per token × {seq_len.value:,} tokens × batch {batch.value})")
+        p = KV_PRESETS[preset.value]
+        custom = KVPreset(p.name, layers.value, kv_heads.value, head_dim.value, p.params)
+        fresh = kv_memory_figure(custom, dtype.value)
+        with figure.batch_update():
+            for trace, new in zip(figure.data, fresh.data):
+                trace.y = new.y
+            figure.layout.title = fresh.layout.title
+
+    preset.observe(load_preset, "value")
+    for control in (layers, kv_heads, head_dim, dtype, seq_len, batch):
+        control.observe(update, "value")
+    load_preset()
+    update()
+    return w.VBox([w.HBox([preset, dtype]), w.HBox([layers, kv_heads, head_dim]), w.HBox([seq_len, batch]),
+                   readout, figure])
