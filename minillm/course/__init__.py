@@ -1,7 +1,7 @@
 """The course machinery: checks for every exercise, helpers, notebook build and grading.
 
-    from minillm.course import check_next_token
-    check_next_token(next_token)
+from minillm.course import check_next_token
+check_next_token(next_token)
 """
 
 from minillm.course.checks import (

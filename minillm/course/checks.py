@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from minillm.course.helpers import forward_logits, forward_step, new_cache
+from minillm.course.helpers import forward_logits
 from minillm.course.results import CheckFailed, check
 from minillm.kvcache import ContiguousKVCache
 
@@ -47,8 +47,7 @@ def _compare_tokens(got, expected: list[int], what: str, hint: str) -> None:
     for i, (a, b) in enumerate(zip(got, expected)):
         if a != b:
             raise CheckFailed(
-                f"{what}: token {i} is {a}, the reference engine produced {b} "
-                f"(first {i} tokens agree). Hint: {hint}"
+                f"{what}: token {i} is {a}, the reference engine produced {b} (first {i} tokens agree). Hint: {hint}"
             )
     if len(got) != len(expected):
         raise CheckFailed(f"{what} returned {len(got)} tokens, expected {len(expected)}. Hint: {hint}")
@@ -88,11 +87,15 @@ def check_next_token(next_token, model: str = DEFAULT_MODEL) -> str:
     if not isinstance(got, int) or isinstance(got, bool):
         raise CheckFailed(f"next_token returned {got!r} ({type(got).__name__}); return one token id as a Python int")
     if got == 6:
-        raise CheckFailed("next_token returned 6, the argmax of position 0 (or of the whole tensor). The next token "
-                          "follows the *last* position: use logits[-1].")
+        raise CheckFailed(
+            "next_token returned 6, the argmax of position 0 (or of the whole tensor). The next token "
+            "follows the *last* position: use logits[-1]."
+        )
     if got in (0, 1, 2):
-        raise CheckFailed(f"next_token returned {got}, a position index rather than a token id: the argmax ran over "
-                          "the wrong axis. Take logits[-1].argmax(), over the vocabulary.")
+        raise CheckFailed(
+            f"next_token returned {got}, a position index rather than a token id: the argmax ran over "
+            "the wrong axis. Take logits[-1].argmax(), over the vocabulary."
+        )
     if got != 7:
         raise CheckFailed(f"next_token returned {got} for constructed logits whose last row peaks at token 7")
     llm = _engine(model)
@@ -111,9 +114,13 @@ def check_generate_naive(generate_naive, model: str = DEFAULT_MODEL) -> str:
     ids = _prompt_ids(llm)
     got = generate_naive(llm.model, list(ids), STEPS)
     expected = _reference_tokens(model)
-    _compare_tokens(got, expected, "generate_naive",
-                    "each step runs the model on the prompt *plus every token generated so far*, picks the "
-                    "next token from the last position, and appends it")
+    _compare_tokens(
+        got,
+        expected,
+        "generate_naive",
+        "each step runs the model on the prompt *plus every token generated so far*, picks the "
+        "next token from the last position, and appends it",
+    )
     return f"your loop generated {STEPS} tokens identical to the naive engine: {llm.tokenizer.decode(got)!r:.60}"
 
 
@@ -132,16 +139,22 @@ def _attention_mistakes(q, k, v):
     raw = q @ k.transpose(-1, -2)
     scaled = raw / math.sqrt(q.shape[-1])
     masked = scaled.masked_fill(~causal, float("-inf"))
-    yield (torch.softmax(raw.masked_fill(~causal, float("-inf")), -1) @ v,
-           "the scores are not scaled: divide q·kᵀ by sqrt(head_dim) before the softmax")
-    yield (torch.softmax(scaled, -1) @ v,
-           "no causal mask: position i must not attend to later positions (set those scores to -inf "
-           "before the softmax)")
-    yield (torch.softmax(masked, -2) @ v,
-           "the softmax runs over the wrong axis: normalise over the keys (dim=-1) so each query's "
-           "weights sum to 1")
-    yield (torch.softmax(scaled.masked_fill(causal, float("-inf")), -1).nan_to_num() @ v,
-           "the mask is inverted: keep positions j <= i (torch.tril), hide the ones above the diagonal")
+    yield (
+        torch.softmax(raw.masked_fill(~causal, float("-inf")), -1) @ v,
+        "the scores are not scaled: divide q·kᵀ by sqrt(head_dim) before the softmax",
+    )
+    yield (
+        torch.softmax(scaled, -1) @ v,
+        "no causal mask: position i must not attend to later positions (set those scores to -inf before the softmax)",
+    )
+    yield (
+        torch.softmax(masked, -2) @ v,
+        "the softmax runs over the wrong axis: normalise over the keys (dim=-1) so each query's weights sum to 1",
+    )
+    yield (
+        torch.softmax(scaled.masked_fill(causal, float("-inf")), -1).nan_to_num() @ v,
+        "the mask is inverted: keep positions j <= i (torch.tril), hide the ones above the diagonal",
+    )
 
 
 def _attention_adapter(causal_attention):
@@ -177,8 +190,12 @@ def check_causal_attention(causal_attention, model: str = DEFAULT_MODEL) -> str:
         got_tokens = llm.generate([ids], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
     finally:
         llm.model.attention_fn = saved
-    _compare_tokens(got_tokens, _reference_tokens(model, 16), "the model running your attention", "compare "
-                    "your function with the reference on small tensors first")
+    _compare_tokens(
+        got_tokens,
+        _reference_tokens(model, 16),
+        "the model running your attention",
+        "compare your function with the reference on small tensors first",
+    )
     return "your attention runs inside every layer of the model and generated 16 tokens identical to the engine's"
 
 
@@ -227,19 +244,27 @@ def check_kv_write(kv_write, model: str = DEFAULT_MODEL) -> str:
     written_k = [int(p) for p in range(10) if k_cache[:, :, p].abs().sum() > 0]
     written_v = [int(p) for p in range(10) if v_cache[:, :, p].abs().sum() > 0]
     if not written_k:
-        raise CheckFailed("after kv_write the key cache is still all zeros: did you store k_new into k_cache "
-                          "in place (k_cache[...] = k_new), rather than rebinding a local name?")
+        raise CheckFailed(
+            "after kv_write the key cache is still all zeros: did you store k_new into k_cache "
+            "in place (k_cache[...] = k_new), rather than rebinding a local name?"
+        )
     if not written_v:
         raise CheckFailed("the keys were written but the value cache is still all zeros: store v_new too")
     if written_k != [5, 6]:
-        raise CheckFailed(f"new keys landed at positions {written_k}, expected [5, 6] (start=5, two new tokens). "
-                          "Hint: positions start..start+T-1, along the sequence axis (dim 2)")
+        raise CheckFailed(
+            f"new keys landed at positions {written_k}, expected [5, 6] (start=5, two new tokens). "
+            "Hint: positions start..start+T-1, along the sequence axis (dim 2)"
+        )
     _compare_tensors(k_cache[:, :, 5:7], k_new, "k_cache[:, :, 5:7] after kv_write")
     _compare_tensors(v_cache[:, :, 5:7], v_new, "v_cache[:, :, 5:7] after kv_write")
     with _learner_cache(kv_write=kv_write):
         got = _cached_tokens(model)
-    _compare_tokens(got, _reference_tokens(model), "the engine writing through your kv_write",
-                    "the prefill writes the whole prompt at start=0, each decode step one token at its position")
+    _compare_tokens(
+        got,
+        _reference_tokens(model),
+        "the engine writing through your kv_write",
+        "the prefill writes the whole prompt at start=0, each decode step one token at its position",
+    )
     return f"the engine's cache now stores K/V through your kv_write: {STEPS} tokens identical to the naive engine"
 
 
@@ -256,12 +281,18 @@ def check_kv_read(kv_read, model: str = DEFAULT_MODEL) -> str:
     _compare_tensors(k, k_cache[:, :, :7], "keys returned by kv_read(..., length=7)")
     _compare_tensors(v, v_cache[:, :, :7], "values returned by kv_read(..., length=7)")
     if k.data_ptr() != k_cache.data_ptr():
-        raise CheckFailed("kv_read copied the cache: return a view (slicing), so a decode step does not copy "
-                          "the whole history every time")
+        raise CheckFailed(
+            "kv_read copied the cache: return a view (slicing), so a decode step does not copy "
+            "the whole history every time"
+        )
     with _learner_cache(kv_read=kv_read):
         got_tokens = _cached_tokens(model)
-    _compare_tokens(got_tokens, _reference_tokens(model), "the engine reading through your kv_read",
-                    "attention must see every cached position up to and including the new token")
+    _compare_tokens(
+        got_tokens,
+        _reference_tokens(model),
+        "the engine reading through your kv_read",
+        "attention must see every cached position up to and including the new token",
+    )
     return f"every attention layer now reads its history through your kv_read: {STEPS} tokens match the naive engine"
 
 
@@ -284,19 +315,29 @@ def check_generate_cached(generate_cached, model: str = DEFAULT_MODEL) -> str:
     finally:
         ContiguousKVCache.write = original
     if len(calls) > STEPS:
-        raise CheckFailed(f"your loop ran {len(calls)} forward passes for {STEPS} tokens: prefill the prompt "
-                          "once, then one forward pass per *new* token")
+        raise CheckFailed(
+            f"your loop ran {len(calls)} forward passes for {STEPS} tokens: prefill the prompt "
+            "once, then one forward pass per *new* token"
+        )
     if calls and calls[0] != (0, len(ids)):
-        raise CheckFailed(f"the first forward pass wrote positions {calls[0][0]}..{sum(calls[0]) - 1}; the prefill "
-                          f"should write the whole prompt at positions 0..{len(ids) - 1}")
+        raise CheckFailed(
+            f"the first forward pass wrote positions {calls[0][0]}..{sum(calls[0]) - 1}; the prefill "
+            f"should write the whole prompt at positions 0..{len(ids) - 1}"
+        )
     long_steps = [c for c in calls[1:] if c[1] != 1]
     if long_steps:
         raise CheckFailed(f"a decode step fed {long_steps[0][1]} tokens: after the prefill, feed only the newest token")
     for step, (start, _) in enumerate(calls[1:], start=1):
         expected_pos = len(ids) + step - 1
         if start != expected_pos:
-            raise CheckFailed(f"decode step {step} ran at position {start}, expected {expected_pos}. Hint: the token "
-                              "you feed sits at position len(prompt) + (tokens generated before it) - 1")
-    _compare_tokens(got, _reference_tokens(model), "generate_cached",
-                    "feed each new token at its own position and read logits from the last row")
+            raise CheckFailed(
+                f"decode step {step} ran at position {start}, expected {expected_pos}. Hint: the token "
+                "you feed sits at position len(prompt) + (tokens generated before it) - 1"
+            )
+    _compare_tokens(
+        got,
+        _reference_tokens(model),
+        "generate_cached",
+        "feed each new token at its own position and read logits from the last row",
+    )
     return f"your decode step generated {STEPS} tokens identical to the naive engine, with one prefill and {len(calls) - 1} one-token steps"

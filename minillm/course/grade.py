@@ -33,8 +33,13 @@ class NotebookGrade:
         return len(self.results)
 
     def as_dict(self) -> dict:
-        return {"notebook": self.notebook, "passed": self.passed, "total": self.total, "error": self.error,
-                "checks": [asdict(r) for r in self.results]}
+        return {
+            "notebook": self.notebook,
+            "passed": self.passed,
+            "total": self.total,
+            "error": self.error,
+            "checks": [asdict(r) for r in self.results],
+        }
 
     def as_text(self) -> str:
         lines = [f"{self.notebook}: {self.passed}/{self.total} checks passed"]
@@ -65,8 +70,13 @@ def grade_notebook(path: str | Path, timeout: int = 600) -> NotebookGrade:
         os.environ[GRADE_LOG_ENV] = str(log)  # inherited by the kernel
         try:
             nb = nbformat.read(path, as_version=4)
-            NotebookClient(nb, timeout=timeout, allow_errors=True, kernel_name="python3",
-                           resources={"metadata": {"path": str(path.parent)}}).execute()
+            NotebookClient(
+                nb,
+                timeout=timeout,
+                allow_errors=True,
+                kernel_name="python3",
+                resources={"metadata": {"path": str(path.parent)}},
+            ).execute()
         except Exception as err:  # a broken notebook is a grade, not a crash of the grader
             grade.error = f"{type(err).__name__}: {err}"
         finally:

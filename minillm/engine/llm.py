@@ -60,8 +60,15 @@ class LLM:
         """Run one tiny prefill and decode step so one-time costs (kernel selection, oneDNN
         primitive creation, allocator growth) are not billed to the first real request's TTFT."""
         runner = self._runner()
-        dummy = Sequence(-1, "", [0], SamplingParams(max_tokens=1), self.tokenizer,
-                         torch.Generator(device=self.device), self.max_model_len)
+        dummy = Sequence(
+            -1,
+            "",
+            [0],
+            SamplingParams(max_tokens=1),
+            self.tokenizer,
+            torch.Generator(device=self.device),
+            self.max_model_len,
+        )
         runner.start([dummy])
         runner.prefill()
         dummy.output_token_ids.append(0)

@@ -38,10 +38,17 @@ KV_PRESETS = {
 }
 
 
-def kv_cache_bytes(layers: int, kv_heads: int, head_dim: int, dtype: str | float, seq_len: int, batch: int = 1) -> float:
+def kv_cache_bytes(
+    layers: int, kv_heads: int, head_dim: int, dtype: str | float, seq_len: int, batch: int = 1
+) -> float:
     """Bytes of K and V for ``batch`` sequences of ``seq_len`` tokens."""
-    for name, value in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim), ("seq_len", seq_len),
-                        ("batch", batch)):
+    for name, value in (
+        ("layers", layers),
+        ("kv_heads", kv_heads),
+        ("head_dim", head_dim),
+        ("seq_len", seq_len),
+        ("batch", batch),
+    ):
         if value < 0:
             raise ValueError(f"{name}={value} must be >= 0")
     per_value = DTYPE_BYTES[dtype] if isinstance(dtype, str) else float(dtype)
@@ -72,8 +79,15 @@ def kv_memory_figure(preset: KVPreset | str, dtype: str = "fp16", seq_lens=None,
         ys = [kv_cache_bytes(p.layers, p.kv_heads, p.head_dim, dtype, s, b) / 1e9 for s in seq_lens]
         fig.add_trace(go.Scatter(x=seq_lens, y=ys, mode="lines+markers", name=f"KV cache, batch {b}"))
     weights = weight_bytes(p.params, dtype) / 1e9
-    fig.add_trace(go.Scatter(x=[seq_lens[0], seq_lens[-1]], y=[weights, weights], mode="lines",
-                             line=dict(dash="dash", color="black"), name=f"weights ({dtype})"))
+    fig.add_trace(
+        go.Scatter(
+            x=[seq_lens[0], seq_lens[-1]],
+            y=[weights, weights],
+            mode="lines",
+            line=dict(dash="dash", color="black"),
+            name=f"weights ({dtype})",
+        )
+    )
     fig.update_layout(
         title=f"{p.name}: KV cache memory ({dtype}) — {p.layers} layers × {p.kv_heads} KV heads × {p.head_dim}",
         xaxis=dict(title="sequence length (tokens)", type="log"),
@@ -105,8 +119,10 @@ def kv_memory_widget():
     def update(*_):
         total = kv_cache_bytes(layers.value, kv_heads.value, head_dim.value, dtype.value, seq_len.value, batch.value)
         per_token = kv_cache_bytes(layers.value, kv_heads.value, head_dim.value, dtype.value, 1, 1)
-        readout.value = (f"<b>{human_bytes(total)}</b> of KV cache "
-                         f"({human_bytes(per_token)} per token × {seq_len.value:,} tokens × batch {batch.value})")
+        readout.value = (
+            f"<b>{human_bytes(total)}</b> of KV cache "
+            f"({human_bytes(per_token)} per token × {seq_len.value:,} tokens × batch {batch.value})"
+        )
         p = KV_PRESETS[preset.value]
         custom = KVPreset(p.name, layers.value, kv_heads.value, head_dim.value, p.params)
         fresh = kv_memory_figure(custom, dtype.value)
@@ -120,5 +136,6 @@ def kv_memory_widget():
         control.observe(update, "value")
     load_preset()
     update()
-    return w.VBox([w.HBox([preset, dtype]), w.HBox([layers, kv_heads, head_dim]), w.HBox([seq_len, batch]),
-                   readout, figure])
+    return w.VBox(
+        [w.HBox([preset, dtype]), w.HBox([layers, kv_heads, head_dim]), w.HBox([seq_len, batch]), readout, figure]
+    )

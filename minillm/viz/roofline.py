@@ -59,8 +59,13 @@ def _median_time(fn, repeats: int, sync) -> float:
     return statistics.median(times)
 
 
-def measure_machine(device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
-                    copy_mb: int = 256, matmul_n: int = 1024, repeats: int = 5) -> MachinePeaks:
+def measure_machine(
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    copy_mb: int = 256,
+    matmul_n: int = 1024,
+    repeats: int = 5,
+) -> MachinePeaks:
     """Bandwidth from a large tensor copy; FLOP rate from a square matmul. Takes about a second."""
     device = torch.device(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -73,8 +78,10 @@ def measure_machine(device: str | torch.device = "cpu", dtype: torch.dtype = tor
     b = torch.randn(matmul_n, matmul_n, device=device).to(dtype)
     t_mm = _median_time(lambda: a @ b, repeats, sync)
     return MachinePeaks(
-        device=str(device), dtype=str(dtype).replace("torch.", ""),
-        bandwidth_gbs=2 * src.nbytes / t_copy / 1e9, flops_tflops=2 * matmul_n**3 / t_mm / 1e12,
+        device=str(device),
+        dtype=str(dtype).replace("torch.", ""),
+        bandwidth_gbs=2 * src.nbytes / t_copy / 1e9,
+        flops_tflops=2 * matmul_n**3 / t_mm / 1e12,
     )
 
 
@@ -89,8 +96,9 @@ def step_cost(config, dtype_bytes: float, tokens: int, batch: int, context: int)
     return flops, bytes_moved
 
 
-def measure_step_points(llm, prompt_lens=(16, 128, 512), decode_batches=(1, 8), context: int = 128,
-                        repeats: int = 3) -> list[RooflinePoint]:
+def measure_step_points(
+    llm, prompt_lens=(16, 128, 512), decode_batches=(1, 8), context: int = 128, repeats: int = 3
+) -> list[RooflinePoint]:
     """Time real prefill and decode steps of ``llm``'s model and cost them with ``step_cost``."""
     from minillm.kvcache import ContiguousKVCache
     from minillm.models.llama import ForwardBatch
@@ -135,14 +143,25 @@ def roofline_figure(peaks: MachinePeaks, points: list[RooflinePoint] = ()):
     fig = go.Figure(go.Scatter(x=xs, y=roof, mode="lines", name="roof (measured)", line=dict(color="black")))
     for p in points:
         kind = "prefill" if p.name.startswith("prefill") else "decode"
-        fig.add_trace(go.Scatter(
-            x=[p.intensity], y=[p.achieved_tflops], mode="markers+text", text=[p.name], textposition="top center",
-            name=p.name, marker=dict(size=11, symbol="circle" if kind == "prefill" else "diamond"),
-        ))
+        fig.add_trace(
+            go.Scatter(
+                x=[p.intensity],
+                y=[p.achieved_tflops],
+                mode="markers+text",
+                text=[p.name],
+                textposition="top center",
+                name=p.name,
+                marker=dict(size=11, symbol="circle" if kind == "prefill" else "diamond"),
+            )
+        )
     fig.update_layout(
-        title=(f"Roofline on {peaks.device} ({peaks.dtype}): {peaks.bandwidth_gbs:.0f} GB/s, "
-               f"{peaks.flops_tflops * 1000:.0f} GFLOP/s, ridge at {peaks.ridge_intensity:.0f} FLOP/byte"),
+        title=(
+            f"Roofline on {peaks.device} ({peaks.dtype}): {peaks.bandwidth_gbs:.0f} GB/s, "
+            f"{peaks.flops_tflops * 1000:.0f} GFLOP/s, ridge at {peaks.ridge_intensity:.0f} FLOP/byte"
+        ),
         xaxis=dict(title="arithmetic intensity (FLOP / byte)", type="log"),
-        yaxis=dict(title="achieved TFLOP/s", type="log"), template="plotly_white", showlegend=False,
+        yaxis=dict(title="achieved TFLOP/s", type="log"),
+        template="plotly_white",
+        showlegend=False,
     )
     return fig
