@@ -28,8 +28,11 @@ $(STAMP): pyproject.toml
 assets: $(STAMP)
 	$(BIN)/minillm assets
 
+# JupyterLab refuses to start as root unless told; course machines often run as root.
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
+
 course: setup
-	$(BIN)/jupyter lab --notebook-dir=notebooks
+	$(BIN)/jupyter lab --notebook-dir=notebooks $(ALLOW_ROOT)
 
 test: setup
 	$(BIN)/ruff check minillm tests benchmarks
