@@ -46,7 +46,7 @@ MODELS = {
     "1m": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, steps=700, batch=16, lr=3e-3),
     "8m": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
-               num_key_value_heads=4, steps=450, batch=16, lr=2e-3),
+               num_key_value_heads=4, steps=900, batch=16, lr=3e-3),
 }
 
 
