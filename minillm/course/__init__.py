@@ -17,6 +17,7 @@ from minillm.course.results import CheckFailed, CheckResult
 
 #: Every check, by chapter: what `minillm course grade` expects a complete notebook to pass.
 CHECKS_BY_CHAPTER = {
+    "00_welcome": [],  # demonstrates checks; no exercises
     "01_prefill_and_decode": ["check_next_token", "check_generate_naive", "check_causal_attention"],
     "02_kv_cache": ["check_kv_write", "check_kv_read", "check_generate_cached"],
 }
