@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import hf_model
+
 from minillm import LLM, SamplingParams
 from minillm.assets import data_dir, resolve_model
 from minillm.models import load_model
@@ -20,8 +20,14 @@ NAMES = ["tiny-shakespeare-1m", "tiny-shakespeare-8m"]
 @pytest.mark.parametrize("name", NAMES)
 def test_model_card_and_files(name):
     folder = resolve_model(name)
-    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md",
-              "training.json"):
+    for f in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "README.md",
+        "training.json",
+    ):
         assert (folder / f).is_file(), f
     info = json.loads((folder / "training.json").read_text())
     assert info["val_loss"] > 0 and info["wall_time_s"] > 0 and info["corpus"]["works"] > 40
@@ -52,6 +58,7 @@ def test_minillm_matches_transformers(name):
     assert (got - expected).abs().max().item() <= 1e-4
     out = llm.generate([ids], SamplingParams(max_tokens=24, ignore_eos=True))[0]
     with torch.no_grad():
-        hf_tokens = ref.generate(torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
-                                 pad_token_id=0)[0, len(ids):].tolist()
+        hf_tokens = ref.generate(
+            torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0
+        )[0, len(ids) :].tolist()
     assert out.token_ids == hf_tokens

@@ -31,6 +31,9 @@ class CheckResult:
     status: str
     message: str
 
+    def _ipython_display_(self) -> None:
+        """Show nothing when a check is the last line of a cell: its verdict is already printed."""
+
 
 def _record(result: CheckResult) -> None:
     path = os.environ.get(GRADE_LOG_ENV)
