@@ -104,6 +104,7 @@ def run_generate_benchmark(
     device: str = "auto",
     include_hf: bool = True,
     out_dir: str | None = None,
+    compile: bool = False,
 ) -> dict:
     from minillm.engine import LLM
     from minillm.sampling import SamplingParams
@@ -114,7 +115,7 @@ def run_generate_benchmark(
     machine = None
     for dtype_name in dtypes:
         dtype = parse_dtype(dtype_name)
-        llm = LLM(model, dtype=dtype_name, device=device)
+        llm = LLM(model, dtype=dtype_name, device=device, compile=compile)
         machine = machine or machine_description(llm.device)
         hf = None
         if include_hf:
@@ -158,6 +159,7 @@ def run_generate_benchmark(
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
         "repeats": repeats,
+        "compile": compile,
         "machine": machine,
         "rows": rows,
     }
@@ -167,7 +169,8 @@ def run_generate_benchmark(
         path = Path(out_dir)
         path.mkdir(parents=True, exist_ok=True)
         tag = (machine or {}).get("gpu") or "cpu"
-        name = f"generate-{result['date'][:10]}-{tag.replace(' ', '_')}-{machine['torch_threads']}t.json"
+        suffix = "-compile" if compile else ""
+        name = f"generate-{result['date'][:10]}-{tag.replace(' ', '_')}-{machine['torch_threads']}t{suffix}.json"
         (path / name).write_text(json.dumps(result, indent=2))
         print(f"\nwrote {path / name}")
     return result

@@ -146,6 +146,7 @@ def cmd_bench(args) -> int:
         device=args.device,
         include_hf=not args.no_hf,
         out_dir=args.out,
+        compile=args.compile,
     )
     return 0
 
@@ -217,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="auto")
     p.add_argument("--no-hf", action="store_true", help="skip the HF baseline")
+    p.add_argument("--compile", action="store_true", help="torch.compile minillm's decode step (slow start)")
     p.add_argument("--out", default=None, help="folder for the JSON result (default: print only)")
     p.set_defaults(func=cmd_bench)
 

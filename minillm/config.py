@@ -187,6 +187,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     cpu_prepack: bool | None = None  # None: on for CPU where oneDNN supports it (measured faster)
+    compile: bool = False  # torch.compile the decode step (one-time cost: minutes on a small CPU)
 
     def __post_init__(self) -> None:
         if self.mode not in EXECUTION_MODES:

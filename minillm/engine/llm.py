@@ -35,7 +35,7 @@ class LLM:
     def __init__(self, model: str | Path = "smollm2-135m", **engine_args):
         """``engine_args`` are ``EngineConfig`` fields: device, dtype, max_model_len,
         max_num_seqs, mode ("kv_cache" | "naive"), num_threads, seed, attention_backend
-        ("auto" | "torch" | "sdpa"), cpu_prepack."""
+        ("auto" | "torch" | "sdpa"), cpu_prepack, compile."""
         self.engine_config = EngineConfig(**engine_args)
         if self.engine_config.num_threads is not None:
             torch.set_num_threads(self.engine_config.num_threads)
@@ -50,7 +50,9 @@ class LLM:
         self.tokenizer = Tokenizer(self.model_dir)
         self.model = load_model(self.model_dir, self.dtype, self.device, max_positions=self.max_model_len)
         self.model.set_attention_backend(self.engine_config.attention_backend)
-        if self._should_prepack():
+        if self.engine_config.compile:
+            self.model.compile_decode()  # inductor packs weights itself: no oneDNN prepacking
+        elif self._should_prepack():
             self.model.prepack_for_cpu()
         self._rng = random.Random(self.engine_config.seed)
         self._next_id = 0

@@ -83,7 +83,7 @@ class CachedRunner:
         positions = torch.tensor([[n - 1] for n in lengths], device=self.device)
         same = lengths[0] - 1 if min(lengths) == max(lengths) else None
         batch = ForwardBatch(ids, positions, self.cache, kv_len=max(lengths), same_start=same)
-        return self.model(batch)[:, -1]
+        return self.model.decode_step(batch)[:, -1]
 
     def release(self, seq: Sequence) -> None:
         row = self.order.index(seq)
