@@ -132,11 +132,14 @@ def test_half_precision_runs_close_to_fp32(tiny_model, dtype):
 
 
 @pytest.mark.slow
-def test_compiled_decode_matches_eager(tiny_model):
-    """torch.compile'd decode steps reproduce the eager engine, on aligned and ragged batches."""
-    compiled = LLM(tiny_model, dtype="fp32", compile=True)
+@pytest.mark.parametrize("prepack", [True, False])
+def test_compiled_decode_matches_eager(tiny_model, prepack):
+    """torch.compile'd decode steps reproduce the eager engine: one sequence, aligned and
+    ragged batches, with (fp32: compiled single-row steps, packed batched steps) and without
+    prepacked weights."""
+    compiled = LLM(tiny_model, dtype="fp32", compile=True, cpu_prepack=prepack)
     eager = LLM(tiny_model, dtype="fp32", cpu_prepack=False)
-    for prompts in ([[5, 6, 7], [8, 9, 10]], PROMPTS):
+    for prompts in ([[5, 6, 7]], [[5, 6, 7], [8, 9, 10]], PROMPTS):
         params = SamplingParams(max_tokens=12, ignore_eos=True)
         assert [o.token_ids for o in compiled.generate(prompts, params)] == [
             o.token_ids for o in eager.generate(prompts, params)

@@ -159,6 +159,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope: RotaryEmbedding | None = None
         self.attention_fn: AttentionFn = get_backend("auto")
         self._compiled_step = None
+        self._compiled_single_row_only = False
 
     def set_attention_backend(self, name: str) -> None:
         self.attention_fn = get_backend(name)
@@ -175,16 +176,23 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:  # tied: pack a copy of the embedding matrix as the head
             self.lm_head = PackedLinear(self.embed_tokens.weight)
 
-    def compile_decode(self) -> None:
+    def compile_decode(self, single_row_only: bool = False) -> None:
         """Compile the one-token decode step with ``torch.compile`` (shapes symbolic, so the
         growing context and a shrinking batch do not recompile). Fusion removes most of the
         ~500 small eager operations per step; the price is a one-time compile of a minute or
-        two on a small CPU."""
+        two on a small CPU.
+
+        ``single_row_only``: compile only batch-1 steps and run larger batches eagerly — for
+        prepacked fp32 models, whose single-row linears are plain (traceable) matmuls while
+        multi-row ones use oneDNN's packed kernels, faster than anything the compiler emits.
+        """
         self._compiled_step = torch.compile(self._forward, dynamic=True)
+        self._compiled_single_row_only = single_row_only
 
     def decode_step(self, batch: ForwardBatch) -> torch.Tensor:
         """A decode step: the compiled graph when ``compile_decode`` was called, else eager."""
-        if self._compiled_step is None:
+        eager = self._compiled_step is None or (self._compiled_single_row_only and batch.input_ids.shape[0] > 1)
+        if eager:
             return self.forward(batch)
         with torch.no_grad():  # compiled graphs cannot run under inference_mode
             return self._compiled_step(batch)
