@@ -45,6 +45,7 @@ def test_malformed_regions_are_reported(source, message):
 def test_student_notebooks_have_no_solutions_no_outputs_and_tags():
     for path in SOLUTIONS.glob("*.ipynb"):
         student = student_notebook(nbformat.read(path, as_version=4))
+        assert "widgets" not in student.metadata  # no megabytes of saved widget JavaScript
         for cell in student.cells:
             assert "### BEGIN SOLUTION" not in cell.source
             if cell.cell_type == "code":

@@ -8,6 +8,9 @@ cleared, and cells are tagged:
 - ``exercise``: a cell the learner completes (it had a solution region);
 - ``check``: a cell that calls a ``check_...`` function from ``minillm.course``.
 
+Saved widget state (``metadata.widgets``, megabytes of JavaScript for a plotly widget) is
+dropped: a student notebook has no outputs for it to restore.
+
 Exercises are written as functions, so a student notebook still runs top to bottom: defining
 an unfinished function raises nothing, its check reports "not attempted", and the chapter goes
 on with the package's reference implementation.
@@ -52,6 +55,7 @@ def strip_solutions(source: str) -> tuple[str, bool]:
 
 def student_notebook(solution: nbformat.NotebookNode) -> nbformat.NotebookNode:
     nb = copy.deepcopy(solution)
+    nb.metadata.pop("widgets", None)
     for index, cell in enumerate(nb.cells):
         tags = [t for t in cell.metadata.get("tags", []) if t not in (EXERCISE_TAG, CHECK_TAG)]
         if cell.cell_type == "code":

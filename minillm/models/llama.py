@@ -33,8 +33,8 @@ class ForwardBatch:
     ``input_ids`` and ``positions`` are ``[B, T]``: B sequences, T new tokens each (right-padded
     when prompts differ in length). ``positions`` are absolute — they pick the RoPE angle and
     the cache slot. With ``cache=None`` the model attends only to the tokens it is given, which
-    must sit at positions ``0..T-1`` (the naive engine); otherwise it first writes the new K/V into the cache and attends to
-    positions ``0 .. kv_len-1`` of it. ``logit_index[B]`` selects which of the T positions
+    must sit at positions ``0..T-1`` (the naive engine); otherwise it first writes the new K/V
+    into the cache and attends to positions ``0 .. kv_len-1`` of it. ``logit_index[B]`` selects which of the T positions
     need logits (the last real token of each row); ``None`` returns logits for all of them.
     ``same_start`` lets the cache write a slice instead of scattering, decided once per step
     rather than once per layer.
@@ -62,12 +62,12 @@ class AttentionMask:
     is_causal: bool = False
 
     @classmethod
-    def for_batch(cls, batch: ForwardBatch, kv_len: int) -> AttentionMask:
-        """The mask for new tokens at ``batch.positions`` attending to cache positions ``< kv_len``."""
+    def for_batch(cls, batch: ForwardBatch) -> AttentionMask:
+        """The mask for new tokens at ``batch.positions`` attending to cache positions ``< batch.kv_len``."""
         t = batch.input_ids.shape[1]
-        if batch.same_start is not None and batch.same_start + t == kv_len:
+        if batch.same_start is not None and batch.same_start + t == batch.kv_len:
             return cls(is_causal=t > 1)  # all rows at the same position: a plain causal triangle
-        return cls(mask=causal_mask(batch.positions, kv_len))
+        return cls(mask=causal_mask(batch.positions, batch.kv_len))
 
 
 class RMSNorm(nn.Module):
@@ -210,7 +210,7 @@ class LlamaForCausalLM(nn.Module):
         if batch.cache is None:  # the naive engine: positions are 0..T-1, a plain causal triangle
             mask = AttentionMask(is_causal=batch.input_ids.shape[1] > 1)
         else:
-            mask = AttentionMask.for_batch(batch, batch.kv_len)  # built once, shared by every layer
+            mask = AttentionMask.for_batch(batch)  # built once, shared by every layer
         for layer in self.layers:
             x = layer(x, cos, sin, batch, mask, self.attention_fn)
         if batch.logit_index is not None:
