@@ -8,7 +8,7 @@ Public API::
 """
 
 from minillm.config import EngineConfig, ModelConfig
-from minillm.engine import LLM
+from minillm.engine import LLM, LLMEngine
 from minillm.errors import ModelLoadError, ModelNotFoundError, PromptTooLongError
 from minillm.sampling import SamplingParams
 from minillm.sequence import RequestMetrics, RequestOutput, StreamDelta
@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "LLMEngine",
     "EngineConfig",
     "ModelConfig",
     "ModelLoadError",

@@ -167,31 +167,65 @@ class ModelConfig:
         return cls.from_dict(raw, source=str(path))
 
 
-EXECUTION_MODES = ("kv_cache", "naive")
+EXECUTION_MODES = ("paged", "kv_cache", "naive")
+SCHEDULING_POLICIES = ("static", "dynamic", "continuous")
 
 
 @dataclass
 class EngineConfig:
     """How an engine runs a model. Every field is validated in ``__post_init__``.
 
-    ``mode="naive"`` recomputes the whole sequence at every step (no cache): slow, but the
-    simplest correct engine, and the rung every optimisation is tested against.
+    Execution modes, one rung of the correctness ladder each:
+
+    - ``naive`` recomputes the whole sequence at every step (no cache): slow, but the simplest
+      correct engine, and the rung every optimisation is tested against;
+    - ``kv_cache``: a contiguous cache per static batch (chapter 02);
+    - ``paged`` (default): the serving core — paged KV pool with prefix caching, a scheduler
+      (``scheduling_policy``), chunked prefill and preemption (chapters 03-04).
+
+    The paged pool holds ``kv_cache_memory`` bytes (an int), or that fraction of the memory
+    free when the engine starts (a float in (0, 1]); by default 90% of free GPU memory on
+    CUDA, and on CPU enough for ``max_num_seqs`` full-length sequences capped at 1 GiB.
     """
 
     device: str = "auto"
     dtype: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 64
-    mode: str = "kv_cache"
+    mode: str = "paged"
     num_threads: int | None = None
     seed: int = 0
     attention_backend: str = "auto"
     cpu_prepack: bool = True  # oneDNN-prepacked linears on CPU where supported (measured faster)
     compile: bool = False  # torch.compile the decode step (one-time cost: minutes on a small CPU)
+    # The paged engine (mode="paged").
+    scheduling_policy: str = "continuous"
+    block_size: int = 16
+    kv_cache_memory: int | float | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: int | None = None  # per-step token budget; default 512 chunked, else 4096
+    batch_timeout: float = 0.05  # seconds the dynamic policy waits for a full batch
 
     def __post_init__(self) -> None:
         if self.mode not in EXECUTION_MODES:
             raise ValueError(f"mode={self.mode!r}; expected one of {EXECUTION_MODES}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r}; expected one of {SCHEDULING_POLICIES}")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size={self.block_size!r} must be a positive integer")
+        memory = self.kv_cache_memory
+        if memory is not None:
+            if isinstance(memory, bool) or not isinstance(memory, (int, float)):
+                raise ValueError(f"kv_cache_memory={memory!r} must be bytes (int) or a fraction of free memory (float)")
+            if isinstance(memory, float) and not 0.0 < memory <= 1.0:
+                raise ValueError(f"kv_cache_memory={memory} as a fraction of free memory must be in (0, 1]")
+            if isinstance(memory, int) and memory < 1:
+                raise ValueError(f"kv_cache_memory={memory} bytes must be positive")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if self.batch_timeout < 0:
+            raise ValueError(f"batch_timeout={self.batch_timeout} must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
         if self.max_num_seqs < 1:
@@ -203,6 +237,12 @@ class EngineConfig:
         from minillm.attention import get_backend
 
         get_backend(self.attention_backend)  # raises ValueError naming a bad backend
+
+    @property
+    def token_budget(self) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 512 if self.enable_chunked_prefill else 4096
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

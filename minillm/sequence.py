@@ -21,6 +21,7 @@ from minillm.tokenizer import IncrementalDetokenizer, Tokenizer
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again: its blocks were taken, it will be recomputed
     FINISHED = "finished"
 
 
@@ -81,8 +82,10 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     metrics: RequestMetrics
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    num_preemptions: int = 0
 
     @property
     def finished(self) -> bool:
@@ -102,9 +105,12 @@ class StreamDelta:
     token_id: int | None
     text: str
     finish_reason: str | None = None
+    output: RequestOutput | None = None  # the complete result, on the last delta of a request
 
 
 class Sequence:
+    _counter = 0  # creation order, the last tie-breaker between equal priority and arrival
+
     def __init__(
         self,
         request_id: int,
@@ -115,8 +121,15 @@ class Sequence:
         generator: torch.Generator,
         max_model_len: int,
         arrival_time: float | None = None,
+        priority: int = 0,
     ):
         self.request_id = request_id
+        self.priority = priority  # lower runs first; ties go to the earlier arrival (FCFS)
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache (paged engine)
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache when first scheduled
+        self.num_preemptions = 0
+        Sequence._counter += 1
+        self._order = Sequence._counter
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -171,6 +184,15 @@ class Sequence:
             return True
         return False
 
+    @property
+    def sort_key(self) -> tuple:
+        """Scheduling order: priority first, then arrival (FCFS), then id for a total order."""
+        return (self.priority, self.metrics.arrival_time, self._order)
+
+    def abort(self) -> None:
+        self.text += self._detok.flush()
+        self._finish("abort")
+
     def _finish(self, reason: str) -> None:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
@@ -194,4 +216,6 @@ class Sequence:
             token_ids=list(self.output_token_ids),
             finish_reason=self.finish_reason,
             metrics=self.metrics,
+            num_cached_tokens=self.num_cached_tokens,
+            num_preemptions=self.num_preemptions,
         )

@@ -1,5 +1,6 @@
 """The engine: turning requests into batches, batches into forward passes, logits into tokens."""
 
 from minillm.engine.llm import LLM
+from minillm.engine.llm_engine import LLMEngine
 
-__all__ = ["LLM"]
+__all__ = ["LLM", "LLMEngine"]

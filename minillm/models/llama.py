@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minillm.attention import AttentionFn, causal_mask, get_backend
+from minillm.attention.paged import PagedAttentionMetadata, paged_attention
 from minillm.config import ModelConfig
 from minillm.kvcache import ContiguousKVCache
 from minillm.models.rope import RotaryEmbedding, apply_rope
@@ -46,6 +47,22 @@ class ForwardBatch:
     kv_len: int | None = None
     logit_index: torch.Tensor | None = None
     same_start: int | None = None  # set when every row's new tokens start at this position
+
+
+@dataclass
+class PagedForwardBatch:
+    """A continuous-batching step: ``N`` new tokens of many sequences, flat, without padding.
+
+    ``input_ids[N]`` and ``positions[N]`` run sequence after sequence; ``attention`` says where
+    their K/V go in the paged pool and what each attends to; ``logit_index[S]`` lists the rows
+    whose next token is sampled (the last new token of each sequence that completes a prompt
+    or decodes; a prefill chunk that stops mid-prompt needs no logits).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attention: PagedAttentionMetadata
+    logit_index: torch.Tensor
 
 
 @dataclass
@@ -109,6 +126,10 @@ class Attention(nn.Module):
         h, kv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(b, t, h + 2 * kv, self.head_dim)
         qk = apply_rope(qkv[:, :, : h + kv], cos, sin)  # q and k heads rotated in one go
+        if isinstance(batch, PagedForwardBatch):  # flat tokens: b == 1, t == N
+            q, k, v = qk[0, :, :h], qk[0, :, h:], qkv[0, :, h + kv :]
+            out = paged_attention(q, k, v, self.layer_index, batch.attention, self.scale, attention_fn)
+            return self.o_proj(out.reshape(b, t, self.q_size))
         q = qk[:, :, :h].transpose(1, 2)  # [B, H, T, D]
         k = qk[:, :, h:].transpose(1, 2)  # [B, KV, T, D]
         v = qkv[:, :, h + kv :].transpose(1, 2)
@@ -197,14 +218,17 @@ class LlamaForCausalLM(nn.Module):
         with torch.no_grad():  # compiled graphs cannot run under inference_mode
             return self._compiled_step(batch)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits ``[B, V]`` (one position per row) or ``[B, T, V]`` when ``logit_index`` is None."""
+    def forward(self, batch: ForwardBatch | PagedForwardBatch) -> torch.Tensor:
+        """Logits ``[B, V]`` (one position per row) or ``[B, T, V]`` when ``logit_index`` is None.
+        For a ``PagedForwardBatch``, ``[len(logit_index), V]``."""
         with torch.inference_mode():
             return self._forward(batch)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.rope is None:
             raise RuntimeError("call init_rope(max_positions) before running the model")
+        if isinstance(batch, PagedForwardBatch):
+            return self._forward_flat(batch)
         x = self.embed_tokens(batch.input_ids)
         cos, sin = self.rope.lookup(batch.positions, x.dtype)
         if batch.cache is None:  # the naive engine: positions are 0..T-1, a plain causal triangle
@@ -215,6 +239,17 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, batch, mask, self.attention_fn)
         if batch.logit_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), batch.logit_index]  # [B, hidden]
+        return self._logits(x)
+
+    def _forward_flat(self, batch: PagedForwardBatch) -> torch.Tensor:
+        """The same layers on ``[1, N]`` tokens; attention is where the sequences are told apart."""
+        x = self.embed_tokens(batch.input_ids)[None]
+        cos, sin = self.rope.lookup(batch.positions[None], x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, batch, None, self.attention_fn)
+        return self._logits(x[0, batch.logit_index])
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x)
         logits = F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
         return logits.float()

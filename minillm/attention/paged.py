@@ -1,0 +1,90 @@
+"""Paged attention in PyTorch: the reference every paged kernel is tested against.
+
+A continuous-batching step mixes sequences in different states, so there is no padding:
+the step's new tokens are laid out **flat**, ``[N, heads, head_dim]``, sequence after
+sequence (``cu_seqlens`` marks where each starts). Decodes come first — one token each —
+then prefill chunks, each possibly continuing a prefix already in the pool.
+
+For every layer we (1) write the new K/V into the pool through the slot mapping, then
+(2) attend: all decodes together (their K/V gathered through the block tables into one
+padded batch, a mask hiding each row's padding), then each prefill chunk on its own
+(queries at positions ``start .. start+T-1`` see keys ``0 .. start+T-1``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from minillm.attention.torch_ref import causal_mask
+from minillm.kvcache.paged import PagedKVCache
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence's chunk of new tokens: rows ``start:end`` of the flat batch, at positions
+    ``context_len - (end - start) .. context_len - 1``."""
+
+    start: int
+    end: int
+    context_len: int
+    block_table: torch.Tensor | None = None  # [1, blocks]; None when the chunk is the whole context
+    mask: torch.Tensor | None = None  # [1, 1, T, context_len] when continuing a cached prefix
+
+
+@dataclass
+class PagedAttentionMetadata:
+    cache: PagedKVCache
+    slot_mapping: torch.Tensor  # [N]: where each new token's K/V goes
+    num_decodes: int = 0  # rows 0..num_decodes-1 are decode tokens, one per sequence
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    meta: PagedAttentionMetadata,
+    scale: float,
+    attention_fn,
+) -> torch.Tensor:
+    """``q[N, H, D]``, ``k, v[N, KV, D]`` for the step's new tokens → ``out[N, H, D]``."""
+    meta.cache.write(layer, meta.slot_mapping, k, v)
+    if meta.num_decodes == q.shape[0]:  # a pure decode step: no output buffer to fill piecewise
+        return _decode(q, layer, meta, scale, attention_fn)
+    out = torch.empty_like(q)
+    if meta.num_decodes:
+        out[: meta.num_decodes] = _decode(q[: meta.num_decodes], layer, meta, scale, attention_fn)
+    for span in meta.prefills:
+        qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+        if span.block_table is None:  # a fresh prompt: its keys are exactly the new tokens
+            ks = k[span.start : span.end].transpose(0, 1).unsqueeze(0)
+            vs = v[span.start : span.end].transpose(0, 1).unsqueeze(0)
+            o = attention_fn(qs, ks, vs, None, span.end - span.start > 1, scale)
+        else:  # continuing a prefix that is already in the pool
+            ks, vs = meta.cache.gather(layer, span.block_table)
+            ks, vs = ks[:, :, : span.context_len], vs[:, :, : span.context_len]
+            o = attention_fn(qs, ks, vs, span.mask, False, scale)
+        out[span.start : span.end] = o[0].transpose(0, 1)
+    return out
+
+
+def _decode(q, layer, meta, scale, attention_fn) -> torch.Tensor:
+    ks, vs = meta.cache.gather(layer, meta.decode_block_tables)  # [B, KV, S, D]
+    o = attention_fn(q.unsqueeze(2), ks, vs, meta.decode_mask, False, scale)  # [B, H, 1, D]
+    return o.squeeze(2)
+
+
+def prefix_mask(context_len: int, num_new: int, device: torch.device) -> torch.Tensor:
+    """``[1, 1, T, S]``: new tokens at positions ``S-T .. S-1`` each see keys up to themselves."""
+    positions = torch.arange(context_len - num_new, context_len, device=device)[None]
+    return causal_mask(positions, context_len)
+
+
+def decode_mask(context_lens: torch.Tensor, max_len: int) -> torch.Tensor:
+    """``[B, 1, 1, S]``: row ``b`` sees keys ``0 .. context_lens[b]-1`` of its gathered blocks."""
+    return (torch.arange(max_len, device=context_lens.device)[None] < context_lens[:, None])[:, None, None]

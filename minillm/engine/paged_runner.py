@@ -1,0 +1,79 @@
+"""The paged model runner: a scheduled step → flat tensors → one forward pass → logits.
+
+The scheduler hands over chunks — ``num_tokens`` tokens of a sequence from position
+``start`` on. The runner lays their tokens out flat (decodes first), computes each token's
+**slot** in the pool from its sequence's block table, and describes what each sequence
+attends to. There is no padding anywhere except in the gathered K/V of the decode group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minillm.attention.paged import PagedAttentionMetadata, PrefillSpan, decode_mask, prefix_mask
+from minillm.engine.scheduler import ScheduledChunk
+from minillm.kvcache.paged import PagedKVCache
+from minillm.models.llama import LlamaForCausalLM, PagedForwardBatch
+
+
+def slot_mapping(block_table: list[int], start: int, num_tokens: int, block_size: int) -> list[int]:
+    """Flat pool slots of positions ``start .. start+num_tokens-1``: token ``p`` lives in block
+    ``block_table[p // block_size]`` at offset ``p % block_size``."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, start + num_tokens)]
+
+
+class PagedModelRunner:
+    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, block_tables):
+        """``block_tables(seq)`` returns the sequence's current block table (the block manager's)."""
+        self.model = model
+        self.cache = cache
+        self.block_tables = block_tables
+        self.device = model.embed_tokens.weight.device
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> tuple[PagedForwardBatch, list[ScheduledChunk]]:
+        """The forward batch for ``chunks`` and, in logit-row order, the chunks that sample."""
+        bs = self.cache.block_size
+        decodes = [c for c in chunks if c.num_tokens == 1]
+        prefills = [c for c in chunks if c.num_tokens > 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []
+        sampled: list[ScheduledChunk] = []
+        for c in decodes + prefills:
+            table = self.block_tables(c.seq)
+            ids.extend(c.seq.token_ids[c.start : c.start + c.num_tokens])
+            positions.extend(range(c.start, c.start + c.num_tokens))
+            slots.extend(slot_mapping(table, c.start, c.num_tokens, bs))
+            if c.samples:
+                logit_rows.append(len(ids) - 1)
+                sampled.append(c)
+        meta = PagedAttentionMetadata(self.cache, self._tensor(slots), num_decodes=len(decodes))
+        if decodes:
+            context = [c.start + 1 for c in decodes]
+            width = -(-max(context) // bs)
+            tables = [self.block_tables(c.seq)[:width] for c in decodes]
+            meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in tables])
+            meta.decode_mask = decode_mask(self._tensor(context), width * bs)
+        row = len(decodes)
+        for c in prefills:
+            context = c.start + c.num_tokens
+            span = PrefillSpan(row, row + c.num_tokens, context)
+            if c.start > 0:  # continuing a prefix already in the pool
+                table = self.block_tables(c.seq)[: -(-context // bs)]
+                span.block_table = self._tensor([table])
+                span.mask = prefix_mask(context, c.num_tokens, self.device)
+            meta.prefills.append(span)
+            row += c.num_tokens
+        batch = PagedForwardBatch(self._tensor(ids), self._tensor(positions), meta, self._tensor(logit_rows))
+        return batch, sampled
+
+    def execute(self, chunks: list[ScheduledChunk], copies: list[tuple[int, int]]):
+        """Run one step: copy-on-write copies, then the forward pass. Returns (logits, sampled chunks)."""
+        self.cache.copy_blocks(copies)
+        batch, sampled = self.prepare(chunks)
+        logits = self.model(batch)
+        return logits, sampled
+
+    def _tensor(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)

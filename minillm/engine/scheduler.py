@@ -1,0 +1,199 @@
+"""The scheduler: each step, which sequences run and how many of their tokens.
+
+Three batching policies share one mechanism, so a chapter can compare them on one workload:
+
+- ``static``: when the engine is idle, take up to ``max_num_seqs`` waiting requests as a batch
+  and run it until *every* member has finished; newcomers wait for the whole batch.
+- ``dynamic``: the same, but a batch only starts once ``max_num_seqs`` requests are waiting or
+  the oldest has waited ``batch_timeout`` seconds (fuller batches, at a latency price).
+- ``continuous``: decisions are made every step — a finished request's place is given to a
+  waiting one at once (iteration-level scheduling, as in Orca and vLLM).
+
+Every step spends a **token budget** (``max_num_batched_tokens``): running decodes first
+(one token each), then prefills. With **chunked prefill** a long prompt is cut to fit what
+is left of the budget and finished in later steps, so one big prompt never stalls everybody's
+decoding for a whole long step. Without it a prompt is prefilled in one step.
+
+When a sequence needs a block and the pool is empty, the scheduler **preempts** the running
+sequence that comes last in priority order: its blocks are freed and it returns to the
+waiting queue with the tokens it has generated, to be recomputed (quickly, if its prefix is
+still cached) when there is room again. A request is never lost or duplicated: it is always in
+exactly one of ``waiting``, ``running`` or finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minillm.config import SCHEDULING_POLICIES
+from minillm.kvcache.block_manager import BlockManager
+from minillm.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledChunk:
+    """``num_tokens`` tokens of ``seq`` starting at ``start`` run this step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Does this chunk reach the end of the sequence, so a next token is sampled?"""
+        return self.start + self.num_tokens == len(self.seq)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and self.samples
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write block copies, done first
+    admitted: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        policy: str = "continuous",
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        enable_chunked_prefill: bool = True,
+        batch_timeout: float = 0.05,
+    ):
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy={policy!r}; expected one of {SCHEDULING_POLICIES}")
+        self.block_manager = block_manager
+        self.policy = policy
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.batch_timeout = batch_timeout
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Forget a finished (or aborted) sequence and give its blocks back."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    # ----------------------------------------------------------------------------------------
+    # One step
+    # ----------------------------------------------------------------------------------------
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self._now = now
+        if self.policy != "continuous" and not self.running and self._batch_ready(now):
+            self._start_batch(out)
+        budget = self.max_num_batched_tokens
+        # Running sequences: decodes first (they are cheap and someone is waiting on each token),
+        # then prefills in progress; each group in priority order.
+        queue = sorted(self.running, key=lambda s: (len(s) - s.num_computed_tokens > 1, s.sort_key))
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            n = self._tokens_to_run(seq, budget, first_in_step=not out.chunks)
+            if n == 0:
+                continue
+            while (copies := self.block_manager.allocate_slots(seq, n)) is None:
+                victim = max(queue, key=lambda s: s.sort_key) if queue else seq
+                if victim is not seq:
+                    queue.remove(victim)
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if copies is None:
+                continue
+            self._run(seq, n, copies, out)
+            budget -= n
+        if self.policy == "continuous" and not out.preempted:
+            self._admit(out, budget)
+        return out
+
+    def _tokens_to_run(self, seq: Sequence, budget: int, first_in_step: bool) -> int:
+        remaining = len(seq) - seq.num_computed_tokens
+        if self.enable_chunked_prefill:
+            return min(remaining, budget)
+        # Whole prompts only; a prompt larger than the whole budget may run alone in a step.
+        return remaining if remaining <= budget or first_in_step else 0
+
+    def _run(self, seq: Sequence, n: int, copies: list[tuple[int, int]], out: SchedulerOutput) -> None:
+        out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+        out.copies.extend(copies)
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Continuous batching: start waiting sequences while seats, budget and blocks last."""
+        self.waiting.sort(key=lambda s: s.sort_key)
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            self.block_manager.match_prefix(seq)
+            n = self._tokens_to_run(seq, budget, first_in_step=not out.chunks)
+            copies = self.block_manager.allocate_slots(seq, n) if n else None
+            if copies is None:  # no room this step: undo the prefix lookup, keep FCFS order
+                self.block_manager.cancel_prefix(seq)
+                return
+            self.waiting.pop(0)
+            self._start(seq, out)
+            self._run(seq, n, copies, out)
+            budget -= n
+
+    def _batch_ready(self, now: float) -> bool:
+        if not self.waiting:
+            return False
+        if self.policy == "static":
+            return True
+        oldest = min(s.metrics.arrival_time for s in self.waiting)
+        return len(self.waiting) >= self.max_num_seqs or now - oldest >= self.batch_timeout
+
+    def _start_batch(self, out: SchedulerOutput) -> None:
+        """Static/dynamic: the batch is fixed now, as many as fit (prompts' blocks) up to ``max_num_seqs``."""
+        self.waiting.sort(key=lambda s: s.sort_key)
+        free = self.block_manager.num_free_blocks
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            need = self.block_manager.blocks_for(len(seq))
+            if self.running and need > free:
+                break
+            free -= need
+            self.block_manager.match_prefix(seq)
+            self.waiting.pop(0)
+            self._start(seq, out)
+
+    def _start(self, seq: Sequence, out: SchedulerOutput) -> None:
+        seq.status = SequenceStatus.RUNNING
+        if seq.metrics.first_scheduled_time is None:
+            seq.metrics.first_scheduled_time = self._now
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = seq.num_computed_tokens
+        self.running.append(seq)
+        out.admitted.append(seq)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Recompute preemption: free the blocks, keep the tokens, wait again."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.PREEMPTED
+        self.waiting.append(seq)
+        out.preempted.append(seq)

@@ -1,0 +1,308 @@
+"""The block manager: who owns which slots of the paged KV pool.
+
+The contiguous cache reserves ``max_len`` slots per sequence up front, used or not. Paging
+(as an operating system pages memory) cuts the pool into fixed-size **blocks** of
+``block_size`` token slots and hands them out on demand: a sequence's **block table** lists
+its blocks in order, so token ``i`` lives in block ``table[i // block_size]`` at offset
+``i % block_size``. At most one partly filled block per sequence is wasted.
+
+Blocks carry a **reference count**, so several sequences can share one:
+
+- **Prefix caching.** When a block fills up, we name it by a hash of its token ids chained
+  with its parent block's hash — the hash of block ``j`` therefore identifies the whole
+  prefix ``0 .. (j+1)*block_size``. A new request whose prompt starts with the same tokens
+  finds those blocks by hash and reuses their K/V without recomputing them. A finished
+  request's hashed blocks stay in the pool, unreferenced but intact, and are evicted (least
+  recently used first) only when the pool runs short.
+- **Forking** (several samples of one prompt) copies a block table and bumps the counts; a
+  shared block is **copied on write**: the sequence about to write into it gets a private
+  copy first.
+
+This class only does the bookkeeping (plain Python ints); the tensors live in
+``PagedKVCache``. Copies it decides on are returned to the caller to perform on the pool.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class PagedSequence(Protocol):
+    """What the block manager needs from a sequence."""
+
+    request_id: Hashable
+    num_computed_tokens: int  # tokens whose K/V are already in the pool
+
+    @property
+    def token_ids(self) -> list[int]: ...
+
+
+def block_hash(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """The name of a full block: its tokens *and* everything before them (via the parent's hash).
+
+    Chaining matters: the same 16 tokens after different prefixes have different K/V (attention
+    saw different context), so they must not share a block. Python hashes tuples of ints
+    deterministically (no per-process salt), so names are stable across runs.
+    """
+    return hash((parent_hash, tuple(token_ids)))
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None  # set once the block is full and registered in the prefix cache
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] = ()  # the tokens of a hashed block, to verify a hash hit
+
+
+class BlockManager:
+    """Fixed-size blocks, a free list, reference counts, block tables and a prefix cache."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size} must be >= 1")
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks={num_blocks} must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_ids: deque[int] = deque(range(num_blocks))  # never used, or evicted
+        self.cached: dict[int, int] = {}  # block hash -> block id, for every hashed block
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # hashed, unreferenced; LRU first
+        self.tables: dict[Hashable, list[int]] = {}  # request id -> block table
+        self.num_tokens: dict[Hashable, int] = {}  # request id -> slots reserved in its table
+        # Prefix-cache statistics, over every lookup: prompt tokens asked for and found.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # ----------------------------------------------------------------------------------------
+    # Counters
+    # ----------------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a new allocation can take: never used, or cached and unreferenced (evictable)."""
+        return len(self.free_ids) + len(self.evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks kept only for the prefix cache: hashed, unreferenced, reusable until evicted."""
+        return len(self.evictable)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    def wasted_slots(self) -> int:
+        """Reserved but unused token slots in referenced blocks (a shared block counts once)."""
+        filled: dict[int, int] = {}
+        for rid, table in self.tables.items():
+            n = self.num_tokens[rid]
+            for i, b in enumerate(table):
+                filled[b] = max(filled.get(b, 0), min(self.block_size, n - i * self.block_size))
+        return sum(self.block_size - f for f in filled.values())
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ----------------------------------------------------------------------------------------
+    # Allocation
+    # ----------------------------------------------------------------------------------------
+
+    def _take_free_block(self) -> int:
+        if self.free_ids:
+            block_id = self.free_ids.popleft()
+        else:  # evict the least recently used cached block
+            block_id, _ = self.evictable.popitem(last=False)
+            block = self.blocks[block_id]
+            del self.cached[block.hash]
+            block.hash, block.parent_hash, block.token_ids = None, None, ()
+        self.blocks[block_id].ref_count = 1
+        return block_id
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.evictable[block_id]  # back in use: no longer evictable
+        block.ref_count += 1
+
+    def _unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count <= 0:
+            raise RuntimeError(f"block {block_id} freed while not referenced (double free)")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is not None:
+                self.evictable[block_id] = None  # keep its K/V for the prefix cache
+            else:
+                self.free_ids.append(block_id)
+
+    def match_prefix(self, seq: PagedSequence) -> int:
+        """Attach the cached blocks of ``seq``'s longest cached prefix; return the tokens they hold.
+
+        Called once when a sequence is scheduled for the first time (or again after preemption).
+        At least the last token is always left to compute: its forward pass produces the logits
+        for the next token. If the whole sequence is cached, the last block is attached too and
+        that one token is recomputed into it (copy-on-write if it is shared).
+        """
+        if seq.request_id in self.tables:
+            raise RuntimeError(f"request {seq.request_id!r} already has blocks")
+        tokens = seq.token_ids
+        table: list[int] = []
+        parent = None
+        if self.enable_prefix_caching:
+            for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
+                chunk = tokens[start : start + self.block_size]
+                h = block_hash(parent, chunk)
+                block_id = self.cached.get(h)
+                if block_id is None:
+                    break
+                block = self.blocks[block_id]
+                if block.parent_hash != parent or block.token_ids != tuple(chunk):
+                    break  # a hash collision: not the same prefix after all
+                self._ref(block_id)
+                table.append(block_id)
+                parent = h
+        cached_tokens = min(len(table) * self.block_size, len(tokens) - 1)
+        self.tables[seq.request_id] = table
+        self.num_tokens[seq.request_id] = cached_tokens
+        seq.num_computed_tokens = cached_tokens
+        self.prefix_queries += len(tokens)
+        self.prefix_hits += cached_tokens
+        return cached_tokens
+
+    def cancel_prefix(self, seq: PagedSequence) -> None:
+        """Undo a ``match_prefix`` whose sequence could not be scheduled after all."""
+        self.prefix_queries -= len(seq.token_ids)
+        self.prefix_hits -= seq.num_computed_tokens
+        self.free(seq)
+        seq.num_computed_tokens = 0
+
+    def can_allocate(self, seq: PagedSequence, num_new_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
+
+    def blocks_needed(self, seq: PagedSequence, num_new_tokens: int) -> int:
+        """New blocks needed to write ``num_new_tokens`` after ``seq.num_computed_tokens``
+        (counting a copy-on-write of a shared block that would be written)."""
+        table = self.tables.get(seq.request_id, [])
+        end = seq.num_computed_tokens + num_new_tokens
+        needed = max(0, self.blocks_for(end) - len(table))
+        first = seq.num_computed_tokens // self.block_size
+        if first < len(table) and self.blocks[table[first]].ref_count > 1:
+            needed += 1
+        return needed
+
+    def allocate_slots(self, seq: PagedSequence, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Make room to write ``num_new_tokens`` tokens after the ``num_computed_tokens`` already
+        in the pool. Returns the ``(src, dst)`` block copies to perform first (copy-on-write),
+        or ``None`` — changing nothing — if the pool has too few free blocks."""
+        if seq.request_id not in self.tables:
+            raise RuntimeError(f"request {seq.request_id!r} has no block table; call match_prefix first")
+        if not self.can_allocate(seq, num_new_tokens):
+            return None
+        table = self.tables[seq.request_id]
+        copies = []
+        first = seq.num_computed_tokens // self.block_size
+        if first < len(table) and self.blocks[table[first]].ref_count > 1:
+            shared = table[first]
+            private = self._take_free_block()
+            self._unref(shared)
+            table[first] = private
+            copies.append((shared, private))
+        end = seq.num_computed_tokens + num_new_tokens
+        while len(table) < self.blocks_for(end):
+            table.append(self._take_free_block())
+        self.num_tokens[seq.request_id] = max(self.num_tokens[seq.request_id], end)
+        return copies
+
+    def commit(self, seq: PagedSequence) -> None:
+        """Register ``seq``'s blocks that are now full of computed tokens in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.tables[seq.request_id]
+        tokens = seq.token_ids
+        parent = None
+        for j in range(seq.num_computed_tokens // self.block_size):
+            block = self.blocks[table[j]]
+            if block.hash is None:
+                chunk = tokens[j * self.block_size : (j + 1) * self.block_size]
+                h = block_hash(parent, chunk)
+                if h in self.cached:  # same content already cached in another block: keep that one
+                    parent = h
+                    continue
+                block.hash, block.parent_hash, block.token_ids = h, parent, tuple(chunk)
+                self.cached[h] = block.block_id
+            parent = block.hash
+
+    def fork(self, parent: PagedSequence, child: PagedSequence) -> None:
+        """``child`` shares every block of ``parent`` (e.g. several samples of one prompt)."""
+        if child.request_id in self.tables:
+            raise RuntimeError(f"request {child.request_id!r} already has blocks")
+        table = list(self.tables[parent.request_id])
+        for block_id in table:
+            self._ref(block_id)
+        self.tables[child.request_id] = table
+        self.num_tokens[child.request_id] = self.num_tokens[parent.request_id]
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def free(self, seq: PagedSequence) -> None:
+        """Drop ``seq``'s references. Blocks are released tail first, so when the pool runs
+        short the end of a prefix is evicted before its beginning (which more requests share)."""
+        table = self.tables.pop(seq.request_id, None)
+        if table is None:
+            raise RuntimeError(f"request {seq.request_id!r} has no blocks to free")
+        del self.num_tokens[seq.request_id]
+        for block_id in reversed(table):
+            self._unref(block_id)
+
+    def block_table_of(self, seq: PagedSequence) -> list[int]:
+        return self.tables[seq.request_id]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached, unreferenced block and the hit statistics (blocks in use keep theirs)."""
+        while self.evictable:
+            block_id, _ = self.evictable.popitem(last=False)
+            block = self.blocks[block_id]
+            del self.cached[block.hash]
+            block.hash, block.parent_hash, block.token_ids = None, None, ()
+            self.free_ids.append(block_id)
+        self.prefix_queries = self.prefix_hits = 0
+
+    # ----------------------------------------------------------------------------------------
+    # Invariants (used by tests and the course checks)
+    # ----------------------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` describing the first broken invariant."""
+        counts = [0] * self.num_blocks
+        for table in self.tables.values():
+            for b in table:
+                counts[b] += 1
+        for block in self.blocks:
+            assert block.ref_count == counts[block.block_id], (
+                f"block {block.block_id} has ref_count {block.ref_count} but {counts[block.block_id]} "
+                "block tables hold it"
+            )
+        free = set(self.free_ids)
+        assert len(free) == len(self.free_ids), "a block is on the free list twice (double free)"
+        for b in free:
+            assert counts[b] == 0, f"block {b} is on the free list while still referenced"
+            assert self.blocks[b].hash is None, f"free block {b} still has a prefix hash"
+        for b in self.evictable:
+            assert counts[b] == 0, f"block {b} is evictable while still referenced"
+            assert b not in free, f"block {b} is both free and cached"
+        unreferenced = {b.block_id for b in self.blocks if b.ref_count == 0}
+        assert unreferenced == free | set(self.evictable), (
+            f"blocks leaked (neither referenced, free nor cached): {sorted(unreferenced - free - set(self.evictable))}"
+        )
+        for h, b in self.cached.items():
+            assert self.blocks[b].hash == h, f"prefix cache maps a hash to block {b}, which holds another hash"

@@ -1,0 +1,169 @@
+"""Run reports: what a serving run achieved, in the numbers serving papers use.
+
+Per request (from ``RequestMetrics``): TTFT (arrival → first token: queueing + prefill), TPOT
+(mean gap between later tokens), end-to-end latency, queueing time. Per run: throughput
+(output tokens/s, requests/s), latency percentiles (p50/p95/p99 — tails matter more than
+means to a user), **goodput** (requests per second that met a latency SLO: throughput that
+counts only satisfied users) and, from the engine's step records, KV blocks over time,
+preemptions and decode stalls.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from minillm.sequence import RequestOutput
+
+
+@dataclass
+class StepRecord:
+    """What one engine step did (the paged engine keeps one per step in ``engine.step_records``)."""
+
+    index: int
+    start: float
+    end: float
+    chunks: list[tuple[Hashable, int, int, bool]]  # (request id, start position, tokens, is decode)
+    preempted: list[Hashable]
+    num_running: int
+    num_waiting: int
+    blocks_used: int
+    blocks_cached: int
+    blocks_free: int
+    tokens_stored: int  # tokens in the cache of running requests (a shared prefix counted per request)
+    reserved_slots: int  # slots in referenced blocks (a shared block counted once)
+    wasted_slots: int  # reserved but unused slots in referenced blocks
+    contiguous_reserved_slots: int  # what a max_model_len-per-request contiguous cache would reserve
+    block_tables: dict[Hashable, list[int]] | None = None  # when engine.record_block_tables
+    block_hashes: list[bool] | None = None  # which blocks are registered in the prefix cache
+    block_refs: list[int] | None = None
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(n for _, _, n, decode in self.chunks if not decode)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(n for _, _, n, decode in self.chunks if decode)
+
+
+def percentiles(values: Iterable[float], qs=(50, 95, 99)) -> dict[str, float]:
+    values = [v for v in values if v is not None]
+    if not values:
+        return {f"p{q}": float("nan") for q in qs} | {"mean": float("nan")}
+    arr = np.asarray(values, dtype=float)
+    return {"mean": float(arr.mean())} | {f"p{q}": float(np.percentile(arr, q)) for q in qs}
+
+
+@dataclass
+class SLO:
+    """A latency objective per request: first token within ``ttft`` s, then ``tpot`` s per token."""
+
+    ttft: float = 1.0
+    tpot: float = 0.2
+
+    def met_by(self, out: RequestOutput) -> bool:
+        m = out.metrics
+        if m.ttft is None or m.ttft > self.ttft:
+            return False
+        return m.tpot is None or m.tpot <= self.tpot
+
+
+@dataclass
+class RunReport:
+    num_requests: int
+    duration: float  # first arrival → last finish, seconds
+    prompt_tokens: int
+    output_tokens: int
+    ttft: dict[str, float]
+    tpot: dict[str, float]
+    e2e_latency: dict[str, float]
+    queueing_time: dict[str, float]
+    inter_token_latency: dict[str, float]
+    max_inter_token_latency: float
+    slo: SLO
+    slo_attainment: float  # fraction of requests meeting the SLO
+    num_preemptions: int
+    prefix_cached_tokens: int
+    blocks_over_time: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, blocks used)
+    mean_kv_waste: float | None = None  # paged: wasted / reserved slots, averaged over steps
+    mean_contiguous_waste: float | None = None  # the same for a max-length contiguous reservation
+
+    @property
+    def output_throughput(self) -> float:
+        return self.output_tokens / self.duration if self.duration > 0 else float("nan")
+
+    @property
+    def request_throughput(self) -> float:
+        return self.num_requests / self.duration if self.duration > 0 else float("nan")
+
+    @property
+    def goodput(self) -> float:
+        """Requests per second that met the SLO."""
+        return self.slo_attainment * self.request_throughput
+
+    def summary(self) -> dict[str, float]:
+        """The headline figures, flat, for tables and JSON."""
+        return {
+            "requests": self.num_requests,
+            "duration_s": self.duration,
+            "output_tok_per_s": self.output_throughput,
+            "req_per_s": self.request_throughput,
+            "ttft_mean_s": self.ttft["mean"],
+            "ttft_p50_s": self.ttft["p50"],
+            "ttft_p95_s": self.ttft["p95"],
+            "ttft_p99_s": self.ttft["p99"],
+            "tpot_p50_s": self.tpot["p50"],
+            "tpot_p99_s": self.tpot["p99"],
+            "e2e_p50_s": self.e2e_latency["p50"],
+            "e2e_p99_s": self.e2e_latency["p99"],
+            "queueing_mean_s": self.queueing_time["mean"],
+            "itl_max_s": self.max_inter_token_latency,
+            "slo_attainment": self.slo_attainment,
+            "goodput_req_per_s": self.goodput,
+            "preemptions": self.num_preemptions,
+            "prefix_cached_tokens": self.prefix_cached_tokens,
+            "kv_waste_paged": self.mean_kv_waste,
+            "kv_waste_contiguous": self.mean_contiguous_waste,
+        }
+
+
+def run_report(
+    outputs: list[RequestOutput], step_records: list[StepRecord] | None = None, slo: SLO | None = None
+) -> RunReport:
+    """Summarise finished requests (and, for the paged engine, its step records)."""
+    if not outputs:
+        raise ValueError("run_report needs at least one finished request")
+    slo = slo or SLO()
+    start = min(o.metrics.arrival_time for o in outputs)
+    end = max(o.metrics.finished_time or o.metrics.arrival_time for o in outputs)
+    gaps = [g for o in outputs for g in o.metrics.inter_token_latencies]
+    records = step_records or []
+    waste = [r.wasted_slots / r.reserved_slots for r in records if r.reserved_slots]
+    contiguous = [1 - r.tokens_stored / r.contiguous_reserved_slots for r in records if r.contiguous_reserved_slots]
+    return RunReport(
+        num_requests=len(outputs),
+        duration=end - start,
+        prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
+        output_tokens=sum(len(o.token_ids) for o in outputs),
+        ttft=percentiles(o.metrics.ttft for o in outputs),
+        tpot=percentiles(o.metrics.tpot for o in outputs),
+        e2e_latency=percentiles(o.metrics.e2e_latency for o in outputs),
+        queueing_time=percentiles(o.metrics.queueing_time for o in outputs),
+        inter_token_latency=percentiles(gaps),
+        max_inter_token_latency=max(gaps, default=float("nan")),
+        slo=slo,
+        slo_attainment=statistics.fmean(slo.met_by(o) for o in outputs),
+        num_preemptions=sum(o.num_preemptions for o in outputs),
+        prefix_cached_tokens=sum(o.num_cached_tokens for o in outputs),
+        blocks_over_time=[(r.end - start, r.blocks_used) for r in records],
+        mean_kv_waste=statistics.fmean(waste) if waste else None,
+        mean_contiguous_waste=statistics.fmean(contiguous) if contiguous else None,
+    )
