@@ -19,9 +19,30 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="smollm2-135m", help="short name or HF-format folder (default: smollm2-135m)")
     g.add_argument("--dtype", default="auto", help="fp32 | bf16 | fp16 | auto (default: auto)")
     g.add_argument("--device", default="auto", help="cpu | cuda | auto (default: auto)")
-    g.add_argument("--mode", default="kv_cache", choices=["kv_cache", "naive"], help="execution mode")
+    g.add_argument("--mode", default="paged", choices=["paged", "kv_cache", "naive"], help="execution mode")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
+    g.add_argument(
+        "--scheduling-policy", default="continuous", choices=["static", "dynamic", "continuous"], help="batching policy"
+    )
+    g.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (paged mode)")
+    g.add_argument(
+        "--kv-cache-memory",
+        type=_memory,
+        default=None,
+        help="KV pool size: bytes (e.g. 2e9) or a fraction of free memory (e.g. 0.5)",
+    )
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--no-chunked-prefill", action="store_true", help="prefill whole prompts in one step")
+
+
+def _memory(text: str) -> int | float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of bytes or a fraction") from None
+    return value if value <= 1 else int(value)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -63,6 +84,12 @@ def _llm(args):
         mode=args.mode,
         max_model_len=args.max_model_len,
         num_threads=args.threads,
+        max_num_seqs=args.max_num_seqs,
+        scheduling_policy=args.scheduling_policy,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        enable_prefix_caching=not args.no_prefix_caching,
+        enable_chunked_prefill=not args.no_chunked_prefill,
     )
 
 

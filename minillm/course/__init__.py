@@ -12,6 +12,12 @@ from minillm.course.checks import (
     check_kv_write,
     check_next_token,
 )
+from minillm.course.checks_serving import (
+    check_block_allocation,
+    check_block_hash,
+    check_continuous_schedule,
+    check_slot_mapping,
+)
 from minillm.course.helpers import forward_logits, forward_step, new_cache
 from minillm.course.results import CheckFailed, CheckResult
 
@@ -20,18 +26,24 @@ CHECKS_BY_CHAPTER = {
     "00_welcome": [],  # demonstrates checks; no exercises
     "01_prefill_and_decode": ["check_next_token", "check_generate_naive", "check_causal_attention"],
     "02_kv_cache": ["check_kv_write", "check_kv_read", "check_generate_cached"],
+    "03_paged_kv_cache": ["check_slot_mapping", "check_block_hash", "check_block_allocation"],
+    "04_batching": ["check_continuous_schedule"],
 }
 
 __all__ = [
     "CHECKS_BY_CHAPTER",
     "CheckFailed",
     "CheckResult",
+    "check_block_allocation",
+    "check_block_hash",
     "check_causal_attention",
+    "check_continuous_schedule",
     "check_generate_cached",
     "check_generate_naive",
     "check_kv_read",
     "check_kv_write",
     "check_next_token",
+    "check_slot_mapping",
     "forward_logits",
     "forward_step",
     "new_cache",

@@ -102,60 +102,81 @@ class Scheduler:
     # ----------------------------------------------------------------------------------------
 
     def schedule(self, now: float) -> SchedulerOutput:
+        """Decide this step's work: which sequences run, how many tokens each."""
         out = SchedulerOutput()
         self._now = now
         if self.policy != "continuous" and not self.running and self._batch_ready(now):
             self._start_batch(out)
         budget = self.max_num_batched_tokens
-        # Running sequences: decodes first (they are cheap and someone is waiting on each token),
-        # then prefills in progress; each group in priority order.
-        queue = sorted(self.running, key=lambda s: (len(s) - s.num_computed_tokens > 1, s.sort_key))
-        while queue and budget > 0:
-            seq = queue.pop(0)
-            n = self._tokens_to_run(seq, budget, first_in_step=not out.chunks)
-            if n == 0:
-                continue
-            while (copies := self.block_manager.allocate_slots(seq, n)) is None:
-                victim = max(queue, key=lambda s: s.sort_key) if queue else seq
-                if victim is not seq:
-                    queue.remove(victim)
-                self._preempt(victim, out)
-                if victim is seq:
+        for seq in self.running_in_order():
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step to make room for a sequence ahead of it
+            n = self.tokens_to_run(seq, budget, out)
+            if n and self.reserve(seq, n, out):
+                budget -= n
+        if self.policy == "continuous" and not out.preempted:  # no newcomers while evicting
+            for seq in self.waiting_in_order():
+                if len(self.running) >= self.max_num_seqs or budget == 0:
                     break
-            if copies is None:
-                continue
-            self._run(seq, n, copies, out)
-            budget -= n
-        if self.policy == "continuous" and not out.preempted:
-            self._admit(out, budget)
+                n = self.try_admit(seq, budget, out)
+                if n == 0:
+                    break  # FCFS: nobody overtakes the head of the queue
+                budget -= n
         return out
 
-    def _tokens_to_run(self, seq: Sequence, budget: int, first_in_step: bool) -> int:
+    # ----------------------------------------------------------------------------------------
+    # The building blocks of a step (also what the chapter's exercise is written with)
+    # ----------------------------------------------------------------------------------------
+
+    def running_in_order(self) -> list[Sequence]:
+        """Running sequences, decodes first (cheap, and a user waits on each token), then
+        prefills in progress; each group by priority, then arrival."""
+        return sorted(self.running, key=lambda s: (len(s) - s.num_computed_tokens > 1, s.sort_key))
+
+    def waiting_in_order(self) -> list[Sequence]:
+        return sorted(self.waiting, key=lambda s: s.sort_key)
+
+    def tokens_to_run(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        """How many of ``seq``'s uncomputed tokens fit in what is left of the budget (0: none)."""
         remaining = len(seq) - seq.num_computed_tokens
         if self.enable_chunked_prefill:
             return min(remaining, budget)
         # Whole prompts only; a prompt larger than the whole budget may run alone in a step.
-        return remaining if remaining <= budget or first_in_step else 0
+        return remaining if remaining <= budget or not out.chunks else 0
 
-    def _run(self, seq: Sequence, n: int, copies: list[tuple[int, int]], out: SchedulerOutput) -> None:
+    def reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Schedule ``n`` tokens of running ``seq``, allocating blocks for them. When the pool is
+        full, preempt the lowest-priority running sequence not yet scheduled this step — which
+        may be ``seq`` itself (then return False)."""
+        while (copies := self.block_manager.allocate_slots(seq, n)) is None:
+            scheduled = [c.seq for c in out.chunks]
+            candidates = [s for s in self.running if s is not seq and s not in scheduled]
+            victim = max(candidates, key=lambda s: s.sort_key, default=seq)
+            if victim.sort_key < seq.sort_key:
+                victim = seq  # everyone left outranks seq: it yields instead
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
         out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
         out.copies.extend(copies)
+        return True
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        """Continuous batching: start waiting sequences while seats, budget and blocks last."""
-        self.waiting.sort(key=lambda s: s.sort_key)
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
-            seq = self.waiting[0]
-            self.block_manager.match_prefix(seq)
-            n = self._tokens_to_run(seq, budget, first_in_step=not out.chunks)
-            copies = self.block_manager.allocate_slots(seq, n) if n else None
-            if copies is None:  # no room this step: undo the prefix lookup, keep FCFS order
-                self.block_manager.cancel_prefix(seq)
-                return
-            self.waiting.pop(0)
-            self._start(seq, out)
-            self._run(seq, n, copies, out)
-            budget -= n
+    def try_admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        """Start waiting ``seq`` if its first chunk fits the budget and the pool; return the
+        tokens scheduled (0: it stays waiting, nothing changed)."""
+        self.block_manager.match_prefix(seq)  # cached prefix blocks need no compute
+        n = self.tokens_to_run(seq, budget, out)
+        copies = self.block_manager.allocate_slots(seq, n) if n else None
+        if copies is None:
+            self.block_manager.cancel_prefix(seq)
+            return 0
+        self.waiting.remove(seq)
+        self._start(seq, out)
+        out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+        out.copies.extend(copies)
+        return n
 
     def _batch_ready(self, now: float) -> bool:
         if not self.waiting:
@@ -167,16 +188,14 @@ class Scheduler:
 
     def _start_batch(self, out: SchedulerOutput) -> None:
         """Static/dynamic: the batch is fixed now, as many as fit (prompts' blocks) up to ``max_num_seqs``."""
-        self.waiting.sort(key=lambda s: s.sort_key)
         free = self.block_manager.num_free_blocks
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in self.waiting_in_order()[: self.max_num_seqs]:
             need = self.block_manager.blocks_for(len(seq))
             if self.running and need > free:
                 break
             free -= need
             self.block_manager.match_prefix(seq)
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             self._start(seq, out)
 
     def _start(self, seq: Sequence, out: SchedulerOutput) -> None:

@@ -7,6 +7,13 @@ notebook and work the same on CPU and CUDA.
 
 from minillm.viz.kv_memory import KV_PRESETS, KVPreset, kv_cache_bytes, kv_memory_figure, kv_memory_widget
 from minillm.viz.roofline import MachinePeaks, RooflinePoint, measure_machine, measure_step_points, roofline_figure
+from minillm.viz.serving import (
+    batching_segments,
+    batching_timeline,
+    block_table_explorer,
+    compare_timelines,
+    latency_percentiles,
+)
 from minillm.viz.timeline import latency_timeline
 
 __all__ = [
@@ -14,9 +21,14 @@ __all__ = [
     "KVPreset",
     "MachinePeaks",
     "RooflinePoint",
+    "batching_segments",
+    "batching_timeline",
+    "block_table_explorer",
+    "compare_timelines",
     "kv_cache_bytes",
     "kv_memory_figure",
     "kv_memory_widget",
+    "latency_percentiles",
     "latency_timeline",
     "measure_machine",
     "measure_step_points",
