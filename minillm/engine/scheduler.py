@@ -32,16 +32,20 @@ from minillm.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledChunk:
-    """``num_tokens`` tokens of ``seq`` starting at ``start`` run this step."""
+    """``num_tokens`` tokens of ``seq`` starting at ``start`` run this step.
+
+    ``samples``: the chunk reaches the end of the sequence, so a next token is sampled from
+    its last position (a prefill chunk that stops mid-prompt does not). Fixed when scheduled:
+    the sequence grows once the token is appended.
+    """
 
     seq: Sequence
     start: int
     num_tokens: int
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """Does this chunk reach the end of the sequence, so a next token is sampled?"""
-        return self.start + self.num_tokens == len(self.seq)
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_tokens == len(self.seq)
 
     @property
     def is_decode(self) -> bool:
