@@ -63,6 +63,33 @@ def test_generate_stream_matches_plain(tiny_model, capsys):
     assert capsys.readouterr().out == plain
 
 
+@pytest.mark.parametrize(
+    "engine_flags",
+    [
+        ["--mode", "kv_cache"],
+        ["--scheduling-policy", "static", "--block-size", "4", "--no-prefix-caching"],
+        ["--no-chunked-prefill", "--kv-cache-memory", "0.01", "--max-num-seqs", "1"],
+    ],
+)
+def test_engine_flags_give_the_same_tokens(tiny_model, capsys, engine_flags):
+    args = ["generate", "--model", str(tiny_model), "--dtype", "fp32", "--prompt", "To be", "--prompt", "Caches"]
+    args += ["--max-tokens", "6", "--ignore-eos", "--json"]
+    assert main(args) == 0
+    default = [json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()]
+    assert main([*args, *engine_flags]) == 0
+    assert [json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()] == default
+
+
+def test_bad_engine_flags_are_clean_errors(tiny_model, capsys):
+    base = ["generate", "--model", str(tiny_model), "--prompt", "x"]
+    assert main([*base, "--block-size", "0"]) == 2
+    assert "block_size=0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main([*base, "--kv-cache-memory", "lots"])
+    assert exit_info.value.code == 2
+    assert "'lots' is not a number of bytes" in capsys.readouterr().err
+
+
 def test_generate_chat(tiny_model, capsys):
     assert main(["generate", "--model", str(tiny_model), "--chat", "--prompt", "hi", "--max-tokens", "3"]) == 0
 
