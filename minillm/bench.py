@@ -115,7 +115,10 @@ def run_generate_benchmark(
     machine = None
     for dtype_name in dtypes:
         dtype = parse_dtype(dtype_name)
-        llm = LLM(model, dtype=dtype_name, device=device, compile=compile)
+        if compile:  # the compiled decode step belongs to the contiguous-cache engine
+            llm = LLM(model, dtype=dtype_name, device=device, mode="kv_cache", compile=True)
+        else:  # the default paged engine; no prefix caching: the repeats reuse the same prompts
+            llm = LLM(model, dtype=dtype_name, device=device, enable_prefix_caching=False)
         machine = machine or machine_description(llm.device)
         hf = None
         if include_hf:

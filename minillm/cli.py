@@ -245,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="auto")
     p.add_argument("--no-hf", action="store_true", help="skip the HF baseline")
-    p.add_argument("--compile", action="store_true", help="torch.compile minillm's decode step (slow start)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (mode kv_cache; slow start)")
     p.add_argument("--out", default=None, help="folder for the JSON result (default: print only)")
     p.set_defaults(func=cmd_bench)
 

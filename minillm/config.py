@@ -197,7 +197,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     cpu_prepack: bool = True  # oneDNN-prepacked linears on CPU where supported (measured faster)
-    compile: bool = False  # torch.compile the decode step (one-time cost: minutes on a small CPU)
+    compile: bool = False  # torch.compile the decode step, mode="kv_cache" only (costs minutes on a small CPU)
     # The paged engine (mode="paged").
     scheduling_policy: str = "continuous"
     block_size: int = 16
@@ -210,6 +210,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.mode not in EXECUTION_MODES:
             raise ValueError(f"mode={self.mode!r}; expected one of {EXECUTION_MODES}")
+        if self.compile and self.mode != "kv_cache":
+            raise ValueError(
+                f"compile=True needs mode='kv_cache' (got mode={self.mode!r}): the compiled decode step is the "
+                "contiguous cache's; the paged engine's flat batches change shape every step"
+            )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy={self.scheduling_policy!r}; expected one of {SCHEDULING_POLICIES}")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:

@@ -137,8 +137,8 @@ def test_compiled_decode_matches_eager(tiny_model, prepack):
     """torch.compile'd decode steps reproduce the eager engine: one sequence, aligned and
     ragged batches, with (fp32: compiled single-row steps, packed batched steps) and without
     prepacked weights."""
-    compiled = LLM(tiny_model, dtype="fp32", compile=True, cpu_prepack=prepack)
-    eager = LLM(tiny_model, dtype="fp32", cpu_prepack=False)
+    compiled = LLM(tiny_model, dtype="fp32", mode="kv_cache", compile=True, cpu_prepack=prepack)
+    eager = LLM(tiny_model, dtype="fp32", mode="kv_cache", cpu_prepack=False)
     for prompts in ([[5, 6, 7]], [[5, 6, 7], [8, 9, 10]], PROMPTS):
         params = SamplingParams(max_tokens=12, ignore_eos=True)
         assert [o.token_ids for o in compiled.generate(prompts, params)] == [

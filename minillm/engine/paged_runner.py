@@ -40,7 +40,7 @@ class PagedModelRunner:
         slots: list[int] = []
         logit_rows: list[int] = []
         sampled: list[ScheduledChunk] = []
-        for c in decodes + prefills:
+        for c in decodes + prefills:  # the flat layout: decodes first, then prefill chunks
             table = self.block_tables(c.seq)
             ids.extend(c.seq.token_ids[c.start : c.start + c.num_tokens])
             positions.extend(range(c.start, c.start + c.num_tokens))
@@ -48,13 +48,26 @@ class PagedModelRunner:
             if c.samples:
                 logit_rows.append(len(ids) - 1)
                 sampled.append(c)
-        meta = PagedAttentionMetadata(self.cache, self._tensor(slots), num_decodes=len(decodes))
+        order = decodes + prefills
+        cu_seqlens = [0]
+        for c in order:
+            cu_seqlens.append(cu_seqlens[-1] + c.num_tokens)
+        meta = PagedAttentionMetadata(
+            self.cache,
+            self._tensor(slots),
+            cu_seqlens=self._tensor(cu_seqlens),
+            context_lens=self._tensor([c.start + c.num_tokens for c in order]),
+            num_decodes=len(decodes),
+        )
         if decodes:
             context = [c.start + 1 for c in decodes]
             width = -(-max(context) // bs)
             tables = [self.block_tables(c.seq)[:width] for c in decodes]
             meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in tables])
-            meta.decode_mask = decode_mask(self._tensor(context), width * bs)
+            if min(context) == max(context):
+                meta.decode_len = context[0]
+            else:
+                meta.decode_mask = decode_mask(self._tensor(context), width * bs)
         row = len(decodes)
         for c in prefills:
             context = c.start + c.num_tokens
