@@ -89,7 +89,9 @@ def run_hf(model_dir, requests, dtype, device, batch_size: int, max_batches: int
             times = [clock + t - start for t in streamer.times[: r.max_tokens]]
             metrics = RequestMetrics(arrival_time=r.arrival_time, first_scheduled_time=clock, token_times=times)
             metrics.finished_time = times[-1]
-            outputs.append(RequestOutput(r.request_id, "", r.prompt_token_ids, "", [0] * r.max_tokens, "length", metrics))
+            outputs.append(
+                RequestOutput(r.request_id, "", r.prompt_token_ids, "", [0] * r.max_tokens, "length", metrics)
+            )
         clock += streamer.times[-1] - start
     del hf
     return outputs
@@ -143,7 +145,9 @@ def main(argv=None) -> dict:
         outputs, engine = run_minillm(args.model, workload, policy, **engine_args)
         report = run_report(outputs, engine.step_records, slo)
         rows[f"minillm {policy}"] = report.summary()
-        print(f"minillm {policy:>10}: {report.output_throughput:7.1f} output tok/s, p99 TTFT {report.ttft['p99']:.2f} s")
+        print(
+            f"minillm {policy:>10}: {report.output_throughput:7.1f} output tok/s, p99 TTFT {report.ttft['p99']:.2f} s"
+        )
     device, dtype = engine.device, engine.dtype
     machine = machine_description(device)
     if not args.skip_hf:

@@ -142,7 +142,9 @@ def test_double_free_and_misuse_are_reported():
         bm.allocate_slots(Seq(5, [1]), 1)
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [(dict(block_size=0), "block_size=0"), (dict(num_blocks=0), "num_blocks=0")])
+@pytest.mark.parametrize(
+    ("kwargs", "message"), [(dict(block_size=0), "block_size=0"), (dict(num_blocks=0), "num_blocks=0")]
+)
 def test_invalid_sizes(kwargs, message):
     args = dict(num_blocks=4, block_size=4) | kwargs
     with pytest.raises(ValueError, match=message):
@@ -159,7 +161,9 @@ def test_random_interleavings_keep_every_invariant(seed):
     for _ in range(400):
         op = rng.random()
         if op < 0.3 or not live:  # add: a prompt that may share a prefix
-            tokens = list(rng.choice(prefixes)[: rng.randrange(13)]) + [rng.randrange(5) for _ in range(rng.randrange(1, 6))]
+            tokens = list(rng.choice(prefixes)[: rng.randrange(13)]) + [
+                rng.randrange(5) for _ in range(rng.randrange(1, 6))
+            ]
             seq = Seq(next_id, tokens)
             next_id += 1
             bm.match_prefix(seq)

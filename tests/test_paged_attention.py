@@ -61,8 +61,11 @@ def test_mixed_step_matches_contiguous_attention(backend, heads, kv_heads):
         v_rows.append(v_all[cached:])
         positions = torch.arange(cached, total)[None]
         ref = attention(
-            q_new.transpose(0, 1)[None], k_all.transpose(0, 1)[None], v_all.transpose(0, 1)[None],
-            causal_mask(positions, total), head_dim**-0.5,
+            q_new.transpose(0, 1)[None],
+            k_all.transpose(0, 1)[None],
+            v_all.transpose(0, 1)[None],
+            causal_mask(positions, total),
+            head_dim**-0.5,
         )
         expected.append(ref[0].transpose(0, 1))
         if new > 1:

@@ -234,8 +234,12 @@ def test_kv_naive_modes_run_through_the_same_api(tiny_model, reference):
 
 
 def test_workloads_are_seeded_and_round_trip(tmp_path):
-    a = poisson_workload(20, rate=5.0, prompt_lengths=(4, 30), output_lengths=Lengths(2, 40, "lognormal"), vocab_size=400, seed=3)
-    b = poisson_workload(20, rate=5.0, prompt_lengths=(4, 30), output_lengths=Lengths(2, 40, "lognormal"), vocab_size=400, seed=3)
+    a = poisson_workload(
+        20, rate=5.0, prompt_lengths=(4, 30), output_lengths=Lengths(2, 40, "lognormal"), vocab_size=400, seed=3
+    )
+    b = poisson_workload(
+        20, rate=5.0, prompt_lengths=(4, 30), output_lengths=Lengths(2, 40, "lognormal"), vocab_size=400, seed=3
+    )
     assert a == b
     assert all(4 <= len(r.prompt_token_ids) <= 30 and 2 <= r.max_tokens <= 40 for r in a)
     assert all(x.arrival_time < y.arrival_time for x, y in zip(a, a[1:]))

@@ -85,7 +85,7 @@ def _compare_requests(outputs: dict, expected: list[list[int]], what: str, hint:
             i = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
             raise CheckFailed(
                 f"{what}: request {n} ({PROMPTS[n % len(PROMPTS)][:20]!r}...) differs from the reference at "
-                f"token {i} (got {got[i:i + 3]}, expected {ref[i:i + 3]}). Hint: {hint}"
+                f"token {i} (got {got[i : i + 3]}, expected {ref[i : i + 3]}). Hint: {hint}"
             )
 
 
@@ -139,7 +139,12 @@ def check_slot_mapping(slot_mapping, model: str = DEFAULT_MODEL) -> str:
     engine.block_manager.free_ids.rotate(7)
     with _patched(paged_runner, "slot_mapping", slot_mapping):
         outputs = _run_all(engine, PROMPTS)
-    _compare_requests(outputs, _reference(model, tuple(PROMPTS)), "the engine writing K/V through your slot mapping", "check positions that cross a block boundary")
+    _compare_requests(
+        outputs,
+        _reference(model, tuple(PROMPTS)),
+        "the engine writing K/V through your slot mapping",
+        "check positions that cross a block boundary",
+    )
     return f"the paged engine wrote every K/V through your slot mapping: {len(PROMPTS)} requests match the contiguous cache"
 
 
@@ -165,7 +170,12 @@ def check_block_hash(block_hash, model: str = DEFAULT_MODEL) -> str:
     with _patched(bm_module, "block_hash", block_hash):
         first = _run_all(engine, prompts[:1])
         rest = _run_all(engine, prompts[1:])
-    _compare_requests(first | rest, _reference(model, tuple(prompts)), "requests with a cached prefix", "hash (parent_hash, tuple(token_ids))")
+    _compare_requests(
+        first | rest,
+        _reference(model, tuple(prompts)),
+        "requests with a cached prefix",
+        "hash (parent_hash, tuple(token_ids))",
+    )
     hits = [o.num_cached_tokens for o in rest.values()]
     if min(hits) == 0:
         raise CheckFailed("later requests sharing the system prompt found nothing in the prefix cache")
@@ -186,11 +196,15 @@ def check_block_allocation(take_free_block, release_block, model: str = DEFAULT_
     if any(bm.blocks[b].ref_count != 1 for b in taken):
         raise CheckFailed("a newly taken block should have ref_count 1 (one owner)")
     if bm.free_ids:
-        raise CheckFailed("taken blocks are still on bm.free_ids: remove a block from the free list when you hand it out")
+        raise CheckFailed(
+            "taken blocks are still on bm.free_ids: remove a block from the free list when you hand it out"
+        )
     bm.blocks[taken[1]].ref_count = 2  # shared by two sequences
     release_block(bm, taken[1])
     if taken[1] in bm.free_ids:
-        raise CheckFailed("a block shared by two sequences went back on the free list after one release: decrement ref_count, free at 0")
+        raise CheckFailed(
+            "a block shared by two sequences went back on the free list after one release: decrement ref_count, free at 0"
+        )
     release_block(bm, taken[1])
     release_block(bm, taken[0])
     if sorted(bm.free_ids) != sorted([taken[0], taken[1]]):
@@ -208,20 +222,31 @@ def check_block_allocation(take_free_block, release_block, model: str = DEFAULT_
     bm.cached[1234] = first
     release_block(bm, first)
     if first in bm.free_ids or first not in bm.evictable:
-        raise CheckFailed("a released block with a prefix hash should go to bm.evictable (kept for the cache), not the free list")
+        raise CheckFailed(
+            "a released block with a prefix hash should go to bm.evictable (kept for the cache), not the free list"
+        )
     second = take_free_block(bm)
     if second == first:
-        raise CheckFailed("a cached block was reused while the free list still had a block: evict only when it is empty")
+        raise CheckFailed(
+            "a cached block was reused while the free list still had a block: evict only when it is empty"
+        )
     third = take_free_block(bm)
     if third != first or 1234 in bm.cached or bm.blocks[first].hash is not None:
-        raise CheckFailed("with the free list empty, evict the least recently used cached block: pop it from bm.evictable, delete its hash from bm.cached and clear block.hash")
+        raise CheckFailed(
+            "with the free list empty, evict the least recently used cached block: pop it from bm.evictable, delete its hash from bm.cached and clear block.hash"
+        )
     # The real engine on the learner's allocator: shared prefixes and a pool small enough to preempt.
     prompts = [SYSTEM + p for p in PROMPTS]
     engine = _paged_engine(model, block_size=4, kv_cache_memory=_pool_bytes(model, 40, 4))
     with _patched(BlockManager, "_take_free_block", take_free_block), _patched(BlockManager, "_unref", release_block):
         outputs = _run_all(engine, prompts)
         _check_pool(engine)
-    _compare_requests(outputs, _reference(model, tuple(prompts)), "the engine on your allocator", "compare with the block manager's own methods")
+    _compare_requests(
+        outputs,
+        _reference(model, tuple(prompts)),
+        "the engine on your allocator",
+        "compare with the block manager's own methods",
+    )
     preemptions = sum(o.num_preemptions for o in outputs.values())
     return (
         f"the engine ran {len(prompts)} requests on your allocator in a 40-block pool ({preemptions} preemptions, "
@@ -240,8 +265,9 @@ def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -
     from minillm.engine.scheduler import Scheduler
 
     budget = 16
-    engine = _paged_engine(model, block_size=4, max_num_batched_tokens=budget, max_num_seqs=4,
-                           kv_cache_memory=_pool_bytes(model, 48, 4))
+    engine = _paged_engine(
+        model, block_size=4, max_num_batched_tokens=budget, max_num_seqs=4, kv_cache_memory=_pool_bytes(model, 48, 4)
+    )
     steps = []
 
     def schedule(self, now):
@@ -250,7 +276,9 @@ def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -
         if out is None:
             raise CheckFailed("schedule_continuous returned None: return the SchedulerOutput you filled")
         if out.num_tokens > self.max_num_batched_tokens:
-            raise CheckFailed(f"a step scheduled {out.num_tokens} tokens, over the budget of {self.max_num_batched_tokens}")
+            raise CheckFailed(
+                f"a step scheduled {out.num_tokens} tokens, over the budget of {self.max_num_batched_tokens}"
+            )
         if len(self.running) > self.max_num_seqs:
             raise CheckFailed(f"{len(self.running)} sequences running, more than max_num_seqs={self.max_num_seqs}")
         steps.append(out)
@@ -280,7 +308,12 @@ def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -
             "no request ever joined while others were running: that is static batching. Admit waiting "
             "sequences in the same step as the running ones, while seats, budget and blocks last"
         )
-    _compare_requests({i: done[i] for i in ids}, _reference(model, tuple(PROMPTS)), "requests under your scheduler", "schedule decodes first, then admit in FCFS order")
+    _compare_requests(
+        {i: done[i] for i in ids},
+        _reference(model, tuple(PROMPTS)),
+        "requests under your scheduler",
+        "schedule decodes first, then admit in FCFS order",
+    )
     _check_pool(engine)
     preemptions = sum(o.num_preemptions for o in done.values())
     return (

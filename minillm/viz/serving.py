@@ -166,7 +166,9 @@ def batching_segments(step_records: list[StepRecord], outputs) -> list[dict]:
     return segments
 
 
-def batching_timeline(step_records: list[StepRecord], outputs, title: str = "Batching timeline", max_requests: int = 40):
+def batching_timeline(
+    step_records: list[StepRecord], outputs, title: str = "Batching timeline", max_requests: int = 40
+):
     """One row per request (the first ``max_requests`` by arrival): what it was doing over time."""
     import plotly.graph_objects as go
 
@@ -210,9 +212,7 @@ def compare_timelines(runs: dict[str, tuple[list[StepRecord], list]], max_reques
             trace.legendgroup = trace.name
             fig.add_trace(trace, row=i, col=1)
         fig.update_yaxes(autorange="reversed", showticklabels=False, title="requests", row=i, col=1)
-    fig.update_layout(
-        barmode="overlay", template="plotly_white", height=160 + len(runs) * (60 + 10 * max_requests)
-    )
+    fig.update_layout(barmode="overlay", template="plotly_white", height=160 + len(runs) * (60 + 10 * max_requests))
     fig.update_xaxes(title="seconds since the first arrival", row=len(runs), col=1)
     return fig
 
