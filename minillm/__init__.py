@@ -7,11 +7,21 @@ Public API::
     print(llm.generate("The capital of France is", SamplingParams(max_tokens=8))[0].text)
 """
 
-from minillm.config import EngineConfig, ModelConfig
-from minillm.engine import LLM, LLMEngine
-from minillm.errors import ModelLoadError, ModelNotFoundError, PromptTooLongError
-from minillm.sampling import SamplingParams
-from minillm.sequence import RequestMetrics, RequestOutput, StreamDelta
+import os as _os
+
+import torch as _torch
+
+# Without CUDA, Triton kernels can only run in Triton's interpreter, and the switch must be set
+# before anything (transformers, for one) imports triton: its own helper functions are
+# compiled for one mode or the other at import time.
+if not _torch.cuda.is_available():
+    _os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from minillm.config import EngineConfig, ModelConfig  # noqa: E402
+from minillm.engine import LLM, LLMEngine  # noqa: E402
+from minillm.errors import ModelLoadError, ModelNotFoundError, PromptTooLongError  # noqa: E402
+from minillm.sampling import SamplingParams  # noqa: E402
+from minillm.sequence import RequestMetrics, RequestOutput, StreamDelta  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -242,6 +242,13 @@ class EngineConfig:
         from minillm.attention import get_backend
 
         get_backend(self.attention_backend)  # raises ValueError naming a bad backend
+        if self.attention_backend == "triton":
+            from minillm.attention import triton_available
+
+            if self.mode != "paged":
+                raise ValueError(f"attention_backend='triton' needs mode='paged' (got mode={self.mode!r})")
+            if not triton_available():
+                raise ValueError("attention_backend='triton' needs the triton package: pip install triton")
 
     @property
     def token_budget(self) -> int:

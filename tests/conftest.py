@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import minillm  # noqa: F401  (first: without CUDA it switches Triton to its interpreter before anything imports triton)
+
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

@@ -43,7 +43,14 @@ class PagedAttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
     decode_len: int | None = None  # set instead of a mask when every decode row has this context length
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes]
+    decode_max_context: int = 0
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # The prefill chunks again as tensors, for kernels that take them all in one launch.
+    prefill_cu_seqlens: torch.Tensor | None = None  # [P + 1], relative to the first prefill row
+    prefill_context_lens: torch.Tensor | None = None  # [P]
+    prefill_block_tables: torch.Tensor | None = None  # [P, max_blocks]
+    prefill_max_tokens: int = 0
 
 
 def paged_attention(
@@ -82,6 +89,51 @@ def _decode(q, layer, meta, scale, attention_fn) -> torch.Tensor:
         ks, vs = ks[:, :, : meta.decode_len], vs[:, :, : meta.decode_len]  # and fused kernels run faster
     o = attention_fn(q.unsqueeze(2), ks, vs, meta.decode_mask, False, scale)  # [B, H, 1, D]
     return o.squeeze(2)
+
+
+def triton_paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    meta: PagedAttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """The same step with the Triton kernels: fused K/V write, paged decode, paged FlashAttention
+    for the prefill chunks (which read their keys — cached prefix and new tokens alike — from
+    the pool)."""
+    from minillm.attention.triton_kernels import flash_attention, paged_decode, write_kv
+
+    cache = meta.cache
+    k_pool, v_pool = cache.k_slots[layer], cache.v_slots[layer]
+    write_kv(k, v, k_pool, v_pool, meta.slot_mapping)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    nd = meta.num_decodes
+    if nd:
+        out[:nd] = paged_decode(
+            q[:nd],
+            k_pool,
+            v_pool,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            scale,
+            cache.block_size,
+            meta.decode_max_context,
+        )
+    if meta.prefills:
+        out[nd:] = flash_attention(
+            q[nd:],
+            k_pool,
+            v_pool,
+            meta.prefill_cu_seqlens,
+            meta.prefill_context_lens,
+            meta.prefill_max_tokens,
+            scale,
+            causal=True,
+            block_tables=meta.prefill_block_tables,
+            block_size=cache.block_size,
+        )
+    return out
 
 
 def prefix_mask(context_len: int, num_new: int, device: torch.device) -> torch.Tensor:

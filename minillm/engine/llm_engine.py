@@ -28,6 +28,7 @@ from typing import Union
 import torch
 
 from minillm.assets import resolve_model
+from minillm.attention import resolve_backend
 from minillm.config import EngineConfig, ModelConfig
 from minillm.engine.paged_runner import PagedModelRunner
 from minillm.engine.runner import CachedRunner, NaiveRunner
@@ -80,7 +81,8 @@ class LLMEngine:
             num_blocks = self._num_kv_blocks()  # validated before the (slow) weight loading
         self.tokenizer = Tokenizer(self.model_dir)
         self.model = load_model(self.model_dir, self.dtype, self.device, max_positions=self.max_model_len)
-        self.model.set_attention_backend(config.attention_backend)
+        self.attention_backend = resolve_backend(config.attention_backend, self.device, self.mode)
+        self.model.set_attention_backend(self.attention_backend)
         self._apply_cpu_fast_paths()
         self._rng = random.Random(config.seed)
         self._next_id = 0

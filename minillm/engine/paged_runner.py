@@ -64,6 +64,8 @@ class PagedModelRunner:
             width = -(-max(context) // bs)
             tables = [self.block_tables(c.seq)[:width] for c in decodes]
             meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in tables])
+            meta.decode_context_lens = self._tensor(context)
+            meta.decode_max_context = max(context)
             if min(context) == max(context):
                 meta.decode_len = context[0]
             else:
@@ -78,6 +80,13 @@ class PagedModelRunner:
                 span.mask = prefix_mask(context, c.num_tokens, self.device)
             meta.prefills.append(span)
             row += c.num_tokens
+        if prefills:
+            tables = [self.block_tables(c.seq)[: -(-(c.start + c.num_tokens) // bs)] for c in prefills]
+            width = max(len(t) for t in tables)
+            meta.prefill_block_tables = self._tensor([t + [0] * (width - len(t)) for t in tables])
+            meta.prefill_cu_seqlens = self._tensor([cu - len(decodes) for cu in cu_seqlens[len(decodes) :]])
+            meta.prefill_context_lens = self._tensor([c.start + c.num_tokens for c in prefills])
+            meta.prefill_max_tokens = max(c.num_tokens for c in prefills)
         batch = PagedForwardBatch(self._tensor(ids), self._tensor(positions), meta, self._tensor(logit_rows))
         return batch, sampled
 

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minillm.attention import AttentionFn, causal_mask, get_backend
-from minillm.attention.paged import PagedAttentionMetadata, paged_attention
+from minillm.attention import AttentionFn, causal_mask, get_backend, get_paged_backend
+from minillm.attention.paged import PagedAttentionMetadata
 from minillm.config import ModelConfig
 from minillm.kvcache import ContiguousKVCache
 from minillm.models.rope import RotaryEmbedding, apply_rope
@@ -128,7 +128,8 @@ class Attention(nn.Module):
         qk = apply_rope(qkv[:, :, : h + kv], cos, sin)  # q and k heads rotated in one go
         if isinstance(batch, PagedForwardBatch):  # flat tokens: b == 1, t == N
             q, k, v = qk[0, :, :h], qk[0, :, h:], qkv[0, :, h + kv :]
-            out = paged_attention(q, k, v, self.layer_index, batch.attention, self.scale, attention_fn)
+            # For a flat batch, attention_fn is the backend's *paged* attention.
+            out = attention_fn(q, k, v, self.layer_index, batch.attention, self.scale)
             return self.o_proj(out.reshape(b, t, self.q_size))
         q = qk[:, :, :h].transpose(1, 2)  # [B, H, T, D]
         k = qk[:, :, h:].transpose(1, 2)  # [B, KV, T, D]
@@ -179,11 +180,14 @@ class LlamaForCausalLM(nn.Module):
         )
         self.rope: RotaryEmbedding | None = None
         self.attention_fn: AttentionFn = get_backend("auto")
+        self.paged_attention_fn = get_paged_backend("sdpa")
         self._compiled_step = None
         self._compiled_single_row_only = False
 
     def set_attention_backend(self, name: str) -> None:
+        """``torch`` | ``sdpa`` | ``triton`` (resolve ``auto`` first: ``attention.resolve_backend``)."""
         self.attention_fn = get_backend(name)
+        self.paged_attention_fn = get_paged_backend(name)
 
     def init_rope(self, max_positions: int) -> None:
         """Build the cos/sin table once weights are on their device (it is not a parameter)."""
@@ -246,7 +250,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(batch.input_ids)[None]
         cos, sin = self.rope.lookup(batch.positions[None], x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, batch, None, self.attention_fn)
+            x = layer(x, cos, sin, batch, None, self.paged_attention_fn)
         return self._logits(x[0, batch.logit_index])
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,194 @@
+"""Triton kernels against the PyTorch reference.
+
+Without CUDA they run under Triton's interpreter (``minillm`` sets ``TRITON_INTERPRET=1``), so
+shapes stay small; with CUDA the same tests run on the GPU, plus larger shapes. Tolerances:
+fp32 1e-5 on the interpreter (exact fp32 arithmetic), 2e-3 on a GPU (tf32-free "ieee" dots,
+but a different summation order); bf16/fp16 inputs are compared after the reference's own
+rounding of the output (2e-2).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minillm import LLM, SamplingParams
+from minillm.attention import triton_available
+from minillm.attention.torch_ref import attention, causal_mask
+
+if not triton_available():
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+from minillm.attention.triton_kernels import flash_attention, paged_decode, write_kv  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+FP32_TOL = 2e-3 if DEVICE.type == "cuda" else 1e-5
+
+
+def reference(q, k, v, causal: bool) -> torch.Tensor:
+    """``q[T, H, D]`` (the last T of S positions) against ``k, v[S, KV, D]``, in fp32."""
+    t, s = q.shape[0], k.shape[0]
+    mask = causal_mask(torch.arange(s - t, s, device=q.device)[None], s) if causal else None
+    out = attention(
+        q.float().transpose(0, 1)[None],
+        k.float().transpose(0, 1)[None],
+        v.float().transpose(0, 1)[None],
+        mask,
+        q.shape[-1] ** -0.5,
+    )
+    return out[0].transpose(0, 1)
+
+
+def scatter_into_pool(seqs_k, seqs_v, block_size, num_blocks, gen):
+    """Write each sequence's K/V into randomly chosen, non-contiguous blocks of a pool."""
+    kv_heads, dim = seqs_k[0].shape[1:]
+    k_pool = torch.zeros(num_blocks * block_size, kv_heads, dim, dtype=seqs_k[0].dtype, device=DEVICE)
+    v_pool = torch.zeros_like(k_pool)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = []
+    for k, v in zip(seqs_k, seqs_v):
+        table = [free.pop() for _ in range(-(-k.shape[0] // block_size))]
+        slots = torch.tensor(
+            [table[p // block_size] * block_size + p % block_size for p in range(k.shape[0])], device=DEVICE
+        )
+        k_pool[slots], v_pool[slots] = k, v
+        tables.append(table)
+    width = max(len(t) for t in tables)
+    return k_pool, v_pool, torch.tensor([t + [0] * (width - len(t)) for t in tables], device=DEVICE)
+
+
+CASES = [  # (heads, kv_heads, head_dim, [(new tokens, total keys) per sequence])
+    (4, 4, 64, [(1, 1), (7, 7), (33, 33)]),  # MHA, lengths 1 and non-multiples of the tile
+    (6, 2, 64, [(5, 20), (16, 16), (1, 9)]),  # GQA 3, prefixes already cached
+    (8, 1, 128, [(9, 9), (3, 40)]),  # MQA (GQA 8), head_dim 128
+]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "lengths"), CASES)
+def test_flash_attention_packed(heads, kv_heads, dim, lengths, causal):
+    gen = torch.Generator().manual_seed(0)
+    qs = [torch.randn(t, heads, dim, generator=gen).to(DEVICE) for t, _ in lengths]
+    ks = [torch.randn(s, kv_heads, dim, generator=gen).to(DEVICE) for _, s in lengths]
+    vs = [torch.randn(s, kv_heads, dim, generator=gen).to(DEVICE) for _, s in lengths]
+    cu_q = torch.tensor([0] + torch.tensor([t for t, _ in lengths]).cumsum(0).tolist(), device=DEVICE)
+    cu_k = torch.tensor([0] + torch.tensor([s for _, s in lengths]).cumsum(0).tolist(), device=DEVICE)
+    out = flash_attention(
+        torch.cat(qs), torch.cat(ks), torch.cat(vs), cu_q, torch.tensor([s for _, s in lengths], device=DEVICE),
+        max(t for t, _ in lengths), dim**-0.5, causal=causal, cu_seqlens_k=cu_k, block_m=16, block_n=16,
+    )  # fmt: skip
+    for i in range(len(lengths)):
+        expected = reference(qs[i], ks[i], vs[i], causal)
+        torch.testing.assert_close(out[cu_q[i] : cu_q[i + 1]], expected, atol=FP32_TOL, rtol=FP32_TOL)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "lengths"), CASES)
+def test_flash_attention_paged_prefix(heads, kv_heads, dim, lengths):
+    """Prefill chunks that continue a cached prefix, their keys read from scattered pool blocks."""
+    gen = torch.Generator().manual_seed(1)
+    qs = [torch.randn(t, heads, dim, generator=gen).to(DEVICE) for t, _ in lengths]
+    ks = [torch.randn(s, kv_heads, dim, generator=gen).to(DEVICE) for _, s in lengths]
+    vs = [torch.randn(s, kv_heads, dim, generator=gen).to(DEVICE) for _, s in lengths]
+    k_pool, v_pool, tables = scatter_into_pool(ks, vs, 4, 40, gen)
+    cu_q = torch.tensor([0] + torch.tensor([t for t, _ in lengths]).cumsum(0).tolist(), device=DEVICE)
+    out = flash_attention(
+        torch.cat(qs), k_pool, v_pool, cu_q, torch.tensor([s for _, s in lengths], device=DEVICE),
+        max(t for t, _ in lengths), dim**-0.5, causal=True, block_tables=tables, block_size=4, block_m=16, block_n=16,
+    )  # fmt: skip
+    for i in range(len(lengths)):
+        torch.testing.assert_close(
+            out[cu_q[i] : cu_q[i + 1]], reference(qs[i], ks[i], vs[i], True), atol=FP32_TOL, rtol=FP32_TOL
+        )
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 64), (6, 2, 64), (8, 1, 128)])
+def test_paged_decode(heads, kv_heads, dim, splits):
+    gen = torch.Generator().manual_seed(2)
+    contexts = [1, 17, 50]
+    ks = [torch.randn(s, kv_heads, dim, generator=gen).to(DEVICE) for s in contexts]
+    vs = [torch.randn(s, kv_heads, dim, generator=gen).to(DEVICE) for s in contexts]
+    k_pool, v_pool, tables = scatter_into_pool(ks, vs, 8, 20, gen)
+    q = torch.randn(len(contexts), heads, dim, generator=gen).to(DEVICE)
+    out = paged_decode(
+        q, k_pool, v_pool, tables, torch.tensor(contexts, device=DEVICE), dim**-0.5, 8, max(contexts),
+        num_splits=splits, block_n=16,
+    )  # fmt: skip
+    for i in range(len(contexts)):
+        torch.testing.assert_close(
+            out[i : i + 1], reference(q[i : i + 1], ks[i], vs[i], False), atol=FP32_TOL, rtol=FP32_TOL
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_inputs_accumulate_in_fp32(dtype):
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(12, 4, 64, generator=gen).to(DEVICE, dtype)
+    k = torch.randn(12, 2, 64, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(12, 2, 64, generator=gen).to(DEVICE, dtype)
+    cu = torch.tensor([0, 12], device=DEVICE)
+    out = flash_attention(
+        q, k, v, cu, torch.tensor([12], device=DEVICE), 12, 0.125, cu_seqlens_k=cu, block_m=16, block_n=16
+    )
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), reference(q, k, v, True), atol=2e-2, rtol=2e-2)
+    k_pool, v_pool, tables = scatter_into_pool([k], [v], 4, 5, gen)
+    dec = paged_decode(q[-1:], k_pool, v_pool, tables, torch.tensor([12], device=DEVICE), 0.125, 4, 12)
+    torch.testing.assert_close(dec.float(), reference(q[-1:], k, v, False), atol=2e-2, rtol=2e-2)
+
+
+def test_write_kv_through_slot_mapping():
+    k_pool = torch.zeros(32, 2, 16, device=DEVICE)
+    v_pool = torch.zeros_like(k_pool)
+    k, v = torch.randn(5, 2, 16, device=DEVICE), torch.randn(5, 2, 16, device=DEVICE)
+    slots = torch.tensor([7, 3, 31, 16, 0], device=DEVICE)
+    write_kv(k, v, k_pool, v_pool, slots)
+    assert torch.equal(k_pool[slots], k) and torch.equal(v_pool[slots], v)
+    assert k_pool.abs().sum(dim=(1, 2)).nonzero().flatten().sort().values.tolist() == sorted(slots.tolist())
+
+
+def test_triton_backend_reproduces_torch_backend_end_to_end(tiny_model):
+    """Greedy tokens identical: chunked prefill, scattered blocks, decodes, prefix-cache hits."""
+    prompts = [[5, 17, 42, 8, 99, 3, 250, 61, 7], [11, 12], [300, 4, 77, 77, 150, 20, 21, 22, 23]]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    args = dict(dtype="fp32", block_size=4, max_num_batched_tokens=7, device=DEVICE.type)
+    ref = LLM(tiny_model, attention_backend="torch", **args).generate(prompts, params)
+    llm = LLM(tiny_model, attention_backend="triton", **args)
+    for _ in range(2):  # the second round hits the prefix cache
+        out = llm.generate(prompts, params)
+        assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    assert sum(o.num_cached_tokens for o in out) > 0
+
+
+def test_triton_backend_needs_the_paged_engine(tiny_model):
+    with pytest.raises(ValueError, match="attention_backend='triton' needs mode='paged'"):
+        LLM(tiny_model, mode="kv_cache", attention_backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernels_on_real_shapes_gpu():
+    gen = torch.Generator().manual_seed(4)
+    heads, kv_heads, dim = 32, 8, 128
+    lengths = [(1024, 1024), (300, 2048), (1, 777)]
+    qs = [torch.randn(t, heads, dim, generator=gen).to(DEVICE, torch.bfloat16) for t, _ in lengths]
+    ks = [torch.randn(s, kv_heads, dim, generator=gen).to(DEVICE, torch.bfloat16) for _, s in lengths]
+    vs = [torch.randn(s, kv_heads, dim, generator=gen).to(DEVICE, torch.bfloat16) for _, s in lengths]
+    k_pool, v_pool, tables = scatter_into_pool(ks, vs, 16, 400, gen)
+    cu_q = torch.tensor([0] + torch.tensor([t for t, _ in lengths]).cumsum(0).tolist(), device=DEVICE)
+    out = flash_attention(
+        torch.cat(qs), k_pool, v_pool, cu_q, torch.tensor([s for _, s in lengths], device=DEVICE), 1024, dim**-0.5,
+        block_tables=tables, block_size=16, block_m=64, block_n=64,
+    )  # fmt: skip
+    for i in range(len(lengths)):
+        torch.testing.assert_close(
+            out[cu_q[i] : cu_q[i + 1]].float(), reference(qs[i], ks[i], vs[i], True), atol=2e-2, rtol=2e-2
+        )
+    q = torch.randn(3, heads, dim, generator=gen).to(DEVICE, torch.bfloat16)
+    dec = paged_decode(
+        q, k_pool, v_pool, tables, torch.tensor([s for _, s in lengths], device=DEVICE), dim**-0.5, 16, 2048
+    )
+    for i in range(3):
+        torch.testing.assert_close(
+            dec[i : i + 1].float(), reference(q[i : i + 1], ks[i], vs[i], False), atol=2e-2, rtol=2e-2
+        )
