@@ -69,6 +69,7 @@ class ModelConfig:
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None  # Mistral-style: each query sees only the last W keys
 
     @property
     def rope_type(self) -> str:
@@ -125,12 +126,13 @@ class ModelConfig:
                 f"{source}: rope_type={rope['rope_type']!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        window = None
         if raw.get("sliding_window") and raw.get("use_sliding_window", model_type == "mistral"):
-            max_pos = int(raw.get("max_position_embeddings", 2048))
-            if int(raw["sliding_window"]) < max_pos:
-                raise ModelLoadError(
-                    f"{source}: sliding_window={raw['sliding_window']} is not supported yet (full attention only)"
-                )
+            window = int(raw["sliding_window"])
+            if window < 1:
+                raise ModelLoadError(f"{source}: sliding_window={window} must be >= 1")
+            if window >= int(raw.get("max_position_embeddings", 2048)):
+                window = None  # a window as long as the context is full attention
         # Qwen2 always has q/k/v bias; Llama/Mistral declare it with attention_bias.
         bias = bool(raw.get("attention_bias", False)) or model_type == "qwen2"
         eos = raw.get("eos_token_id")
@@ -153,6 +155,7 @@ class ModelConfig:
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            sliding_window=window,
         )
 
     @classmethod
@@ -206,6 +209,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_num_batched_tokens: int | None = None  # per-step token budget; default 512 chunked, else 4096
     batch_timeout: float = 0.05  # seconds the dynamic policy waits for a full batch
+    sliding_window: int | None = None  # attend to the last W keys only (overrides the model's own window)
 
     def __post_init__(self) -> None:
         if self.mode not in EXECUTION_MODES:
@@ -229,6 +233,8 @@ class EngineConfig:
                 raise ValueError(f"kv_cache_memory={memory} bytes must be positive")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window={self.sliding_window!r} must be a positive number of tokens")
         if self.batch_timeout < 0:
             raise ValueError(f"batch_timeout={self.batch_timeout} must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 2:

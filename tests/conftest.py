@@ -64,6 +64,7 @@ TINY_VARIANTS = {
     "llama_untied": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
     "llama_head_dim": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24)),
     "mistral": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
+    "mistral_window": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8)),
     "llama3_rope": (
         "LlamaConfig",
         dict(

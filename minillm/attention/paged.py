@@ -51,6 +51,7 @@ class PagedAttentionMetadata:
     prefill_context_lens: torch.Tensor | None = None  # [P]
     prefill_block_tables: torch.Tensor | None = None  # [P, max_blocks]
     prefill_max_tokens: int = 0
+    window: int | None = None  # sliding-window attention: each query sees its last `window` keys
 
 
 def paged_attention(
@@ -74,7 +75,7 @@ def paged_attention(
         if span.block_table is None:  # a fresh prompt: its keys are exactly the new tokens
             ks = k[span.start : span.end].transpose(0, 1).unsqueeze(0)
             vs = v[span.start : span.end].transpose(0, 1).unsqueeze(0)
-            o = attention_fn(qs, ks, vs, None, span.end - span.start > 1, scale)
+            o = attention_fn(qs, ks, vs, span.mask, span.mask is None and span.end - span.start > 1, scale)
         else:  # continuing a prefix that is already in the pool
             ks, vs = meta.cache.gather(layer, span.block_table)
             ks, vs = ks[:, :, : span.context_len], vs[:, :, : span.context_len]
@@ -119,6 +120,7 @@ def triton_paged_attention(
             scale,
             cache.block_size,
             meta.decode_max_context,
+            window=meta.window,
         )
     if meta.prefills:
         out[nd:] = flash_attention(
@@ -132,16 +134,23 @@ def triton_paged_attention(
             causal=True,
             block_tables=meta.prefill_block_tables,
             block_size=cache.block_size,
+            window=meta.window,
         )
     return out
 
 
-def prefix_mask(context_len: int, num_new: int, device: torch.device) -> torch.Tensor:
-    """``[1, 1, T, S]``: new tokens at positions ``S-T .. S-1`` each see keys up to themselves."""
+def prefix_mask(context_len: int, num_new: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """``[1, 1, T, S]``: new tokens at positions ``S-T .. S-1`` each see keys up to themselves
+    (the last ``window`` of them with sliding-window attention)."""
     positions = torch.arange(context_len - num_new, context_len, device=device)[None]
-    return causal_mask(positions, context_len)
+    return causal_mask(positions, context_len, window)
 
 
-def decode_mask(context_lens: torch.Tensor, max_len: int) -> torch.Tensor:
-    """``[B, 1, 1, S]``: row ``b`` sees keys ``0 .. context_lens[b]-1`` of its gathered blocks."""
-    return (torch.arange(max_len, device=context_lens.device)[None] < context_lens[:, None])[:, None, None]
+def decode_mask(context_lens: torch.Tensor, max_len: int, window: int | None = None) -> torch.Tensor:
+    """``[B, 1, 1, S]``: row ``b`` sees keys ``0 .. context_lens[b]-1`` of its gathered blocks
+    (only ``context_lens[b]-window ..`` with sliding-window attention)."""
+    keys = torch.arange(max_len, device=context_lens.device)[None]
+    allowed = keys < context_lens[:, None]
+    if window is not None:
+        allowed = allowed & (keys >= context_lens[:, None] - window)
+    return allowed[:, None, None]

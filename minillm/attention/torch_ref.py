@@ -11,14 +11,19 @@ from __future__ import annotations
 import torch
 
 
-def causal_mask(query_positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """``mask[B, 1, T, S]``: a query at position ``p`` may attend to key positions ``0..p``.
+def causal_mask(query_positions: torch.Tensor, kv_len: int, window: int | None = None) -> torch.Tensor:
+    """``mask[B, 1, T, S]``: a query at position ``p`` may attend to key positions ``0..p``
+    (with a sliding ``window``, only the last ``window`` of them: ``p-window+1..p``).
 
     This single rule also hides padding: a row's padded query slots sit past its real tokens,
     and real queries never look beyond their own position.
     """
-    key_positions = torch.arange(kv_len, device=query_positions.device)
-    return (key_positions[None, None, :] <= query_positions[:, :, None]).unsqueeze(1)
+    keys = torch.arange(kv_len, device=query_positions.device)[None, None, :]
+    queries = query_positions[:, :, None]
+    allowed = keys <= queries
+    if window is not None:
+        allowed = allowed & (keys > queries - window)
+    return allowed.unsqueeze(1)
 
 
 def attention(

@@ -43,12 +43,15 @@ if os.environ.get("TRITON_INTERPRET") == "1" and type(tl.zeros).__name__ != "Int
     )
 
 
+NO_WINDOW = 1 << 30  # "no sliding window": a window longer than any context
+
+
 @triton.jit
 def _flash_attention_kernel(
     Q, K, V, Out,
     cu_seqlens_q, cu_seqlens_k, seqlens_k, block_tables,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_bt,
-    scale, group, head_dim, page_size,
+    scale, group, head_dim, page_size, window,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     CAUSAL: tl.constexpr, PAGED: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -76,9 +79,11 @@ def _flash_attention_kernel(
     end = k_len
     if CAUSAL:  # keys after this tile's last query are never needed
         end = tl.minimum(k_len, k_len - q_len + (tile + 1) * BLOCK_M)
+    # With a sliding window, keys before the first query's window are never needed either.
+    lo = tl.maximum(0, k_len - q_len + tile * BLOCK_M - window + 1) // BLOCK_N * BLOCK_N
     if not PAGED:
         k_start = tl.load(cu_seqlens_k + seq)
-    for start_n in range(0, end, BLOCK_N):
+    for start_n in range(lo, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_valid = offs_n < end
         if PAGED:  # key position -> block (through the table) -> slot in the pool
@@ -90,7 +95,7 @@ def _flash_attention_kernel(
         k = tl.load(K + rows[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V + rows[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
-        allowed = n_valid[None, :] & m_valid[:, None]
+        allowed = n_valid[None, :] & m_valid[:, None] & (offs_n[None, :] > q_pos[:, None] - window)
         if CAUSAL:
             allowed = allowed & (offs_n[None, :] <= q_pos[:, None])
         s = tl.where(allowed, s, float("-inf"))
@@ -124,13 +129,15 @@ def flash_attention(
     block_size: int = 16,
     block_m: int = 32,
     block_n: int = 32,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention for packed variable-length sequences. ``q[N, H, D]`` holds every sequence's
     queries back to back (``cu_seqlens_q[S+1]`` marks where each starts). Keys come either
     packed, ``k, v[Nk, KV, D]`` with ``cu_seqlens_k``, or from the paged pool — ``k, v`` the pool
     as ``[num_slots, KV, D]`` and ``block_tables[S, max_blocks]``. Sequence ``i`` has
     ``seqlens_k[i]`` keys; its queries are the last ones of those positions (a prefill that
-    continues a cached prefix). Returns ``[N, H, D]`` in ``q``'s dtype."""
+    continues a cached prefix). ``window``: sliding-window attention, each query sees its last
+    ``window`` keys. Returns ``[N, H, D]`` in ``q``'s dtype."""
     paged = block_tables is not None
     if not paged and cu_seqlens_k is None:
         raise ValueError("flash_attention needs cu_seqlens_k (packed keys) or block_tables (paged keys)")
@@ -147,7 +154,7 @@ def flash_attention(
         cu_seqlens_q, cu_seqlens_k if not paged else dummy, seqlens_k, block_tables if paged else dummy,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0) if paged else 0,
-        scale, group, dim, block_size,
+        scale, group, dim, block_size, NO_WINDOW if window is None else window,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=max(16, triton.next_power_of_2(dim)),
         CAUSAL=causal, PAGED=paged, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
@@ -160,13 +167,14 @@ def _paged_decode_kernel(
     context_lens, block_tables,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_bt,
     stride_ms, stride_mh, stride_os, stride_oh, stride_osplit,
-    scale, group, head_dim, page_size, split_len,
+    scale, group, head_dim, page_size, split_len, window,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(context_lens + seq)
     start = split * split_len
     end = tl.minimum(ctx, start + split_len)
+    start = tl.maximum(start, ctx - window)  # sliding window: older keys are not attended
     offs_g = tl.arange(0, GROUP)  # the query heads sharing this KV head
     offs_d = tl.arange(0, HEAD_DIM)
     g_valid = offs_g < group
@@ -230,9 +238,11 @@ def paged_decode(
     max_context: int,
     num_splits: int | None = None,
     block_n: int = 32,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One query token per sequence, ``q[B, H, D]``, against K/V in the pool (``[num_slots, KV, D]``)
-    through ``block_tables[B, max_blocks]``; ``context_lens[B]`` keys each. Returns ``[B, H, D]``."""
+    through ``block_tables[B, max_blocks]``; ``context_lens[B]`` keys each (the last ``window`` of
+    them with sliding-window attention). Returns ``[B, H, D]``."""
     b, heads, dim = q.shape
     kv_heads = k_pool.shape[1]
     group = heads // kv_heads
@@ -248,7 +258,7 @@ def paged_decode(
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         block_tables.stride(0),
         m_part.stride(0), m_part.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        scale, group, dim, block_size, split_len,
+        scale, group, dim, block_size, split_len, NO_WINDOW if window is None else window,
         GROUP=max(2, triton.next_power_of_2(group)), BLOCK_N=block_n, HEAD_DIM=max(16, triton.next_power_of_2(dim)),
     )  # fmt: skip
     if num_splits == 1:

@@ -83,6 +83,9 @@ class LLMEngine:
         self.model = load_model(self.model_dir, self.dtype, self.device, max_positions=self.max_model_len)
         self.attention_backend = resolve_backend(config.attention_backend, self.device, self.mode)
         self.model.set_attention_backend(self.attention_backend)
+        # Sliding-window attention: the engine's option, else the checkpoint's (Mistral).
+        self.sliding_window = config.sliding_window or self.model_config.sliding_window
+        self.model.sliding_window = self.sliding_window
         self._apply_cpu_fast_paths()
         self._rng = random.Random(config.seed)
         self._next_id = 0
@@ -100,7 +103,9 @@ class LLMEngine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 batch_timeout=config.batch_timeout,
             )
-            self.runner = PagedModelRunner(self.model, self.kv_cache, self.block_manager.block_table_of)
+            self.runner = PagedModelRunner(
+                self.model, self.kv_cache, self.block_manager.block_table_of, self.sliding_window
+            )
         else:
             self.scheduler = None
             self._waiting: list[Sequence] = []
@@ -297,6 +302,8 @@ class LLMEngine:
         for chunk in scheduled.chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
             self.block_manager.commit(chunk.seq)
+            if self.sliding_window is not None:  # blocks behind the window go back to the pool
+                self.block_manager.release_behind_window(chunk.seq, self.sliding_window)
         deltas = self._sample_and_append([c.seq for c in sampled], logits)
         for seq in [c.seq for c in sampled if c.seq.is_finished]:
             self.scheduler.finish(seq)

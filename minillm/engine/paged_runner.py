@@ -23,8 +23,10 @@ def slot_mapping(block_table: list[int], start: int, num_tokens: int, block_size
 
 
 class PagedModelRunner:
-    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, block_tables):
-        """``block_tables(seq)`` returns the sequence's current block table (the block manager's)."""
+    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, block_tables, window: int | None = None):
+        """``block_tables(seq)`` returns the sequence's current block table (the block manager's;
+        entries of blocks released behind a sliding window are ``-1``, read as block 0 and masked)."""
+        self.window = window
         self.model = model
         self.cache = cache
         self.block_tables = block_tables
@@ -58,32 +60,34 @@ class PagedModelRunner:
             cu_seqlens=self._tensor(cu_seqlens),
             context_lens=self._tensor([c.start + c.num_tokens for c in order]),
             num_decodes=len(decodes),
+            window=self.window,
         )
         if decodes:
             context = [c.start + 1 for c in decodes]
             width = -(-max(context) // bs)
             tables = [self.block_tables(c.seq)[:width] for c in decodes]
-            meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in tables])
+            meta.decode_block_tables = self._table_tensor(tables, width)
             meta.decode_context_lens = self._tensor(context)
             meta.decode_max_context = max(context)
-            if min(context) == max(context):
+            if min(context) == max(context) and (self.window is None or context[0] <= self.window):
                 meta.decode_len = context[0]
             else:
-                meta.decode_mask = decode_mask(self._tensor(context), width * bs)
+                meta.decode_mask = decode_mask(self._tensor(context), width * bs, self.window)
         row = len(decodes)
         for c in prefills:
             context = c.start + c.num_tokens
             span = PrefillSpan(row, row + c.num_tokens, context)
             if c.start > 0:  # continuing a prefix already in the pool
                 table = self.block_tables(c.seq)[: -(-context // bs)]
-                span.block_table = self._tensor([table])
-                span.mask = prefix_mask(context, c.num_tokens, self.device)
+                span.block_table = self._table_tensor([table], len(table))
+                span.mask = prefix_mask(context, c.num_tokens, self.device, self.window)
+            elif self.window is not None and c.num_tokens > self.window:  # a long prompt: the window bites
+                span.mask = prefix_mask(context, c.num_tokens, self.device, self.window)
             meta.prefills.append(span)
             row += c.num_tokens
         if prefills:
             tables = [self.block_tables(c.seq)[: -(-(c.start + c.num_tokens) // bs)] for c in prefills]
-            width = max(len(t) for t in tables)
-            meta.prefill_block_tables = self._tensor([t + [0] * (width - len(t)) for t in tables])
+            meta.prefill_block_tables = self._table_tensor(tables, max(len(t) for t in tables))
             meta.prefill_cu_seqlens = self._tensor([cu - len(decodes) for cu in cu_seqlens[len(decodes) :]])
             meta.prefill_context_lens = self._tensor([c.start + c.num_tokens for c in prefills])
             meta.prefill_max_tokens = max(c.num_tokens for c in prefills)
@@ -96,6 +100,11 @@ class PagedModelRunner:
         batch, sampled = self.prepare(chunks)
         logits = self.model(batch)
         return logits, sampled
+
+    def _table_tensor(self, tables: list[list[int]], width: int) -> torch.Tensor:
+        """Block tables as one ``[rows, width]`` tensor: short rows padded, released blocks (-1)
+        replaced — both with block 0, whose slots the attention masks out."""
+        return self._tensor([[max(b, 0) for b in t] + [0] * (width - len(t)) for t in tables])
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -59,6 +59,9 @@ class Block:
     token_ids: tuple[int, ...] = ()  # the tokens of a hashed block, to verify a hash hit
 
 
+RELEASED = -1  # a block-table entry whose block was given back (it fell behind a sliding window)
+
+
 class BlockManager:
     """Fixed-size blocks, a free list, reference counts, block tables and a prefix cache."""
 
@@ -108,7 +111,8 @@ class BlockManager:
         for rid, table in self.tables.items():
             n = self.num_tokens[rid]
             for i, b in enumerate(table):
-                filled[b] = max(filled.get(b, 0), min(self.block_size, n - i * self.block_size))
+                if b != RELEASED:
+                    filled[b] = max(filled.get(b, 0), min(self.block_size, n - i * self.block_size))
         return sum(self.block_size - f for f in filled.values())
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -232,6 +236,9 @@ class BlockManager:
         tokens = seq.token_ids
         parent = None
         for j in range(seq.num_computed_tokens // self.block_size):
+            if table[j] == RELEASED:  # gone behind a sliding window: keep the hash chain going
+                parent = block_hash(parent, tokens[j * self.block_size : (j + 1) * self.block_size])
+                continue
             block = self.blocks[table[j]]
             if block.hash is None:
                 chunk = tokens[j * self.block_size : (j + 1) * self.block_size]
@@ -249,7 +256,8 @@ class BlockManager:
             raise RuntimeError(f"request {child.request_id!r} already has blocks")
         table = list(self.tables[parent.request_id])
         for block_id in table:
-            self._ref(block_id)
+            if block_id != RELEASED:
+                self._ref(block_id)
         self.tables[child.request_id] = table
         self.num_tokens[child.request_id] = self.num_tokens[parent.request_id]
         child.num_computed_tokens = parent.num_computed_tokens
@@ -262,7 +270,24 @@ class BlockManager:
             raise RuntimeError(f"request {seq.request_id!r} has no blocks to free")
         del self.num_tokens[seq.request_id]
         for block_id in reversed(table):
-            self._unref(block_id)
+            if block_id != RELEASED:
+                self._unref(block_id)
+
+    def release_behind_window(self, seq: PagedSequence, window: int) -> int:
+        """Sliding-window attention: give back the blocks no future query of ``seq`` can see.
+
+        The next query sits at position ``num_computed_tokens`` and sees keys from
+        ``num_computed_tokens - window + 1`` on; blocks entirely before that are released (their
+        table entries become ``RELEASED``). Returns how many were released."""
+        table = self.tables[seq.request_id]
+        first_needed = seq.num_computed_tokens - window + 1
+        released = 0
+        for j in range(min(len(table), max(0, first_needed) // self.block_size)):
+            if table[j] != RELEASED:
+                self._unref(table[j])
+                table[j] = RELEASED
+                released += 1
+        return released
 
     def block_table_of(self, seq: PagedSequence) -> list[int]:
         return self.tables[seq.request_id]
@@ -286,7 +311,8 @@ class BlockManager:
         counts = [0] * self.num_blocks
         for table in self.tables.values():
             for b in table:
-                counts[b] += 1
+                if b != RELEASED:
+                    counts[b] += 1
         for block in self.blocks:
             assert block.ref_count == counts[block.block_id], (
                 f"block {block.block_id} has ref_count {block.ref_count} but {counts[block.block_id]} "

@@ -79,12 +79,14 @@ class AttentionMask:
     is_causal: bool = False
 
     @classmethod
-    def for_batch(cls, batch: ForwardBatch) -> AttentionMask:
-        """The mask for new tokens at ``batch.positions`` attending to cache positions ``< batch.kv_len``."""
+    def for_batch(cls, batch: ForwardBatch, window: int | None = None) -> AttentionMask:
+        """The mask for new tokens at ``batch.positions`` attending to cache positions ``< batch.kv_len``
+        (only the last ``window`` of them with sliding-window attention)."""
         t = batch.input_ids.shape[1]
-        if batch.same_start is not None and batch.same_start + t == batch.kv_len:
+        within_window = window is None or batch.kv_len <= window
+        if within_window and batch.same_start is not None and batch.same_start + t == batch.kv_len:
             return cls(is_causal=t > 1)  # all rows at the same position: a plain causal triangle
-        return cls(mask=causal_mask(batch.positions, batch.kv_len))
+        return cls(mask=causal_mask(batch.positions, batch.kv_len, window))
 
 
 class RMSNorm(nn.Module):
@@ -181,6 +183,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope: RotaryEmbedding | None = None
         self.attention_fn: AttentionFn = get_backend("auto")
         self.paged_attention_fn = get_paged_backend("sdpa")
+        self.sliding_window = config.sliding_window  # the engine may set its own
         self._compiled_step = None
         self._compiled_single_row_only = False
 
@@ -235,10 +238,13 @@ class LlamaForCausalLM(nn.Module):
             return self._forward_flat(batch)
         x = self.embed_tokens(batch.input_ids)
         cos, sin = self.rope.lookup(batch.positions, x.dtype)
-        if batch.cache is None:  # the naive engine: positions are 0..T-1, a plain causal triangle
-            mask = AttentionMask(is_causal=batch.input_ids.shape[1] > 1)
+        t, window = batch.input_ids.shape[1], self.sliding_window
+        if batch.cache is None and (window is None or t <= window):
+            mask = AttentionMask(is_causal=t > 1)  # the naive engine: positions 0..T-1, a plain triangle
+        elif batch.cache is None:
+            mask = AttentionMask(mask=causal_mask(batch.positions, t, window))
         else:
-            mask = AttentionMask.for_batch(batch)  # built once, shared by every layer
+            mask = AttentionMask.for_batch(batch, window)  # built once, shared by every layer
         for layer in self.layers:
             x = layer(x, cos, sin, batch, mask, self.attention_fn)
         if batch.logit_index is not None:
