@@ -48,7 +48,8 @@ class Tokenizer:
         return bool(getattr(self.hf, "chat_template", None))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+        # verbose=False: the engine checks lengths against max_model_len itself.
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens, verbose=False))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)

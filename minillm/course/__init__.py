@@ -12,6 +12,7 @@ from minillm.course.checks import (
     check_kv_write,
     check_next_token,
 )
+from minillm.course.checks_attention import check_flash_kernel, check_gqa_attention, check_online_softmax
 from minillm.course.checks_serving import (
     check_block_allocation,
     check_block_hash,
@@ -28,6 +29,8 @@ CHECKS_BY_CHAPTER = {
     "02_kv_cache": ["check_kv_write", "check_kv_read", "check_generate_cached"],
     "03_paged_kv_cache": ["check_slot_mapping", "check_block_hash", "check_block_allocation"],
     "04_batching": ["check_continuous_schedule"],
+    "05_attention_variants": ["check_gqa_attention"],
+    "06_flash_attention": ["check_online_softmax", "check_flash_kernel"],
 }
 
 __all__ = [
@@ -38,11 +41,14 @@ __all__ = [
     "check_block_hash",
     "check_causal_attention",
     "check_continuous_schedule",
+    "check_flash_kernel",
+    "check_gqa_attention",
     "check_generate_cached",
     "check_generate_naive",
     "check_kv_read",
     "check_kv_write",
     "check_next_token",
+    "check_online_softmax",
     "check_slot_mapping",
     "forward_logits",
     "forward_step",

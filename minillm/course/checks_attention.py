@@ -142,7 +142,11 @@ def check_flash_kernel(flash_forward) -> str:
         k, v = torch.randn(s, 2, 16, generator=gen), torch.randn(s, 2, 16, generator=gen)
         got = flash_forward(q, k, v, causal)
         expected = _flash_reference(q, k, v, causal)
-        if causal and isinstance(got, torch.Tensor) and torch.allclose(got, _flash_reference(q, k, v, False), atol=1e-4) and s > 1:
-            raise CheckFailed("the kernel ignores causality: hide keys at positions after each query's (offs_n > q_pos → -inf)")
+        full = _flash_reference(q, k, v, False)
+        if causal and isinstance(got, torch.Tensor) and got.shape == full.shape and not torch.allclose(expected, full):
+            if torch.allclose(got.float(), full, atol=1e-4):
+                raise CheckFailed(
+                    "the kernel ignores causality: hide keys at positions after each query's (offs_n > q_pos → -inf)"
+                )
         _compare_tensors(got, expected, f"your kernel's output for T={t}, S={s}, causal={causal}", atol=1e-4)
     return "your Triton kernel matches attention exactly on tiles that do not divide the lengths, causal and not, with a cached prefix"
