@@ -143,7 +143,7 @@ def main(argv=None) -> dict:
     engine = None
     for policy in ("static", "dynamic", "continuous"):
         outputs, engine = run_minillm(args.model, workload, policy, **engine_args)
-        report = run_report(outputs, engine.step_records, slo)
+        report = run_report(outputs, engine.step_records, slo, engine.memory_report())
         rows[f"minillm {policy}"] = report.summary()
         print(
             f"minillm {policy:>10}: {report.output_throughput:7.1f} output tok/s, p99 TTFT {report.ttft['p99']:.2f} s"

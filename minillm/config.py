@@ -210,6 +210,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # per-step token budget; default 512 chunked, else 4096
     batch_timeout: float = 0.05  # seconds the dynamic policy waits for a full batch
     sliding_window: int | None = None  # attend to the last W keys only (overrides the model's own window)
+    # Decode steps as CUDA graphs, padded to captured batch sizes (paged + triton backend).
+    # None: on when both are in use on CUDA. True on a CPU runs the same padded path eagerly.
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in EXECUTION_MODES:
@@ -219,6 +222,8 @@ class EngineConfig:
                 f"compile=True needs mode='kv_cache' (got mode={self.mode!r}): the compiled decode step is the "
                 "contiguous cache's; the paged engine's flat batches change shape every step"
             )
+        if self.cuda_graphs and self.mode != "paged":
+            raise ValueError(f"cuda_graphs=True needs mode='paged' (got mode={self.mode!r})")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy={self.scheduling_policy!r}; expected one of {SCHEDULING_POLICIES}")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:

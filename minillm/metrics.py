@@ -95,6 +95,7 @@ class RunReport:
     blocks_over_time: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, blocks used)
     mean_kv_waste: float | None = None  # paged: wasted / reserved slots, averaged over steps
     mean_contiguous_waste: float | None = None  # the same for a max-length contiguous reservation
+    memory: dict[str, int | None] | None = None  # engine.memory_report(): weights, KV pool, (CUDA) peak
 
     @property
     def output_throughput(self) -> float:
@@ -132,13 +133,17 @@ class RunReport:
             "prefix_cached_tokens": self.prefix_cached_tokens,
             "kv_waste_paged": self.mean_kv_waste,
             "kv_waste_contiguous": self.mean_contiguous_waste,
-        }
+        } | {f"memory_{k}": v for k, v in (self.memory or {}).items()}
 
 
 def run_report(
-    outputs: list[RequestOutput], step_records: list[StepRecord] | None = None, slo: SLO | None = None
+    outputs: list[RequestOutput],
+    step_records: list[StepRecord] | None = None,
+    slo: SLO | None = None,
+    memory: dict[str, int | None] | None = None,
 ) -> RunReport:
-    """Summarise finished requests (and, for the paged engine, its step records)."""
+    """Summarise finished requests (and, for the paged engine, its step records and
+    ``engine.memory_report()``)."""
     if not outputs:
         raise ValueError("run_report needs at least one finished request")
     slo = slo or SLO()
@@ -166,4 +171,5 @@ def run_report(
         blocks_over_time=[(r.end - start, r.blocks_used) for r in records],
         mean_kv_waste=statistics.fmean(waste) if waste else None,
         mean_contiguous_waste=statistics.fmean(contiguous) if contiguous else None,
+        memory=memory,
     )

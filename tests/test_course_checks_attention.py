@@ -86,7 +86,9 @@ def test_flash_kernel_check():
     def flash_forward(q, k, v, causal):
         t, s = q.shape[0], k.shape[0]
         cu_q, cu_k = torch.tensor([0, t]), torch.tensor([0, s])
-        return flash_attention(q, k, v, cu_q, torch.tensor([s]), t, q.shape[-1] ** -0.5, causal, cu_k, block_m=16, block_n=16)
+        return flash_attention(
+            q, k, v, cu_q, torch.tensor([s]), t, q.shape[-1] ** -0.5, causal, cu_k, block_m=16, block_n=16
+        )
 
     assert check_flash_kernel(flash_forward).status == PASS
 

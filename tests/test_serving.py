@@ -264,7 +264,9 @@ def test_replay_and_run_report(tiny_model):
     outputs = replay(engine, workload)
     assert [o.request_id for o in outputs] == [r.request_id for r in workload]
     assert [len(o.token_ids) for o in outputs] == [r.max_tokens for r in workload]
-    report = run_report(outputs, engine.step_records, SLO(ttft=10.0, tpot=10.0))
+    report = run_report(outputs, engine.step_records, SLO(ttft=10.0, tpot=10.0), engine.memory_report())
+    summary = report.summary()
+    assert summary["memory_kv_pool_bytes"] == engine.kv_cache.nbytes and summary["memory_weights_bytes"] > 0
     assert report.num_requests == 12 and report.output_tokens == sum(r.max_tokens for r in workload)
     assert report.slo_attainment == 1.0 and report.goodput == pytest.approx(report.request_throughput)
     assert report.ttft["p50"] <= report.ttft["p95"] <= report.ttft["p99"]

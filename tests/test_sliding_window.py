@@ -38,7 +38,9 @@ def test_every_path_matches_the_naive_engine(tiny_models, naive_tokens, engine_a
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_triton_kernels_with_a_window(tiny_models, naive_tokens):
-    llm = LLM(tiny_models["mistral_window"], dtype="fp32", attention_backend="triton", block_size=4, max_num_batched_tokens=6)
+    llm = LLM(
+        tiny_models["mistral_window"], dtype="fp32", attention_backend="triton", block_size=4, max_num_batched_tokens=6
+    )
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == naive_tokens
 
 

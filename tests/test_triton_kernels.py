@@ -192,3 +192,44 @@ def test_kernels_on_real_shapes_gpu():
         torch.testing.assert_close(
             dec[i : i + 1].float(), reference(q[i : i + 1], ks[i], vs[i], False), atol=2e-2, rtol=2e-2
         )
+
+
+def test_static_decode_buffers_reproduce_the_engine(tiny_model):
+    """The CUDA-graph path (padded static buffers, null block) run eagerly: identical tokens, also
+    with prefix sharing and preemptions interleaving graph and non-graph steps."""
+    prompts = [[5, 17, 42, 8, 99, 3, 250, 61, 7], [11, 12], [300, 4, 77, 77, 150], [5, 17, 42, 8, 99, 3, 1]]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    ref = LLM(tiny_model, dtype="fp32", attention_backend="torch").generate(prompts, params)
+    llm = LLM(tiny_model, dtype="fp32", attention_backend="triton", cuda_graphs=True, max_num_seqs=3, block_size=4)
+    assert llm.engine.graphs is not None and llm.engine.graphs.sizes == [1, 2, 3]
+    out = llm.generate(prompts, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    assert set(llm.engine.graphs.static) >= {3}
+    # The null block took every padded write; real blocks were untouched by padding.
+    llm.engine.block_manager.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("engine_args", "message"),
+    [
+        (dict(attention_backend="torch", cuda_graphs=True), "cuda_graphs=True needs attention_backend='triton'"),
+        (dict(mode="kv_cache", cuda_graphs=True), "cuda_graphs=True needs mode='paged'"),
+    ],
+)
+def test_cuda_graphs_configuration_errors(tiny_model, engine_args, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_model, dtype="fp32", **engine_args)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_decode_gpu(tiny_model):
+    prompts = [[5, 17, 42, 8, 99, 3, 250, 61, 7], [11, 12], [300, 4, 77, 77, 150]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    eager = LLM(tiny_model, dtype="fp32", attention_backend="triton", cuda_graphs=False).generate(prompts, params)
+    llm = LLM(tiny_model, dtype="fp32", attention_backend="triton", cuda_graphs=True, max_num_seqs=4)
+    assert all(s.graph is not None for s in llm.engine.graphs.static.values())
+    graphed = llm.generate(prompts, params)
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+    memory = llm.engine.memory_report()
+    assert memory["peak_allocated_bytes"] >= memory["kv_pool_bytes"]

@@ -54,7 +54,9 @@ def check_gqa_attention(gqa_attention, model: str = VARIANT_MODEL) -> str:
         with _no_repeating():
             got = gqa_attention(q, k, v, mask, 8**-0.5)
         if isinstance(got, torch.Tensor) and got.shape == expected.shape and heads != kv_heads:
-            wrong_order = _mha_reference(q, k.repeat(1, heads // kv_heads, 1, 1), v.repeat(1, heads // kv_heads, 1, 1), mask, 8**-0.5)
+            wrong_order = _mha_reference(
+                q, k.repeat(1, heads // kv_heads, 1, 1), v.repeat(1, heads // kv_heads, 1, 1), mask, 8**-0.5
+            )
             if kv_heads > 1 and torch.allclose(got, wrong_order, atol=1e-5):
                 raise CheckFailed(
                     "query heads are matched to the wrong K/V heads: query head h shares K/V head h // G "
@@ -75,7 +77,12 @@ def check_gqa_attention(gqa_attention, model: str = VARIANT_MODEL) -> str:
     expected_tokens = llm.generate([ids], params)[0].token_ids
     llm.model.attention_fn = backend
     got_tokens = llm.generate([ids], params)[0].token_ids
-    _compare_tokens(got_tokens, expected_tokens, "the 8M model (8 query heads, 4 K/V heads) on your attention", "check the head grouping")
+    _compare_tokens(
+        got_tokens,
+        expected_tokens,
+        "the 8M model (8 query heads, 4 K/V heads) on your attention",
+        "check the head grouping",
+    )
     c = llm.model_config
     return (
         f"your grouped attention runs every layer of a {c.num_heads}-query/{c.num_kv_heads}-K/V-head model without "
@@ -113,11 +120,15 @@ def check_online_softmax(online_softmax_update) -> str:
     expected_l = torch.exp(scores - expected_m[:, None]).sum(-1)
     _compare_tensors(m, expected_m, "the running max m after the last tile")
     if torch.allclose(acc / l_sum[:, None], torch.softmax(scores, -1) @ v, atol=1e-5):
-        _compare_tensors(l_sum, expected_l, "the running sum l after the last tile (relative to the final max)", atol=1e-4)
+        _compare_tensors(
+            l_sum, expected_l, "the running sum l after the last tile (relative to the final max)", atol=1e-4
+        )
         return "your online softmax, fed 3 tiles of 8 keys, gives exactly softmax(scores) @ V — without ever holding a whole row"
     naive_l = torch.exp(scores).sum(-1)  # forgot to rescale by exp(m_old - m_new)
     if torch.allclose(l_sum, naive_l, rtol=1e-3):
-        raise CheckFailed("l was never rescaled: when the max grows from m to m', multiply the old sum by exp(m - m') first")
+        raise CheckFailed(
+            "l was never rescaled: when the max grows from m to m', multiply the old sum by exp(m - m') first"
+        )
     raise CheckFailed(
         "acc / l differs from softmax(scores) @ V: rescale the accumulator too when the max changes "
         "(acc * exp(m_old - m_new)) before adding p @ v_tile"

@@ -30,6 +30,7 @@ import torch
 from minillm.assets import resolve_model
 from minillm.attention import resolve_backend
 from minillm.config import EngineConfig, ModelConfig
+from minillm.engine.cuda_graphs import DecodeGraphs
 from minillm.engine.paged_runner import PagedModelRunner
 from minillm.engine.runner import CachedRunner, NaiveRunner
 from minillm.engine.scheduler import Scheduler, SchedulerOutput
@@ -77,8 +78,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}")
         self.block_manager: BlockManager | None = None
         self.kv_cache: PagedKVCache | None = None
-        if self.mode == "paged":
-            num_blocks = self._num_kv_blocks()  # validated before the (slow) weight loading
+        self.graphs: DecodeGraphs | None = None
         self.tokenizer = Tokenizer(self.model_dir)
         self.model = load_model(self.model_dir, self.dtype, self.device, max_positions=self.max_model_len)
         self.attention_backend = resolve_backend(config.attention_backend, self.device, self.mode)
@@ -93,6 +93,7 @@ class LLMEngine:
         self.step_records: list[StepRecord] = []
         self.record_block_tables = False  # snapshot block tables every step (the explorer widget)
         if self.mode == "paged":
+            num_blocks = self._num_kv_blocks()  # after the weights: "free memory" must not count them
             self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
             self.kv_cache = PagedKVCache(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
             self.scheduler = Scheduler(
@@ -103,8 +104,9 @@ class LLMEngine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 batch_timeout=config.batch_timeout,
             )
+            self.graphs = self._decode_graphs()
             self.runner = PagedModelRunner(
-                self.model, self.kv_cache, self.block_manager.block_table_of, self.sliding_window
+                self.model, self.kv_cache, self.block_manager.block_table_of, self.sliding_window, self.graphs
             )
         else:
             self.scheduler = None
@@ -140,6 +142,44 @@ class LLMEngine:
                 f"({block_bytes} bytes = {config.block_size} tokens x {block_bytes // config.block_size} bytes/token)"
             )
         return num_blocks
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        wanted = self.engine_config.cuda_graphs
+        if wanted is None:
+            wanted = self.device.type == "cuda" and self.attention_backend == "triton"
+        if not wanted:
+            return None
+        if self.attention_backend != "triton":
+            raise ValueError(
+                f"cuda_graphs=True needs attention_backend='triton' (got {self.attention_backend!r}): the graph "
+                "replays the Triton decode kernels, whose shapes do not change between steps"
+            )
+        graphs = DecodeGraphs(
+            self.model,
+            self.kv_cache,
+            self.engine_config.max_num_seqs,
+            self.max_model_len,
+            self.sliding_window,
+            capture=self.device.type == "cuda",
+        )
+        if graphs.capture:
+            graphs.capture_all()
+        return graphs
+
+    def memory_report(self) -> dict[str, int | None]:
+        """Bytes of weights and KV pool, and (on CUDA) the allocator's current and peak use."""
+        # From the config: prepacked CPU weights live outside the module's state dict.
+        weights = self.model_config.num_params * torch.empty((), dtype=self.dtype).element_size()
+        report: dict[str, int | None] = {
+            "weights_bytes": weights,
+            "kv_pool_bytes": self.kv_cache.nbytes if self.kv_cache is not None else None,
+            "allocated_bytes": None,
+            "peak_allocated_bytes": None,
+        }
+        if self.device.type == "cuda":
+            report["allocated_bytes"] = torch.cuda.memory_allocated(self.device)
+            report["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        return report
 
     def _apply_cpu_fast_paths(self) -> None:
         from minillm.models.cpu_prepack import prepack_available

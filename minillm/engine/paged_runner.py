@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from minillm.attention.paged import PagedAttentionMetadata, PrefillSpan, decode_mask, prefix_mask
+from minillm.engine.cuda_graphs import DecodeGraphs
 from minillm.engine.scheduler import ScheduledChunk
 from minillm.kvcache.paged import PagedKVCache
 from minillm.models.llama import LlamaForCausalLM, PagedForwardBatch
@@ -23,13 +24,22 @@ def slot_mapping(block_table: list[int], start: int, num_tokens: int, block_size
 
 
 class PagedModelRunner:
-    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, block_tables, window: int | None = None):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        cache: PagedKVCache,
+        block_tables,
+        window: int | None = None,
+        graphs: DecodeGraphs | None = None,
+    ):
         """``block_tables(seq)`` returns the sequence's current block table (the block manager's;
-        entries of blocks released behind a sliding window are ``-1``, read as block 0 and masked)."""
+        entries of blocks released behind a sliding window are ``-1``, read as the null block and
+        masked). ``graphs``: run pure decode steps through static buffers / CUDA graphs."""
         self.window = window
         self.model = model
         self.cache = cache
         self.block_tables = block_tables
+        self.graphs = graphs
         self.device = model.embed_tokens.weight.device
 
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[PagedForwardBatch, list[ScheduledChunk]]:
@@ -97,14 +107,21 @@ class PagedModelRunner:
     def execute(self, chunks: list[ScheduledChunk], copies: list[tuple[int, int]]):
         """Run one step: copy-on-write copies, then the forward pass. Returns (logits, sampled chunks)."""
         self.cache.copy_blocks(copies)
+        if self.graphs is not None and self.graphs.supports(chunks):
+            logits = self.graphs.run(chunks, self.block_tables)
+            rows = [i for i, c in enumerate(chunks) if c.samples]
+            if len(rows) < len(chunks):  # a one-token chunk in the middle of a prompt: no token to sample
+                logits = logits[torch.tensor(rows, device=logits.device, dtype=torch.long)]
+            return logits, [chunks[i] for i in rows]
         batch, sampled = self.prepare(chunks)
         logits = self.model(batch)
         return logits, sampled
 
     def _table_tensor(self, tables: list[list[int]], width: int) -> torch.Tensor:
         """Block tables as one ``[rows, width]`` tensor: short rows padded, released blocks (-1)
-        replaced — both with block 0, whose slots the attention masks out."""
-        return self._tensor([[max(b, 0) for b in t] + [0] * (width - len(t)) for t in tables])
+        replaced — both with the null block, whose slots the attention masks out."""
+        null = self.cache.null_block
+        return self._tensor([[b if b >= 0 else null for b in t] + [null] * (width - len(t)) for t in tables])
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

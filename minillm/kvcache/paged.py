@@ -24,7 +24,10 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
 
 class PagedKVCache:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
-        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        # One block more than the block manager hands out: the null block, which padded rows of
+        # a batch (a CUDA graph's spare seats, a short block table's tail) write to and read from.
+        self.null_block = num_blocks
+        shape = (config.num_layers, num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
         # Zeroed, not empty: attention multiplies unused slots by a probability of exactly 0,
         # and 0 * NaN (uninitialised memory) would still be NaN.
         self.k = torch.zeros(shape, dtype=dtype, device=device)

@@ -75,7 +75,9 @@ def perplexity(model, token_ids: list[int], window: int = 256, batch_size: int =
     for i in range(0, n, batch_size):
         ids = windows[i : i + batch_size]
         logits = model(ForwardBatch(ids, positions.expand(ids.shape[0], -1)))  # [B, T, V]
-        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets[i : i + batch_size].flatten(), reduction="sum")
+        nll = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), targets[i : i + batch_size].flatten(), reduction="sum"
+        )
         total += nll.item()
         count += ids.numel()
     return float(torch.exp(torch.tensor(total / count)))

@@ -42,7 +42,9 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype = torch.bfloat16)
     return per_token(config, dtype)
 
 
-def synthetic_config(hidden: int = 512, heads: int = 8, kv_heads: int = 8, layers: int = 4, vocab: int = 4096) -> ModelConfig:
+def synthetic_config(
+    hidden: int = 512, heads: int = 8, kv_heads: int = 8, layers: int = 4, vocab: int = 4096
+) -> ModelConfig:
     return ModelConfig.from_dict(
         dict(
             model_type="llama",
@@ -58,7 +60,9 @@ def synthetic_config(hidden: int = 512, heads: int = 8, kv_heads: int = 8, layer
 
 
 @torch.inference_mode()
-def time_decode_step(config: ModelConfig, context: int, batch: int, dtype=torch.float32, device="cpu", repeats: int = 5) -> float:
+def time_decode_step(
+    config: ModelConfig, context: int, batch: int, dtype=torch.float32, device="cpu", repeats: int = 5
+) -> float:
     """Median milliseconds of one decode step of ``batch`` sequences at ``context`` tokens."""
     from minillm.kvcache import ContiguousKVCache
     from minillm.models.llama import ForwardBatch, LlamaForCausalLM
@@ -115,7 +119,9 @@ def variants_figure(timings: list[VariantTiming], heads: int = 8):
     for kv in variants:
         rows = sorted((t for t in timings if t.kv_heads == kv), key=lambda t: t.context)
         name = variant_name(kv, heads)
-        fig.add_trace(go.Bar(x=[name], y=[rows[0].kv_bytes_per_token / 1024], name=name, showlegend=False), row=1, col=1)
+        fig.add_trace(
+            go.Bar(x=[name], y=[rows[0].kv_bytes_per_token / 1024], name=name, showlegend=False), row=1, col=1
+        )
         fig.add_trace(
             go.Scatter(x=[t.context for t in rows], y=[t.step_ms for t in rows], mode="lines+markers", name=name),
             row=1,

@@ -42,7 +42,15 @@ def visible_key_tiles(query_tile: int, t: int, s: int, block_m: int, block_n: in
 
 
 def online_softmax_trace(
-    t: int, s: int, block_m: int, block_n: int, query_tile: int = 0, row: int = 0, causal: bool = True, head_dim: int = 64, seed: int = 0
+    t: int,
+    s: int,
+    block_m: int,
+    block_n: int,
+    query_tile: int = 0,
+    row: int = 0,
+    causal: bool = True,
+    head_dim: int = 64,
+    seed: int = 0,
 ) -> list[TileStep]:
     """The running max and sum of query ``row`` (within ``query_tile``) after each key tile,
     computed on random q and k; the last step equals the full softmax's max and normaliser."""
@@ -81,7 +89,13 @@ def hbm_bytes(t: int, s: int, head_dim: int, block_m: int, causal: bool = True, 
 
 
 def flash_tiling_figure(
-    t: int = 256, s: int = 256, block_m: int = 64, block_n: int = 64, query_tile: int | None = None, causal: bool = True, head_dim: int = 64
+    t: int = 256,
+    s: int = 256,
+    block_m: int = 64,
+    block_n: int = 64,
+    query_tile: int | None = None,
+    causal: bool = True,
+    head_dim: int = 64,
 ):
     """Left: the tile grid, the chosen program's tiles coloured in load order (skipped tiles
     grey). Right: its running max and sum for the program's first query row, tile by tile."""
@@ -102,7 +116,9 @@ def flash_tiling_figure(
         text[query_tile][c] = str(n + 1)
     trace = online_softmax_trace(t, s, block_m, block_n, query_tile, 0, causal, head_dim)
     traffic = hbm_bytes(t, s, head_dim, block_m, causal)
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("tiles (Q tiles × K tiles)", "online softmax, first row of the tile"))
+    fig = make_subplots(
+        rows=1, cols=2, subplot_titles=("tiles (Q tiles × K tiles)", "online softmax, first row of the tile")
+    )
     fig.add_trace(
         go.Heatmap(
             z=grid, text=text, texttemplate="%{text}", showscale=False, xgap=2, ygap=2, zmin=0, zmax=2,
@@ -112,8 +128,16 @@ def flash_tiling_figure(
         row=1, col=1,
     )  # fmt: skip
     steps = [f"tile {st.key_tile}" for st in trace]
-    fig.add_trace(go.Scatter(x=steps, y=[st.running_max for st in trace], name="running max m", mode="lines+markers"), row=1, col=2)
-    fig.add_trace(go.Scatter(x=steps, y=[st.running_sum for st in trace], name="running sum l", mode="lines+markers"), row=1, col=2)
+    fig.add_trace(
+        go.Scatter(x=steps, y=[st.running_max for st in trace], name="running max m", mode="lines+markers"),
+        row=1,
+        col=2,
+    )
+    fig.add_trace(
+        go.Scatter(x=steps, y=[st.running_sum for st in trace], name="running sum l", mode="lines+markers"),
+        row=1,
+        col=2,
+    )
     fig.update_yaxes(autorange="reversed", title_text="query tile", row=1, col=1)
     fig.update_xaxes(title_text="key tile", row=1, col=1)
     fig.update_layout(

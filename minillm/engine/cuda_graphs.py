@@ -1,0 +1,156 @@
+"""Decode steps replayed as CUDA graphs.
+
+A decode step of a small model is hundreds of tiny kernel launches; on a GPU the CPU time to
+*issue* them exceeds the GPU time to *run* them. A CUDA graph records the launches of one step
+once and replays them with a single call. The catch: a graph replays fixed shapes and fixed
+memory addresses. So we keep, for each of a few batch sizes (1, 2, 4, 8, ... up to
+``max_num_seqs``), static input buffers — token ids, positions, slots, block tables, context
+lengths — capture the model's forward pass reading them, and before each replay copy the
+step's real inputs into the buffers of the next size up. Rows beyond the real batch are
+padding: they write into and read from the pool's reserved **null block**, so they never touch
+a real sequence's K/V.
+
+On CUDA the buffers are captured into graphs. Elsewhere (``capture=False``, for tests on a CPU)
+the very same padded, static-shape forward pass runs eagerly, so the padding logic is tested
+wherever the engine runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minillm.attention.paged import PagedAttentionMetadata
+from minillm.engine.scheduler import ScheduledChunk
+from minillm.kvcache.paged import PagedKVCache
+from minillm.models.llama import LlamaForCausalLM, PagedForwardBatch
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """Powers of two up to ``max_batch``, and ``max_batch`` itself."""
+    sizes = [1]
+    while sizes[-1] * 2 < max_batch:
+        sizes.append(sizes[-1] * 2)
+    if sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sizes
+
+
+@dataclass
+class StaticDecode:
+    """The fixed input buffers (and, on CUDA, the graph) of one batch size."""
+
+    size: int
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    batch: PagedForwardBatch
+    graph: torch.cuda.CUDAGraph | None = None
+    logits: torch.Tensor | None = None
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        cache: PagedKVCache,
+        max_batch: int,
+        max_model_len: int,
+        window: int | None,
+        capture: bool,
+    ):
+        self.model = model
+        self.cache = cache
+        self.device = model.embed_tokens.weight.device
+        self.max_blocks = -(-max_model_len // cache.block_size)
+        self.max_context = max_model_len
+        self.window = window
+        self.capture = capture
+        self.sizes = capture_sizes(max_batch)
+        self.static: dict[int, StaticDecode] = {}
+        self.pool = None  # graphs share one memory pool
+
+    def supports(self, chunks: list[ScheduledChunk]) -> bool:
+        """Only pure decode steps (one token per sequence) that fit a captured size."""
+        return bool(chunks) and len(chunks) <= self.sizes[-1] and all(c.num_tokens == 1 for c in chunks)
+
+    def capture_all(self) -> None:
+        """Capture every size now (largest first, so smaller graphs reuse its memory pool)."""
+        for size in reversed(self.sizes):
+            self._get(size)
+
+    def run(self, chunks: list[ScheduledChunk], block_table_of) -> torch.Tensor:
+        """Logits ``[len(chunks), V]`` for a pure decode step, through the static buffers."""
+        n = len(chunks)
+        s = self._get(next(size for size in self.sizes if size >= n))
+        bs = self.cache.block_size
+        null = self.cache.null_block
+        tables = torch.full((n, self.max_blocks), null, dtype=torch.long)
+        slots, positions = [], []
+        for row, c in enumerate(chunks):
+            table = block_table_of(c.seq)
+            tables[row, : len(table)] = torch.tensor([b if b >= 0 else null for b in table], dtype=torch.long)
+            positions.append(c.start)
+            slots.append(table[c.start // bs] * bs + c.start % bs)
+        ids = [c.seq.token_ids[c.start] for c in chunks]
+        self._fill(s, n, ids, positions, slots, tables)
+        if s.graph is not None:
+            s.graph.replay()
+            return s.logits[:n]
+        return self.model(s.batch)[:n]
+
+    # ----------------------------------------------------------------------------------------
+
+    def _fill(self, s: StaticDecode, n: int, ids, positions, slots, tables) -> None:
+        """Real rows first, then padding rows pointed at the null block."""
+        null_slot = self.cache.null_block * self.cache.block_size
+        s.input_ids.zero_()
+        s.positions.zero_()
+        s.slots.fill_(null_slot)
+        s.block_tables.fill_(self.cache.null_block)
+        s.context_lens.fill_(1)
+        if n:
+            s.input_ids[:n].copy_(torch.tensor(ids, dtype=torch.long), non_blocking=True)
+            s.positions[:n].copy_(torch.tensor(positions, dtype=torch.long), non_blocking=True)
+            s.slots[:n].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
+            s.block_tables[:n].copy_(tables, non_blocking=True)
+            s.context_lens[:n].copy_(torch.tensor(positions, dtype=torch.long) + 1, non_blocking=True)
+
+    def _get(self, size: int) -> StaticDecode:
+        if size not in self.static:
+            self.static[size] = self._build(size)
+        return self.static[size]
+
+    def _build(self, size: int) -> StaticDecode:
+        def buffer(*shape):
+            return torch.zeros(shape, dtype=torch.long, device=self.device)
+
+        ids, positions, slots = buffer(size), buffer(size), buffer(size)
+        tables, context_lens = buffer(size, self.max_blocks), buffer(size)
+        meta = PagedAttentionMetadata(
+            self.cache,
+            slots,
+            num_decodes=size,
+            decode_block_tables=tables,
+            decode_context_lens=context_lens,
+            decode_max_context=self.max_context,  # fixed: the split-K layout must not change between replays
+            window=self.window,
+        )
+        batch = PagedForwardBatch(ids, positions, meta, torch.arange(size, device=self.device))
+        s = StaticDecode(size, ids, positions, slots, tables, context_lens, batch)
+        self._fill(s, 0, [], [], [], None)
+        if self.capture:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm up: Triton compiles, the allocator settles
+                for _ in range(2):
+                    self.model(batch)
+            torch.cuda.current_stream().wait_stream(stream)
+            s.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(s.graph, pool=self.pool):
+                s.logits = self.model(batch)
+            self.pool = s.graph.pool()
+        return s
