@@ -1,0 +1,269 @@
+"""GPU benchmark: our Triton attention kernels and the CUDA fast path, one prepared script.
+
+    python benchmarks/bench_gpu.py            # on a CUDA machine; ~3-5 minutes
+
+1. The device's peaks, measured: copy bandwidth and bf16 matmul rate.
+2. Prefill attention at several lengths (bf16, GQA 32/8, head_dim 128, causal): our FlashAttention
+   kernel vs PyTorch SDPA vs the materialising reference — time, achieved TFLOP/s.
+3. Paged decode attention, batch 1/8/64 × contexts 1k/4k/16k: our kernel vs the reference
+   (gather the blocks, then SDPA) — time, achieved GB/s and % of the measured bandwidth.
+   Target: >= 60% of peak at batch 64 x 4k.
+4. End-to-end SmolLM2-135M decode tokens/s at batch 1/8/64: minillm with and without CUDA graphs
+   and HF ``generate()``, same run, interleaved repeats, medians. Target: batch 1 >= 3x HF.
+
+Prints Markdown tables and writes ``benchmarks/results/gpu-DATE-GPU.json``. Without CUDA it
+says so and exits (the kernels' correctness is tested on CPU by pytest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+import minillm  # noqa: F401  (before triton)
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def cuda_time(fn, repeats: int = 10, warmup: int = 3) -> float:
+    """Median seconds of ``fn()`` measured with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return statistics.median(times)
+
+
+def bench_prefill(lengths, heads=32, kv_heads=8, dim=128) -> list[dict]:
+    rows = []
+    for n in lengths:
+        row = _prefill_row(n, heads, kv_heads, dim)
+        rows.append(row)
+        timings = ", ".join(
+            f"{k} {v['ms']:.3f} ms ({v['tflops']:.1f} TFLOP/s)" for k, v in row.items() if isinstance(v, dict)
+        )
+        print(f"prefill {n:>6}: {timings}", flush=True)
+    return rows
+
+
+def _prefill_row(n: int, heads: int, kv_heads: int, dim: int) -> dict:
+    import torch.nn.functional as F
+
+    from minillm.attention.torch_ref import attention, causal_mask
+    from minillm.attention.triton_kernels import flash_attention
+
+    q = torch.randn(n, heads, dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(n, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(n, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, n], device="cuda", dtype=torch.int32)
+    lens = torch.tensor([n], device="cuda", dtype=torch.int32)
+    qb, kb, vb = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    flops = 4 * n * n * heads * dim / 2  # causal: half the score matrix
+    runs = {
+        "triton": lambda: flash_attention(q, k, v, cu, lens, n, dim**-0.5, True, cu, block_m=64, block_n=64),
+        "sdpa": lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True),
+    }
+    if n <= 8192:  # the reference materialises [heads, n, n] fp32 scores
+        mask = causal_mask(torch.arange(n, device="cuda")[None], n)
+        runs["reference"] = lambda: attention(qb, kb, vb, mask, dim**-0.5)
+    error = (runs["triton"]().float() - runs["sdpa"]()[0].transpose(0, 1).float()).abs().max().item()
+    row = {"tokens": n, "max_abs_error_vs_sdpa": error}
+    for name, fn in runs.items():
+        t = cuda_time(fn)
+        row[name] = {"ms": 1000 * t, "tflops": flops / t / 1e12}
+    return row
+
+
+def bench_decode(batches, contexts, peak_gbs: float, heads=32, kv_heads=8, dim=128, block_size=16) -> list[dict]:
+    rows = []
+    for b in batches:
+        for ctx in contexts:
+            row = _decode_row(b, ctx, peak_gbs, heads, kv_heads, dim, block_size)
+            rows.append(row)
+            print(
+                f"decode b{b:>3} ctx {ctx:>6}: triton {row['triton']['ms']:.3f} ms "
+                f"({row['triton']['pct_peak_bandwidth']:.0f}% of peak), reference {row['reference']['ms']:.3f} ms",
+                flush=True,
+            )
+    return rows
+
+
+def _decode_row(b: int, ctx: int, peak_gbs: float, heads: int, kv_heads: int, dim: int, block_size: int) -> dict:
+    import torch.nn.functional as F
+
+    from minillm.attention.triton_kernels import paged_decode
+
+    blocks_per_seq = ctx // block_size
+    num_blocks = b * blocks_per_seq
+    k_pool = torch.randn(num_blocks * block_size, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    v_pool = torch.randn_like(k_pool)
+    tables = torch.randperm(num_blocks, device="cuda").view(b, blocks_per_seq)  # scattered blocks
+    lens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
+    q = torch.randn(b, heads, dim, device="cuda", dtype=torch.bfloat16)
+    kv_bytes = 2 * b * ctx * kv_heads * dim * 2
+
+    def reference():  # gather the blocks into a padded batch, then SDPA
+        flat = tables.flatten()
+        kk = k_pool.view(num_blocks, block_size, kv_heads, dim).index_select(0, flat).view(b, ctx, kv_heads, dim)
+        vv = v_pool.view(num_blocks, block_size, kv_heads, dim).index_select(0, flat).view(b, ctx, kv_heads, dim)
+        return F.scaled_dot_product_attention(q[:, :, None], kk.transpose(1, 2), vv.transpose(1, 2), enable_gqa=True)
+
+    def ours():
+        return paged_decode(q, k_pool, v_pool, tables, lens, dim**-0.5, block_size, ctx)
+
+    error = (ours().float() - reference()[:, :, 0].float()).abs().max().item()
+    row = {"batch": b, "context": ctx, "max_abs_error_vs_reference": error}
+    for name, fn in (("triton", ours), ("reference", reference)):
+        t = cuda_time(fn)
+        gbs = kv_bytes / t / 1e9
+        row[name] = {"ms": 1000 * t, "gbs": gbs, "pct_peak_bandwidth": 100 * gbs / peak_gbs}
+    return row
+
+
+def bench_end_to_end(model: str, batches, prompt_len: int, new_tokens: int, repeats: int) -> list[dict]:
+    from transformers import AutoModelForCausalLM
+
+    from minillm import LLM, SamplingParams
+    from minillm.bench import _measure, _prompts
+
+    common = dict(dtype="bf16", enable_prefix_caching=False, kv_cache_memory=4 << 30)  # two engines + HF share the GPU
+    engines = {
+        "minillm (CUDA graphs)": LLM(model, cuda_graphs=True, **common),
+        "minillm (no graphs)": LLM(model, cuda_graphs=False, **common),
+    }
+    any_llm = next(iter(engines.values()))
+    hf = AutoModelForCausalLM.from_pretrained(str(any_llm.model_dir), dtype=torch.bfloat16).cuda().eval()
+    rows = []
+    for b in batches:
+        prompts = _prompts(any_llm.tokenizer, b, prompt_len)
+        runs = {}
+        for name, llm in engines.items():
+            runs[name] = lambda n, llm=llm, prompts=prompts: llm.generate(
+                prompts, SamplingParams(max_tokens=n, ignore_eos=True)
+            )
+        ids = torch.tensor(prompts, device="cuda")
+
+        def run_hf(n, ids=ids):
+            with torch.inference_mode():
+                hf.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+
+        runs["HF generate"] = run_hf
+        measured = _measure(runs, b, new_tokens, repeats, torch.device("cuda"))
+        row = {"batch": b} | {
+            name: {"decode_tok_s": m["decode_tok_s"], "ttft_ms": m["ttft_ms"]} for name, m in measured.items()
+        }
+        row["graphs_vs_hf"] = row["minillm (CUDA graphs)"]["decode_tok_s"] / row["HF generate"]["decode_tok_s"]
+        rows.append(row)
+        print(
+            f"e2e batch {b:>3}: "
+            + ", ".join(f"{k} {v['decode_tok_s']:.0f} tok/s" for k, v in row.items() if isinstance(v, dict)),
+            flush=True,
+        )
+    memory = engines["minillm (CUDA graphs)"].engine.memory_report()
+    rows.append({"memory": memory})
+    return rows
+
+
+def format_tables(result: dict) -> str:
+    lines = [
+        "| prefill tokens | triton ms | TFLOP/s | SDPA ms | TFLOP/s | reference ms | max error |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["prefill"]:
+        ref = r.get("reference", {}).get("ms")
+        lines.append(
+            f"| {r['tokens']} | {r['triton']['ms']:.3f} | {r['triton']['tflops']:.1f} | {r['sdpa']['ms']:.3f} | "
+            f"{r['sdpa']['tflops']:.1f} | {'-' if ref is None else f'{ref:.3f}'} | {r['max_abs_error_vs_sdpa']:.1e} |"
+        )
+    lines += [
+        "",
+        "| decode batch | context | triton ms | GB/s | % of peak | reference ms |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["decode"]:
+        t = r["triton"]
+        lines.append(
+            f"| {r['batch']} | {r['context']} | {t['ms']:.3f} | {t['gbs']:.0f} | {t['pct_peak_bandwidth']:.0f}% | {r['reference']['ms']:.3f} |"
+        )
+    lines += [
+        "",
+        "| batch | minillm + graphs tok/s | minillm eager tok/s | HF tok/s | graphs / HF |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["end_to_end"]:
+        if "batch" in r:
+            lines.append(
+                f"| {r['batch']} | {r['minillm (CUDA graphs)']['decode_tok_s']:.0f} | {r['minillm (no graphs)']['decode_tok_s']:.0f} | "
+                f"{r['HF generate']['decode_tok_s']:.0f} | {r['graphs_vs_hf']:.2f}x |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--prefill-lengths", type=int, nargs="+", default=[512, 2048, 8192, 16384])
+    parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--decode-contexts", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--e2e-batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_gpu.py needs a CUDA GPU; none is available here.", file=sys.stderr)
+        return 1
+    from minillm.bench import machine_description
+    from minillm.viz.roofline import measure_machine
+
+    device = torch.device("cuda")
+    peaks = measure_machine(device, torch.bfloat16)
+    print(
+        f"{torch.cuda.get_device_name()}: {peaks.bandwidth_gbs:.0f} GB/s copy, {peaks.flops_tflops:.0f} bf16 TFLOP/s",
+        flush=True,
+    )
+    result = {
+        "benchmark": "gpu",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_description(device),
+        "peaks": {"bandwidth_gbs": peaks.bandwidth_gbs, "bf16_tflops": peaks.flops_tflops},
+        "args": vars(args),
+    }
+    result["prefill"] = bench_prefill(args.prefill_lengths)
+    result["decode"] = bench_decode(args.decode_batches, args.decode_contexts, peaks.bandwidth_gbs)
+    result["end_to_end"] = bench_end_to_end(
+        args.model, args.e2e_batches, args.prompt_len, args.new_tokens, args.repeats
+    )
+    print()
+    print(format_tables(result))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"gpu-{result['date'][:10]}-{torch.cuda.get_device_name().replace(' ', '_')}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
