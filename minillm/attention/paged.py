@@ -9,6 +9,10 @@ For every layer we (1) write the new K/V into the pool through the slot mapping,
 (2) attend: all decodes together (their K/V gathered through the block tables into one
 padded batch, a mask hiding each row's padding), then each prefill chunk on its own
 (queries at positions ``start .. start+T-1`` see keys ``0 .. start+T-1``).
+
+``paged_attention`` does this with PyTorch operations (any padded-batch attention function
+inside); ``triton_paged_attention`` does the same step with the Triton kernels of
+``triton_kernels.py``, which read the blocks in place instead of gathering copies.
 """
 
 from __future__ import annotations
