@@ -276,3 +276,23 @@ def test_replay_and_run_report(tiny_model):
     assert strict.slo_attainment == 0.0 and strict.goodput == 0.0
     with pytest.raises(ValueError, match="at least one"):
         run_report([])
+
+
+def test_interrupted_generate_leaves_the_engine_usable(tiny_model, reference, monkeypatch):
+    llm = LLM(tiny_model, dtype="fp32")
+    calls = {"n": 0}
+    real_step = llm.engine.step
+
+    def interrupted_step():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(llm.engine, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, GREEDY)
+    monkeypatch.setattr(llm.engine, "step", real_step)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_used_blocks == 0
+    assert tokens(llm.generate(PROMPTS, GREEDY)) == reference

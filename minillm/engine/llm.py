@@ -83,12 +83,19 @@ class LLM:
             progress = tqdm(total=len(seqs), desc="generating", unit="req")
         for seq in seqs:
             self.engine.enqueue(seq)
-        while self.engine.has_unfinished_requests():
-            deltas = self.engine.step()
+        try:
+            while self.engine.has_unfinished_requests():
+                deltas = self.engine.step()
+                if progress is not None:
+                    progress.update(sum(d.finish_reason is not None for d in deltas))
+        except BaseException:  # interrupted (Ctrl-C in a notebook) or failed: leave the engine clean
+            for seq in seqs:
+                if seq.request_id in self.engine.requests:
+                    self.engine.abort(seq.request_id)
+            raise
+        finally:
             if progress is not None:
-                progress.update(sum(d.finish_reason is not None for d in deltas))
-        if progress is not None:
-            progress.close()
+                progress.close()
         return [s.to_output() for s in seqs]
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
