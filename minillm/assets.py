@@ -51,7 +51,13 @@ REGISTRY: dict[str, ModelAsset] = {
 LOCAL_MODELS = {
     "tiny-shakespeare-1m": "tiny-shakespeare-1m",
     "tiny-shakespeare-8m": "tiny-shakespeare-8m",
+    "tiny-shakespeare-mha": "tiny-shakespeare-mha",
 }
+
+
+def heldout_text() -> str:
+    """64 KiB of Shakespeare the tiny models never trained on (their validation split)."""
+    return (data_dir() / "tiny-shakespeare-heldout.txt").read_text()
 
 
 def data_dir() -> Path:
