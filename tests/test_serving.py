@@ -169,6 +169,8 @@ def test_duplicate_request_id_and_bad_priority(tiny_model):
         engine.add_request([1, 2], GREEDY, request_id="a")
     with pytest.raises(TypeError, match="priority"):
         engine.add_request([1, 2], GREEDY, priority="high")
+    chosen = engine.add_request([1, 2], GREEDY, request_id=engine._next_id)
+    assert engine.add_request([1, 2], GREEDY) != chosen  # automatic ids skip ids callers chose
 
 
 @pytest.mark.parametrize(

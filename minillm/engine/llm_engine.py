@@ -252,6 +252,8 @@ class LLMEngine:
                 f"to generate (at most {self.max_model_len - 1} prompt tokens)"
             )
         if request_id is None:
+            while self._next_id in self.requests:  # a caller may have chosen this number already
+                self._next_id += 1
             request_id = self._next_id
             self._next_id += 1
         elif request_id in self.requests:
