@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from minillm.attention import get_backend
-from minillm.attention.paged import PagedAttentionMetadata, PrefillSpan, decode_mask, paged_attention, prefix_mask
+from minillm.attention.paged import (
+    DecodeBucket,
+    PagedAttentionMetadata,
+    PrefillSpan,
+    bucket_rows,
+    decode_mask,
+    paged_attention,
+    prefix_mask,
+)
 from minillm.attention.torch_ref import attention, causal_mask
 from minillm.config import ModelConfig
 from minillm.engine.paged_runner import slot_mapping
@@ -81,8 +89,14 @@ def test_mixed_step_matches_contiguous_attention(backend, heads, kv_heads):
         cache,
         torch.tensor(slots),
         num_decodes=len(decodes),
-        decode_block_tables=torch.tensor([tables[i] + [0] * (width - len(tables[i])) for i in decodes]),
-        decode_mask=decode_mask(torch.tensor([sum(plan[i]) for i in decodes]), width * block_size),
+        decode_buckets=[
+            DecodeBucket(
+                0,
+                len(decodes),
+                torch.tensor([tables[i] + [0] * (width - len(tables[i])) for i in decodes]),
+                mask=decode_mask(torch.tensor([sum(plan[i]) for i in decodes]), width * block_size),
+            )
+        ],
         prefills=spans,
     )
     out = paged_attention(
@@ -100,3 +114,13 @@ def test_copy_blocks_copies_every_layer():
     cache.k[:, 1] = torch.randn(3, 2, 2, 4)
     cache.copy_blocks([(1, 4)])
     assert torch.equal(cache.k[:, 4], cache.k[:, 1]) and torch.equal(cache.v[:, 4], cache.v[:, 1])
+
+
+def test_decode_buckets_minimise_padding():
+    assert bucket_rows([5, 6, 7, 8], overhead=100) == [(0, 4)]  # similar lengths: one bucket
+    assert bucket_rows([10, 10, 10, 4000], overhead=100) == [(0, 3), (3, 4)]  # an outlier alone
+    assert bucket_rows([], overhead=100) == []
+    lengths = sorted([16, 40, 41, 300, 310, 320, 900, 2000])
+    buckets = bucket_rows(lengths, overhead=200)
+    assert buckets[0][0] == 0 and buckets[-1][1] == len(lengths)
+    assert all(a[1] == b[0] for a, b in zip(buckets, buckets[1:]))  # consecutive, covering every row

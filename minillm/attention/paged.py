@@ -38,15 +38,46 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeBucket:
+    """Decode rows ``start:end`` (consecutive in the flat batch) attended together: their blocks
+    are gathered into one batch padded to the longest row of the bucket."""
+
+    start: int
+    end: int
+    block_tables: torch.Tensor  # [rows, blocks]
+    mask: torch.Tensor | None = None  # [rows, 1, 1, blocks * block_size] when lengths differ
+    length: int | None = None  # instead of a mask, when every row sees exactly this many keys
+
+
+def bucket_rows(context_lens: list[int], overhead: int = 1024) -> list[tuple[int, int]]:
+    """Split rows, sorted by context length, into consecutive buckets minimising the padded work
+    ``Σ rows × longest`` plus ``overhead`` (in token-rows) per extra bucket — the cost of one more
+    gather and attention call per layer. One long row among short ones gets a bucket of its own;
+    similar lengths share one. Exact dynamic programme; batches are at most a few hundred rows."""
+    n = len(context_lens)
+    best = [0.0] + [float("inf")] * n  # best[j]: cost of rows 0..j-1
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):
+            cost = best[i] + (j - i) * context_lens[j - 1] + overhead
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    buckets, j = [], n
+    while j > 0:
+        buckets.append((cut[j], j))
+        j = cut[j]
+    return buckets[::-1]
+
+
+@dataclass
 class PagedAttentionMetadata:
     cache: PagedKVCache
     slot_mapping: torch.Tensor  # [N]: where each new token's K/V goes
     cu_seqlens: torch.Tensor | None = None  # [num_seqs + 1]: sequence i's new tokens are rows cu[i]:cu[i+1]
     context_lens: torch.Tensor | None = None  # [num_seqs]: tokens each sequence attends to (cached + new)
     num_decodes: int = 0  # rows 0..num_decodes-1 are decode tokens, one per sequence
-    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
-    decode_len: int | None = None  # set instead of a mask when every decode row has this context length
+    decode_buckets: list[DecodeBucket] = field(default_factory=list)  # the reference's grouping of decodes
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks], for kernels that take all rows
     decode_context_lens: torch.Tensor | None = None  # [num_decodes]
     decode_max_context: int = 0
     prefills: list[PrefillSpan] = field(default_factory=list)
@@ -89,10 +120,21 @@ def paged_attention(
 
 
 def _decode(q, layer, meta, scale, attention_fn) -> torch.Tensor:
-    ks, vs = meta.cache.gather(layer, meta.decode_block_tables)  # [B, KV, S, D]
-    if meta.decode_len is not None:  # equal lengths (always so for one sequence): no mask needed,
-        ks, vs = ks[:, :, : meta.decode_len], vs[:, :, : meta.decode_len]  # and fused kernels run faster
-    o = attention_fn(q.unsqueeze(2), ks, vs, meta.decode_mask, False, scale)  # [B, H, 1, D]
+    """All decode rows, bucket by bucket (rows are sorted by context length, so little padding)."""
+    if len(meta.decode_buckets) == 1:
+        return _decode_bucket(q, layer, meta.decode_buckets[0], meta.cache, scale, attention_fn)
+    out = torch.empty_like(q)
+    for bucket in meta.decode_buckets:
+        rows = slice(bucket.start, bucket.end)
+        out[rows] = _decode_bucket(q[rows], layer, bucket, meta.cache, scale, attention_fn)
+    return out
+
+
+def _decode_bucket(q, layer, bucket: DecodeBucket, cache: PagedKVCache, scale, attention_fn) -> torch.Tensor:
+    ks, vs = cache.gather(layer, bucket.block_tables)  # [B, KV, S, D]
+    if bucket.length is not None:  # equal lengths (always so for one sequence): no mask needed,
+        ks, vs = ks[:, :, : bucket.length], vs[:, :, : bucket.length]  # and fused kernels run faster
+    o = attention_fn(q.unsqueeze(2), ks, vs, bucket.mask, False, scale)  # [B, H, 1, D]
     return o.squeeze(2)
 
 

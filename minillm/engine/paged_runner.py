@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from minillm.attention.paged import PagedAttentionMetadata, PrefillSpan, decode_mask, prefix_mask
+from minillm.attention.paged import (
+    DecodeBucket,
+    PagedAttentionMetadata,
+    PrefillSpan,
+    bucket_rows,
+    decode_mask,
+    prefix_mask,
+)
 from minillm.engine.cuda_graphs import DecodeGraphs
 from minillm.engine.scheduler import ScheduledChunk
 from minillm.kvcache.paged import PagedKVCache
@@ -45,7 +52,8 @@ class PagedModelRunner:
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[PagedForwardBatch, list[ScheduledChunk]]:
         """The forward batch for ``chunks`` and, in logit-row order, the chunks that sample."""
         bs = self.cache.block_size
-        decodes = [c for c in chunks if c.num_tokens == 1]
+        # Decodes sorted by context length, so the reference can attend in buckets of similar lengths.
+        decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: c.start)
         prefills = [c for c in chunks if c.num_tokens > 1]
         ids: list[int] = []
         positions: list[int] = []
@@ -79,10 +87,8 @@ class PagedModelRunner:
             meta.decode_block_tables = self._table_tensor(tables, width)
             meta.decode_context_lens = self._tensor(context)
             meta.decode_max_context = max(context)
-            if min(context) == max(context) and (self.window is None or context[0] <= self.window):
-                meta.decode_len = context[0]
-            else:
-                meta.decode_mask = decode_mask(self._tensor(context), width * bs, self.window)
+            for start, end in bucket_rows(context):
+                meta.decode_buckets.append(self._decode_bucket(start, end, context[start:end], tables[start:end]))
         row = len(decodes)
         for c in prefills:
             context = c.start + c.num_tokens
@@ -116,6 +122,15 @@ class PagedModelRunner:
         batch, sampled = self.prepare(chunks)
         logits = self.model(batch)
         return logits, sampled
+
+    def _decode_bucket(self, start: int, end: int, context: list[int], tables: list[list[int]]) -> DecodeBucket:
+        width = -(-max(context) // self.cache.block_size)
+        bucket = DecodeBucket(start, end, self._table_tensor([t[:width] for t in tables], width))
+        if min(context) == max(context) and (self.window is None or context[0] <= self.window):
+            bucket.length = context[0]
+        else:
+            bucket.mask = decode_mask(self._tensor(context), width * self.cache.block_size, self.window)
+        return bucket
 
     def _table_tensor(self, tables: list[list[int]], width: int) -> torch.Tensor:
         """Block tables as one ``[rows, width]`` tensor: short rows padded, released blocks (-1)
