@@ -7,8 +7,6 @@ chunked prefill, after preemption, or with its prefix served from the cache.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -215,10 +213,10 @@ def test_static_batch_waits_for_all_members(tiny_model):
 
 
 def test_dynamic_batch_waits_for_timeout(tiny_model):
-    engine = LLMEngine(tiny_model, dtype="fp32", scheduling_policy="dynamic", batch_timeout=0.2, max_num_seqs=4)
-    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=2, ignore_eos=True))
+    engine = LLMEngine(tiny_model, dtype="fp32", scheduling_policy="dynamic", batch_timeout=30.0, max_num_seqs=4)
+    rid = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=2, ignore_eos=True))
     assert engine.step() == [] and not engine.step_records  # one request of four: wait
-    time.sleep(0.25)
+    engine.requests[rid].metrics.arrival_time -= 31.0  # as if it had waited past the timeout
     engine.step()
     assert engine.step_records  # the timeout started the batch
 
