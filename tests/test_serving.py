@@ -296,3 +296,11 @@ def test_interrupted_generate_leaves_the_engine_usable(tiny_model, reference, mo
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.block_manager.num_used_blocks == 0
     assert tokens(llm.generate(PROMPTS, GREEDY)) == reference
+
+
+def test_sequence_token_slices(tiny_model):
+    engine = LLMEngine(tiny_model, dtype="fp32")
+    seq = engine.make_sequence([1, 2, 3, 4], GREEDY)
+    seq.output_token_ids += [5, 6, 7]
+    for start, end in [(0, 2), (0, 4), (2, 6), (4, 7), (6, 7), (0, 7)]:
+        assert seq.tokens(start, end) == seq.token_ids[start:end]

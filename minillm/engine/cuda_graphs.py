@@ -95,7 +95,7 @@ class DecodeGraphs:
             tables[row, : len(table)] = torch.tensor([b if b >= 0 else null for b in table], dtype=torch.long)
             positions.append(c.start)
             slots.append(table[c.start // bs] * bs + c.start % bs)
-        ids = [c.seq.token_ids[c.start] for c in chunks]
+        ids = [c.seq.tokens(c.start, c.start + 1)[0] for c in chunks]
         self._fill(s, n, ids, positions, slots, tables)
         if s.graph is not None:
             s.graph.replay()

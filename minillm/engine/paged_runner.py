@@ -55,23 +55,21 @@ class PagedModelRunner:
         # Decodes sorted by context length, so the reference can attend in buckets of similar lengths.
         decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: c.start)
         prefills = [c for c in chunks if c.num_tokens > 1]
+        order = decodes + prefills  # the flat layout: decodes first, then prefill chunks
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        cu_seqlens = [0]
         logit_rows: list[int] = []
         sampled: list[ScheduledChunk] = []
-        for c in decodes + prefills:  # the flat layout: decodes first, then prefill chunks
-            table = self.block_tables(c.seq)
-            ids.extend(c.seq.token_ids[c.start : c.start + c.num_tokens])
+        for c in order:
+            ids.extend(c.seq.tokens(c.start, c.start + c.num_tokens))
             positions.extend(range(c.start, c.start + c.num_tokens))
-            slots.extend(slot_mapping(table, c.start, c.num_tokens, bs))
+            slots.extend(slot_mapping(self.block_tables(c.seq), c.start, c.num_tokens, bs))
+            cu_seqlens.append(len(ids))
             if c.samples:
                 logit_rows.append(len(ids) - 1)
                 sampled.append(c)
-        order = decodes + prefills
-        cu_seqlens = [0]
-        for c in order:
-            cu_seqlens.append(cu_seqlens[-1] + c.num_tokens)
         meta = PagedAttentionMetadata(
             self.cache,
             self._tensor(slots),

@@ -79,6 +79,7 @@ class BlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # hashed, unreferenced; LRU first
         self.tables: dict[Hashable, list[int]] = {}  # request id -> block table
         self.num_tokens: dict[Hashable, int] = {}  # request id -> slots reserved in its table
+        self.chains: dict[Hashable, list[int]] = {}  # request id -> hashes of its full blocks so far
         # Prefix-cache statistics, over every lookup: prompt tokens asked for and found.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -178,6 +179,7 @@ class BlockManager:
                 parent = h
         cached_tokens = min(len(table) * self.block_size, len(tokens) - 1)
         self.tables[seq.request_id] = table
+        self.chains[seq.request_id] = [self.blocks[b].hash for b in table]
         self.num_tokens[seq.request_id] = cached_tokens
         seq.num_computed_tokens = cached_tokens
         self.prefix_queries += len(tokens)
@@ -229,26 +231,30 @@ class BlockManager:
         return copies
 
     def commit(self, seq: PagedSequence) -> None:
-        """Register ``seq``'s blocks that are now full of computed tokens in the prefix cache."""
+        """Register ``seq``'s blocks that are now full of computed tokens in the prefix cache.
+
+        Called after every step, so it only looks at blocks that filled up since the last call
+        (``chains`` keeps each request's block hashes so far): about one block every
+        ``block_size`` steps of decoding."""
         if not self.enable_prefix_caching:
+            return
+        chain = self.chains[seq.request_id]
+        full = seq.num_computed_tokens // self.block_size
+        if len(chain) >= full:
             return
         table = self.tables[seq.request_id]
         tokens = seq.token_ids
-        parent = None
-        for j in range(seq.num_computed_tokens // self.block_size):
-            if table[j] == RELEASED:  # gone behind a sliding window: keep the hash chain going
-                parent = block_hash(parent, tokens[j * self.block_size : (j + 1) * self.block_size])
+        for j in range(len(chain), full):
+            chunk = tokens[j * self.block_size : (j + 1) * self.block_size]
+            parent = chain[-1] if chain else None
+            h = block_hash(parent, chunk)
+            chain.append(h)
+            if table[j] == RELEASED:  # gone behind a sliding window: only the hash chain goes on
                 continue
             block = self.blocks[table[j]]
-            if block.hash is None:
-                chunk = tokens[j * self.block_size : (j + 1) * self.block_size]
-                h = block_hash(parent, chunk)
-                if h in self.cached:  # same content already cached in another block: keep that one
-                    parent = h
-                    continue
+            if block.hash is None and h not in self.cached:  # else this content is cached already
                 block.hash, block.parent_hash, block.token_ids = h, parent, tuple(chunk)
                 self.cached[h] = block.block_id
-            parent = block.hash
 
     def fork(self, parent: PagedSequence, child: PagedSequence) -> None:
         """``child`` shares every block of ``parent`` (e.g. several samples of one prompt)."""
@@ -260,6 +266,7 @@ class BlockManager:
                 self._ref(block_id)
         self.tables[child.request_id] = table
         self.num_tokens[child.request_id] = self.num_tokens[parent.request_id]
+        self.chains[child.request_id] = list(self.chains[parent.request_id])
         child.num_computed_tokens = parent.num_computed_tokens
 
     def free(self, seq: PagedSequence) -> None:
@@ -269,6 +276,7 @@ class BlockManager:
         if table is None:
             raise RuntimeError(f"request {seq.request_id!r} has no blocks to free")
         del self.num_tokens[seq.request_id]
+        del self.chains[seq.request_id]
         for block_id in reversed(table):
             if block_id != RELEASED:
                 self._unref(block_id)
