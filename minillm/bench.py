@@ -116,7 +116,7 @@ def run_generate_benchmark(
     for dtype_name in dtypes:
         dtype = parse_dtype(dtype_name)
         if compile:  # the compiled decode step belongs to the contiguous-cache engine
-            llm = LLM(model, dtype=dtype_name, device=device, mode="kv_cache", compile=True)
+            llm = LLM(model, dtype=dtype_name, device=device, mode="contiguous", compile=True)
         else:  # the default paged engine; no prefix caching: the repeats reuse the same prompts
             llm = LLM(model, dtype=dtype_name, device=device, enable_prefix_caching=False)
         machine = machine or machine_description(llm.device)

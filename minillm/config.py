@@ -8,7 +8,9 @@ engine (device, dtype, context length, execution mode).
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,8 +172,15 @@ class ModelConfig:
         return cls.from_dict(raw, source=str(path))
 
 
-EXECUTION_MODES = ("paged", "kv_cache", "naive")
+EXECUTION_MODES = ("paged", "contiguous", "naive")
+#: Old mode names that still work, with a deprecation warning.
+DEPRECATED_MODES = {"kv_cache": "contiguous"}
 SCHEDULING_POLICIES = ("static", "dynamic", "continuous")
+ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "triton")
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 @dataclass
@@ -182,7 +191,8 @@ class EngineConfig:
 
     - ``naive`` recomputes the whole sequence at every step (no cache): slow, but the simplest
       correct engine, and the rung every optimisation is tested against;
-    - ``kv_cache``: a contiguous cache per static batch (chapter 02);
+    - ``contiguous``: a contiguous KV cache per static batch (chapter 02; ``kv_cache`` is its
+      old, deprecated name);
     - ``paged`` (default): the serving core — paged KV pool with prefix caching, a scheduler
       (``scheduling_policy``), chunked prefill and preemption (chapters 03-04).
 
@@ -200,7 +210,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     cpu_prepack: bool = True  # oneDNN-prepacked linears on CPU where supported (measured faster)
-    compile: bool = False  # torch.compile the decode step, mode="kv_cache" only (costs minutes on a small CPU)
+    compile: bool = False  # torch.compile the decode step, mode="contiguous" only (costs minutes on a small CPU)
     # The paged engine (mode="paged").
     scheduling_policy: str = "continuous"
     block_size: int = 16
@@ -213,13 +223,21 @@ class EngineConfig:
     # Decode steps as CUDA graphs, padded to captured batch sizes (paged + triton backend).
     # None: on when both are in use on CUDA. True on a CPU runs the same padded path eagerly.
     cuda_graphs: bool | None = None
+    # Per-step records (``engine.step_records``, read by run reports and the widgets) are kept
+    # in a ring of this many steps, so a long-running server does not grow without bound.
+    # 0 keeps none; None keeps every step.
+    max_step_records: int | None = 10_000
 
     def __post_init__(self) -> None:
+        if self.mode in DEPRECATED_MODES:
+            new = DEPRECATED_MODES[self.mode]
+            warnings.warn(f"mode={self.mode!r} is deprecated; use mode={new!r}", DeprecationWarning, stacklevel=4)
+            self.mode = new
         if self.mode not in EXECUTION_MODES:
             raise ValueError(f"mode={self.mode!r}; expected one of {EXECUTION_MODES}")
-        if self.compile and self.mode != "kv_cache":
+        if self.compile and self.mode != "contiguous":
             raise ValueError(
-                f"compile=True needs mode='kv_cache' (got mode={self.mode!r}): the compiled decode step is the "
+                f"compile=True needs mode='contiguous' (got mode={self.mode!r}): the compiled decode step is the "
                 "contiguous cache's; the paged engine's flat batches change shape every step"
             )
         if self.cuda_graphs and self.mode != "paged":
@@ -250,12 +268,13 @@ class EngineConfig:
             raise ValueError(f"num_threads={self.num_threads} must be >= 1")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
-        from minillm.attention import get_backend
-
-        get_backend(self.attention_backend)  # raises ValueError naming a bad backend
+        if self.max_step_records is not None and (
+            isinstance(self.max_step_records, bool) or not isinstance(self.max_step_records, int) or self.max_step_records < 0
+        ):
+            raise ValueError(f"max_step_records={self.max_step_records!r} must be a count >= 0, or None for all")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r}; expected one of {ATTENTION_BACKENDS}")
         if self.attention_backend == "triton":
-            from minillm.attention import triton_available
-
             if self.mode != "paged":
                 raise ValueError(f"attention_backend='triton' needs mode='paged' (got mode={self.mode!r})")
             if not triton_available():

@@ -183,6 +183,15 @@ class Sequence:
             self.text += self._detok.flush()
             self._finish("length")
 
+    def append_tokens(self, token_ids: list[int], now: float | None = None) -> int:
+        """Append several tokens produced in one step (e.g. accepted speculative tokens), up to
+        the first that finishes the request; returns how many were appended."""
+        for i, token_id in enumerate(token_ids):
+            self.append_token(token_id, now)
+            if self.is_finished:
+                return i + 1
+        return len(token_ids)
+
     def _cut_at_stop_string(self, text_before: int) -> bool:
         longest = max(len(s) for s in self.params.stop)
         # Only a match that ends in the new text can be new; start just far enough back.

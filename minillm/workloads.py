@@ -177,10 +177,10 @@ def replay(engine, requests: list[WorkloadRequest], realtime: bool = True) -> li
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, pending[i].arrival_time - (time.perf_counter() - start)))
             continue
-        steps_before = len(engine.step_records)
+        steps_before = engine.num_steps
         for delta in engine.step():
             if delta.output is not None:
                 outputs[delta.request_id] = delta.output
-        if engine.scheduler is not None and len(engine.step_records) == steps_before:
+        if engine.num_steps == steps_before:
             time.sleep(0.001)  # nothing could run (a dynamic batch filling up): don't spin
     return [outputs[r.request_id] for r in requests]

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from minillm.models import load_model
-from minillm.models.convert import perplexity, pool_kv_heads
+from minillm.evaluation import perplexity
+from minillm.models.kv_head_pooling import pool_kv_heads
 from minillm.models.llama import ForwardBatch
 
 

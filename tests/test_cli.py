@@ -66,7 +66,7 @@ def test_generate_stream_matches_plain(tiny_model, capsys):
 @pytest.mark.parametrize(
     "engine_flags",
     [
-        ["--mode", "kv_cache"],
+        ["--mode", "contiguous"],
         ["--scheduling-policy", "static", "--block-size", "4", "--no-prefix-caching"],
         ["--no-chunked-prefill", "--kv-cache-memory", "0.01", "--max-num-seqs", "1"],
     ],

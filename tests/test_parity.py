@@ -82,7 +82,7 @@ def test_decode_logits_and_greedy_tokens_match_hf(tiny_models, variant):
 
 
 @pytest.mark.parametrize("variant", ["llama_gqa", "llama_mqa", "qwen2_bias", "llama_untied"])
-@pytest.mark.parametrize("mode,backend", [("kv_cache", "sdpa"), ("kv_cache", "torch"), ("naive", "sdpa")])
+@pytest.mark.parametrize("mode,backend", [("contiguous", "sdpa"), ("contiguous", "torch"), ("naive", "sdpa")])
 def test_engine_greedy_tokens_match_hf(tiny_models, variant, mode, backend):
     folder = tiny_models[variant]
     ref = hf_model(folder)
@@ -138,8 +138,8 @@ def test_compiled_decode_matches_eager(tiny_model, prepack):
     """torch.compile'd decode steps reproduce the eager engine: one sequence, aligned and
     ragged batches, with (fp32: compiled single-row steps, packed batched steps) and without
     prepacked weights."""
-    compiled = LLM(tiny_model, dtype="fp32", mode="kv_cache", compile=True, cpu_prepack=prepack)
-    eager = LLM(tiny_model, dtype="fp32", mode="kv_cache", cpu_prepack=False)
+    compiled = LLM(tiny_model, dtype="fp32", mode="contiguous", compile=True, cpu_prepack=prepack)
+    eager = LLM(tiny_model, dtype="fp32", mode="contiguous", cpu_prepack=False)
     for prompts in ([[5, 6, 7]], [[5, 6, 7], [8, 9, 10]], PROMPTS):
         params = SamplingParams(max_tokens=12, ignore_eos=True)
         assert [o.token_ids for o in compiled.generate(prompts, params)] == [

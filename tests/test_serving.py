@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from minillm import LLM, LLMEngine, SamplingParams
-from minillm.kvcache.paged import kv_bytes_per_token
+from minillm.kvcache.addressing import kv_bytes_per_token
 from minillm.metrics import SLO, run_report
 from minillm.workloads import Lengths, load_jsonl, poisson_workload, replay, save_jsonl, shared_prefix_workload
 
@@ -34,7 +34,7 @@ def pool_bytes(folder, blocks: int, block_size: int) -> int:
 @pytest.fixture(scope="module")
 def reference(tiny_model):
     """Each prompt alone through the contiguous-cache engine: the rung below paging."""
-    llm = LLM(tiny_model, dtype="fp32", mode="kv_cache")
+    llm = LLM(tiny_model, dtype="fp32", mode="contiguous")
     return [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
 
 
@@ -82,7 +82,7 @@ def test_preemption_under_memory_pressure_loses_nothing(tiny_model, reference, p
 def test_prefix_cache_hits_give_identical_tokens(tiny_model):
     system = list(range(40, 80))  # 40 shared tokens
     prompts = [system + [5, 6, 7], system + [9], system[:32]]
-    ref = tokens(LLM(tiny_model, dtype="fp32", mode="kv_cache").generate(prompts, GREEDY))
+    ref = tokens(LLM(tiny_model, dtype="fp32", mode="contiguous").generate(prompts, GREEDY))
     llm = LLM(tiny_model, dtype="fp32", block_size=8)
     first = llm.generate(prompts[0], GREEDY)[0]
     assert first.num_cached_tokens == 0
@@ -222,7 +222,7 @@ def test_dynamic_batch_waits_for_timeout(tiny_model):
 
 
 def test_kv_naive_modes_run_through_the_same_api(tiny_model, reference):
-    for mode in ("naive", "kv_cache"):
+    for mode in ("naive", "contiguous"):
         engine = LLMEngine(tiny_model, dtype="fp32", mode=mode)
         a = engine.add_request(PROMPTS[0], GREEDY)
         b = engine.add_request(PROMPTS[1], GREEDY)

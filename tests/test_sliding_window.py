@@ -24,8 +24,8 @@ def naive_tokens(tiny_models):
 @pytest.mark.parametrize(
     "engine_args",
     [
-        dict(mode="kv_cache"),
-        dict(mode="kv_cache", attention_backend="torch"),
+        dict(mode="contiguous"),
+        dict(mode="contiguous", attention_backend="torch"),
         dict(block_size=4, max_num_batched_tokens=5),
         dict(block_size=2, attention_backend="torch"),
         dict(block_size=16),

@@ -162,7 +162,7 @@ def test_triton_backend_reproduces_torch_backend_end_to_end(tiny_model):
 
 def test_triton_backend_needs_the_paged_engine(tiny_model):
     with pytest.raises(ValueError, match="attention_backend='triton' needs mode='paged'"):
-        LLM(tiny_model, mode="kv_cache", attention_backend="triton")
+        LLM(tiny_model, mode="contiguous", attention_backend="triton")
 
 
 @pytest.mark.gpu
@@ -213,7 +213,7 @@ def test_static_decode_buffers_reproduce_the_engine(tiny_model):
     ("engine_args", "message"),
     [
         (dict(attention_backend="torch", cuda_graphs=True), "cuda_graphs=True needs attention_backend='triton'"),
-        (dict(mode="kv_cache", cuda_graphs=True), "cuda_graphs=True needs mode='paged'"),
+        (dict(mode="contiguous", cuda_graphs=True), "cuda_graphs=True needs mode='paged'"),
     ],
 )
 def test_cuda_graphs_configuration_errors(tiny_model, engine_args, message):

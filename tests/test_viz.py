@@ -124,7 +124,7 @@ def test_batching_timeline_shows_preemption(tiny_model):
     import torch
 
     from minillm.config import ModelConfig
-    from minillm.kvcache.paged import kv_bytes_per_token
+    from minillm.kvcache.addressing import kv_bytes_per_token
     from minillm.viz import batching_segments
 
     per_block = 4 * kv_bytes_per_token(ModelConfig.from_folder(tiny_model), torch.float32)

@@ -1,47 +1,38 @@
 """Attention backends.
 
-Every backend computes the same thing for ``q[B, H, T, D]`` against ``k, v[B, KV, S, D]``:
-causal scaled-dot-product attention with grouped K/V heads. They differ in how:
+Every backend computes the same thing: causal scaled-dot-product attention with grouped K/V
+heads. A backend has two faces:
+
+- ``padded(q, k, v, mask, is_causal, scale)`` for ``q[B, H, T, D]`` against ``k, v[B, KV, S, D]``
+  — the naive and contiguous-cache engines (``contiguous.py``);
+- ``paged_step(layout)`` — builds, once per step, what the backend needs from the paged
+  engine's neutral ``StepLayout`` (``layout.py``) and returns an object whose
+  ``attend(layer, q, k, v, scale)`` each layer calls.
+
+The backends:
 
 - ``torch``: the readable reference (matmul → mask → softmax → matmul), what the course
-  builds and every other backend is tested against;
+  builds and every other backend is tested against; paged steps gather blocks (``paged.py``);
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``, PyTorch's fused kernels
-  (the fastest choice on CPU, and the default there);
+  (the fastest choice on CPU, and the default there), with the same paged reference;
 - ``triton``: our own kernels (``triton_kernels.py``) — FlashAttention for prefill, paged
-  attention for decode — for the paged engine; the default on CUDA. Without a GPU they run
-  under Triton's interpreter (correct, slow: for learning and tests).
-
-The paged engine (``mode="paged"``) calls a *paged* attention function per layer instead
-(``paged.py``): the reference one runs the ``torch`` or ``sdpa`` function per group of
-sequences; the Triton one launches the kernels on the flat batch.
+  attention for decode (``triton_paged.py``); padded batches use SDPA. The default on CUDA.
+  Without a GPU the kernels run under Triton's interpreter (correct, slow: for learning and tests).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from minillm.attention.paged import ReferencePagedStep
 from minillm.attention.torch_ref import attention, causal_mask
+from minillm.config import ATTENTION_BACKENDS, triton_available
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", bool, float], torch.Tensor]
-
-BACKENDS = ("torch", "sdpa", "triton")
-
-
-def triton_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("triton") is not None
-
-
-def resolve_backend(name: str, device, mode: str) -> str:
-    """``auto`` → ``triton`` for the paged engine on CUDA (when Triton is installed), else ``sdpa``."""
-    if name == "auto":
-        return "triton" if device.type == "cuda" and mode == "paged" and triton_available() else "sdpa"
-    return name
 
 
 def torch_attention(q, k, v, mask, is_causal, scale):
@@ -63,32 +54,35 @@ def sdpa_attention(q, k, v, mask, is_causal, scale):
     )
 
 
-def get_backend(name: str) -> AttentionFn:
-    """The attention function for padded ``[B, H, T, D]`` batches. ``triton`` only changes the
-    paged engine's attention (see ``get_paged_backend``); padded batches then use SDPA."""
-    if name in ("auto", "sdpa", "triton"):
-        return sdpa_attention
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    padded: AttentionFn
+
+    def paged_step(self, layout):
+        """The per-step attention object for a paged ``StepLayout``."""
+        if self.name == "triton":
+            from minillm.attention.triton_paged import TritonPagedStep  # imports triton only when used
+
+            return TritonPagedStep(layout)
+        return ReferencePagedStep(layout, self.padded)
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """``torch`` | ``sdpa`` | ``triton`` (the engine's builder resolves ``auto`` first)."""
+    if name in ("sdpa", "triton"):
+        return AttentionBackend(name, sdpa_attention)
     if name == "torch":
-        return torch_attention
-    raise ValueError(f"attention_backend={name!r}; expected one of {('auto',) + BACKENDS}")
-
-
-def get_paged_backend(name: str):
-    """The paged attention function of a backend, ``f(q, k, v, layer, metadata, scale)`` (see ``paged.py``)."""
-    from minillm.attention.paged import paged_attention, triton_paged_attention
-
-    if name == "triton":
-        return triton_paged_attention
-    return functools.partial(paged_attention, attention_fn=get_backend(name))
+        return AttentionBackend(name, torch_attention)
+    raise ValueError(f"attention_backend={name!r}; expected one of {ATTENTION_BACKENDS}")
 
 
 __all__ = [
-    "BACKENDS",
+    "AttentionBackend",
+    "AttentionFn",
     "attention",
     "causal_mask",
     "get_backend",
-    "get_paged_backend",
-    "resolve_backend",
     "sdpa_attention",
     "torch_attention",
     "triton_available",

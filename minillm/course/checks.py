@@ -24,7 +24,7 @@ STEPS = 32
 
 
 @functools.lru_cache(maxsize=4)
-def _engine(model: str, mode: str = "kv_cache"):
+def _engine(model: str, mode: str = "contiguous"):
     from minillm import LLM
 
     return LLM(model, dtype="fp32", mode=mode, attention_backend="torch", seed=0)
@@ -231,7 +231,7 @@ def _learner_cache(kv_write=None, kv_read=None):
 def _cached_tokens(model: str, steps: int = STEPS) -> list[int]:
     from minillm import SamplingParams
 
-    llm = _engine(model, "kv_cache")
+    llm = _engine(model, "contiguous")
     return llm.generate([_prompt_ids(llm)], SamplingParams(max_tokens=steps, ignore_eos=True))[0].token_ids
 
 
@@ -299,7 +299,7 @@ def check_kv_read(kv_read, model: str = DEFAULT_MODEL) -> str:
 @check
 def check_generate_cached(generate_cached, model: str = DEFAULT_MODEL) -> str:
     """``generate_cached(model, prompt_ids, max_new_tokens)``: prefill once, then one token per step."""
-    llm = _engine(model, "kv_cache")
+    llm = _engine(model, "contiguous")
     ids = _prompt_ids(llm)
     calls: list[tuple[int, int]] = []
     original = ContiguousKVCache.write

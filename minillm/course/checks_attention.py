@@ -71,7 +71,7 @@ def check_gqa_attention(gqa_attention, model: str = VARIANT_MODEL) -> str:
             mask = (torch.arange(s)[None, :] <= torch.arange(s - t, s)[:, None])[None, None].expand(q.shape[0], 1, t, s)
         return gqa_attention(q, k, v, mask, scale)
 
-    llm = LLM(model, dtype="fp32", mode="kv_cache", attention_backend="torch")
+    llm = LLM(model, dtype="fp32", mode="contiguous", attention_backend="torch")
     ids = llm.tokenizer.encode("KING.\nNow is the winter of our discontent")
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     expected_tokens = llm.generate([ids], params)[0].token_ids

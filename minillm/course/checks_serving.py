@@ -41,7 +41,7 @@ def _reference(model: str, prompts: tuple[str, ...]) -> list[list[int]]:
     """Each prompt alone through the contiguous-cache engine (chapter 02's rung)."""
     from minillm import LLM
 
-    llm = LLM(model, dtype="fp32", mode="kv_cache", attention_backend="torch")
+    llm = LLM(model, dtype="fp32", mode="contiguous", attention_backend="torch")
     return [llm.generate(p, _params())[0].token_ids for p in prompts]
 
 
@@ -54,7 +54,7 @@ def _paged_engine(model: str, **kwargs):
 def _pool_bytes(engine_model: str, blocks: int, block_size: int) -> int:
     from minillm.assets import resolve_model
     from minillm.config import ModelConfig
-    from minillm.kvcache.paged import kv_bytes_per_token
+    from minillm.kvcache.addressing import kv_bytes_per_token
 
     config = ModelConfig.from_folder(resolve_model(engine_model))
     return blocks * block_size * kv_bytes_per_token(config, torch.float32)
@@ -132,12 +132,12 @@ def check_slot_mapping(slot_mapping, model: str = DEFAULT_MODEL) -> str:
             f"slot_mapping([7, 2, 9], start=3, num_tokens=4, block_size=4) returned {got!r}, expected {expected} "
             "(position 3 is the last slot of block 7, positions 4-6 the first slots of block 2)"
         )
-    from minillm.engine import paged_runner
+    from minillm.kvcache import addressing
 
     engine = _paged_engine(model, block_size=4)
     # Scatter the free list so a sequence's blocks are not contiguous in the pool.
     engine.block_manager.free_ids.rotate(7)
-    with _patched(paged_runner, "slot_mapping", slot_mapping):
+    with _patched(addressing, "slot_mapping", slot_mapping):
         outputs = _run_all(engine, PROMPTS)
     _compare_requests(
         outputs,

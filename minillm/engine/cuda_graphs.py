@@ -21,10 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from minillm.attention.paged import PagedAttentionMetadata
-from minillm.engine.scheduler import ScheduledChunk
+from minillm.attention.layout import KVPool, StepLayout
+from minillm.engine.runner import ChunkInput
+from minillm.kvcache import addressing
 from minillm.kvcache.paged import PagedKVCache
-from minillm.models.llama import LlamaForCausalLM, PagedForwardBatch
+from minillm.models.llama import LlamaForCausalLM
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -47,7 +48,7 @@ class StaticDecode:
     slots: torch.Tensor
     block_tables: torch.Tensor
     context_lens: torch.Tensor
-    batch: PagedForwardBatch
+    batch: StepLayout
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None
 
@@ -65,7 +66,7 @@ class DecodeGraphs:
         self.model = model
         self.cache = cache
         self.device = model.embed_tokens.weight.device
-        self.max_blocks = -(-max_model_len // cache.block_size)
+        self.max_blocks = addressing.blocks_for(max_model_len, cache.block_size)
         self.max_context = max_model_len
         self.window = window
         self.capture = capture
@@ -73,7 +74,7 @@ class DecodeGraphs:
         self.static: dict[int, StaticDecode] = {}
         self.pool = None  # graphs share one memory pool
 
-    def supports(self, chunks: list[ScheduledChunk]) -> bool:
+    def supports(self, chunks: list[ChunkInput]) -> bool:
         """Only pure decode steps (one token per sequence) that fit a captured size."""
         return bool(chunks) and len(chunks) <= self.sizes[-1] and all(c.num_tokens == 1 for c in chunks)
 
@@ -82,21 +83,16 @@ class DecodeGraphs:
         for size in reversed(self.sizes):
             self._get(size)
 
-    def run(self, chunks: list[ScheduledChunk], block_table_of) -> torch.Tensor:
+    def run(self, chunks: list[ChunkInput]) -> torch.Tensor:
         """Logits ``[len(chunks), V]`` for a pure decode step, through the static buffers."""
         n = len(chunks)
         s = self._get(next(size for size in self.sizes if size >= n))
-        bs = self.cache.block_size
-        null = self.cache.null_block
-        tables = torch.full((n, self.max_blocks), null, dtype=torch.long)
-        slots, positions = [], []
-        for row, c in enumerate(chunks):
-            table = block_table_of(c.seq)
-            tables[row, : len(table)] = torch.tensor([b if b >= 0 else null for b in table], dtype=torch.long)
-            positions.append(c.start)
-            slots.append(table[c.start // bs] * bs + c.start % bs)
-        ids = [c.seq.tokens(c.start, c.start + 1)[0] for c in chunks]
-        self._fill(s, n, ids, positions, slots, tables)
+        bs, null = self.cache.block_size, self.cache.null_block
+        tables = addressing.padded_block_tables([c.block_table for c in chunks], self.max_blocks, null)
+        positions = [c.start for c in chunks]
+        slots = [addressing.slot_mapping(c.block_table, c.start, 1, bs)[0] for c in chunks]
+        ids = [c.token_ids[0] for c in chunks]
+        self._fill(s, n, ids, positions, slots, torch.tensor(tables, dtype=torch.long))
         if s.graph is not None:
             s.graph.replay()
             return s.logits[:n]
@@ -130,16 +126,20 @@ class DecodeGraphs:
 
         ids, positions, slots = buffer(size), buffer(size), buffer(size)
         tables, context_lens = buffer(size, self.max_blocks), buffer(size)
-        meta = PagedAttentionMetadata(
-            self.cache,
-            slots,
+        batch = StepLayout(
+            input_ids=ids[None],
+            positions=positions[None],
+            slot_mapping=slots,
+            query_lens=[1] * size,
+            context_lens=[self.max_context] * size,  # the kernels read the tensor below
+            context_lens_tensor=context_lens,
+            block_tables=tables,
             num_decodes=size,
-            decode_block_tables=tables,
-            decode_context_lens=context_lens,
-            decode_max_context=self.max_context,  # fixed: the split-K layout must not change between replays
+            logit_index=torch.arange(size, device=self.device),
+            pool=KVPool(self.cache.k_slots, self.cache.v_slots, self.cache.block_size, self.cache.null_block),
             window=self.window,
+            max_context=self.max_context,  # fixed: the split-K layout must not change between replays
         )
-        batch = PagedForwardBatch(ids, positions, meta, torch.arange(size, device=self.device))
         s = StaticDecode(size, ids, positions, slots, tables, context_lens, batch)
         self._fill(s, 0, [], [], [], None)
         if self.capture:

@@ -25,7 +25,7 @@ from minillm.sequence import RequestOutput, Sequence, StreamDelta
 class LLM:
     def __init__(self, model: str | Path = "smollm2-135m", **engine_args):
         """``engine_args`` are ``EngineConfig`` fields: device, dtype, max_model_len,
-        max_num_seqs, mode ("paged" | "kv_cache" | "naive"), num_threads, seed,
+        max_num_seqs, mode ("paged" | "contiguous" | "naive"), num_threads, seed,
         attention_backend ("auto" | "torch" | "sdpa"), cpu_prepack, compile, and for the paged
         engine scheduling_policy, block_size, kv_cache_memory, enable_prefix_caching,
         enable_chunked_prefill, max_num_batched_tokens, batch_timeout."""

@@ -8,19 +8,20 @@
 
 Each ``step()`` is one iteration of the serving loop:
 
-    schedule → (copy-on-write) → build flat batch → run the model → sample → update sequences
-    → free finished requests' blocks → report what was produced
+    schedule → step inputs (plain data) → runner: logits → sample → append → commit blocks
+    → free finished requests → report what was produced
 
-``LLM.generate`` and ``LLM.stream`` are thin loops over this class. In ``mode="paged"`` (the
-default) the scheduler, block manager and paged pool of chapters 03-04 do the work; the
-earlier rungs (``naive``, ``kv_cache``) run as static batches through the same API.
+``LLM.generate`` and ``LLM.stream`` are thin loops over this class. The loop is the same for
+every mode; ``engine/builder.py`` decides which scheduler and runner do the work: in
+``mode="paged"`` (the default) the scheduler, block manager and paged pool of chapters 03-04;
+the earlier rungs (``naive``, ``contiguous``) a static batcher and their own runners.
 """
 
 from __future__ import annotations
 
-import os
 import random
 import time
+from collections import deque
 from collections.abc import Hashable
 from pathlib import Path
 from typing import Union
@@ -28,38 +29,18 @@ from typing import Union
 import torch
 
 from minillm.assets import resolve_model
-from minillm.attention import resolve_backend
 from minillm.config import EngineConfig, ModelConfig
-from minillm.engine.cuda_graphs import DecodeGraphs
-from minillm.engine.paged_runner import PagedModelRunner
-from minillm.engine.runner import CachedRunner, NaiveRunner
-from minillm.engine.scheduler import Scheduler, SchedulerOutput
+from minillm.engine.builder import build_engine_parts
+from minillm.engine.runner import ChunkInput, StepInputs
+from minillm.engine.scheduler import SchedulerOutput
 from minillm.errors import PromptTooLongError
-from minillm.kvcache.block_manager import BlockManager
-from minillm.kvcache.paged import PagedKVCache, kv_bytes_per_token
 from minillm.metrics import StepRecord
 from minillm.models import load_model
 from minillm.sampling import SamplingParams, sample
-from minillm.sequence import Sequence, SequenceStatus, StreamDelta
+from minillm.sequence import Sequence, StreamDelta
 from minillm.tokenizer import ChatMessages, Tokenizer
 
 Prompt = Union[str, list[int], ChatMessages]
-
-CPU_DEFAULT_KV_BYTES = 1 << 30
-
-
-def free_memory_bytes(device: torch.device) -> int:
-    """Memory free for the KV pool right now: CUDA's free memory, or the OS's available RAM."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class LLMEngine:
@@ -76,42 +57,24 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or limit
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}")
-        self.block_manager: BlockManager | None = None
-        self.kv_cache: PagedKVCache | None = None
-        self.graphs: DecodeGraphs | None = None
         self.tokenizer = Tokenizer(self.model_dir)
         self.model = load_model(self.model_dir, self.dtype, self.device, max_positions=self.max_model_len)
-        self.attention_backend = resolve_backend(config.attention_backend, self.device, self.mode)
-        self.model.set_attention_backend(self.attention_backend)
         # Sliding-window attention: the engine's option, else the checkpoint's (Mistral).
         self.sliding_window = config.sliding_window or self.model_config.sliding_window
-        self.model.sliding_window = self.sliding_window
-        self._apply_cpu_fast_paths()
+        parts = build_engine_parts(config, self.model, self.model_config, self.max_model_len, self.sliding_window)
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner
+        self.attention_backend = parts.attention_backend
+        self.block_manager = parts.block_manager  # None outside the paged mode
+        self.kv_cache = parts.kv_cache
+        self.graphs = parts.graphs
         self._rng = random.Random(config.seed)
         self._next_id = 0
         self.requests: dict[Hashable, Sequence] = {}  # every unfinished request, by id
-        self.step_records: list[StepRecord] = []
+        # The most recent steps' records (a bounded ring; see EngineConfig.max_step_records).
+        self.step_records: deque[StepRecord] = deque(maxlen=config.max_step_records)
+        self.num_steps = 0  # steps that ran the model
         self.record_block_tables = False  # snapshot block tables every step (the explorer widget)
-        if self.mode == "paged":
-            num_blocks = self._num_kv_blocks()  # after the weights: "free memory" must not count them
-            self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-            self.kv_cache = PagedKVCache(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
-            self.scheduler = Scheduler(
-                self.block_manager,
-                policy=config.scheduling_policy,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.token_budget,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                batch_timeout=config.batch_timeout,
-            )
-            self.graphs = self._decode_graphs()
-            self.runner = PagedModelRunner(
-                self.model, self.kv_cache, self.block_manager.block_table_of, self.sliding_window, self.graphs
-            )
-        else:
-            self.scheduler = None
-            self._waiting: list[Sequence] = []
-            self._batch_runner: NaiveRunner | CachedRunner | None = None
         self._warm_up()
 
     @property
@@ -122,54 +85,10 @@ class LLMEngine:
     # Setup
     # ----------------------------------------------------------------------------------------
 
-    def _num_kv_blocks(self) -> int:
-        config = self.engine_config
-        block_bytes = config.block_size * kv_bytes_per_token(self.model_config, self.dtype)
-        memory = config.kv_cache_memory
-        if isinstance(memory, float):
-            budget = int(memory * free_memory_bytes(self.device))
-        elif isinstance(memory, int):
-            budget = memory
-        elif self.device.type == "cuda":
-            budget = int(0.9 * free_memory_bytes(self.device))
-        else:
-            full = config.max_num_seqs * -(-self.max_model_len // config.block_size) * block_bytes
-            budget = min(full, CPU_DEFAULT_KV_BYTES)
-        num_blocks = budget // block_bytes
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory={memory!r} gives {budget} bytes, less than one KV block "
-                f"({block_bytes} bytes = {config.block_size} tokens x {block_bytes // config.block_size} bytes/token)"
-            )
-        return num_blocks
-
-    def _decode_graphs(self) -> DecodeGraphs | None:
-        wanted = self.engine_config.cuda_graphs
-        if wanted is None:
-            wanted = self.device.type == "cuda" and self.attention_backend == "triton"
-        if not wanted:
-            return None
-        if self.attention_backend != "triton":
-            raise ValueError(
-                f"cuda_graphs=True needs attention_backend='triton' (got {self.attention_backend!r}): the graph "
-                "replays the Triton decode kernels, whose shapes do not change between steps"
-            )
-        graphs = DecodeGraphs(
-            self.model,
-            self.kv_cache,
-            self.engine_config.max_num_seqs,
-            self.max_model_len,
-            self.sliding_window,
-            capture=self.device.type == "cuda",
-        )
-        if graphs.capture:
-            graphs.capture_all()
-        return graphs
-
     def memory_report(self) -> dict[str, int | None]:
-        """Bytes of weights and KV pool, and (on CUDA) the allocator's current and peak use."""
-        # From the config: prepacked CPU weights live outside the module's state dict.
-        weights = self.model_config.num_params * torch.empty((), dtype=self.dtype).element_size()
+        """Bytes of weights (every tensor the layers actually hold) and KV pool, and (on CUDA)
+        the allocator's current and peak use."""
+        weights = self.model.weight_bytes()
         report: dict[str, int | None] = {
             "weights_bytes": weights,
             "kv_pool_bytes": self.kv_cache.nbytes if self.kv_cache is not None else None,
@@ -181,20 +100,6 @@ class LLMEngine:
             report["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return report
 
-    def _apply_cpu_fast_paths(self) -> None:
-        from minillm.models.cpu_prepack import prepack_available
-
-        config = self.engine_config
-        prepack = config.cpu_prepack and self.device.type == "cpu" and prepack_available(self.dtype)
-        if config.compile and self.dtype != torch.float32:
-            prepack = False  # packed half-precision kernels are opaque to the compiler
-        if prepack:
-            self.model.prepack_for_cpu()
-        if config.compile and self.mode == "kv_cache":
-            # Measured on CPU: fp32 runs batched steps fastest on prepacked weights and
-            # single-sequence steps fastest compiled; half precision fastest compiled throughout.
-            self.model.compile_decode(single_row_only=prepack)
-
     def _warm_up(self) -> None:
         """One tiny request through the whole path, so one-time costs (kernel selection, oneDNN
         primitive creation, allocator growth) are not billed to the first real request."""
@@ -202,6 +107,7 @@ class LLMEngine:
         while self.has_unfinished_requests():
             self.step()
         self.step_records.clear()
+        self.num_steps = 0
         if self.block_manager is not None:  # forget the warm-up's cached block and statistics
             self.block_manager.reset_prefix_cache()
 
@@ -295,24 +201,15 @@ class LLMEngine:
     def enqueue(self, seq: Sequence) -> None:
         """Queue an already validated sequence (``LLM.generate`` validates a whole batch first)."""
         self.requests[seq.request_id] = seq
-        if self.scheduler is not None:
-            self.scheduler.add(seq)
-        else:
-            self._waiting.append(seq)
+        self.scheduler.add(seq)
 
     def abort(self, request_id: Hashable):
         """Stop a request now and free its blocks; returns its ``RequestOutput`` (finish_reason "abort")."""
         seq = self.requests.pop(request_id, None)
         if seq is None:
             raise ValueError(f"abort: no unfinished request with id {request_id!r}")
-        if self.scheduler is not None:
-            self.scheduler.finish(seq)
-        elif seq in self._waiting:
-            self._waiting.remove(seq)
-        else:
-            self._batch_runner.release(seq)
-            if not self._batch_runner.order:
-                self._batch_runner = None
+        self.scheduler.finish(seq)
+        self.runner.release(request_id)
         seq.abort()
         return seq.to_output()
 
@@ -334,23 +231,41 @@ class LLMEngine:
         A step with nothing to run (all queued requests waiting for a dynamic batch to fill)
         returns an empty list without touching the model.
         """
-        if self.scheduler is None:
-            return self._static_step()
         started = time.perf_counter()
         scheduled = self.scheduler.schedule(started)
         if not scheduled.chunks:
             return []
-        logits, sampled = self.runner.execute(scheduled.chunks, scheduled.copies)
+        logits = self.runner.execute(self._step_inputs(scheduled))
         for chunk in scheduled.chunks:
-            chunk.seq.num_computed_tokens += chunk.num_tokens
-            self.block_manager.commit(chunk.seq)
-            if self.sliding_window is not None:  # blocks behind the window go back to the pool
-                self.block_manager.release_behind_window(chunk.seq, self.sliding_window)
-        deltas = self._sample_and_append([c.seq for c in sampled], logits)
-        for seq in [c.seq for c in sampled if c.seq.is_finished]:
+            chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
+        self.scheduler.commit(scheduled.chunks)
+        sampling = [c for c in scheduled.chunks if c.num_logits]
+        if any(c.num_logits != 1 for c in sampling):  # several rows per chunk: sample from the last
+            ends = torch.tensor([c.num_logits for c in sampling], device=logits.device).cumsum(0)
+            logits = logits[ends - 1]
+        deltas = self._sample_and_append([c.seq for c in sampling], logits)
+        for seq in [c.seq for c in sampling if c.seq.is_finished]:
             self.scheduler.finish(seq)
-        self._record(started, scheduled, len(sampled))
+            self.runner.release(seq.request_id)
+        self.num_steps += 1
+        if self.step_records.maxlen != 0:
+            self._record(started, scheduled)
         return deltas
+
+    def _step_inputs(self, scheduled: SchedulerOutput) -> StepInputs:
+        """The step as plain data: what the runner sees of each sequence."""
+        chunks = [
+            ChunkInput(
+                c.seq.request_id,
+                c.seq.tokens(c.start, c.start + c.num_tokens),
+                c.start,
+                c.num_logits,
+                self.scheduler.block_table(c.seq),
+                len(c.seq.prompt_token_ids) + c.seq.max_output,
+            )
+            for c in scheduled.chunks
+        ]
+        return StepInputs(chunks, scheduled.copies)
 
     def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StreamDelta]:
         if not seqs:
@@ -373,53 +288,27 @@ class LLMEngine:
             deltas.append(delta)
         return deltas
 
-    def _record(self, started: float, scheduled: SchedulerOutput, num_sampled: int) -> None:
-        bm = self.block_manager
-        chunks = [(c.seq.request_id, c.start, c.num_tokens, c.is_decode) for c in scheduled.chunks]
+    def _record(self, started: float, scheduled: SchedulerOutput) -> None:
+        stats = self.scheduler.pool_stats()
         record = StepRecord(
-            index=len(self.step_records),
+            index=self.num_steps - 1,
             start=started,
             end=time.perf_counter(),
-            chunks=chunks,
+            chunks=[(c.seq.request_id, c.start, c.num_tokens, c.is_decode) for c in scheduled.chunks],
             preempted=[s.request_id for s in scheduled.preempted],
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            blocks_used=bm.num_used_blocks,
-            blocks_cached=bm.num_cached_blocks,
-            blocks_free=len(bm.free_ids),
-            tokens_stored=sum(bm.num_tokens.values()),
-            reserved_slots=bm.num_used_blocks * bm.block_size,
-            wasted_slots=bm.wasted_slots(),
+            blocks_used=stats.blocks_used,
+            blocks_cached=stats.blocks_cached,
+            blocks_free=stats.blocks_free,
+            tokens_stored=stats.tokens_stored,
+            reserved_slots=stats.reserved_slots,
+            wasted_slots=stats.wasted_slots,
             contiguous_reserved_slots=len(self.scheduler.running) * self.max_model_len,
         )
-        if self.record_block_tables:
+        bm = self.block_manager
+        if self.record_block_tables and bm is not None:
             record.block_tables = {rid: list(t) for rid, t in bm.tables.items()}
             record.block_hashes = [b.hash is not None for b in bm.blocks]
             record.block_refs = [b.ref_count for b in bm.blocks]
         self.step_records.append(record)
-
-    def _static_step(self) -> list[StreamDelta]:
-        """The ``naive`` / ``kv_cache`` rungs: one static batch at a time, through their runners."""
-        if self._batch_runner is None:
-            if not self._waiting:
-                return []
-            self._waiting.sort(key=lambda s: s.sort_key)
-            batch = self._waiting[: self.engine_config.max_num_seqs]
-            del self._waiting[: len(batch)]
-            now = time.perf_counter()
-            for s in batch:
-                s.status = SequenceStatus.RUNNING
-                s.metrics.first_scheduled_time = now
-            self._batch_runner = NaiveRunner(self.model) if self.mode == "naive" else CachedRunner(self.model)
-            self._batch_runner.start(batch)
-            logits = self._batch_runner.prefill()
-        else:
-            logits = self._batch_runner.decode()
-        active = list(self._batch_runner.order)
-        deltas = self._sample_and_append(active, logits)
-        for seq in active:
-            if seq.is_finished:
-                self._batch_runner.release(seq)
-        if not self._batch_runner.order:
-            self._batch_runner = None
-        return deltas

@@ -36,20 +36,36 @@ class ScheduledChunk:
 
     ``samples``: the chunk reaches the end of the sequence, so a next token is sampled from
     its last position (a prefill chunk that stops mid-prompt does not). Fixed when scheduled:
-    the sequence grows once the token is appended.
+    the sequence grows once the token is appended. ``num_logits``: how many of the chunk's
+    last positions need logits — 1 when it samples; more for a speculative verifier.
     """
 
     seq: Sequence
     start: int
     num_tokens: int
     samples: bool = field(init=False)
+    num_logits: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.samples = self.start + self.num_tokens == len(self.seq)
+        self.num_logits = int(self.samples)
 
     @property
     def is_decode(self) -> bool:
+        """A sequence past its prompt, running its one new token (the scheduler's sense of "decode")."""
         return self.num_tokens == 1 and self.samples
+
+
+@dataclass
+class PoolStats:
+    """The KV memory of running requests, for step records: counters, not walks over tables."""
+
+    blocks_used: int = 0
+    blocks_cached: int = 0
+    blocks_free: int = 0
+    tokens_stored: int = 0  # tokens in the cache of running requests (a shared prefix counted per request)
+    reserved_slots: int = 0  # slots reserved for running requests (a shared block counted once)
+    wasted_slots: int = 0  # reserved but unused
 
 
 @dataclass
@@ -73,6 +89,7 @@ class Scheduler:
         max_num_batched_tokens: int = 512,
         enable_chunked_prefill: bool = True,
         batch_timeout: float = 0.05,
+        window: int | None = None,
     ):
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy={policy!r}; expected one of {SCHEDULING_POLICIES}")
@@ -82,16 +99,13 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.batch_timeout = batch_timeout
+        self.window = window  # sliding-window attention: blocks behind it go back to the pool
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
-
-    @property
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence) -> None:
         """Forget a finished (or aborted) sequence and give its blocks back."""
@@ -100,6 +114,28 @@ class Scheduler:
             self.block_manager.free(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        return self.block_manager.block_table_of(seq)
+
+    def commit(self, chunks: list[ScheduledChunk]) -> None:
+        """After the model ran ``chunks``: register blocks that filled in the prefix cache and
+        release blocks that fell behind the sliding window."""
+        for chunk in chunks:
+            self.block_manager.commit(chunk.seq)
+            if self.window is not None:
+                self.block_manager.release_behind_window(chunk.seq, self.window)
+
+    def pool_stats(self) -> PoolStats:
+        bm = self.block_manager
+        return PoolStats(
+            blocks_used=bm.num_used_blocks,
+            blocks_cached=bm.num_cached_blocks,
+            blocks_free=len(bm.free_ids),
+            tokens_stored=bm.num_reserved_tokens,
+            reserved_slots=bm.num_used_blocks * bm.block_size,
+            wasted_slots=bm.wasted_slots(),
+        )
 
     # ----------------------------------------------------------------------------------------
     # One step

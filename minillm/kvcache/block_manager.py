@@ -29,6 +29,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from minillm.kvcache.addressing import RELEASED, blocks_for
+
 
 class PagedSequence(Protocol):
     """What the block manager needs from a sequence."""
@@ -59,7 +61,6 @@ class Block:
     token_ids: tuple[int, ...] = ()  # the tokens of a hashed block, to verify a hash hit
 
 
-RELEASED = -1  # a block-table entry whose block was given back (it fell behind a sliding window)
 
 
 class BlockManager:
@@ -83,6 +84,10 @@ class BlockManager:
         # Prefix-cache statistics, over every lookup: prompt tokens asked for and found.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # Counters kept as blocks change, so statistics never walk every table:
+        self.fill = [0] * num_blocks  # valid slots of each block (a hashed block is full)
+        self.num_filled_slots = 0  # sum of `fill` over referenced blocks
+        self.num_reserved_tokens = 0  # sum of num_tokens: slots reserved per request
 
     # ----------------------------------------------------------------------------------------
     # Counters
@@ -108,16 +113,10 @@ class BlockManager:
 
     def wasted_slots(self) -> int:
         """Reserved but unused token slots in referenced blocks (a shared block counts once)."""
-        filled: dict[int, int] = {}
-        for rid, table in self.tables.items():
-            n = self.num_tokens[rid]
-            for i, b in enumerate(table):
-                if b != RELEASED:
-                    filled[b] = max(filled.get(b, 0), min(self.block_size, n - i * self.block_size))
-        return sum(self.block_size - f for f in filled.values())
+        return self.num_used_blocks * self.block_size - self.num_filled_slots
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     # ----------------------------------------------------------------------------------------
     # Allocation
@@ -151,6 +150,30 @@ class BlockManager:
             else:
                 self.free_ids.append(block_id)
 
+    # The exercise of chapter 03 replaces the two methods above; the counters are kept here,
+    # around them, so a learner's allocator is measured by the same statistics.
+
+    def _take(self) -> int:
+        block_id = self._take_free_block()
+        self.fill[block_id] = 0
+        return block_id
+
+    def _attach(self, block_id: int) -> None:
+        if self.blocks[block_id].ref_count == 0:  # back in use: its slots count again
+            self.num_filled_slots += self.fill[block_id]
+        self._ref(block_id)
+
+    def _release(self, block_id: int) -> None:
+        self._unref(block_id)
+        if self.blocks[block_id].ref_count == 0:
+            self.num_filled_slots -= self.fill[block_id]
+            if self.blocks[block_id].hash is None:
+                self.fill[block_id] = 0
+
+    def _set_fill(self, block_id: int, filled: int) -> None:
+        self.num_filled_slots += filled - self.fill[block_id]
+        self.fill[block_id] = filled
+
     def match_prefix(self, seq: PagedSequence) -> int:
         """Attach the cached blocks of ``seq``'s longest cached prefix; return the tokens they hold.
 
@@ -174,13 +197,14 @@ class BlockManager:
                 block = self.blocks[block_id]
                 if block.parent_hash != parent or block.token_ids != tuple(chunk):
                     break  # a hash collision: not the same prefix after all
-                self._ref(block_id)
+                self._attach(block_id)
                 table.append(block_id)
                 parent = h
         cached_tokens = min(len(table) * self.block_size, len(tokens) - 1)
         self.tables[seq.request_id] = table
         self.chains[seq.request_id] = [self.blocks[b].hash for b in table]
         self.num_tokens[seq.request_id] = cached_tokens
+        self.num_reserved_tokens += cached_tokens
         seq.num_computed_tokens = cached_tokens
         self.prefix_queries += len(tokens)
         self.prefix_hits += cached_tokens
@@ -220,14 +244,22 @@ class BlockManager:
         first = seq.num_computed_tokens // self.block_size
         if first < len(table) and self.blocks[table[first]].ref_count > 1:
             shared = table[first]
-            private = self._take_free_block()
-            self._unref(shared)
+            private = self._take()
+            self._set_fill(private, self.fill[shared])  # the copy holds what the shared block held
+            self._release(shared)
             table[first] = private
             copies.append((shared, private))
         end = seq.num_computed_tokens + num_new_tokens
         while len(table) < self.blocks_for(end):
-            table.append(self._take_free_block())
-        self.num_tokens[seq.request_id] = max(self.num_tokens[seq.request_id], end)
+            table.append(self._take())
+        for j in range(first, self.blocks_for(end)):
+            filled = min(self.block_size, end - j * self.block_size)
+            if table[j] != RELEASED and filled > self.fill[table[j]]:
+                self._set_fill(table[j], filled)
+        grown = end - self.num_tokens[seq.request_id]
+        if grown > 0:
+            self.num_tokens[seq.request_id] = end
+            self.num_reserved_tokens += grown
         return copies
 
     def commit(self, seq: PagedSequence) -> None:
@@ -263,9 +295,10 @@ class BlockManager:
         table = list(self.tables[parent.request_id])
         for block_id in table:
             if block_id != RELEASED:
-                self._ref(block_id)
+                self._attach(block_id)
         self.tables[child.request_id] = table
         self.num_tokens[child.request_id] = self.num_tokens[parent.request_id]
+        self.num_reserved_tokens += self.num_tokens[parent.request_id]
         self.chains[child.request_id] = list(self.chains[parent.request_id])
         child.num_computed_tokens = parent.num_computed_tokens
 
@@ -275,11 +308,43 @@ class BlockManager:
         table = self.tables.pop(seq.request_id, None)
         if table is None:
             raise RuntimeError(f"request {seq.request_id!r} has no blocks to free")
-        del self.num_tokens[seq.request_id]
+        self.num_reserved_tokens -= self.num_tokens.pop(seq.request_id)
         del self.chains[seq.request_id]
         for block_id in reversed(table):
             if block_id != RELEASED:
-                self._unref(block_id)
+                self._release(block_id)
+
+    def truncate(self, seq: PagedSequence, num_tokens: int) -> int:
+        """Roll ``seq`` back to its first ``num_tokens`` tokens (rejected speculative tokens):
+        blocks past them go back to the pool (tail first), a block that is no longer full
+        forgets its prefix hash (its slots will be overwritten), and ``num_computed_tokens``
+        drops to at most ``num_tokens``. A shared block keeps its hash for the others; the next
+        write into it is copied first. Returns how many blocks were freed."""
+        if seq.request_id not in self.tables:
+            raise RuntimeError(f"request {seq.request_id!r} has no blocks to truncate")
+        reserved = self.num_tokens[seq.request_id]
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 0 <= num_tokens <= reserved:
+            raise ValueError(f"truncate: num_tokens={num_tokens!r} must be an int in [0, {reserved}]")
+        table = self.tables[seq.request_id]
+        keep = self.blocks_for(num_tokens)
+        freed = table[keep:]
+        del table[keep:]
+        for block_id in reversed(freed):
+            if block_id != RELEASED:
+                self._release(block_id)
+        partial = num_tokens - (keep - 1) * self.block_size
+        if keep and partial < self.block_size and table[-1] != RELEASED:
+            block = self.blocks[table[-1]]
+            if block.ref_count == 1:  # ours alone: no longer full, so no longer a cached prefix
+                if block.hash is not None:
+                    del self.cached[block.hash]
+                    block.hash, block.parent_hash, block.token_ids = None, None, ()
+                self._set_fill(block.block_id, partial)
+        del self.chains[seq.request_id][num_tokens // self.block_size :]
+        self.num_tokens[seq.request_id] = num_tokens
+        self.num_reserved_tokens -= reserved - num_tokens
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
+        return sum(b != RELEASED for b in freed)
 
     def release_behind_window(self, seq: PagedSequence, window: int) -> int:
         """Sliding-window attention: give back the blocks no future query of ``seq`` can see.
@@ -292,7 +357,7 @@ class BlockManager:
         released = 0
         for j in range(min(len(table), max(0, first_needed) // self.block_size)):
             if table[j] != RELEASED:
-                self._unref(table[j])
+                self._release(table[j])
                 table[j] = RELEASED
                 released += 1
         return released
@@ -307,6 +372,7 @@ class BlockManager:
             block = self.blocks[block_id]
             del self.cached[block.hash]
             block.hash, block.parent_hash, block.token_ids = None, None, ()
+            self.fill[block_id] = 0
             self.free_ids.append(block_id)
         self.prefix_queries = self.prefix_hits = 0
 
@@ -340,3 +406,15 @@ class BlockManager:
         )
         for h, b in self.cached.items():
             assert self.blocks[b].hash == h, f"prefix cache maps a hash to block {b}, which holds another hash"
+        # The counters agree with a walk over every table (a hashed block is full).
+        filled: dict[int, int] = {}
+        for rid, table in self.tables.items():
+            n = self.num_tokens[rid]
+            for i, b in enumerate(table):
+                if b != RELEASED:
+                    full = self.block_size if self.blocks[b].hash is not None else n - i * self.block_size
+                    filled[b] = max(filled.get(b, 0), min(self.block_size, full))
+        assert self.num_filled_slots == sum(filled.values()), (
+            f"filled-slot counter {self.num_filled_slots} != {sum(filled.values())} counted over the tables"
+        )
+        assert self.num_reserved_tokens == sum(self.num_tokens.values()), "reserved-token counter out of step"

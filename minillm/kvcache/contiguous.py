@@ -14,12 +14,6 @@ import torch
 from minillm.config import ModelConfig
 
 
-def kv_cache_bytes(config: ModelConfig, num_tokens: int, dtype: torch.dtype) -> int:
-    """Bytes to hold K and V for ``num_tokens`` tokens across all layers."""
-    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
-    return per_token * num_tokens * torch.empty((), dtype=dtype).element_size()
-
-
 class ContiguousKVCache:
     """K and V for ``batch_size`` sequences of up to ``max_len`` tokens, for every layer."""
 

@@ -17,6 +17,7 @@ from safetensors import SafetensorError, safe_open
 
 from minillm.config import ModelConfig
 from minillm.errors import ModelLoadError
+from minillm.layers import Linear
 from minillm.models.llama import LlamaForCausalLM
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -44,41 +45,16 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-class _Target:
-    """Where one checkpoint tensor goes: a parameter, optionally a row slice of it."""
-
-    def __init__(self, param: torch.Tensor, start: int | None = None, stop: int | None = None):
-        self.param, self.start, self.stop = param, start, stop
-
-    def view(self) -> torch.Tensor:
-        return self.param if self.start is None else self.param[self.start : self.stop]
-
-
-def _targets(model: LlamaForCausalLM) -> dict[str, _Target]:
-    """Checkpoint name → destination, including the slices of the fused projections."""
-    cfg = model.config
-    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    out = {
-        "model.embed_tokens.weight": _Target(model.embed_tokens.weight),
-        "model.norm.weight": _Target(model.norm.weight),
-    }
-    if model.lm_head is not None:
-        out["lm_head.weight"] = _Target(model.lm_head.weight)
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        qkv = layer.attn.qkv_proj
-        spans = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
-        for name, (a, b) in spans.items():
-            out[f"{p}self_attn.{name}_proj.weight"] = _Target(qkv.weight, a, b)
-            if qkv.bias is not None:
-                out[f"{p}self_attn.{name}_proj.bias"] = _Target(qkv.bias, a, b)
-        out[f"{p}self_attn.o_proj.weight"] = _Target(layer.attn.o_proj.weight)
-        out[f"{p}mlp.gate_proj.weight"] = _Target(layer.mlp.gate_up_proj.weight, 0, inter)
-        out[f"{p}mlp.up_proj.weight"] = _Target(layer.mlp.gate_up_proj.weight, inter, 2 * inter)
-        out[f"{p}mlp.down_proj.weight"] = _Target(layer.mlp.down_proj.weight)
-        out[f"{p}input_layernorm.weight"] = _Target(layer.input_norm.weight)
-        out[f"{p}post_attention_layernorm.weight"] = _Target(layer.post_attn_norm.weight)
-    return out
+def _copy_into(module, param: str, shard: str | None, tensor: torch.Tensor) -> None:
+    """One checkpoint tensor into its place; ``ValueError`` (naming the shapes) if it does not fit."""
+    if isinstance(module, Linear):
+        module.weight_loader(param, tensor, shard)
+        return
+    dest = getattr(module, param)
+    if tuple(tensor.shape) != tuple(dest.shape):
+        raise ValueError(f"has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+    with torch.no_grad():
+        dest.copy_(tensor)
 
 
 def load_model(
@@ -94,28 +70,24 @@ def load_model(
     with torch.device("meta"):  # no time wasted on random init of weights we overwrite
         model = LlamaForCausalLM(config)
     model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()  # to_empty gives each module its own tensor: share the head again
 
-    targets = _targets(model)
+    targets = model.checkpoint_targets()
     for path in safetensors_files(folder):
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():
                     if name.endswith(_IGNORED_SUFFIXES):
                         continue
-                    if name == "lm_head.weight" and model.lm_head is None:
+                    if name == "lm_head.weight" and config.tie_word_embeddings:
                         continue  # some tied checkpoints store a copy; ours is the embedding
                     target = targets.pop(name, None)
                     if target is None:
                         raise ModelLoadError(f"{path}: unexpected tensor {name!r} for a {config.model_type} model")
-                    tensor = f.get_tensor(name)
-                    dest = target.view()
-                    if tuple(tensor.shape) != tuple(dest.shape):
-                        raise ModelLoadError(
-                            f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                            f"expected {tuple(dest.shape)} from config.json"
-                        )
-                    with torch.no_grad():
-                        dest.copy_(tensor)
+                    try:
+                        _copy_into(*target, f.get_tensor(name))
+                    except ValueError as err:
+                        raise ModelLoadError(f"{path}: tensor {name!r} {err} from config.json") from None
         except SafetensorError as err:
             raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file ({err})") from None
         except OSError as err:

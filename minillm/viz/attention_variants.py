@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from minillm.config import ModelConfig
+from minillm.kvcache.addressing import kv_bytes_per_token
 
 
 @dataclass
@@ -34,12 +35,6 @@ def variant_name(kv_heads: int, heads: int) -> str:
     if kv_heads == 1:
         return "MQA (1 KV head)"
     return f"GQA ({kv_heads} KV heads)"
-
-
-def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> int:
-    from minillm.kvcache.paged import kv_bytes_per_token as per_token
-
-    return per_token(config, dtype)
 
 
 def synthetic_config(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DTYPE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
+from minillm.kvcache.addressing import DTYPE_BYTES, dtype_bytes, kv_bytes_per_token_of
 
 
 @dataclass(frozen=True)
@@ -51,12 +51,11 @@ def kv_cache_bytes(
     ):
         if value < 0:
             raise ValueError(f"{name}={value} must be >= 0")
-    per_value = DTYPE_BYTES[dtype] if isinstance(dtype, str) else float(dtype)
-    return 2 * layers * kv_heads * head_dim * per_value * seq_len * batch
+    return kv_bytes_per_token_of(layers, kv_heads, head_dim, dtype) * seq_len * batch
 
 
 def weight_bytes(params: float, dtype: str | float) -> float:
-    return params * (DTYPE_BYTES[dtype] if isinstance(dtype, str) else float(dtype))
+    return params * dtype_bytes(dtype)
 
 
 def human_bytes(n: float) -> str:

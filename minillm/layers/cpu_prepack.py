@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 
 def prepack_available(dtype: torch.dtype) -> bool:
@@ -31,41 +30,37 @@ def prepack_available(dtype: torch.dtype) -> bool:
         return False
 
 
-class PackedLinear(nn.Module):
+class CPUPrepackMethod:
     """``y = x Wᵀ + b`` with ``W`` held in oneDNN's prepacked layout (inference only).
+
+    The plain weight is dropped after packing (the packed copy is what the matmul reads); a
+    tied LM head keeps sharing nothing with the embedding, which still needs its plain rows.
 
     fp32 is the exception that proves the rule "measure it": for a single row, MKL's GEMV on
     a transposed, contiguous ``Wᵀ[in, out]`` streams fp32 weights ~20% faster than the packed
     kernel, while for a few rows the packed kernel is ~1.6× faster. So in fp32 we keep both
-    layouts (twice the weight memory) and pick per call.
+    layouts (twice the weight memory, which the memory report shows) and pick per call.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        super().__init__()
-        weight = weight.detach()
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+    name = "cpu_prepack"
+
+    def process_weights(self, layer) -> None:
+        weight = layer.weight.detach()
         rows_hint = 8 if weight.dtype == torch.float32 else 1
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
-        self.single_row_weight = weight.t().contiguous() if weight.dtype == torch.float32 else None
-        self.bias = None if bias is None else bias.detach()
+        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
+        layer.single_row_weight = weight.t().contiguous() if weight.dtype == torch.float32 else None
+        # The plain matrix is no longer read; a tied head's weight stays alive through the embedding.
+        layer.weight = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.single_row_weight is not None and x.numel() == self.in_features:
-            row = x.reshape(1, self.in_features)
-            if self.bias is None:
-                y = torch.mm(row, self.single_row_weight)
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if layer.single_row_weight is not None and x.numel() == layer.in_features:
+            row = x.reshape(1, layer.in_features)
+            if layer.bias is None:
+                y = torch.mm(row, layer.single_row_weight)
             else:
-                y = torch.addmm(self.bias, row, self.single_row_weight)
-            return y.view(*x.shape[:-1], self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+                y = torch.addmm(layer.bias, row, layer.single_row_weight)
+            return y.view(*x.shape[:-1], layer.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.bias, "none", [], "")
 
-
-def prepack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` under ``model`` by a ``PackedLinear``; returns how many."""
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
-                count += 1
-    return count
+    def held_tensors(self, layer) -> list[torch.Tensor]:
+        return [t for t in (layer.packed_weight, layer.single_row_weight, layer.bias) if t is not None]

@@ -1,0 +1,51 @@
+"""The neutral layout of one paged step: plain tensors the runner builds and every backend reads.
+
+A continuous-batching step mixes sequences in different states, so there is no padding: the
+step's new tokens lie **flat**, sequence after sequence — decodes first (one query token
+each, sorted by context length), then prefill chunks. Per sequence the layout says how many
+new tokens it has (``query_lens``), how many tokens it attends to (``context_lens``: cached
+plus new) and where its blocks are (``block_tables``); per token, where its K/V go
+(``slot_mapping``). Each attention backend turns this into what its kernels need, once per
+step (``backend.paged_step(layout)``), and nothing more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class KVPool:
+    """The paged pool as plain tensors: per layer, K and V as one row per slot
+    ``[num_slots, kv_heads, head_dim]`` (slot = block * block_size + offset)."""
+
+    k_slots: list[torch.Tensor]
+    v_slots: list[torch.Tensor]
+    block_size: int
+    null_block: int  # a block nothing owns: padding rows and padded table entries point here
+
+
+@dataclass
+class StepLayout:
+    input_ids: torch.Tensor  # [1, N]: the step's new tokens, flat
+    positions: torch.Tensor  # [1, N]: their positions in their sequences
+    slot_mapping: torch.Tensor  # [N]: the pool slot each new token's K/V is written to
+    query_lens: list[int]  # [S]: new tokens per sequence (1 for the first num_decodes)
+    context_lens: list[int]  # [S]: keys each sequence attends to (cached + new)
+    context_lens_tensor: torch.Tensor  # [S], the same on the device
+    block_tables: torch.Tensor  # [S, W]: blocks per sequence, padded with the null block
+    num_decodes: int  # sequences 0..num_decodes-1 have one query token each
+    logit_index: torch.Tensor  # rows of the flat batch whose logits are returned, in order
+    pool: KVPool
+    window: int | None = None  # sliding-window attention: each query sees its last `window` keys
+    max_context: int | None = None  # a fixed bound on context_lens (CUDA graphs); None: their max
+
+    @property
+    def logit_rows(self) -> torch.Tensor:
+        return self.logit_index
+
+    def bind(self, model):
+        """The per-step attention object of ``model``'s backend for this layout."""
+        return model.attention_backend.paged_step(self)

@@ -1,0 +1,72 @@
+"""The Triton backend's paged step: fused K/V write, paged decode, paged FlashAttention.
+
+From the neutral ``StepLayout`` it keeps only what the kernels take — the decode rows' block
+tables and context lengths, and the prefill chunks as ``cu_seqlens`` / context lengths /
+block tables — as views of the layout's tensors where it can (so a CUDA graph that captured
+one step reads the next step's values from the same buffers). The kernels read the blocks in
+place: prefill chunks read their keys, cached prefix and new tokens alike, from the pool.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minillm.attention.layout import StepLayout
+
+
+class TritonPagedStep:
+    def __init__(self, layout: StepLayout):
+        self.layout = layout
+        nd = layout.num_decodes
+        self.decode_block_tables = layout.block_tables[:nd]
+        self.decode_context_lens = layout.context_lens_tensor[:nd]
+        # Fixed under CUDA graphs (the split-K layout must not change between replays).
+        self.max_decode_context = layout.max_context or max(layout.context_lens[:nd], default=0)
+        self.num_prefills = len(layout.query_lens) - nd
+        if self.num_prefills:
+            prefill_lens = layout.query_lens[nd:]
+            cu = [0]
+            for n in prefill_lens:
+                cu.append(cu[-1] + n)
+            self.prefill_cu_seqlens = torch.tensor(cu, dtype=torch.long, device=layout.slot_mapping.device)
+            self.prefill_context_lens = layout.context_lens_tensor[nd:]
+            self.prefill_block_tables = layout.block_tables[nd:]
+            self.prefill_max_tokens = max(prefill_lens)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """``q[1, N, H, D]``, ``k, v[1, N, KV, D]`` → ``[1, N, H, D]``."""
+        from minillm.attention.triton_kernels import flash_attention, paged_decode, write_kv
+
+        q, k, v = q[0], k[0], v[0]
+        layout, pool = self.layout, self.layout.pool
+        k_pool, v_pool = pool.k_slots[layer], pool.v_slots[layer]
+        write_kv(k, v, k_pool, v_pool, layout.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        nd = layout.num_decodes
+        if nd:
+            out[:nd] = paged_decode(
+                q[:nd],
+                k_pool,
+                v_pool,
+                self.decode_block_tables,
+                self.decode_context_lens,
+                scale,
+                pool.block_size,
+                self.max_decode_context,
+                window=layout.window,
+            )
+        if self.num_prefills:
+            out[nd:] = flash_attention(
+                q[nd:],
+                k_pool,
+                v_pool,
+                self.prefill_cu_seqlens,
+                self.prefill_context_lens,
+                self.prefill_max_tokens,
+                scale,
+                causal=True,
+                block_tables=self.prefill_block_tables,
+                block_size=pool.block_size,
+                window=layout.window,
+            )
+        return out[None]

@@ -1,0 +1,163 @@
+"""One linear layer for the whole model, with pluggable weight storage.
+
+Every projection of the decoder — fused q/k/v, output, fused gate/up, down and the LM head —
+is a ``Linear``. What a layer *stores* and how it *multiplies* is its ``LinearMethod``:
+
+- ``PlainMethod``: the checkpoint's matrix and ``F.linear`` (what every reference test runs);
+- ``CPUPrepackMethod`` (``cpu_prepack.py``): oneDNN's prepacked layout, a CPU fast path;
+- later chapters add more methods the same way (int8 / int4 weights, a tensor-parallel
+  shard) — the model code does not change, only the method a layer is given.
+
+Loading goes through the layer too. ``weight_loader`` copies one checkpoint tensor into the
+layer's parameter: into the rows of one **shard** of a fused matrix (``"q"``, ``"k"``, ``"v"``
+of ``qkv_proj``; ``"gate"``, ``"up"`` of ``gate_up_proj``), and — for tensor parallelism —
+only this rank's **slice** of it (``tp_dim``/``tp_rank``/``tp_size``: rows for a
+column-parallel layer, columns for a row-parallel one). Methods that change the storage run
+after every tensor is loaded (``process_weights``), so the loader never sees packed formats.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LinearMethod(Protocol):
+    """How a ``Linear`` holds its weight and computes ``x Wᵀ + b``."""
+
+    name: str
+
+    def process_weights(self, layer: Linear) -> None:
+        """Turn the loaded plain weight into this method's storage (once, after loading)."""
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """``x[..., in] → [..., out]``."""
+
+    def held_tensors(self, layer: Linear) -> list[torch.Tensor]:
+        """Every tensor this layer keeps for its matmul (for honest memory reports)."""
+
+
+class PlainMethod:
+    """The loaded matrix as it is, multiplied by ``F.linear``."""
+
+    name = "plain"
+
+    def process_weights(self, layer: Linear) -> None:
+        pass
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+    def held_tensors(self, layer: Linear) -> list[torch.Tensor]:
+        return [t for t in (layer.weight, layer.bias) if t is not None]
+
+
+PLAIN = PlainMethod()
+
+
+class Linear(nn.Module):
+    """``y = x Wᵀ + b`` whose storage and matmul belong to ``self.method``.
+
+    ``shards``: the named row blocks of a fused matrix, in order (``{"q": 576, "k": 192, "v":
+    192}``), sizes before any tensor-parallel split. ``tp_dim``: 0 splits the output rows
+    across ``tp_size`` ranks (column parallel), 1 the input columns (row parallel); this layer
+    then holds only rank ``tp_rank``'s part.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        shards: dict[str, int] | None = None,
+        tp_dim: int | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ):
+        super().__init__()
+        if shards is not None and sum(shards.values()) != out_features:
+            raise ValueError(f"shards {shards} add up to {sum(shards.values())}, not out_features={out_features}")
+        if tp_dim not in (None, 0, 1):
+            raise ValueError(f"tp_dim={tp_dim!r} must be None, 0 (split outputs) or 1 (split inputs)")
+        if tp_size < 1 or not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank={tp_rank} must lie in [0, tp_size={tp_size})")
+        if tp_dim is not None:
+            sizes = {"dimension": out_features if tp_dim == 0 else in_features}
+            sizes |= shards if tp_dim == 0 and shards else {}
+            for name, size in sizes.items():
+                if size % tp_size:
+                    raise ValueError(f"{name} of size {size} does not split into tp_size={tp_size} parts")
+        self.tp_dim, self.tp_rank, self.tp_size = tp_dim, tp_rank, tp_size
+        local_out = out_features // tp_size if tp_dim == 0 else out_features
+        local_in = in_features // tp_size if tp_dim == 1 else in_features
+        self.in_features, self.out_features = local_in, local_out
+        self.shards = shards
+        self.weight = nn.Parameter(torch.empty(local_out, local_in))
+        # Row-parallel layers add the bias once, after the partial sums are reduced.
+        self.bias = nn.Parameter(torch.empty(local_out)) if bias else None
+        self.method: LinearMethod = PLAIN
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+    def set_method(self, method: LinearMethod) -> None:
+        """Switch storage and matmul (after loading): e.g. ``CPUPrepackMethod()``."""
+        method.process_weights(self)
+        self.method = method
+
+    def held_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.method.held_tensors(self))
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, method={self.method.name}"
+
+    # ----------------------------------------------------------------------------------------
+    # Loading
+    # ----------------------------------------------------------------------------------------
+
+    def shard_rows(self, shard: str | None) -> tuple[int, int]:
+        """Rows ``[start, stop)`` of this layer's (local) weight that shard ``shard`` fills."""
+        if shard is None:
+            return 0, self.out_features
+        if not self.shards or shard not in self.shards:
+            raise KeyError(f"no shard {shard!r} in this layer (shards: {list(self.shards or {})})")
+        div = self.tp_size if self.tp_dim == 0 else 1
+        start = 0
+        for name, size in self.shards.items():
+            if name == shard:
+                return start, start + size // div
+            start += size // div
+        raise AssertionError("unreachable")
+
+    def expected_shape(self, param: str, shard: str | None = None) -> tuple[int, ...]:
+        """The shape the *checkpoint* tensor must have (before this rank's slice is taken)."""
+        start, stop = self.shard_rows(shard)
+        rows = stop - start
+        if self.tp_dim == 0:
+            rows *= self.tp_size
+        if param == "bias":
+            return (rows,)
+        cols = self.in_features * (self.tp_size if self.tp_dim == 1 else 1)
+        return (rows, cols)
+
+    def weight_loader(self, param: str, loaded: torch.Tensor, shard: str | None = None) -> None:
+        """Copy checkpoint tensor ``loaded`` (``param`` = "weight" or "bias") into this layer:
+        the rows of ``shard`` if given, and only this rank's slice under tensor parallelism.
+        Raises ``ValueError`` naming both shapes when ``loaded`` does not fit."""
+        expected = self.expected_shape(param, shard)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"has shape {tuple(loaded.shape)}, expected {expected}")
+        if self.tp_dim is not None and not (param == "bias" and self.tp_dim == 1):
+            part = loaded.shape[self.tp_dim] // self.tp_size
+            loaded = loaded.narrow(self.tp_dim, self.tp_rank * part, part)
+        if param == "bias" and self.tp_dim == 1 and self.tp_rank != 0:
+            loaded = torch.zeros_like(loaded)  # the reduction sums every rank's output: add b once
+        target = self.weight if param == "weight" else self.bias
+        if target is None:
+            raise ValueError("this layer has no bias")
+        start, stop = self.shard_rows(shard)
+        with torch.no_grad():
+            target[start:stop].copy_(loaded)
