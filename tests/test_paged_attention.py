@@ -11,18 +11,11 @@ import pytest
 import torch
 
 from minillm.attention import get_backend
-from minillm.attention.paged import (
-    DecodeBucket,
-    PagedAttentionMetadata,
-    PrefillSpan,
-    bucket_rows,
-    decode_mask,
-    paged_attention,
-    prefix_mask,
-)
+from minillm.attention.layout import KVPool, StepLayout
+from minillm.attention.paged import bucket_rows, gather_kv, write_kv
 from minillm.attention.torch_ref import attention, causal_mask
 from minillm.config import ModelConfig
-from minillm.engine.paged_runner import slot_mapping
+from minillm.kvcache.addressing import padded_block_tables, slot_mapping
 from minillm.kvcache.paged import PagedKVCache
 
 
@@ -48,12 +41,12 @@ def test_mixed_step_matches_contiguous_attention(backend, heads, kv_heads):
     gen = torch.Generator().manual_seed(0)
     head_dim, block_size = 8, 4
     cache = PagedKVCache(tiny_config(heads, kv_heads, head_dim), 40, block_size, torch.float32, torch.device("cpu"))
+    pool = KVPool(cache.k_slots, cache.v_slots, block_size, cache.null_block)
     free = torch.randperm(40, generator=gen).tolist()  # scattered blocks
-    # (tokens already cached, new tokens this step) per sequence: two decodes, a fresh prompt, a prefix continuation
-    plan = [(9, 1), (4, 1), (0, 7), (8, 5)]
-    q_rows, k_rows, v_rows, slots, expected = [], [], [], [], []
-    tables, spans = [], []
-    row = 0
+    # (tokens already cached, new tokens this step) per sequence: two decodes (the shorter
+    # first, as the runner sorts them), a fresh prompt, a prefix continuation
+    plan = [(4, 1), (9, 1), (0, 7), (8, 5)]
+    q_rows, k_rows, v_rows, slots, expected, tables = [], [], [], [], [], []
     for cached, new in plan:
         total = cached + new
         table = [free.pop() for _ in range(-(-total // block_size))]
@@ -62,7 +55,7 @@ def test_mixed_step_matches_contiguous_attention(backend, heads, kv_heads):
         v_all = torch.randn(total, kv_heads, head_dim, generator=gen)
         q_new = torch.randn(new, heads, head_dim, generator=gen)
         old = torch.tensor(slot_mapping(table, 0, cached, block_size), dtype=torch.long)
-        cache.write(0, old, k_all[:cached], v_all[:cached])  # the history, written in an earlier step
+        write_kv(pool, 0, old, k_all[:cached], v_all[:cached])  # the history, written in an earlier step
         slots += slot_mapping(table, cached, new, block_size)
         q_rows.append(q_new)
         k_rows.append(k_all[cached:])
@@ -76,35 +69,25 @@ def test_mixed_step_matches_contiguous_attention(backend, heads, kv_heads):
             head_dim**-0.5,
         )
         expected.append(ref[0].transpose(0, 1))
-        if new > 1:
-            span = PrefillSpan(row, row + new, total)
-            if cached:
-                span.block_table = torch.tensor([table])
-                span.mask = prefix_mask(total, new, torch.device("cpu"))
-            spans.append(span)
-        row += new
-    decodes = [i for i, (_, new) in enumerate(plan) if new == 1]
-    width = max(len(tables[i]) for i in decodes)
-    meta = PagedAttentionMetadata(
-        cache,
-        torch.tensor(slots),
-        num_decodes=len(decodes),
-        decode_buckets=[
-            DecodeBucket(
-                0,
-                len(decodes),
-                torch.tensor([tables[i] + [0] * (width - len(tables[i])) for i in decodes]),
-                mask=decode_mask(torch.tensor([sum(plan[i]) for i in decodes]), width * block_size),
-            )
-        ],
-        prefills=spans,
+    context = [c + n for c, n in plan]
+    width = max(len(t) for t in tables)
+    layout = StepLayout(
+        input_ids=torch.zeros(1, len(slots), dtype=torch.long),
+        positions=torch.cat([torch.arange(c, c + n) for c, n in plan])[None],
+        slot_mapping=torch.tensor(slots),
+        query_lens=[n for _, n in plan],
+        context_lens=context,
+        context_lens_tensor=torch.tensor(context),
+        block_tables=torch.tensor(padded_block_tables(tables, width, cache.null_block)),
+        num_decodes=2,
+        logit_index=torch.zeros(0, dtype=torch.long),
+        pool=pool,
     )
-    out = paged_attention(
-        torch.cat(q_rows), torch.cat(k_rows), torch.cat(v_rows), 0, meta, head_dim**-0.5, get_backend(backend)
-    )
-    torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=1e-5)
+    step = get_backend(backend).paged_step(layout)
+    out = step.attend(0, torch.cat(q_rows)[None], torch.cat(k_rows)[None], torch.cat(v_rows)[None], head_dim**-0.5)
+    torch.testing.assert_close(out[0], torch.cat(expected), atol=1e-5, rtol=1e-5)
     # The new K/V landed in the pool, readable through the block tables.
-    k_back, _ = cache.gather(0, torch.tensor([tables[3]]))
+    k_back, _ = gather_kv(pool, 0, torch.tensor([tables[3]]))
     torch.testing.assert_close(k_back[0, :, 8:13].transpose(0, 1), k_rows[3])
 
 

@@ -181,15 +181,17 @@ def check_causal_attention(causal_attention, model: str = DEFAULT_MODEL) -> str:
                 raise CheckFailed(hint)
     _compare_tensors(got, expected, "causal_attention(q, k, v) with T = S = 5")
     llm = _engine(model, "naive")
-    saved = llm.model.attention_fn
-    llm.model.attention_fn = _attention_adapter(causal_attention)
+    from minillm.attention import AttentionBackend
+
+    saved = llm.model.attention_backend
+    llm.model.attention_backend = AttentionBackend("learner", _attention_adapter(causal_attention))
     try:
         from minillm import SamplingParams
 
         ids = _prompt_ids(llm)
         got_tokens = llm.generate([ids], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
     finally:
-        llm.model.attention_fn = saved
+        llm.model.attention_backend = saved
     _compare_tokens(
         got_tokens,
         _reference_tokens(model, 16),

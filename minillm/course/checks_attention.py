@@ -75,7 +75,9 @@ def check_gqa_attention(gqa_attention, model: str = VARIANT_MODEL) -> str:
     ids = llm.tokenizer.encode("KING.\nNow is the winter of our discontent")
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     expected_tokens = llm.generate([ids], params)[0].token_ids
-    llm.model.attention_fn = backend
+    from minillm.attention import AttentionBackend
+
+    llm.model.attention_backend = AttentionBackend("learner", backend)
     got_tokens = llm.generate([ids], params)[0].token_ids
     _compare_tokens(
         got_tokens,
