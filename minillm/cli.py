@@ -19,7 +19,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="smollm2-135m", help="short name or HF-format folder (default: smollm2-135m)")
     g.add_argument("--dtype", default="auto", help="fp32 | bf16 | fp16 | auto (default: auto)")
     g.add_argument("--device", default="auto", help="cpu | cuda | auto (default: auto)")
-    g.add_argument("--mode", default="paged", choices=["paged", "contiguous", "naive", "kv_cache"], help="execution mode (kv_cache: old name of contiguous)")
+    g.add_argument(
+        "--mode",
+        default="paged",
+        choices=["paged", "contiguous", "naive", "kv_cache"],
+        help="execution mode (kv_cache: old name of contiguous)",
+    )
     g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")

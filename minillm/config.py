@@ -269,7 +269,9 @@ class EngineConfig:
         if self.dtype != "auto":
             parse_dtype(self.dtype)
         if self.max_step_records is not None and (
-            isinstance(self.max_step_records, bool) or not isinstance(self.max_step_records, int) or self.max_step_records < 0
+            isinstance(self.max_step_records, bool)
+            or not isinstance(self.max_step_records, int)
+            or self.max_step_records < 0
         ):
             raise ValueError(f"max_step_records={self.max_step_records!r} must be a count >= 0, or None for all")
         if self.attention_backend not in ATTENTION_BACKENDS:

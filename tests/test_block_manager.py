@@ -1,7 +1,8 @@
 """Block manager: allocation, reference counts, prefix caching, copy-on-write, eviction.
 
-The property test drives random interleavings of add / grow / fork / free and checks every
-invariant after every operation: no leak, no double free, exact reference counts.
+The property test drives random interleavings of add / grow / speculate-and-roll-back / fork /
+free and checks every invariant after every operation: no leak, no double free, exact
+reference counts, statistics counters equal to a walk over every table.
 """
 
 from __future__ import annotations
@@ -171,12 +172,23 @@ def test_random_interleavings_keep_every_invariant(seed):
                 bm.cancel_prefix(seq)
             else:
                 live.append(seq)
-        elif op < 0.6:  # grow by one decoded token
+        elif op < 0.5:  # grow by one decoded token
             seq = rng.choice(live)
             seq.token_ids.append(rng.randrange(5))
             if run_tokens(bm, seq, 1) is None:
                 seq.token_ids.pop()
-        elif op < 0.75:  # fork
+        elif op < 0.65:  # speculate: write k tokens in one step, then keep only some of them
+            seq = rng.choice(live)
+            k = rng.randrange(1, 5)
+            seq.token_ids += [rng.randrange(5) for _ in range(k)]
+            if run_tokens(bm, seq, k) is None:
+                del seq.token_ids[-k:]
+            else:
+                keep = len(seq.token_ids) - rng.randrange(k + 1)
+                bm.truncate(seq, keep)
+                del seq.token_ids[keep:]
+                assert seq.num_computed_tokens == keep
+        elif op < 0.78:  # fork
             parent = rng.choice(live)
             child = Seq(next_id, list(parent.token_ids))
             next_id += 1
@@ -193,3 +205,53 @@ def test_random_interleavings_keep_every_invariant(seed):
         bm.free(seq)
     bm.check_invariants()
     assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_truncate_frees_blocks_and_forgets_partial_hashes():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    seq = Seq(0, list(range(10)))
+    bm.match_prefix(seq)
+    run_tokens(bm, seq, 10)  # blocks: [0..3] [4..7] [8, 9]
+    assert len(bm.tables[0]) == 3 and len(bm.cached) == 2
+    assert bm.truncate(seq, 6) == 1  # the third block goes; the second is no longer full
+    assert len(bm.tables[0]) == 2 and seq.num_computed_tokens == 6
+    assert len(bm.cached) == 1 and bm.blocks[bm.tables[0][1]].hash is None
+    assert bm.wasted_slots() == 2 and bm.num_reserved_tokens == 6
+    bm.check_invariants()
+    # Growing again after the rollback writes the new tokens and re-registers the full block.
+    seq.token_ids = seq.token_ids[:6] + [70, 71]
+    run_tokens(bm, seq, 2)
+    assert len(bm.cached) == 2
+    other = Seq(1, [0, 1, 2, 3, 4, 5, 6, 7, 9])  # the old second block's content: not a hit any more
+    assert bm.match_prefix(other) == 4
+    bm.check_invariants()
+
+
+def test_truncate_keeps_a_shared_blocks_hash_and_copies_on_write():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = Seq(0, list(range(8)))
+    bm.match_prefix(a)
+    run_tokens(bm, a, 8)
+    b = Seq(1, list(range(8)) + [9])
+    assert bm.match_prefix(b) == 8
+    run_tokens(bm, b, 1)
+    shared = bm.tables[1][1]
+    bm.truncate(b, 6)  # into a block that `a` still holds full
+    assert bm.blocks[shared].hash is not None and bm.tables[1] == bm.tables[0]
+    b.token_ids = b.token_ids[:6] + [60]
+    copies = bm.allocate_slots(b, 1)
+    assert copies and copies[0][0] == shared and bm.tables[1][1] != shared  # written privately
+    bm.check_invariants()
+
+
+@pytest.mark.parametrize("bad", [-1, 11, 2.0, True])
+def test_truncate_rejects_bad_lengths(bad):
+    bm = BlockManager(num_blocks=8, block_size=4)
+    seq = Seq(0, list(range(10)))
+    bm.match_prefix(seq)
+    run_tokens(bm, seq, 10)
+    with pytest.raises(ValueError, match="truncate: num_tokens="):
+        bm.truncate(seq, bad)
+    with pytest.raises(RuntimeError, match="no blocks to truncate"):
+        bm.truncate(Seq(5), 0)
+    bm.check_invariants()

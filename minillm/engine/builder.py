@@ -130,7 +130,9 @@ def num_kv_blocks(
     return num_blocks
 
 
-def decode_graphs(config: EngineConfig, model, kv_cache, backend: str, max_model_len: int, window) -> DecodeGraphs | None:
+def decode_graphs(
+    config: EngineConfig, model, kv_cache, backend: str, max_model_len: int, window
+) -> DecodeGraphs | None:
     wanted = config.cuda_graphs
     if wanted is None:
         wanted = kv_cache.k.device.type == "cuda" and backend == "triton"

@@ -61,8 +61,6 @@ class Block:
     token_ids: tuple[int, ...] = ()  # the tokens of a hashed block, to verify a hash hit
 
 
-
-
 class BlockManager:
     """Fixed-size blocks, a free list, reference counts, block tables and a prefix cache."""
 
@@ -245,7 +243,6 @@ class BlockManager:
         if first < len(table) and self.blocks[table[first]].ref_count > 1:
             shared = table[first]
             private = self._take()
-            self._set_fill(private, self.fill[shared])  # the copy holds what the shared block held
             self._release(shared)
             table[first] = private
             copies.append((shared, private))

@@ -112,7 +112,9 @@ class Linear(nn.Module):
         return sum(t.numel() * t.element_size() for t in self.method.held_tensors(self))
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, method={self.method.name}"
+        return (
+            f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, method={self.method.name}"
+        )
 
     # ----------------------------------------------------------------------------------------
     # Loading

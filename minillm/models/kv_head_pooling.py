@@ -14,7 +14,6 @@ import json
 import shutil
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file, save_file
 
 from minillm.config import ModelConfig

@@ -1,0 +1,268 @@
+"""The engine's seams: no import cycles, one step loop, the linear-layer seam, the
+multi-token step contract with rollback, bounded instrumentation, the renamed mode."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import minillm
+from minillm import LLM, LLMEngine, SamplingParams
+from minillm.attention.contiguous import ForwardBatch
+from minillm.engine.runner import ChunkInput, StepInputs
+from minillm.layers import Linear
+from minillm.layers.cpu_prepack import CPUPrepackMethod, prepack_available
+
+PACKAGE = Path(minillm.__file__).parent
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """minillm module → the minillm modules it imports (at any depth of the file)."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("minillm"):
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names if a.name.startswith("minillm")]
+            else:
+                continue
+            deps |= {t for t in targets if t in modules and t != name}
+        graph[name] = deps
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle in ``graph`` as a list of nodes, or None (depth-first search with colours)."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return stack[stack.index(dep) :] + [dep]
+            if dep not in state and (cycle := visit(dep)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycles_in_the_package():
+    # Function-level imports count too: a cycle that only works because an import is deferred is still a tangle.
+    graph = _module_imports()
+    assert len(graph) > 30
+    cycle = find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_config_is_pure_data():
+    assert not {d for d in _module_imports()["minillm.config"] if not d.startswith("minillm.errors")}
+
+
+def _names_used(function) -> set[str]:
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+    }
+
+
+def test_step_has_no_mode_branch():
+    used = _names_used(LLMEngine.step)
+    assert not used & {"mode", "isinstance", "block_manager", "kv_cache"}, used
+    assert {"schedule", "execute", "commit"} <= used
+
+
+def test_model_decides_nothing_by_batch_type():
+    from minillm.models import llama
+
+    assert "isinstance" not in _names_used(llama.LlamaForCausalLM._forward)
+    assert "isinstance" not in _names_used(llama.Attention.forward)
+
+
+# ------------------------------------------------------------------------------------------
+# The layer seam
+# ------------------------------------------------------------------------------------------
+
+
+def test_every_projection_is_one_linear_type(tiny_model):
+    llm = LLM(tiny_model, dtype="fp32", cpu_prepack=False)
+    assert not [m for m in llm.model.modules() if isinstance(m, torch.nn.Linear)]
+    layers = llm.model.linear_layers()
+    assert len(layers) == 4 * llm.model_config.num_layers + 1  # qkv, o, gate_up, down per layer + head
+    assert llm.model.lm_head in layers
+
+
+def test_fused_loader_fills_shards_and_names_bad_shapes():
+    layer = Linear(4, 6, bias=True, shards={"q": 2, "k": 2, "v": 2})
+    for i, name in enumerate("qkv"):
+        layer.weight_loader("weight", torch.full((2, 4), float(i)), name)
+        layer.weight_loader("bias", torch.full((2,), float(i)), name)
+    assert layer.weight[:, 0].tolist() == [0, 0, 1, 1, 2, 2] and layer.bias.tolist() == [0, 0, 1, 1, 2, 2]
+    with pytest.raises(ValueError, match=r"has shape \(3, 4\), expected \(2, 4\)"):
+        layer.weight_loader("weight", torch.zeros(3, 4), "k")
+    with pytest.raises(KeyError, match="no shard 'gate'"):
+        layer.weight_loader("weight", torch.zeros(2, 4), "gate")
+    with pytest.raises(ValueError, match="does not split into tp_size=4"):
+        Linear(4, 6, shards={"q": 2, "k": 2, "v": 2}, tp_dim=0, tp_rank=0, tp_size=4)
+
+
+@pytest.mark.parametrize("tp_dim", [0, 1])
+def test_tensor_parallel_slices_reproduce_the_full_layer(tp_dim):
+    gen = torch.Generator().manual_seed(0)
+    shards = {"gate": 6, "up": 6} if tp_dim == 0 else None
+    full_w, full_b = torch.randn(12, 8, generator=gen), torch.randn(12, generator=gen)
+    full = Linear(8, 12, bias=True, shards=shards)
+    parts = [Linear(8, 12, bias=True, shards=shards, tp_dim=tp_dim, tp_rank=r, tp_size=2) for r in range(2)]
+    for layer in [full, *parts]:
+        if shards:  # the checkpoint stores gate and up separately; each rank takes its half of each
+            for name, rows in (("gate", slice(0, 6)), ("up", slice(6, 12))):
+                layer.weight_loader("weight", full_w[rows], name)
+                layer.weight_loader("bias", full_b[rows], name)
+        else:
+            layer.weight_loader("weight", full_w)
+            layer.weight_loader("bias", full_b)
+    x = torch.randn(3, 8, generator=gen)
+    with torch.no_grad():
+        expected = full(x)
+        if tp_dim == 0:  # column parallel: each rank computes its rows of gate and of up
+            outs = [p(x) for p in parts]
+            gate = torch.cat([o[:, :3] for o in outs], 1)
+            up = torch.cat([o[:, 3:] for o in outs], 1)
+            got = torch.cat([gate, up], 1)
+        else:  # row parallel: each rank multiplies its input columns; the partial sums add up
+            got = sum(p(x[:, r * 4 : (r + 1) * 4]) for r, p in enumerate(parts))
+    torch.testing.assert_close(got, expected)
+    assert parts[0].weight.shape == ((6, 8) if tp_dim == 0 else (12, 4))
+
+
+def test_weight_bytes_are_the_bytes_held(tiny_model):
+    plain = LLM(tiny_model, dtype="fp32", cpu_prepack=False)
+    config = plain.model_config
+    assert plain.engine.memory_report()["weights_bytes"] == config.num_params * 4  # tied head counted once
+    if not prepack_available(torch.float32):
+        pytest.skip("this PyTorch build cannot prepack")
+    packed = LLM(tiny_model, dtype="fp32", cpu_prepack=True)
+    assert all(isinstance(m.method, CPUPrepackMethod) for m in packed.model.linear_layers())
+    assert packed.model.lm_head.weight is None  # the plain copy is dropped once packed
+    # fp32 prepacking keeps two layouts of every linear, and the packed head is a second copy
+    # of the (tied) embedding: the report says so instead of quoting num_params x 4.
+    linear_params = sum(m.in_features * m.out_features for m in plain.model.linear_layers())
+    assert packed.engine.memory_report()["weights_bytes"] >= config.num_params * 4 + linear_params * 4
+
+
+# ------------------------------------------------------------------------------------------
+# The multi-token step contract
+# ------------------------------------------------------------------------------------------
+
+
+def test_paged_runner_returns_logits_at_several_positions(tiny_model):
+    """A chunk asking for its last k logits gets exactly what a full forward pass computes there."""
+    engine = LLMEngine(tiny_model, dtype="fp32", block_size=4)
+    ids = engine.tokenizer.encode("ROMEO.\nBut soft, what light through yonder")
+    reference = engine.model(ForwardBatch(torch.tensor([ids]), torch.arange(len(ids))[None]))[0]  # [T, V]
+    seq = engine.make_sequence(ids, GREEDY)
+    bm = engine.block_manager
+    bm.match_prefix(seq)
+    bm.allocate_slots(seq, len(ids))
+    chunk = ChunkInput(seq.request_id, ids, 0, num_logits=5, block_table=bm.block_table_of(seq))
+    decode_other = engine.make_sequence([5, 6, 7], GREEDY, request_id="other")
+    bm.match_prefix(decode_other)
+    bm.allocate_slots(decode_other, 3)
+    other = ChunkInput("other", [5, 6, 7], 0, num_logits=2, block_table=bm.block_table_of(decode_other))
+    logits = engine.runner.execute(StepInputs([chunk, other]))
+    assert logits.shape == (7, engine.model_config.vocab_size)
+    torch.testing.assert_close(logits[:5], reference[-5:], atol=1e-4, rtol=1e-4)
+    ref_other = engine.model(ForwardBatch(torch.tensor([[5, 6, 7]]), torch.arange(3)[None]))[0]
+    torch.testing.assert_close(logits[5:], ref_other[-2:], atol=1e-4, rtol=1e-4)
+    # Continue the first sequence by 3 "drafted" tokens at once, verify, roll back one.
+    drafted = reference[-1].argmax().item(), 11, 12
+    seq.num_computed_tokens = len(ids)
+    seq.append_tokens(list(drafted))
+    bm.allocate_slots(seq, 3)
+    step = ChunkInput(seq.request_id, list(drafted), len(ids), num_logits=3, block_table=bm.block_table_of(seq))
+    verify = engine.runner.execute(StepInputs([step]))
+    full = engine.model(ForwardBatch(torch.tensor([ids + list(drafted)]), torch.arange(len(ids) + 3)[None]))[0]
+    torch.testing.assert_close(verify, full[-3:], atol=1e-4, rtol=1e-4)
+    seq.num_computed_tokens = len(ids) + 3
+    bm.truncate(seq, len(ids) + 1)
+    bm.check_invariants()
+    assert seq.num_computed_tokens == len(ids) + 1
+    bm.free(seq)
+    bm.free(decode_other)
+    assert bm.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("mode", ["naive", "contiguous"])
+def test_padded_runners_honour_several_logits(tiny_model, mode):
+    engine = LLMEngine(tiny_model, dtype="fp32", mode=mode)
+    ids = engine.tokenizer.encode("ROMEO.\nBut soft")
+    reference = engine.model(ForwardBatch(torch.tensor([ids]), torch.arange(len(ids))[None]))[0]
+    logits = engine.runner.execute(StepInputs([ChunkInput("a", ids, 0, num_logits=3, max_len=len(ids) + 4)]))
+    torch.testing.assert_close(logits, reference[-3:], atol=1e-4, rtol=1e-4)
+    engine.runner.release("a")
+
+
+def test_append_tokens_stops_at_a_finishing_token(tiny_model):
+    engine = LLMEngine(tiny_model, dtype="fp32")
+    seq = engine.make_sequence([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert seq.append_tokens([7, 8]) == 2 and not seq.is_finished
+    assert seq.append_tokens([9, 10, 11]) == 1 and seq.finish_reason == "length"
+    assert seq.output_token_ids == [7, 8, 9]
+
+
+# ------------------------------------------------------------------------------------------
+# Instrumentation and names
+# ------------------------------------------------------------------------------------------
+
+
+def test_step_records_are_a_bounded_ring(tiny_model):
+    engine = LLMEngine(tiny_model, dtype="fp32", max_step_records=3)
+    engine.add_request([1, 2, 3], GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.num_steps == 12 and len(engine.step_records) == 3
+    assert [r.index for r in engine.step_records] == [9, 10, 11]
+    off = LLMEngine(tiny_model, dtype="fp32", max_step_records=0)
+    off.add_request([1, 2, 3], GREEDY)
+    while off.has_unfinished_requests():
+        off.step()
+    assert off.num_steps == 12 and not off.step_records
+    with pytest.raises(ValueError, match="max_step_records=-1"):
+        LLMEngine(tiny_model, max_step_records=-1)
+
+
+def test_kv_cache_mode_is_a_deprecated_name_for_contiguous(tiny_model):
+    with pytest.warns(DeprecationWarning, match="mode='kv_cache' is deprecated; use mode='contiguous'"):
+        old = LLM(tiny_model, dtype="fp32", mode="kv_cache")
+    assert old.mode == "contiguous"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new = LLM(tiny_model, dtype="fp32", mode="contiguous")
+    prompts = ["ROMEO.\nBut soft", "JULIET.\nO"]
+    assert [o.token_ids for o in old.generate(prompts, GREEDY)] == [o.token_ids for o in new.generate(prompts, GREEDY)]
