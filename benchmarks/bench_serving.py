@@ -29,7 +29,7 @@ from minillm.assets import resolve_model
 from minillm.bench import machine_description
 from minillm.config import ModelConfig
 from minillm.metrics import SLO, run_report
-from minillm.sequence import RequestMetrics, RequestOutput
+from minillm.outputs import RequestMetrics, RequestOutput
 from minillm.workloads import poisson_workload, replay, shared_prefix_workload
 
 RESULTS = Path(__file__).parent / "results"

@@ -20,8 +20,8 @@ if not _torch.cuda.is_available():
 from minillm.config import EngineConfig, ModelConfig  # noqa: E402
 from minillm.engine import LLM, LLMEngine  # noqa: E402
 from minillm.errors import ModelLoadError, ModelNotFoundError, PromptTooLongError  # noqa: E402
+from minillm.outputs import RequestMetrics, RequestOutput, StreamDelta  # noqa: E402
 from minillm.sampling import SamplingParams  # noqa: E402
-from minillm.sequence import RequestMetrics, RequestOutput, StreamDelta  # noqa: E402
 
 __version__ = "0.1.0"
 

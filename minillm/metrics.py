@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from minillm.sequence import RequestOutput
+from minillm.outputs import RequestOutput
 
 
 @dataclass

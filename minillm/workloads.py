@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from minillm.outputs import RequestOutput
 from minillm.sampling import SamplingParams
-from minillm.sequence import RequestOutput
 
 
 @dataclass

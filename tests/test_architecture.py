@@ -128,7 +128,7 @@ def test_fused_loader_fills_shards_and_names_bad_shapes():
         layer.weight_loader("weight", torch.zeros(3, 4), "k")
     with pytest.raises(KeyError, match="no shard 'gate'"):
         layer.weight_loader("weight", torch.zeros(2, 4), "gate")
-    with pytest.raises(ValueError, match="does not split into tp_size=4"):
+    with pytest.raises(ValueError, match="do not split into tp_size=4"):
         Linear(4, 6, shards={"q": 2, "k": 2, "v": 2}, tp_dim=0, tp_rank=0, tp_size=4)
 
 

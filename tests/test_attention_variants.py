@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from minillm.evaluation import perplexity
+from minillm.kv_head_pooling import pool_kv_heads
 from minillm.models import load_model
-from minillm.models.kv_head_pooling import pool_kv_heads
 from minillm.models.llama import ForwardBatch
 
 

@@ -77,7 +77,6 @@ def test_mixed_step_matches_contiguous_attention(backend, heads, kv_heads):
         slot_mapping=torch.tensor(slots),
         query_lens=[n for _, n in plan],
         context_lens=context,
-        context_lens_tensor=torch.tensor(context),
         block_tables=torch.tensor(padded_block_tables(tables, width, cache.null_block)),
         num_decodes=2,
         logit_index=torch.zeros(0, dtype=torch.long),

@@ -34,13 +34,13 @@ class StepLayout:
     slot_mapping: torch.Tensor  # [N]: the pool slot each new token's K/V is written to
     query_lens: list[int]  # [S]: new tokens per sequence (1 for the first num_decodes)
     context_lens: list[int]  # [S]: keys each sequence attends to (cached + new)
-    context_lens_tensor: torch.Tensor  # [S], the same on the device
     block_tables: torch.Tensor  # [S, W]: blocks per sequence, padded with the null block
     num_decodes: int  # sequences 0..num_decodes-1 have one query token each
     logit_index: torch.Tensor  # rows of the flat batch whose logits are returned, in order
     pool: KVPool
     window: int | None = None  # sliding-window attention: each query sees its last `window` keys
     max_context: int | None = None  # a fixed bound on context_lens (CUDA graphs); None: their max
+    context_lens_tensor: torch.Tensor | None = None  # [S] on the device, for backends that want it
 
     @property
     def logit_rows(self) -> torch.Tensor:

@@ -9,6 +9,8 @@ place: prefill chunks read their keys, cached prefix and new tokens alike, from 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from minillm.attention.layout import StepLayout
@@ -18,18 +20,19 @@ class TritonPagedStep:
     def __init__(self, layout: StepLayout):
         self.layout = layout
         nd = layout.num_decodes
+        context_lens = layout.context_lens_tensor
+        if context_lens is None:
+            context_lens = torch.tensor(layout.context_lens, dtype=torch.long, device=layout.slot_mapping.device)
         self.decode_block_tables = layout.block_tables[:nd]
-        self.decode_context_lens = layout.context_lens_tensor[:nd]
+        self.decode_context_lens = context_lens[:nd]
         # Fixed under CUDA graphs (the split-K layout must not change between replays).
         self.max_decode_context = layout.max_context or max(layout.context_lens[:nd], default=0)
         self.num_prefills = len(layout.query_lens) - nd
         if self.num_prefills:
             prefill_lens = layout.query_lens[nd:]
-            cu = [0]
-            for n in prefill_lens:
-                cu.append(cu[-1] + n)
+            cu = [0, *itertools.accumulate(prefill_lens)]
             self.prefill_cu_seqlens = torch.tensor(cu, dtype=torch.long, device=layout.slot_mapping.device)
-            self.prefill_context_lens = layout.context_lens_tensor[nd:]
+            self.prefill_context_lens = context_lens[nd:]
             self.prefill_block_tables = layout.block_tables[nd:]
             self.prefill_max_tokens = max(prefill_lens)
 

@@ -4,9 +4,9 @@ Which scheduler, which runner, which KV cache, which attention backend, and whic
 (CPU weight prepacking, ``torch.compile``, CUDA graphs) — every such decision is made here,
 once, so the engine's step loop never asks what mode it is in:
 
-    naive       StaticBatcher(recompute)  + NaiveRunner
-    contiguous  StaticBatcher             + ContiguousRunner    (+ compile)
-    paged       Scheduler + BlockManager  + PagedRunner + PagedKVCache (+ CUDA graphs)
+    naive       Scheduler(static) + NoBlockPool  + NaiveRunner
+    contiguous  Scheduler(static) + NoBlockPool  + ContiguousRunner   (+ compile)
+    paged       Scheduler(policy) + BlockManager + PagedRunner + PagedKVCache (+ CUDA graphs)
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from minillm.engine.naive_runner import NaiveRunner
 from minillm.engine.paged_runner import PagedRunner
 from minillm.engine.runner import ModelRunner
 from minillm.engine.scheduler import Scheduler
-from minillm.engine.static_batcher import StaticBatcher
 from minillm.kvcache.addressing import kv_bytes_per_token
 from minillm.kvcache.block_manager import BlockManager
 from minillm.kvcache.paged import PagedKVCache
+from minillm.kvcache.unpaged import NoBlockPool
 from minillm.models.llama import LlamaForCausalLM
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -34,10 +34,10 @@ CPU_DEFAULT_KV_BYTES = 1 << 30
 
 @dataclass
 class EngineParts:
-    scheduler: Scheduler | StaticBatcher
+    scheduler: Scheduler
     runner: ModelRunner
     attention_backend: str
-    block_manager: BlockManager | None = None
+    block_manager: BlockManager | None = None  # the paged pool's
     kv_cache: PagedKVCache | None = None
     graphs: DecodeGraphs | None = None
 
@@ -72,10 +72,11 @@ def build_engine_parts(
     model.set_attention_backend(backend)
     model.sliding_window = window
     apply_cpu_fast_paths(config, model, device, dtype)
-    if config.mode == "naive":
-        return EngineParts(StaticBatcher(config.max_num_seqs, recompute=True), NaiveRunner(model), backend)
-    if config.mode == "contiguous":
-        return EngineParts(StaticBatcher(config.max_num_seqs), ContiguousRunner(model), backend)
+    if config.mode != "paged":  # one static batch at a time, whole prompts, no pool to manage
+        runner = NaiveRunner(model) if config.mode == "naive" else ContiguousRunner(model)
+        unbounded = config.max_num_seqs * max_model_len
+        scheduler = Scheduler(NoBlockPool(), "static", config.max_num_seqs, unbounded, enable_chunked_prefill=False)
+        return EngineParts(scheduler, runner, backend)
     num_blocks = num_kv_blocks(config, model_config, max_model_len, device, dtype)  # after the weights loaded
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
     kv_cache = PagedKVCache(model_config, num_blocks, config.block_size, dtype, device)

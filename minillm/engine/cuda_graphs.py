@@ -40,15 +40,11 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 @dataclass
 class StaticDecode:
-    """The fixed input buffers (and, on CUDA, the graph) of one batch size."""
+    """The fixed input buffers of one batch size (a ``StepLayout`` over static tensors) and,
+    on CUDA, the graph captured reading them."""
 
     size: int
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slots: torch.Tensor
-    block_tables: torch.Tensor
-    context_lens: torch.Tensor
-    batch: StepLayout
+    layout: StepLayout
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None
 
@@ -87,33 +83,28 @@ class DecodeGraphs:
         """Logits ``[len(chunks), V]`` for a pure decode step, through the static buffers."""
         n = len(chunks)
         s = self._get(next(size for size in self.sizes if size >= n))
-        bs, null = self.cache.block_size, self.cache.null_block
-        tables = addressing.padded_block_tables([c.block_table for c in chunks], self.max_blocks, null)
-        positions = [c.start for c in chunks]
-        slots = [addressing.slot_mapping(c.block_table, c.start, 1, bs)[0] for c in chunks]
-        ids = [c.token_ids[0] for c in chunks]
-        self._fill(s, n, ids, positions, slots, torch.tensor(tables, dtype=torch.long))
+        self._fill(s, chunks)
         if s.graph is not None:
             s.graph.replay()
             return s.logits[:n]
-        return self.model(s.batch)[:n]
+        return self.model(s.layout)[:n]
 
-    # ----------------------------------------------------------------------------------------
-
-    def _fill(self, s: StaticDecode, n: int, ids, positions, slots, tables) -> None:
+    def _fill(self, s: StaticDecode, chunks: list[ChunkInput]) -> None:
         """Real rows first, then padding rows pointed at the null block."""
-        null_slot = self.cache.null_block * self.cache.block_size
-        s.input_ids.zero_()
-        s.positions.zero_()
-        s.slots.fill_(null_slot)
-        s.block_tables.fill_(self.cache.null_block)
-        s.context_lens.fill_(1)
-        if n:
-            s.input_ids[:n].copy_(torch.tensor(ids, dtype=torch.long), non_blocking=True)
-            s.positions[:n].copy_(torch.tensor(positions, dtype=torch.long), non_blocking=True)
-            s.slots[:n].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
-            s.block_tables[:n].copy_(tables, non_blocking=True)
-            s.context_lens[:n].copy_(torch.tensor(positions, dtype=torch.long) + 1, non_blocking=True)
+        bs, null, pad = self.cache.block_size, self.cache.null_block, s.size - len(chunks)
+        positions = [c.start for c in chunks] + [0] * pad
+        values = {
+            "input_ids": [c.token_ids[0] for c in chunks] + [0] * pad,
+            "positions": positions,
+            "slot_mapping": [addressing.slot_mapping(c.block_table, c.start, 1, bs)[0] for c in chunks]
+            + [null * bs] * pad,
+            "block_tables": addressing.padded_block_tables([c.block_table for c in chunks], self.max_blocks, null)
+            + [[null] * self.max_blocks] * pad,
+            "context_lens_tensor": [p + 1 for p in positions],
+        }
+        for name, rows in values.items():
+            buffer = getattr(s.layout, name)
+            buffer.copy_(torch.tensor(rows, dtype=torch.long).view(buffer.shape), non_blocking=True)
 
     def _get(self, size: int) -> StaticDecode:
         if size not in self.static:
@@ -124,33 +115,31 @@ class DecodeGraphs:
         def buffer(*shape):
             return torch.zeros(shape, dtype=torch.long, device=self.device)
 
-        ids, positions, slots = buffer(size), buffer(size), buffer(size)
-        tables, context_lens = buffer(size, self.max_blocks), buffer(size)
-        batch = StepLayout(
-            input_ids=ids[None],
-            positions=positions[None],
-            slot_mapping=slots,
+        layout = StepLayout(
+            input_ids=buffer(1, size),
+            positions=buffer(1, size),
+            slot_mapping=buffer(size),
             query_lens=[1] * size,
             context_lens=[self.max_context] * size,  # the kernels read the tensor below
-            context_lens_tensor=context_lens,
-            block_tables=tables,
+            context_lens_tensor=buffer(size),
+            block_tables=buffer(size, self.max_blocks),
             num_decodes=size,
             logit_index=torch.arange(size, device=self.device),
             pool=KVPool(self.cache.k_slots, self.cache.v_slots, self.cache.block_size, self.cache.null_block),
             window=self.window,
             max_context=self.max_context,  # fixed: the split-K layout must not change between replays
         )
-        s = StaticDecode(size, ids, positions, slots, tables, context_lens, batch)
-        self._fill(s, 0, [], [], [], None)
+        s = StaticDecode(size, layout)
+        self._fill(s, [])
         if self.capture:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm up: Triton compiles, the allocator settles
                 for _ in range(2):
-                    self.model(batch)
+                    self.model(layout)
             torch.cuda.current_stream().wait_stream(stream)
             s.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(s.graph, pool=self.pool):
-                s.logits = self.model(batch)
+                s.logits = self.model(layout)
             self.pool = s.graph.pool()
         return s

@@ -18,8 +18,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from minillm.engine.llm_engine import LLMEngine, Prompt
+from minillm.outputs import RequestOutput, StreamDelta
 from minillm.sampling import SamplingParams
-from minillm.sequence import RequestOutput, Sequence, StreamDelta
+from minillm.sequence import Sequence
 
 
 class LLM:

@@ -36,8 +36,9 @@ from minillm.engine.scheduler import SchedulerOutput
 from minillm.errors import PromptTooLongError
 from minillm.metrics import StepRecord
 from minillm.models import load_model
+from minillm.outputs import StreamDelta
 from minillm.sampling import SamplingParams, sample
-from minillm.sequence import Sequence, StreamDelta
+from minillm.sequence import Sequence
 from minillm.tokenizer import ChatMessages, Tokenizer
 
 Prompt = Union[str, list[int], ChatMessages]
@@ -289,7 +290,6 @@ class LLMEngine:
         return deltas
 
     def _record(self, started: float, scheduled: SchedulerOutput) -> None:
-        stats = self.scheduler.pool_stats()
         record = StepRecord(
             index=self.num_steps - 1,
             start=started,
@@ -298,12 +298,7 @@ class LLMEngine:
             preempted=[s.request_id for s in scheduled.preempted],
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            blocks_used=stats.blocks_used,
-            blocks_cached=stats.blocks_cached,
-            blocks_free=stats.blocks_free,
-            tokens_stored=stats.tokens_stored,
-            reserved_slots=stats.reserved_slots,
-            wasted_slots=stats.wasted_slots,
+            **vars(self.scheduler.block_manager.pool_stats()),
             contiguous_reserved_slots=len(self.scheduler.running) * self.max_model_len,
         )
         bm = self.block_manager

@@ -1,9 +1,9 @@
 """The first rung: no cache at all.
 
 Every step is a full forward pass over every token of every sequence in the step, from
-position 0: O(n²) work, no state, obviously correct. Each chunk it is given is the whole
-sequence so far (the static batcher's ``recompute`` policy). Every faster runner must produce
-identical greedy tokens — the correctness ladder starts here.
+position 0: O(n²) work, obviously correct. The only state it keeps is each sequence's token
+ids (its "cache" holds tokens, not K/V). Every faster runner must produce identical greedy
+tokens — the correctness ladder starts here.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Hashable
 import torch
 
 from minillm.attention.contiguous import ForwardBatch
-from minillm.engine.runner import StepInputs, select_logit_rows
+from minillm.engine.runner import ChunkInput, StepInputs, select_logit_rows
 from minillm.models.llama import LlamaForCausalLM
 
 
@@ -41,11 +41,17 @@ def run_padded(model: LlamaForCausalLM, inputs: StepInputs, **cache_args) -> tor
 class NaiveRunner:
     def __init__(self, model: LlamaForCausalLM):
         self.model = model
+        self.history: dict[Hashable, list[int]] = {}  # every token of every running sequence
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
-        if any(c.start != 0 for c in inputs.chunks):
-            raise ValueError("the naive runner recomputes whole sequences: every chunk must start at position 0")
-        return run_padded(self.model, inputs)
+        whole = []
+        for c in inputs.chunks:
+            tokens = self.history.setdefault(c.request_id, [])
+            if c.start != len(tokens):
+                raise ValueError(f"request {c.request_id!r}: chunk starts at {c.start}, the runner has {len(tokens)}")
+            tokens.extend(c.token_ids)
+            whole.append(ChunkInput(c.request_id, tokens, 0, c.num_logits))
+        return run_padded(self.model, StepInputs(whole))
 
     def release(self, request_id: Hashable) -> None:
-        pass  # nothing is kept between steps
+        self.history.pop(request_id, None)

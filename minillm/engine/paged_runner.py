@@ -82,7 +82,6 @@ class PagedRunner:
             slot_mapping=self._tensor(slots),
             query_lens=query_lens,
             context_lens=context_lens,
-            context_lens_tensor=self._tensor(context_lens),
             block_tables=self._tensor(tables),
             num_decodes=len(decodes),
             logit_index=self._tensor(logit_rows),

@@ -57,18 +57,6 @@ class ScheduledChunk:
 
 
 @dataclass
-class PoolStats:
-    """The KV memory of running requests, for step records: counters, not walks over tables."""
-
-    blocks_used: int = 0
-    blocks_cached: int = 0
-    blocks_free: int = 0
-    tokens_stored: int = 0  # tokens in the cache of running requests (a shared prefix counted per request)
-    reserved_slots: int = 0  # slots reserved for running requests (a shared block counted once)
-    wasted_slots: int = 0  # reserved but unused
-
-
-@dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write block copies, done first
@@ -93,7 +81,7 @@ class Scheduler:
     ):
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy={policy!r}; expected one of {SCHEDULING_POLICIES}")
-        self.block_manager = block_manager
+        self.block_manager = block_manager  # or a NoBlockPool (naive, contiguous rungs)
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -125,17 +113,6 @@ class Scheduler:
             self.block_manager.commit(chunk.seq)
             if self.window is not None:
                 self.block_manager.release_behind_window(chunk.seq, self.window)
-
-    def pool_stats(self) -> PoolStats:
-        bm = self.block_manager
-        return PoolStats(
-            blocks_used=bm.num_used_blocks,
-            blocks_cached=bm.num_cached_blocks,
-            blocks_free=len(bm.free_ids),
-            tokens_stored=bm.num_reserved_tokens,
-            reserved_slots=bm.num_used_blocks * bm.block_size,
-            wasted_slots=bm.wasted_slots(),
-        )
 
     # ----------------------------------------------------------------------------------------
     # One step

@@ -53,6 +53,18 @@ def block_hash(parent_hash: int | None, token_ids: Sequence[int]) -> int:
 
 
 @dataclass
+class PoolStats:
+    """The KV memory of running requests, for step records: counters, not walks over tables."""
+
+    blocks_used: int = 0
+    blocks_cached: int = 0
+    blocks_free: int = 0
+    tokens_stored: int = 0  # tokens in the cache of running requests (a shared prefix counted per request)
+    reserved_slots: int = 0  # slots in referenced blocks (a shared block counted once)
+    wasted_slots: int = 0  # reserved but unused
+
+
+@dataclass
 class Block:
     block_id: int
     ref_count: int = 0
@@ -115,6 +127,17 @@ class BlockManager:
 
     def blocks_for(self, num_tokens: int) -> int:
         return blocks_for(num_tokens, self.block_size)
+
+    def pool_stats(self) -> PoolStats:
+        used = self.num_used_blocks
+        return PoolStats(
+            used,
+            self.num_cached_blocks,
+            len(self.free_ids),
+            self.num_reserved_tokens,
+            used * self.block_size,
+            self.wasted_slots(),
+        )
 
     # ----------------------------------------------------------------------------------------
     # Allocation

@@ -78,26 +78,20 @@ class Linear(nn.Module):
         tp_size: int = 1,
     ):
         super().__init__()
-        if shards is not None and sum(shards.values()) != out_features:
-            raise ValueError(f"shards {shards} add up to {sum(shards.values())}, not out_features={out_features}")
-        if tp_dim not in (None, 0, 1):
-            raise ValueError(f"tp_dim={tp_dim!r} must be None, 0 (split outputs) or 1 (split inputs)")
-        if tp_size < 1 or not 0 <= tp_rank < tp_size:
-            raise ValueError(f"tp_rank={tp_rank} must lie in [0, tp_size={tp_size})")
-        if tp_dim is not None:
-            sizes = {"dimension": out_features if tp_dim == 0 else in_features}
-            sizes |= shards if tp_dim == 0 and shards else {}
-            for name, size in sizes.items():
-                if size % tp_size:
-                    raise ValueError(f"{name} of size {size} does not split into tp_size={tp_size} parts")
+        self.shards = shards or {None: out_features}  # full sizes, in row order
+        if sum(self.shards.values()) != out_features:
+            raise ValueError(f"shards {shards} add up to {sum(self.shards.values())}, not out_features={out_features}")
+        if tp_dim not in (None, 0, 1) or not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_dim={tp_dim!r} must be None, 0 or 1 and tp_rank={tp_rank} in [0, tp_size={tp_size})")
+        split = list(self.shards.values()) if tp_dim == 0 else [in_features] if tp_dim == 1 else []
+        if any(size % tp_size for size in split):
+            raise ValueError(f"sizes {split} do not split into tp_size={tp_size} parts")
         self.tp_dim, self.tp_rank, self.tp_size = tp_dim, tp_rank, tp_size
-        local_out = out_features // tp_size if tp_dim == 0 else out_features
-        local_in = in_features // tp_size if tp_dim == 1 else in_features
-        self.in_features, self.out_features = local_in, local_out
-        self.shards = shards
-        self.weight = nn.Parameter(torch.empty(local_out, local_in))
-        # Row-parallel layers add the bias once, after the partial sums are reduced.
-        self.bias = nn.Parameter(torch.empty(local_out)) if bias else None
+        self.full_in = in_features
+        self.in_features = in_features // tp_size if tp_dim == 1 else in_features
+        self.out_features = out_features // tp_size if tp_dim == 0 else out_features
+        self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features))
+        self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
         self.method: LinearMethod = PLAIN
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,58 +102,27 @@ class Linear(nn.Module):
         method.process_weights(self)
         self.method = method
 
-    def held_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.method.held_tensors(self))
-
     def extra_repr(self) -> str:
-        return (
-            f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, method={self.method.name}"
-        )
-
-    # ----------------------------------------------------------------------------------------
-    # Loading
-    # ----------------------------------------------------------------------------------------
-
-    def shard_rows(self, shard: str | None) -> tuple[int, int]:
-        """Rows ``[start, stop)`` of this layer's (local) weight that shard ``shard`` fills."""
-        if shard is None:
-            return 0, self.out_features
-        if not self.shards or shard not in self.shards:
-            raise KeyError(f"no shard {shard!r} in this layer (shards: {list(self.shards or {})})")
-        div = self.tp_size if self.tp_dim == 0 else 1
-        start = 0
-        for name, size in self.shards.items():
-            if name == shard:
-                return start, start + size // div
-            start += size // div
-        raise AssertionError("unreachable")
-
-    def expected_shape(self, param: str, shard: str | None = None) -> tuple[int, ...]:
-        """The shape the *checkpoint* tensor must have (before this rank's slice is taken)."""
-        start, stop = self.shard_rows(shard)
-        rows = stop - start
-        if self.tp_dim == 0:
-            rows *= self.tp_size
-        if param == "bias":
-            return (rows,)
-        cols = self.in_features * (self.tp_size if self.tp_dim == 1 else 1)
-        return (rows, cols)
+        return f"in={self.in_features}, out={self.out_features}, method={self.method.name}"
 
     def weight_loader(self, param: str, loaded: torch.Tensor, shard: str | None = None) -> None:
         """Copy checkpoint tensor ``loaded`` (``param`` = "weight" or "bias") into this layer:
         the rows of ``shard`` if given, and only this rank's slice under tensor parallelism.
         Raises ``ValueError`` naming both shapes when ``loaded`` does not fit."""
-        expected = self.expected_shape(param, shard)
+        if shard not in self.shards:
+            raise KeyError(f"no shard {shard!r} in this layer (shards: {list(self.shards)})")
+        div = self.tp_size if self.tp_dim == 0 else 1
+        names = list(self.shards)
+        start = sum(self.shards[n] for n in names[: names.index(shard)]) // div
+        rows = self.shards[shard]
+        expected = (rows,) if param == "bias" else (rows, self.full_in)
         if tuple(loaded.shape) != expected:
             raise ValueError(f"has shape {tuple(loaded.shape)}, expected {expected}")
-        if self.tp_dim is not None and not (param == "bias" and self.tp_dim == 1):
+        if self.tp_dim == 0 or (self.tp_dim == 1 and param == "weight"):  # this rank's slice
             part = loaded.shape[self.tp_dim] // self.tp_size
             loaded = loaded.narrow(self.tp_dim, self.tp_rank * part, part)
-        if param == "bias" and self.tp_dim == 1 and self.tp_rank != 0:
-            loaded = torch.zeros_like(loaded)  # the reduction sums every rank's output: add b once
+        elif self.tp_dim == 1 and self.tp_rank != 0:
+            loaded = torch.zeros_like(loaded)  # row parallel: partial sums are added, so add b once
         target = self.weight if param == "weight" else self.bias
-        if target is None:
-            raise ValueError("this layer has no bias")
-        start, stop = self.shard_rows(shard)
         with torch.no_grad():
-            target[start:stop].copy_(loaded)
+            target[start : start + loaded.shape[0]].copy_(loaded)

@@ -1,0 +1,94 @@
+"""What the engine hands back to callers: finished requests, streamed tokens, their timings.
+
+These are plain data, free of the engine's internals, so a caller — a notebook, a benchmark,
+the HTTP server — can hold, compare and serialise them without touching a ``Sequence``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (``time.perf_counter()`` seconds) and the latencies derived from them.
+
+    TTFT (time to first token) = first token − arrival: queueing plus prefill.
+    TPOT (time per output token) = mean gap between later tokens: the decode speed a reader feels.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished_time: float | None = None
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if not self.token_times else self.token_times[0] - self.arrival_time
+
+    @property
+    def queueing_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def tpot(self) -> float | None:
+        gaps = self.inter_token_latencies
+        return statistics.fmean(gaps) if gaps else None
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    def as_dict(self) -> dict[str, float | None]:
+        return {
+            "arrival_time": self.arrival_time,
+            "ttft": self.ttft,
+            "tpot": self.tpot,
+            "e2e_latency": self.e2e_latency,
+            "queueing_time": self.queueing_time,
+            "num_tokens": len(self.token_times),
+        }
+
+
+@dataclass
+class RequestOutput:
+    request_id: Hashable
+    prompt: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    num_preemptions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StreamDelta:
+    """What ``LLM.stream`` yields: the token just produced and the text it made visible.
+
+    ``text`` may be empty (half a UTF-8 character, or text held back because it could be the
+    start of a stop string) and is released by a later delta. The last delta has
+    ``finish_reason`` set.
+    """
+
+    request_id: Hashable
+    token_id: int | None
+    text: str
+    finish_reason: str | None = None
+    output: RequestOutput | None = None  # the complete result, on the last delta of a request
