@@ -80,6 +80,11 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def is_decoding(self) -> bool:
+        """Past its prompt: one new token to run per step."""
+        return len(self) - self.num_computed_tokens == 1
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 

@@ -72,7 +72,7 @@ class DecodeGraphs:
 
     def supports(self, chunks: list[ChunkInput]) -> bool:
         """Only pure decode steps (one token per sequence) that fit a captured size."""
-        return bool(chunks) and len(chunks) <= self.sizes[-1] and all(c.num_tokens == 1 for c in chunks)
+        return bool(chunks) and len(chunks) <= self.sizes[-1] and all(c.is_decode for c in chunks)
 
     def capture_all(self) -> None:
         """Capture every size now (largest first, so smaller graphs reuse its memory pool)."""

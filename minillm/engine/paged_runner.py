@@ -57,8 +57,8 @@ class PagedRunner:
     def layout(self, chunks: list[ChunkInput]) -> StepLayout:
         """The flat layout of ``chunks`` (see ``StepLayout``)."""
         bs = self.cache.block_size
-        decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: c.start)
-        order = decodes + [c for c in chunks if c.num_tokens > 1]
+        decodes = sorted((c for c in chunks if c.is_decode), key=lambda c: c.start)
+        order = decodes + [c for c in chunks if not c.is_decode]
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

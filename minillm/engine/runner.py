@@ -39,6 +39,12 @@ class ChunkInput:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def is_decode(self) -> bool:
+        """One query token: attention reads it against the pool, as a decode step does (it may
+        also be the last token of a prompt chunked down to one)."""
+        return len(self.token_ids) == 1
+
 
 @dataclass
 class StepInputs:

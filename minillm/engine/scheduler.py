@@ -53,7 +53,7 @@ class ScheduledChunk:
     @property
     def is_decode(self) -> bool:
         """A sequence past its prompt, running its one new token (the scheduler's sense of "decode")."""
-        return self.num_tokens == 1 and self.samples
+        return self.num_tokens == 1 and self.samples  # == seq.is_decoding when scheduled
 
 
 @dataclass
@@ -150,7 +150,7 @@ class Scheduler:
     def running_in_order(self) -> list[Sequence]:
         """Running sequences, decodes first (cheap, and a user waits on each token), then
         prefills in progress; each group by priority, then arrival."""
-        return sorted(self.running, key=lambda s: (len(s) - s.num_computed_tokens > 1, s.sort_key))
+        return sorted(self.running, key=lambda s: (not s.is_decoding, s.sort_key))
 
     def waiting_in_order(self) -> list[Sequence]:
         return sorted(self.waiting, key=lambda s: s.sort_key)
