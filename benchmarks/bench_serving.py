@@ -27,7 +27,7 @@ import torch
 from minillm import LLMEngine
 from minillm.assets import resolve_model
 from minillm.bench import machine_description
-from minillm.config import ModelConfig
+from minillm.config import ModelConfig, parse_memory
 from minillm.metrics import SLO, run_report
 from minillm.outputs import RequestMetrics, RequestOutput
 from minillm.workloads import poisson_workload, replay, shared_prefix_workload
@@ -114,7 +114,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--prefix-len", type=int, default=384)
     parser.add_argument("--prefix-rate", type=float, default=2.0)
     parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--kv-cache-memory", type=float, default=None, help="bytes (>1) or fraction of free memory")
+    parser.add_argument(
+        "--kv-cache-memory", type=parse_memory, default=None, help="bytes (2e9, 2GB) or a fraction of free memory (0.5)"
+    )
     parser.add_argument("--hf-batch-size", type=int, default=8)
     parser.add_argument("--hf-batches", type=int, default=None, help="serve only the first N HF batches")
     parser.add_argument("--dtype", default="auto")
@@ -128,10 +130,9 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    memory = args.kv_cache_memory
-    if memory is not None and memory > 1:
-        memory = int(memory)
-    engine_args = dict(dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs, kv_cache_memory=memory)
+    engine_args = dict(
+        dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory
+    )
     slo = SLO(ttft=args.slo_ttft, tpot=args.slo_tpot)
 
     vocab = ModelConfig.from_folder(resolve_model(args.model)).vocab_size

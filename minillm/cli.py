@@ -10,7 +10,9 @@ minillm bench --quick
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import os
 import sys
 
 
@@ -36,18 +38,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--kv-cache-memory",
         type=_memory,
         default=None,
-        help="KV pool size: bytes (e.g. 2e9) or a fraction of free memory (e.g. 0.5)",
+        help="KV pool size: bytes (2e9, 2GB, 1.5GiB) or a fraction of free memory (0.5, 50%%)",
     )
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--no-chunked-prefill", action="store_true", help="prefill whole prompts in one step")
 
 
 def _memory(text: str) -> int | float:
+    from minillm.config import parse_memory
+
     try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of bytes or a fraction") from None
-    return value if value <= 1 else int(value)
+        return parse_memory(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -105,53 +108,89 @@ def cmd_generate(args) -> int:
     if args.stream:
         for prompt in prompts:
             for delta in llm.stream(prompt, params):
-                print(delta.text, end="", flush=True)
-            print()
+                if args.json:  # one JSON line per delta; the last carries the whole record
+                    record = {"text": delta.text, "token_id": delta.token_id, "finish_reason": delta.finish_reason}
+                    if delta.output is not None:
+                        record["output"] = _output_record(delta.output)
+                    print(json.dumps(record), flush=True)
+                else:
+                    print(delta.text, end="", flush=True)
+            if not args.json:
+                print()
         return 0
     outputs = llm.generate(prompts, params)
     for out in outputs:
-        if args.json:
-            record = {
-                "prompt": out.prompt,
-                "text": out.text,
-                "token_ids": out.token_ids,
-                "finish_reason": out.finish_reason,
-                "metrics": out.metrics.as_dict(),
-            }
-            print(json.dumps(record))
-        else:
-            print(out.text)
+        print(json.dumps(_output_record(out)) if args.json else out.text)
     return 0
 
 
+def _output_record(out) -> dict:
+    return {
+        "prompt": out.prompt,
+        "text": out.text,
+        "token_ids": out.token_ids,
+        "finish_reason": out.finish_reason,
+        "metrics": out.metrics.as_dict(),
+    }
+
+
 def cmd_chat(args) -> int:
+    """A streaming chat. Bad input is reported and the session goes on: undecodable bytes, a
+    history longer than the context (the oldest turns are dropped), Ctrl-C during a reply
+    (stops that reply). Ctrl-C at the prompt, Ctrl-D or /exit end the session."""
+    from minillm.errors import PromptTooLongError
+
     params = _sampling_params(args)
     llm = _llm(args)
-    history: list[dict[str, str]] = []
-    if args.system:
-        history.append({"role": "system", "content": args.system})
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    turns: list[dict[str, str]] = []
+    if hasattr(sys.stdin, "reconfigure"):  # undecodable bytes arrive as surrogates instead of killing input()
+        sys.stdin.reconfigure(errors="surrogateescape")
     print("minillm chat: type a message, /reset to clear the history, /exit or Ctrl-D to quit.")
     while True:
         try:
             line = input("you> ").strip()
+            line.encode("utf-8")
         except (EOFError, KeyboardInterrupt):
             print()
             return 0
+        except (UnicodeDecodeError, UnicodeEncodeError):
+            print("[that input is not valid UTF-8; please type it again]")
+            continue
         if not line:
             continue
         if line == "/exit":
             return 0
         if line == "/reset":
-            history = history[:1] if args.system else []
+            turns = []
             continue
-        history.append({"role": "user", "content": line})
+        turns.append({"role": "user", "content": line})
+        while True:  # drop the oldest turns until the conversation fits the context
+            try:
+                stream = llm.stream(system + turns, params)
+                first = next(stream)
+                break
+            except PromptTooLongError:
+                if len(turns) == 1:
+                    print(f"[this message alone is longer than the context ({llm.max_model_len} tokens); not sent]")
+                    turns = []
+                    first = None
+                    break
+                turns = turns[2:] if len(turns) > 2 else turns[-1:]  # a user/assistant pair at a time
+                print("[history trimmed: the oldest turns no longer fit the context]")
+        if first is None:
+            continue
         print("assistant> ", end="", flush=True)
         reply = []
-        for delta in llm.stream(history, params):
-            reply.append(delta.text)
-            print(delta.text, end="", flush=True)
+        try:
+            for delta in itertools.chain([first], stream):
+                reply.append(delta.text)
+                print(delta.text, end="", flush=True)
+        except KeyboardInterrupt:
+            stream.close()  # aborts the request; the session goes on
+            print(" [stopped]", end="")
         print()
-        history.append({"role": "assistant", "content": "".join(reply)})
+        turns.append({"role": "assistant", "content": "".join(reply)})
 
 
 def cmd_assets(args) -> int:
@@ -203,10 +242,12 @@ def cmd_course_grade(args) -> int:
     from minillm.course.grade import grade_folder, grade_notebook
 
     path = Path(args.path)
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout {args.timeout}: the seconds allowed per cell must be positive")
     if path.is_dir():
-        grades = grade_folder(path, args.csv)
+        grades = grade_folder(path, args.csv, timeout=args.timeout)
     elif path.is_file():
-        grades = [grade_notebook(path)]
+        grades = [grade_notebook(path, timeout=args.timeout)]
     else:
         raise FileNotFoundError(f"{path}: no such notebook or folder")
     if args.json:
@@ -265,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="a .ipynb file or a folder of submissions")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--csv", default=None, help="CSV path for a folder (default: FOLDER/grades.csv)")
+    p.add_argument("--timeout", type=int, default=600, help="seconds each cell may run (default: 600)")
     p.set_defaults(func=cmd_course_grade)
     return parser
 
@@ -276,3 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"minillm: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into `head` and closed: stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,9 @@ SUPPORTED_MODEL_TYPES = {
     "mistral": "Mistral (optionally with a sliding window)",
     "qwen2": "Qwen2 (bias on the q/k/v projections)",
 }
+
+#: ``torch_dtype`` values a checkpoint may declare (what its tensors are stored as).
+KNOWN_CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16", "float", "half")
 
 #: RoPE frequency variants implemented in ``minillm.models.rope``.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -91,6 +95,20 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> ModelConfig:
+        if not isinstance(raw, dict):
+            raise ModelLoadError(f"{source}: must hold a JSON object, got {type(raw).__name__}")
+
+        def positive(name: str, default=None, kind=int, key: str | None = None):
+            """Field ``name`` (or ``default`` when absent/null) as a positive ``kind``, else a ModelLoadError."""
+            value = raw.get(name) if raw.get(name) is not None else default
+            if value is None:
+                raise ModelLoadError(f"{source}: required field '{name}' is missing")
+            ok = kind is int and isinstance(value, int) or kind is float and isinstance(value, (int, float))
+            if isinstance(value, bool) or not ok or not 0 < value < math.inf:
+                what = "a positive integer" if kind is int else "a positive number"
+                raise ModelLoadError(f"{source}: field '{name}' = {value!r} must be {what}")
+            return kind(value)
+
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             supported = ", ".join(sorted(SUPPORTED_MODEL_TYPES))
@@ -98,31 +116,38 @@ class ModelConfig:
                 f"{source}: unknown architecture model_type={model_type!r} "
                 f"(architectures={raw.get('architectures')}); minillm supports: {supported}"
             )
-        try:
-            hidden = int(raw["hidden_size"])
-            num_heads = int(raw["num_attention_heads"])
-            num_layers = int(raw["num_hidden_layers"])
-            vocab = int(raw["vocab_size"])
-            inter = int(raw["intermediate_size"])
-        except KeyError as missing:
-            raise ModelLoadError(f"{source}: required field {missing} is missing") from None
-        num_kv = int(raw.get("num_key_value_heads") or num_heads)
+        hidden = positive("hidden_size")
+        num_heads = positive("num_attention_heads")
+        num_layers = positive("num_hidden_layers")
+        vocab = positive("vocab_size")
+        inter = positive("intermediate_size")
+        num_kv = positive("num_key_value_heads", num_heads)
         if num_heads % num_kv:
             raise ModelLoadError(
                 f"{source}: num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv}"
             )
-        head_dim = int(raw.get("head_dim") or hidden // num_heads)
+        head_dim = positive("head_dim", hidden // num_heads or None)
+        max_positions = positive("max_position_embeddings", 2048)
+        dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+        if not isinstance(dtype, str) or dtype.replace("torch.", "") not in KNOWN_CHECKPOINT_DTYPES:
+            raise ModelLoadError(
+                f"{source}: field 'torch_dtype' = {dtype!r} is not a dtype minillm can load "
+                f"({', '.join(KNOWN_CHECKPOINT_DTYPES)})"
+            )
         if raw.get("hidden_act", "silu") != "silu":
             raise ModelLoadError(f"{source}: hidden_act={raw['hidden_act']!r} is not supported (silu only)")
 
         # transformers >= 5 writes "rope_parameters"; older configs use rope_theta + rope_scaling.
-        rope = dict(raw.get("rope_parameters") or {})
-        legacy = raw.get("rope_scaling") or {}
+        rope, legacy = raw.get("rope_parameters") or {}, raw.get("rope_scaling") or {}
+        if not isinstance(rope, dict) or not isinstance(legacy, dict):
+            raise ModelLoadError(f"{source}: fields 'rope_parameters' / 'rope_scaling' must be JSON objects")
         rope = {**legacy, **rope}
         if "type" in rope and "rope_type" not in rope:
             rope["rope_type"] = rope.pop("type")
         rope.setdefault("rope_type", "default")
-        theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+        theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf:
+            raise ModelLoadError(f"{source}: field 'rope_theta' = {theta!r} must be a positive number")
         if rope["rope_type"] not in SUPPORTED_ROPE_TYPES:
             raise ModelLoadError(
                 f"{source}: rope_type={rope['rope_type']!r} is not supported; "
@@ -130,15 +155,15 @@ class ModelConfig:
             )
         window = None
         if raw.get("sliding_window") and raw.get("use_sliding_window", model_type == "mistral"):
-            window = int(raw["sliding_window"])
-            if window < 1:
-                raise ModelLoadError(f"{source}: sliding_window={window} must be >= 1")
-            if window >= int(raw.get("max_position_embeddings", 2048)):
+            window = positive("sliding_window")
+            if window >= max_positions:
                 window = None  # a window as long as the context is full attention
         # Qwen2 always has q/k/v bias; Llama/Mistral declare it with attention_bias.
         bias = bool(raw.get("attention_bias", False)) or model_type == "qwen2"
         eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in eos_ids):
+            raise ModelLoadError(f"{source}: field 'eos_token_id' = {eos!r} must be token id(s)")
         return cls(
             model_type=model_type,
             vocab_size=vocab,
@@ -148,13 +173,13 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=num_kv,
             head_dim=head_dim,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            rms_norm_eps=positive("rms_norm_eps", 1e-6, float),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bias,
-            rope_theta=theta,
+            rope_theta=float(theta),
             rope_scaling=rope,
-            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            torch_dtype=dtype,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=window,
@@ -167,7 +192,7 @@ class ModelConfig:
             raise ModelLoadError(f"{folder}: no config.json; is this a Hugging Face model folder?")
         try:
             raw = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ModelLoadError(f"{path}: not valid JSON ({err})") from None
         return cls.from_dict(raw, source=str(path))
 
@@ -177,6 +202,44 @@ EXECUTION_MODES = ("paged", "contiguous", "naive")
 DEPRECATED_MODES = {"kv_cache": "contiguous"}
 SCHEDULING_POLICIES = ("static", "dynamic", "continuous")
 ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "triton")
+
+
+_MEMORY_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_memory(text: str) -> int | float:
+    """A KV-pool size as written on a command line: ``"0.5"`` or ``"50%"`` is a fraction of free
+    memory (a float in (0, 1]); ``"2e9"``, ``"2000000000"``, ``"2GB"``, ``"1.5GiB"`` are bytes (an int).
+    Raises ``ValueError`` saying what is wrong with ``text``."""
+    raw = text.strip().lower().replace("_", "")
+    unit = next((u for u in sorted(_MEMORY_UNITS, key=len, reverse=True) if raw.endswith(u)), None)
+    number = raw[: -len(unit)] if unit else raw[:-1] if raw.endswith("%") else raw
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size: use bytes (2e9, 2GB, 1.5GiB) or a fraction (0.5, 50%)") from None
+    if not 0 < value < math.inf:
+        raise ValueError(f"{text!r}: the KV pool size must be a positive, finite amount")
+    if raw.endswith("%"):
+        value /= 100
+        if value > 1:
+            raise ValueError(f"{text!r}: a fraction of free memory cannot exceed 100%")
+        return value
+    if unit is None and "." in number and "e" not in number:  # 0.5, 1.0: a fraction
+        if value > 1:
+            raise ValueError(f"{text!r}: a fraction of free memory must be in (0, 1]; write bytes as 2e9 or 2GB")
+        return value
+    return int(value * _MEMORY_UNITS.get(unit, 1))
+
+
+def _check_int(name: str, value, minimum: int, optional: bool = False) -> None:
+    """``ValueError`` naming ``name`` unless ``value`` is an int >= ``minimum`` (or None if optional)."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}={value!r} must be an integer" + (" or None" if optional else ""))
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}")
 
 
 def triton_available() -> bool:
@@ -233,6 +296,31 @@ class EngineConfig:
             new = DEPRECATED_MODES[self.mode]
             warnings.warn(f"mode={self.mode!r} is deprecated; use mode={new!r}", DeprecationWarning, stacklevel=4)
             self.mode = new
+        # Types first, so a wrong one is named here rather than failing deep inside the engine.
+        for name, low in (
+            ("max_model_len", 2),
+            ("num_threads", 1),
+            ("max_num_batched_tokens", 1),
+            ("sliding_window", 1),
+            ("max_step_records", 0),
+            ("max_num_seqs", 1),
+            ("block_size", 1),
+        ):
+            _check_int(name, getattr(self, name), low, optional=name not in ("max_num_seqs", "block_size"))
+        _check_int("seed", self.seed, 0)
+        if self.seed >= 2**64:
+            raise ValueError(f"seed={self.seed} must fit in 64 bits: 0 <= seed < 2**64")
+        for name in ("cpu_prepack", "compile", "enable_prefix_caching", "enable_chunked_prefill", "cuda_graphs"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (value is None and name == "cuda_graphs"):
+                raise TypeError(f"{name}={value!r} must be True or False")
+        for name in ("device", "dtype", "mode", "attention_backend", "scheduling_policy"):
+            value = getattr(self, name)
+            if not isinstance(value, str) and not (name == "dtype" and isinstance(value, torch.dtype)):
+                raise TypeError(f"{name}={value!r} must be a string")
+        timeout = self.batch_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < math.inf:
+            raise ValueError(f"batch_timeout={timeout!r} must be a finite number of seconds >= 0")
         if self.mode not in EXECUTION_MODES:
             raise ValueError(f"mode={self.mode!r}; expected one of {EXECUTION_MODES}")
         if self.compile and self.mode != "contiguous":
@@ -244,36 +332,19 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs=True needs mode='paged' (got mode={self.mode!r})")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy={self.scheduling_policy!r}; expected one of {SCHEDULING_POLICIES}")
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"block_size={self.block_size!r} must be a positive integer")
         memory = self.kv_cache_memory
         if memory is not None:
+            # An int is bytes, a float a fraction of free memory: 1 means one byte, 1.0 all of it.
             if isinstance(memory, bool) or not isinstance(memory, (int, float)):
                 raise ValueError(f"kv_cache_memory={memory!r} must be bytes (int) or a fraction of free memory (float)")
             if isinstance(memory, float) and not 0.0 < memory <= 1.0:
-                raise ValueError(f"kv_cache_memory={memory} as a fraction of free memory must be in (0, 1]")
+                raise ValueError(
+                    f"kv_cache_memory={memory} as a fraction of free memory must be in (0, 1] (bytes are an int)"
+                )
             if isinstance(memory, int) and memory < 1:
                 raise ValueError(f"kv_cache_memory={memory} bytes must be positive")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
-        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window < 1):
-            raise ValueError(f"sliding_window={self.sliding_window!r} must be a positive number of tokens")
-        if self.batch_timeout < 0:
-            raise ValueError(f"batch_timeout={self.batch_timeout} must be >= 0")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"num_threads={self.num_threads} must be >= 1")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
-        if self.max_step_records is not None and (
-            isinstance(self.max_step_records, bool)
-            or not isinstance(self.max_step_records, int)
-            or self.max_step_records < 0
-        ):
-            raise ValueError(f"max_step_records={self.max_step_records!r} must be a count >= 0, or None for all")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r}; expected one of {ATTENTION_BACKENDS}")
         if self.attention_backend == "triton":

@@ -21,7 +21,8 @@ from minillm.outputs import RequestOutput
 
 @dataclass
 class StepRecord:
-    """What one engine step did (the paged engine keeps one per step in ``engine.step_records``)."""
+    """What one engine step did (``engine.step_records`` keeps the most recent ones). The pool
+    fields are None for the naive and contiguous rungs, which have no paged pool."""
 
     index: int
     start: float
@@ -30,12 +31,12 @@ class StepRecord:
     preempted: list[Hashable]
     num_running: int
     num_waiting: int
-    blocks_used: int
-    blocks_cached: int
-    blocks_free: int
-    tokens_stored: int  # tokens in the cache of running requests (a shared prefix counted per request)
-    reserved_slots: int  # slots in referenced blocks (a shared block counted once)
-    wasted_slots: int  # reserved but unused slots in referenced blocks
+    blocks_used: int | None
+    blocks_cached: int | None
+    blocks_free: int | None
+    tokens_stored: int | None  # tokens in the cache of running requests (a shared prefix counted per request)
+    reserved_slots: int | None  # slots in referenced blocks (a shared block counted once)
+    wasted_slots: int | None  # reserved but unused slots in referenced blocks
     contiguous_reserved_slots: int  # what a max_model_len-per-request contiguous cache would reserve
     block_tables: dict[Hashable, list[int]] | None = None  # when engine.record_block_tables
     block_hashes: list[bool] | None = None  # which blocks are registered in the prefix cache
@@ -151,6 +152,7 @@ def run_report(
     end = max(o.metrics.finished_time or o.metrics.arrival_time for o in outputs)
     gaps = [g for o in outputs for g in o.metrics.inter_token_latencies]
     records = step_records or []
+    records = [r for r in records if r.blocks_used is not None]  # steps of a paged pool only
     waste = [r.wasted_slots / r.reserved_slots for r in records if r.reserved_slots]
     contiguous = [1 - r.tokens_stored / r.contiguous_reserved_slots for r in records if r.contiguous_reserved_slots]
     return RunReport(

@@ -79,6 +79,10 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed={self.seed!r} must be an integer or None")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed={self.seed} must fit in 64 bits: 0 <= seed < 2**64")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos={self.ignore_eos!r} must be True or False")
 
     @property
     def greedy(self) -> bool:
@@ -106,7 +110,8 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: list[Sequence[int]], pe
         idx = torch.as_tensor(sorted(set(ids)), device=logits.device)
         vals = out[row, idx]
         out[row, idx] = torch.where(vals > 0, vals / p, vals * p)
-    return out
+    # A tiny penalty can push a logit past float32's range; keep it finite (it stays the largest).
+    return out.clamp_(max=torch.finfo(out.dtype).max)
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -122,11 +127,12 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Nucleus: keep the smallest set of most likely tokens whose probability reaches ``top_p``.
 
     A token is kept when the probability mass of the tokens ranked above it is still below
-    ``top_p``; the most likely token is therefore always kept.
+    ``top_p``; the most likely token is always kept (even when ``top_p`` underflows to 0).
     """
     probs, order = logits.softmax(dim=-1).sort(dim=-1, descending=True)
     mass_before = probs.cumsum(dim=-1) - probs
     drop_sorted = (mass_before >= top_p.unsqueeze(-1)) & (top_p.unsqueeze(-1) < 1.0)
+    drop_sorted[..., 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, NEG_INF)
 
@@ -139,10 +145,16 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p: the distribution a sampled row draws from."""
+    """Temperature, then top-k, top-p and min-p: the distribution a sampled row draws from.
+
+    Dividing by the temperature happens after subtracting each row's maximum, so every value
+    is <= 0 and the top one is exactly 0: a tiny temperature sends the others to -inf (greedy,
+    the limit it should be) instead of overflowing the top one to inf and the softmax to NaN.
+    """
     device = logits.device
-    temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
-    logits = logits / temperature.unsqueeze(-1)
+    tiny, huge = torch.finfo(torch.float32).tiny, 1e30
+    temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device).clamp(tiny, huge)
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature.unsqueeze(-1)
     if any(p.top_k > 0 for p in params):
         logits = apply_top_k(logits, torch.tensor([p.top_k for p in params], device=device))
     if any(p.top_p < 1.0 for p in params):

@@ -35,8 +35,17 @@ class Tokenizer:
             ids.add(int(self.hf.eos_token_id))
         gen = folder / "generation_config.json"
         if gen.is_file():
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
+            try:
+                raw = json.loads(gen.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                raise ModelLoadError(f"{gen}: not valid JSON ({err})") from None
+            if not isinstance(raw, dict):
+                raise ModelLoadError(f"{gen}: must hold a JSON object, got {type(raw).__name__}")
+            eos = raw.get("eos_token_id")
+            eos = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+            if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in eos):
+                raise ModelLoadError(f"{gen}: field 'eos_token_id' = {raw['eos_token_id']!r} must be token id(s)")
+            ids.update(eos)
         return frozenset(ids)
 
     @property

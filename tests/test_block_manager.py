@@ -255,3 +255,20 @@ def test_truncate_rejects_bad_lengths(bad):
     with pytest.raises(RuntimeError, match="no blocks to truncate"):
         bm.truncate(Seq(5), 0)
     bm.check_invariants()
+
+
+def test_truncate_refuses_to_roll_back_into_released_window_blocks():
+    from minillm.kvcache.block_manager import RELEASED
+
+    bm = BlockManager(num_blocks=16, block_size=4)
+    seq = Seq(0, list(range(20)))
+    bm.match_prefix(seq)
+    run_tokens(bm, seq, 20)
+    bm.release_behind_window(seq, 8)  # the next query (position 20) sees keys 13..20: blocks 0-2 go
+    assert bm.tables[0][:3] == [RELEASED] * 3
+    for back_to in (10, 18):  # the next query at 18 would see keys 11..18: key 11 was in block 2
+        with pytest.raises(ValueError, match="released behind the sliding window"):
+            bm.truncate(seq, back_to, window=8)
+    assert bm.truncate(seq, 19, window=8) == 0  # keys 12..19: blocks 3 and 4, still there
+    assert seq.num_computed_tokens == 19
+    bm.check_invariants()

@@ -87,7 +87,7 @@ def test_bad_engine_flags_are_clean_errors(tiny_model, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([*base, "--kv-cache-memory", "lots"])
     assert exit_info.value.code == 2
-    assert "'lots' is not a number of bytes" in capsys.readouterr().err
+    assert "'lots' is not a size" in capsys.readouterr().err
 
 
 def test_generate_chat(tiny_model, capsys):
@@ -121,3 +121,79 @@ def test_chat_session_over_stdin(tiny_model):
 def test_console_script_is_declared():
     parser = build_parser()
     assert parser.prog == "minillm"
+
+
+def _chat(tiny_model, stdin: bytes, *flags):
+    return subprocess.run(
+        [sys.executable, "-m", "minillm", "chat", "--model", str(tiny_model), "--max-tokens", "6", *flags],
+        input=stdin,
+        capture_output=True,
+        timeout=120,
+    )
+
+
+def test_chat_survives_bad_bytes_and_an_overlong_history(tiny_model):
+    # Non-UTF-8 input is reported and the session continues; a history longer than the
+    # context drops its oldest turns; a message longer than the whole context is refused.
+    from minillm.tokenizer import Tokenizer
+
+    long = "word " * 12
+    tokenizer = Tokenizer(tiny_model)
+    n = len(tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": long}]), add_special_tokens=False))
+    context = int(1.6 * n)  # one long turn fits, two do not
+    stdin = (
+        b"\xff\xfe bad bytes\nhello\n" + (long + "\n" + long + "\n").encode() + ("x " * 4 * n).encode() + b"\n/exit\n"
+    )
+    result = _chat(tiny_model, stdin, "--max-model-len", str(context))
+    out = result.stdout.decode()
+    assert result.returncode == 0, result.stderr.decode()
+    assert "not valid UTF-8" in out
+    assert out.count("history trimmed") >= 1
+    assert "this message alone is longer than the context" in out
+    assert out.count("assistant> ") == 3
+
+
+def test_chat_ctrl_c_stops_the_reply_not_the_session(tiny_model, monkeypatch, capsys):
+    from minillm.engine.llm import LLM
+
+    real_stream = LLM.stream
+    calls = {"n": 0}
+
+    def stream(self, prompt, params=None):
+        calls["n"] += 1
+        for i, delta in enumerate(real_stream(self, prompt, params)):
+            if calls["n"] == 1 and i == 2:
+                raise KeyboardInterrupt
+            yield delta
+
+    lines = iter(["first", "second", "/exit"])
+    monkeypatch.setattr(LLM, "stream", stream)
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main(["chat", "--model", str(tiny_model), "--max-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "[stopped]" in out and out.count("assistant> ") == 2
+
+
+def test_stream_json_prints_one_record_per_delta(tiny_model, capsys):
+    args = ["generate", "--model", str(tiny_model), "--dtype", "fp32", "--prompt", "To be", "--max-tokens", "5"]
+    assert main([*args, "--ignore-eos", "--stream", "--json"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(records) == 5 and records[-1]["finish_reason"] == "length"
+    assert [r["token_id"] for r in records] == records[-1]["output"]["token_ids"]
+
+
+def test_output_piped_into_head_exits_quietly(tiny_model):
+    result = subprocess.run(
+        f"{sys.executable} -m minillm generate --model {tiny_model} --prompt a --prompt b --prompt c "
+        "--max-tokens 40 --ignore-eos --stream | head -c 1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr, result.stderr
+
+
+def test_grade_timeout_flag_is_validated(tmp_path, capsys):
+    assert main(["course", "grade", str(tmp_path), "--timeout", "0"]) == 2
+    assert "--timeout 0" in capsys.readouterr().err

@@ -19,6 +19,7 @@ import torch
 
 from minillm.attention.layout import KVPool, StepLayout
 from minillm.attention.torch_ref import causal_mask
+from minillm.kvcache.addressing import blocks_for
 
 
 @dataclass
@@ -95,7 +96,7 @@ class ReferencePagedStep:
         context = layout.context_lens[:nd]
         for start, end in bucket_rows(context):
             rows = context[start:end]
-            bucket = DecodeBucket(start, end, layout.block_tables[start:end, : -(-max(rows) // bs)])
+            bucket = DecodeBucket(start, end, layout.block_tables[start:end, : blocks_for(max(rows), bs)])
             if min(rows) == max(rows) and (window is None or rows[0] <= window):
                 bucket.length = rows[0]
             else:
@@ -108,7 +109,7 @@ class ReferencePagedStep:
             n, ctx = layout.query_lens[i], layout.context_lens[i]
             span = PrefillSpan(row, row + n, ctx)
             if ctx > n:  # continuing a prefix already in the pool
-                span.block_table = layout.block_tables[i : i + 1, : -(-ctx // bs)]
+                span.block_table = layout.block_tables[i : i + 1, : blocks_for(ctx, bs)]
                 span.mask = prefix_mask(ctx, n, device, window)
             elif window is not None and n > window:  # a long prompt: the window bites
                 span.mask = prefix_mask(ctx, n, device, window)

@@ -1,21 +1,29 @@
 """``minillm course grade``: run learners' notebooks and report every check.
 
 A notebook is executed top to bottom in a fresh kernel (errors do not stop it: a failed check
-must not hide the ones after it). Each check appends its verdict to a log file whose path we
-pass in ``MINILLM_GRADE_LOG``; checks that never ran — a deleted cell, a crash before it — are
-reported "not attempted". Instructors get text, JSON, or a CSV for a folder of submissions.
+must not hide the ones after it). Before running it, the grader **restores the check cells**
+of a chapter from the course's own list (``CHECK_CALLS``): a check cell the learner edited,
+emptied or deleted is put back, and each is wrapped so that it displays its verdict under a
+one-time nonce. Verdicts are read only from those cells' outputs: text printed elsewhere, or
+lines written to a log file, do not count. Checks that never report are "not attempted".
+
+What grading cannot prevent: the notebook runs the learner's code in the same Python process
+as the checks, so code written to defeat the grader (replacing the check functions themselves
+before the check cell runs, for instance) can still fake a verdict. Treat grades as a strong
+signal for honest work, and read the code of a submission whose grades surprise you.
 """
 
 from __future__ import annotations
 
 import csv
-import json
-import os
-import tempfile
+import secrets
+import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from minillm.course.results import GRADE_LOG_ENV, NOT_ATTEMPTED, PASS, CheckResult
+from minillm.course.results import NOT_ATTEMPTED, PASS, VERDICT_MIME, CheckResult
+
+DEFAULT_TIMEOUT = 600  # seconds per cell
 
 
 @dataclass
@@ -59,49 +67,81 @@ def expected_checks(notebook: Path) -> list[str] | None:
     return CHECKS_BY_CHAPTER.get(notebook.stem)
 
 
-def grade_notebook(path: str | Path, timeout: int = 600) -> NotebookGrade:
+def _graded_cell(name: str, call: str, nonce: str) -> str:
+    return f"with __import__('minillm.course.results', fromlist=['graded']).graded({name!r}, {nonce!r}):\n    {call}\n"
+
+
+def restore_check_cells(nb, expected: list[str] | None, nonce: str) -> dict[int, str]:
+    """Put the course's check cells back into ``nb`` and wrap them; returns cell index → check.
+
+    For a chapter, each expected check goes into the cell tagged ``check`` that calls it, else
+    the next unclaimed ``check`` cell in order, else a new cell at the end (the learner deleted
+    it). Any other notebook keeps its own ``check`` cells, wrapped as they are."""
+    import nbformat
+
+    from minillm.course import CHECK_CALLS
+
+    check_cells = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and "check" in c.metadata.get("tags", [])]
+    graded: dict[int, str] = {}
+    if expected is None:
+        for i in check_cells:
+            name = next((n for n in CHECK_CALLS if n in nb.cells[i].source), f"cell {i}")
+            graded[i] = name
+            nb.cells[i].source = _graded_cell(name, nb.cells[i].source.replace("\n", "\n    "), nonce)
+        return graded
+    free = list(check_cells)
+    for name in expected:
+        cell = next((i for i in free if name in nb.cells[i].source), free[0] if free else None)
+        if cell is None:
+            nb.cells.append(nbformat.v4.new_code_cell(metadata={"tags": ["check"]}))
+            cell = len(nb.cells) - 1
+        else:
+            free.remove(cell)
+        nb.cells[cell].source = _graded_cell(name, CHECK_CALLS[name], nonce)
+        graded[cell] = name
+    return graded
+
+
+def grade_notebook(path: str | Path, timeout: int = DEFAULT_TIMEOUT) -> NotebookGrade:
     import nbformat
     from nbclient import NotebookClient
 
     path = Path(path)
     grade = NotebookGrade(notebook=str(path))
-    with tempfile.TemporaryDirectory() as tmp:
-        log = Path(tmp) / "checks.jsonl"
-        previous = os.environ.get(GRADE_LOG_ENV)
-        os.environ[GRADE_LOG_ENV] = str(log)  # inherited by the kernel
-        try:
-            nb = nbformat.read(path, as_version=4)
-            NotebookClient(
-                nb,
-                timeout=timeout,
-                allow_errors=True,
-                kernel_name="python3",
-                resources={"metadata": {"path": str(path.parent)}},
-            ).execute()
-        except Exception as err:  # a broken notebook is a grade, not a crash of the grader
-            grade.error = f"{type(err).__name__}: {err}"
-        finally:
-            if previous is None:
-                os.environ.pop(GRADE_LOG_ENV, None)
-            else:
-                os.environ[GRADE_LOG_ENV] = previous
-        seen: dict[str, CheckResult] = {}
-        if log.is_file():
-            for line in log.read_text().splitlines():
-                r = CheckResult(**json.loads(line))
-                seen[r.check] = r  # the last verdict counts if a check ran twice
     expected = expected_checks(path)
-    if expected is None:  # not a known chapter: report whatever checks ran
-        grade.results.extend(seen.values())
-        return grade
-    for name in expected:  # a chapter: exactly its exercises (demo checks in the text do not count)
-        grade.results.append(seen.pop(name, CheckResult(name, NOT_ATTEMPTED, "the check never ran")))
+    nonce = secrets.token_hex(16)
+    graded: dict[int, str] = {}
+    try:
+        nb = nbformat.read(path, as_version=4)
+        graded = restore_check_cells(nb, expected, nonce)
+        client = NotebookClient(
+            nb,
+            timeout=timeout,
+            allow_errors=True,
+            kernel_name="python3",
+            resources={"metadata": {"path": str(path.parent)}},
+        )
+        client.execute(stderr=subprocess.DEVNULL)  # the kernel's own warnings are not the learner's output
+    except Exception as err:  # a broken notebook is a grade, not a crash of the grader
+        grade.error = f"{type(err).__name__}: {err}"
+    for index, name in graded.items():
+        verdict = None
+        for out in nb.cells[index].get("outputs", []):
+            data = out.get("data", {}).get(VERDICT_MIME) if out.get("output_type") == "display_data" else None
+            if isinstance(data, dict) and data.get("nonce") == nonce and data.get("check") == name:
+                verdict = CheckResult(name, str(data.get("status")), str(data.get("message")))
+        grade.results.append(verdict or CheckResult(name, NOT_ATTEMPTED, "the check never ran"))
     return grade
 
 
-def grade_folder(folder: str | Path, csv_path: str | Path | None = None) -> list[NotebookGrade]:
+def grade_folder(
+    folder: str | Path, csv_path: str | Path | None = None, timeout: int = DEFAULT_TIMEOUT
+) -> list[NotebookGrade]:
+    """Grade every notebook below ``folder`` (one that cannot run is flagged with its error; the
+    others are graded all the same) and write ``grades.csv``."""
     folder = Path(folder)
-    grades = [grade_notebook(p) for p in sorted(folder.rglob("*.ipynb")) if ".ipynb_checkpoints" not in p.parts]
+    paths = sorted(p for p in folder.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
+    grades = [grade_notebook(p, timeout) for p in paths]
     csv_path = Path(csv_path) if csv_path else folder / "grades.csv"
     names = sorted({r.check for g in grades for r in g.results})
     with open(csv_path, "w", newline="") as f:

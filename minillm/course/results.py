@@ -5,12 +5,14 @@ Each check ends in one of three states. *pass*: a sentence saying what now works
 a hint — raised, so the cell turns red. *not attempted*: the learner's function still raises
 ``NotImplementedError``; we say so quietly and the notebook carries on.
 
-When ``MINILLM_GRADE_LOG`` names a file (``minillm course grade`` sets it), every verdict is
-also appended to that file as a JSON line.
+When ``MINILLM_GRADE_LOG`` names a file, every verdict is also appended to it as a JSON line
+(a record for the learner's own tools). The grader does not trust that file: notebook code can
+write to it. It reads verdicts from the check cells it restored and ran itself (``graded``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -36,7 +38,30 @@ class CheckResult:
         """Show nothing when a check is the last line of a cell: its verdict is already printed."""
 
 
+#: The MIME type of a verdict a graded check cell displays (``graded``); the grader reads only these.
+VERDICT_MIME = "application/vnd.minillm.verdict+json"
+_latest: dict[str, CheckResult] = {}  # each check's most recent verdict in this kernel
+
+
+@contextlib.contextmanager
+def graded(name: str, nonce: str):
+    """Wraps a check cell the grader restored: afterwards, display the verdict of check ``name``
+    under the grader's one-time ``nonce`` (a verdict printed or logged elsewhere does not count)."""
+    _latest.pop(name, None)
+    try:
+        yield
+    except BaseException as err:
+        _latest.setdefault(name, CheckResult(name, FAIL, f"the check cell raised {type(err).__name__}: {err}"))
+        raise
+    finally:
+        from IPython.display import display
+
+        result = _latest.get(name, CheckResult(name, NOT_ATTEMPTED, "the check cell ran but the check did not report"))
+        display({VERDICT_MIME: {"nonce": nonce, **asdict(result)}}, raw=True)
+
+
 def _record(result: CheckResult) -> None:
+    _latest[result.check] = result
     path = os.environ.get(GRADE_LOG_ENV)
     if path:
         with open(path, "a", encoding="utf-8") as f:

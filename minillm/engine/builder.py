@@ -23,7 +23,7 @@ from minillm.engine.naive_runner import NaiveRunner
 from minillm.engine.paged_runner import PagedRunner
 from minillm.engine.runner import ModelRunner
 from minillm.engine.scheduler import Scheduler
-from minillm.kvcache.addressing import kv_bytes_per_token
+from minillm.kvcache.addressing import blocks_for, kv_bytes_per_token
 from minillm.kvcache.block_manager import BlockManager
 from minillm.kvcache.paged import PagedKVCache
 from minillm.kvcache.unpaged import NoBlockPool
@@ -111,17 +111,26 @@ def apply_cpu_fast_paths(config: EngineConfig, model: LlamaForCausalLM, device: 
 def num_kv_blocks(
     config: EngineConfig, model_config: ModelConfig, max_model_len: int, device: torch.device, dtype
 ) -> int:
+    """Blocks in the pool: ``kv_cache_memory`` bytes, or that fraction of free memory, never
+    more than the device has free (a pool that cannot be allocated is an error now, not an
+    out-of-memory crash later)."""
     block_bytes = config.block_size * kv_bytes_per_token(model_config, dtype)
     memory = config.kv_cache_memory
+    available = free_memory_bytes(device)
     if isinstance(memory, float):
-        budget = int(memory * free_memory_bytes(device))
+        budget = int(memory * available)
     elif isinstance(memory, int):
         budget = memory
+        if budget > available:
+            raise ValueError(
+                f"kv_cache_memory={memory} bytes asks for more than the {available:,} bytes free on {device} "
+                "(pass fewer bytes, or a fraction such as 0.5)"
+            )
     elif device.type == "cuda":
-        budget = int(0.9 * free_memory_bytes(device))
+        budget = int(0.9 * available)
     else:
-        full = config.max_num_seqs * -(-max_model_len // config.block_size) * block_bytes
-        budget = min(full, CPU_DEFAULT_KV_BYTES)
+        full = config.max_num_seqs * blocks_for(max_model_len, config.block_size) * block_bytes
+        budget = min(full, CPU_DEFAULT_KV_BYTES, available // 2)
     num_blocks = budget // block_bytes
     if num_blocks < 1:
         raise ValueError(

@@ -14,7 +14,10 @@ then ``step()`` until all have finished.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections import deque
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from minillm.engine.llm_engine import LLMEngine, Prompt
@@ -31,6 +34,7 @@ class LLM:
         engine scheduling_policy, block_size, kv_cache_memory, enable_prefix_caching,
         enable_chunked_prefill, max_num_batched_tokens, batch_timeout."""
         self.engine = LLMEngine(model, **engine_args)
+        self._mailboxes: dict[Hashable, _Mailbox] = {}  # deltas waiting for their caller, by request
 
     # The engine's parts, for notebooks and tools.
     engine_config = property(lambda self: self.engine.engine_config)
@@ -61,7 +65,8 @@ class LLM:
         else:
             params = [sampling_params] * len(prompts)
         # Validate everything first: a bad request raises before any work, poisoning nothing.
-        return [self.engine.make_sequence(p, sp, f"prompt {i}") for i, (p, sp) in enumerate(zip(prompts, params))]
+        with self.engine._lock:  # request ids are handed out under the engine's lock
+            return [self.engine.make_sequence(p, sp, f"prompt {i}") for i, (p, sp) in enumerate(zip(prompts, params))]
 
     def generate(
         self,
@@ -72,27 +77,23 @@ class LLM:
         """Generate for every prompt; outputs keep prompt order.
 
         All requests are queued at once; the engine's scheduler decides how they are batched
-        (at most ``max_num_seqs`` run together).
+        (at most ``max_num_seqs`` run together) — with the requests of any other ``generate`` or
+        ``stream`` running on this ``LLM`` at the same time, from this thread or another.
         """
-        if self.engine.has_unfinished_requests():
-            raise RuntimeError("the engine has unfinished online requests; finish or abort them before generate()")
         seqs = self._make_sequences(prompts, sampling_params)
         progress = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
             progress = tqdm(total=len(seqs), desc="generating", unit="req")
-        for seq in seqs:
-            self.engine.enqueue(seq)
+        self._submit(seqs, streaming=False)
         try:
-            while self.engine.has_unfinished_requests():
-                deltas = self.engine.step()
+            for seq in seqs:  # each call steps the engine until this request's last delta arrives
+                self._next_delta(seq)
                 if progress is not None:
-                    progress.update(sum(d.finish_reason is not None for d in deltas))
+                    progress.update(1)
         except BaseException:  # interrupted (Ctrl-C in a notebook) or failed: leave the engine clean
-            for seq in seqs:
-                if seq.request_id in self.engine.requests:
-                    self.engine.abort(seq.request_id)
+            self._cancel(seqs)
             raise
         finally:
             if progress is not None:
@@ -100,14 +101,68 @@ class LLM:
         return [s.to_output() for s in seqs]
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
-        """Yield a ``StreamDelta`` per generated token as soon as it is sampled."""
+        """Yield a ``StreamDelta`` per generated token as soon as it is sampled; the last one has
+        ``finish_reason`` and ``output`` set. Several streams (and ``generate`` calls) may run at
+        once, interleaved in one thread or from several: each gets exactly its own deltas."""
         (seq,) = self._make_sequences([prompt], sampling_params)
-        self.engine.enqueue(seq)
+        self._submit([seq], streaming=True)
         try:
-            while not seq.is_finished:
-                for delta in self.engine.step():
-                    if delta.request_id == seq.request_id:
-                        yield delta
+            while True:
+                delta = self._next_delta(seq)
+                yield delta
+                if delta.finish_reason is not None:
+                    return
         finally:
-            if not seq.is_finished:  # the caller stopped iterating: free the request's resources
-                self.engine.abort(seq.request_id)
+            self._cancel([seq])  # the caller stopped iterating: free the request's resources
+
+    # ----------------------------------------------------------------------------------------
+    # Shared use: one engine loop, each request's deltas delivered to its own caller
+    # ----------------------------------------------------------------------------------------
+
+    def _submit(self, seqs: list[Sequence], streaming: bool) -> None:
+        with self.engine._lock:
+            foreign = [rid for rid in self.engine.requests if rid not in self._mailboxes]
+            if foreign:
+                raise RuntimeError(
+                    f"the engine has requests added through llm.engine ({foreign[:3]}); LLM.generate/stream would "
+                    "take their tokens: finish or abort them first, or drive llm.engine yourself"
+                )
+            for seq in seqs:
+                self.engine.enqueue(seq)
+                self._mailboxes[seq.request_id] = _Mailbox(seq, streaming)
+
+    def _next_delta(self, seq: Sequence) -> StreamDelta:
+        """``seq``'s next delta. When none is waiting, run one engine step, which may produce
+        deltas for every running request: each goes to its own request's mailbox."""
+        while True:
+            with self.engine._lock:
+                box = self._mailboxes[seq.request_id]
+                if box.deltas:
+                    delta = box.deltas.popleft()
+                    if delta.finish_reason is not None:
+                        del self._mailboxes[seq.request_id]
+                    return delta
+                if seq.is_finished:  # aborted from elsewhere (llm.engine.abort): its last word
+                    del self._mailboxes[seq.request_id]
+                    return StreamDelta(seq.request_id, None, "", seq.finish_reason, seq.to_output())
+                deltas = self.engine.step()
+                for delta in deltas:
+                    other = self._mailboxes.get(delta.request_id)
+                    if other is not None and (other.streaming or delta.finish_reason is not None):
+                        other.deltas.append(delta)
+            if not deltas:
+                time.sleep(0.001)  # nothing could run yet (a dynamic batch filling up): don't spin
+
+    def _cancel(self, seqs: list[Sequence]) -> None:
+        with self.engine._lock:
+            for seq in seqs:
+                self._mailboxes.pop(seq.request_id, None)
+                if seq.request_id in self.engine.requests:
+                    self.engine.abort(seq.request_id)
+
+
+@dataclass
+class _Mailbox:
+    seq: Sequence
+    streaming: bool  # every delta is kept; otherwise only the last (generate)
+    deltas: deque[StreamDelta] = field(default_factory=deque)

@@ -14,12 +14,14 @@ Each ``step()`` is one iteration of the serving loop:
 ``LLM.generate`` and ``LLM.stream`` are thin loops over this class. The loop is the same for
 every mode; ``engine/builder.py`` decides which scheduler and runner do the work: in
 ``mode="paged"`` (the default) the scheduler, block manager and paged pool of chapters 03-04;
-the earlier rungs (``naive``, ``contiguous``) a static batcher and their own runners.
+the earlier rungs (``naive``, ``contiguous``) the same scheduler's static policy and their own runners.
 """
 
 from __future__ import annotations
 
+import math
 import random
+import threading
 import time
 from collections import deque
 from collections.abc import Hashable
@@ -72,6 +74,9 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._next_id = 0
         self.requests: dict[Hashable, Sequence] = {}  # every unfinished request, by id
+        # add_request / abort / step may come from several threads (a server's handlers and its
+        # engine loop): each holds this lock, so they never see the engine half-updated.
+        self._lock = threading.RLock()
         # The most recent steps' records (a bounded ring; see EngineConfig.max_step_records).
         self.step_records: deque[StepRecord] = deque(maxlen=config.max_step_records)
         self.num_steps = 0  # steps that ran the model
@@ -150,6 +155,12 @@ class LLMEngine:
         params.validate()  # fields may have been changed after construction
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority for {where} must be an int, got {priority!r}")
+        if arrival_time is not None and (
+            isinstance(arrival_time, bool)
+            or not isinstance(arrival_time, (int, float))
+            or not math.isfinite(arrival_time)
+        ):
+            raise TypeError(f"arrival_time for {where} must be a time.perf_counter() value, got {arrival_time!r}")
         text, ids = self._prompt_ids(prompt, where)
         if not ids:
             raise ValueError(f"{where} ({text!r:.40}) encodes to zero tokens")
@@ -158,6 +169,11 @@ class LLMEngine:
                 f"{where} has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room "
                 f"to generate (at most {self.max_model_len - 1} prompt tokens)"
             )
+        if request_id is not None:
+            try:
+                hash(request_id)
+            except TypeError:
+                raise TypeError(f"request_id={request_id!r} must be hashable (a string or an int)") from None
         if request_id is None:
             while self._next_id in self.requests:  # a caller may have chosen this number already
                 self._next_id += 1
@@ -195,24 +211,29 @@ class LLMEngine:
         passes the scheduled arrival so queueing delay counts in TTFT. Lower ``priority`` runs first.
         """
         where = "prompt" if request_id is None else f"request {request_id!r}"
-        seq = self.make_sequence(prompt, params, where, arrival_time, priority, request_id)
-        self.enqueue(seq)
+        with self._lock:
+            seq = self.make_sequence(prompt, params, where, arrival_time, priority, request_id)
+            self.enqueue(seq)
         return seq.request_id
 
     def enqueue(self, seq: Sequence) -> None:
         """Queue an already validated sequence (``LLM.generate`` validates a whole batch first)."""
-        self.requests[seq.request_id] = seq
-        self.scheduler.add(seq)
+        with self._lock:
+            if seq.request_id in self.requests:
+                raise ValueError(f"request_id={seq.request_id!r} is already in use by an unfinished request")
+            self.requests[seq.request_id] = seq
+            self.scheduler.add(seq)
 
     def abort(self, request_id: Hashable):
         """Stop a request now and free its blocks; returns its ``RequestOutput`` (finish_reason "abort")."""
-        seq = self.requests.pop(request_id, None)
-        if seq is None:
-            raise ValueError(f"abort: no unfinished request with id {request_id!r}")
-        self.scheduler.finish(seq)
-        self.runner.release(request_id)
-        seq.abort()
-        return seq.to_output()
+        with self._lock:
+            seq = self.requests.pop(request_id, None)
+            if seq is None:
+                raise ValueError(f"abort: no unfinished request with id {request_id!r}")
+            self.scheduler.finish(seq)
+            self.runner.release(request_id)
+            seq.abort()
+            return seq.to_output()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -232,6 +253,10 @@ class LLMEngine:
         A step with nothing to run (all queued requests waiting for a dynamic batch to fill)
         returns an empty list without touching the model.
         """
+        with self._lock:  # one step at a time; requests may be added or aborted from other threads
+            return self._step()
+
+    def _step(self) -> list[StreamDelta]:
         started = time.perf_counter()
         scheduled = self.scheduler.schedule(started)
         if not scheduled.chunks:

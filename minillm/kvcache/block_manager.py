@@ -54,14 +54,15 @@ def block_hash(parent_hash: int | None, token_ids: Sequence[int]) -> int:
 
 @dataclass
 class PoolStats:
-    """The KV memory of running requests, for step records: counters, not walks over tables."""
+    """The KV memory of running requests, for step records: counters, not walks over tables.
+    All None where there is no paged pool (the naive and contiguous rungs)."""
 
-    blocks_used: int = 0
-    blocks_cached: int = 0
-    blocks_free: int = 0
-    tokens_stored: int = 0  # tokens in the cache of running requests (a shared prefix counted per request)
-    reserved_slots: int = 0  # slots in referenced blocks (a shared block counted once)
-    wasted_slots: int = 0  # reserved but unused
+    blocks_used: int | None = None
+    blocks_cached: int | None = None
+    blocks_free: int | None = None
+    tokens_stored: int | None = None  # tokens in the cache of running requests (a shared prefix counted per request)
+    reserved_slots: int | None = None  # slots in referenced blocks (a shared block counted once)
+    wasted_slots: int | None = None  # reserved but unused
 
 
 @dataclass
@@ -334,12 +335,16 @@ class BlockManager:
             if block_id != RELEASED:
                 self._release(block_id)
 
-    def truncate(self, seq: PagedSequence, num_tokens: int) -> int:
+    def truncate(self, seq: PagedSequence, num_tokens: int, window: int | None = None) -> int:
         """Roll ``seq`` back to its first ``num_tokens`` tokens (rejected speculative tokens):
         blocks past them go back to the pool (tail first), a block that is no longer full
         forgets its prefix hash (its slots will be overwritten), and ``num_computed_tokens``
         drops to at most ``num_tokens``. A shared block keeps its hash for the others; the next
-        write into it is copied first. Returns how many blocks were freed."""
+        write into it is copied first. Returns how many blocks were freed.
+
+        With a sliding ``window``, blocks behind it may already be gone: rolling back so far
+        that the next query would need one of them is refused (``ValueError``) — release
+        blocks behind the window only for tokens that can no longer be rolled back."""
         if seq.request_id not in self.tables:
             raise RuntimeError(f"request {seq.request_id!r} has no blocks to truncate")
         reserved = self.num_tokens[seq.request_id]
@@ -347,6 +352,12 @@ class BlockManager:
             raise ValueError(f"truncate: num_tokens={num_tokens!r} must be an int in [0, {reserved}]")
         table = self.tables[seq.request_id]
         keep = self.blocks_for(num_tokens)
+        first_needed = 0 if window is None else max(0, num_tokens - window + 1) // self.block_size
+        if any(b == RELEASED for b in table[first_needed:keep]):
+            raise ValueError(
+                f"truncate: request {seq.request_id!r} cannot roll back to {num_tokens} tokens: blocks its next "
+                "query would attend to were already released behind the sliding window"
+            )
         freed = table[keep:]
         del table[keep:]
         for block_id in reversed(freed):

@@ -36,4 +36,4 @@ class NoBlockPool:
     cancel_prefix = commit = free
 
     def pool_stats(self) -> PoolStats:
-        return PoolStats()
+        return PoolStats()  # no pool: every field None, and reports leave these steps out

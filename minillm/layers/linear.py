@@ -110,7 +110,7 @@ class Linear(nn.Module):
         the rows of ``shard`` if given, and only this rank's slice under tensor parallelism.
         Raises ``ValueError`` naming both shapes when ``loaded`` does not fit."""
         if shard not in self.shards:
-            raise KeyError(f"no shard {shard!r} in this layer (shards: {list(self.shards)})")
+            raise ValueError(f"has no shard {shard!r} to go into (this layer's shards: {list(self.shards)})")
         div = self.tp_size if self.tp_dim == 0 else 1
         names = list(self.shards)
         start = sum(self.shards[n] for n in names[: names.index(shard)]) // div

@@ -84,8 +84,14 @@ def load_model(
                     target = targets.pop(name, None)
                     if target is None:
                         raise ModelLoadError(f"{path}: unexpected tensor {name!r} for a {config.model_type} model")
+                    tensor = f.get_tensor(name)
+                    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                        bad = int((~torch.isfinite(tensor)).sum())
+                        raise ModelLoadError(
+                            f"{path}: tensor {name!r} holds {bad} NaN/inf value(s): a corrupt checkpoint"
+                        )
                     try:
-                        _copy_into(*target, f.get_tensor(name))
+                        _copy_into(*target, tensor)
                     except ValueError as err:
                         raise ModelLoadError(f"{path}: tensor {name!r} {err} from config.json") from None
         except SafetensorError as err:
