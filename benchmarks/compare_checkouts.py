@@ -35,6 +35,11 @@ def generate_ratios(result: dict) -> dict[str, float]:
     return out
 
 
+def decode_step_ratios(result: dict) -> dict[str, float]:
+    """Decode step speed relative to nothing: 1000 / TPOT, so that higher is better here too."""
+    return {f"decode steps/s {r['dtype']} b{r['batch']}": 1000 / r["tpot_ms"] for r in result["rows"]}
+
+
 def serving_ratios(result: dict) -> dict[str, float]:
     targets = result["targets"]
     return {
@@ -46,6 +51,8 @@ def serving_ratios(result: dict) -> dict[str, float]:
 BENCHES = {
     "generate": ("bench_generate.py", "generate-*.json", generate_ratios),
     "serving": ("bench_serving.py", "serving-*.json", serving_ratios),
+    # Absolute, not vs HF: meaningful only because the two checkouts alternate in one run.
+    "decode": ("bench_decode_step.py", "decode-step-*.json", decode_step_ratios),
 }
 
 
@@ -54,7 +61,9 @@ def run_one(checkout: Path, bench: str, extra: list[str], log) -> dict[str, floa
     with tempfile.TemporaryDirectory() as out:
         env = dict(os.environ, PYTHONPATH=str(checkout))
         env.setdefault("MINILLM_CACHE", str(HERE.parent / ".cache" / "minillm"))
-        cmd = [sys.executable, str(checkout / "benchmarks" / script), "--out", out, *extra]
+        # Each checkout's own script (it matches its API); one it lacks runs from here (public API only).
+        own = checkout / "benchmarks" / script
+        cmd = [sys.executable, str(own if own.is_file() else HERE / script), "--out", out, *extra]
         started = time.perf_counter()
         proc = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True)
         log.write(f"$ {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}\n")
@@ -66,12 +75,18 @@ def run_one(checkout: Path, bench: str, extra: list[str], log) -> dict[str, floa
         return figures
 
 
+def _commit(checkout: Path) -> str:
+    """The checkout's commit (recorded instead of its path, which means nothing elsewhere)."""
+    proc = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return proc.stdout.strip() or "unknown"
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("baseline", type=Path)
     parser.add_argument("candidate", type=Path, nargs="?", default=HERE.parent)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--bench", nargs="+", choices=sorted(BENCHES), default=sorted(BENCHES))
+    parser.add_argument("--bench", nargs="+", choices=sorted(BENCHES), default=["generate", "serving"])
     parser.add_argument("--generate-args", default="--repeats 3", help="extra arguments for bench_generate.py")
     parser.add_argument("--serving-args", default="", help="extra arguments for bench_serving.py")
     parser.add_argument("--out", type=Path, default=HERE / "results")
@@ -84,12 +99,12 @@ def main(argv=None) -> dict:
         for r in range(args.rounds):
             order = list(checkouts) if r % 2 == 0 else list(reversed(checkouts))
             for bench in args.bench:
-                extra = (args.generate_args if bench == "generate" else args.serving_args).split()
+                extra = {"generate": args.generate_args, "serving": args.serving_args}.get(bench, "").split()
                 for name in order:
                     print(f"round {r + 1}, {bench}, {name}", flush=True)
                     for key, value in run_one(checkouts[name], bench, extra, log).items():
                         figures[name].setdefault(key, []).append(value)
-    print(f"\n{'ratio (higher is better for minillm)':44s} {'baseline':>22s} {'candidate':>22s} {'cand/base':>9s}")
+    print(f"\n{'figure (higher is better for minillm)':44s} {'baseline':>22s} {'candidate':>22s} {'cand/base':>9s}")
     summary = {}
     for key in figures["baseline"]:
         base, cand = figures["baseline"][key], figures["candidate"][key]
@@ -102,7 +117,8 @@ def main(argv=None) -> dict:
     from minillm.bench import machine_description
 
     machine = machine_description(torch.device("cpu"))
-    result = {"checkouts": {k: str(v) for k, v in checkouts.items()}, "machine": machine, **summary}
+    commits = {k: _commit(v) for k, v in checkouts.items()}
+    result = {"commits": commits, "rounds": args.rounds, "machine": machine, **summary}
     (args.out / "compare-checkouts.json").write_text(json.dumps(result, indent=2))
     print(f"\nwrote {args.out / 'compare-checkouts.json'} (full output in {log_path})")
     return result
