@@ -25,7 +25,7 @@ def test_kv_bytes_formula_and_presets():
     assert kv_cache_bytes(smol.layers, smol.kv_heads, smol.head_dim, "bf16", 1) == 2 * 30 * 3 * 64 * 2
     llama = KV_PRESETS["Llama-2-7B"]
     assert kv_cache_bytes(llama.layers, llama.kv_heads, llama.head_dim, "fp16", 4096) == 2**31  # 2 GiB
-    big = KV_PRESETS["96-layer example (seed article)"]
+    big = KV_PRESETS["96-layer example (GPT-3-sized)"]
     assert kv_cache_bytes(big.layers, big.kv_heads, big.head_dim, "fp16", 2048, 512) == pytest.approx(4.95e12, rel=1e-2)
     assert weight_bytes(7e9, "fp16") == 14e9 and weight_bytes(7e9, "int4") == 3.5e9
     assert human_bytes(14e9) == "14 GB"

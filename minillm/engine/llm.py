@@ -8,8 +8,10 @@ A prompt is a string, a list of token ids, or a chat (a list of ``{"role", "cont
 messages rendered with the model's chat template). Every request is validated before any
 work starts, so a bad prompt raises a ``ValueError`` naming it and the engine stays usable.
 
-``LLM`` is a thin loop over the online ``LLMEngine`` (``llm.engine``): add every request,
-then ``step()`` until all have finished.
+``LLM`` is a thin loop over the online ``LLMEngine`` (``llm.engine``): add the requests,
+then ``step()`` until they have finished. Several callers may share one ``LLM`` (threads, or
+streams interleaved in one thread): whoever waits runs the next step, and each delta is put in
+the mailbox of its own request, so nobody's tokens are lost or taken by another caller.
 """
 
 from __future__ import annotations

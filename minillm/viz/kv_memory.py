@@ -5,8 +5,8 @@ Per token, every layer stores one key and one value vector per KV head:
     bytes = 2 (K and V) × layers × kv_heads × head_dim × bytes_per_value × tokens × batch
 
 GQA/MQA shrink ``kv_heads``; quantizing the cache shrinks ``bytes_per_value``; paging shrinks
-the waste around ``tokens``. The presets are the published architectures (and the seed
-article's 96-layer example), so the chapter can check the articles' figures with arithmetic.
+the waste around ``tokens``. The presets are published architectures (and a GPT-3-sized
+96-layer example), so the chapter can check commonly quoted figures with arithmetic.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ KV_PRESETS = {
         KVPreset("Llama-2-7B", 32, 32, 128, 6.74e9, "MHA"),
         KVPreset("Llama-3-8B", 32, 8, 128, 8.03e9, "GQA 32/8"),
         KVPreset("Llama-3-70B", 80, 8, 128, 70.6e9, "GQA 64/8"),
-        KVPreset("96-layer example (seed article)", 96, 96, 128, 175e9, "MHA, GPT-3-sized"),
+        KVPreset("96-layer example (GPT-3-sized)", 96, 96, 128, 175e9, "MHA, as in GPT-3 (Brown et al., 2020)"),
     ]
 }
 
