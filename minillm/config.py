@@ -98,7 +98,7 @@ class ModelConfig:
         if not isinstance(raw, dict):
             raise ModelLoadError(f"{source}: must hold a JSON object, got {type(raw).__name__}")
 
-        def positive(name: str, default=None, kind=int, key: str | None = None):
+        def positive(name: str, default=None, kind=int):
             """Field ``name`` (or ``default`` when absent/null) as a positive ``kind``, else a ModelLoadError."""
             value = raw.get(name) if raw.get(name) is not None else default
             if value is None:
