@@ -164,20 +164,30 @@ def cmd_chat(args) -> int:
         if line == "/reset":
             turns = []
             continue
+        earlier = list(turns)
         turns.append({"role": "user", "content": line})
-        while True:  # drop the oldest turns until the conversation fits the context
-            try:
-                stream = llm.stream(system + turns, params)
-                first = next(stream)
-                break
-            except PromptTooLongError:
-                if len(turns) == 1:
-                    print(f"[this message alone is longer than the context ({llm.max_model_len} tokens); not sent]")
-                    turns = []
-                    first = None
+        stream = first = None
+        try:
+            while True:  # drop the oldest turns until the conversation fits the context (and the KV pool)
+                try:
+                    stream = llm.stream(system + turns, params)
+                    first = next(stream)
                     break
-                turns = turns[2:] if len(turns) > 2 else turns[-1:]  # a user/assistant pair at a time
-                print("[history trimmed: the oldest turns no longer fit the context]")
+                except ValueError as err:
+                    if not isinstance(err, PromptTooLongError) and "can never fit" not in str(err):
+                        raise
+                    if len(turns) == 1:
+                        print(f"[this message alone does not fit the context ({llm.max_model_len} tokens); not sent]")
+                        turns = earlier  # the conversation so far is kept
+                        break
+                    turns = turns[2:] if len(turns) > 2 else turns[-1:]  # a user/assistant pair at a time
+                    print("[history trimmed: the oldest turns no longer fit]")
+        except KeyboardInterrupt:  # Ctrl-C before the first token (the prefill): stop this reply only
+            if stream is not None:
+                stream.close()
+            print(" [stopped]")
+            turns = earlier
+            continue
         if first is None:
             continue
         print("assistant> ", end="", flush=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import numbers
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,7 @@ SUPPORTED_MODEL_TYPES = {
 }
 
 #: ``torch_dtype`` values a checkpoint may declare (what its tensors are stored as).
-KNOWN_CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16", "float", "half")
+KNOWN_CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16", "float", "half", "auto")
 
 #: RoPE frequency variants implemented in ``minillm.models.rope``.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -229,14 +230,17 @@ def parse_memory(text: str) -> int | float:
         if value > 1:
             raise ValueError(f"{text!r}: a fraction of free memory must be in (0, 1]; write bytes as 2e9 or 2GB")
         return value
-    return int(value * _MEMORY_UNITS.get(unit, 1))
+    size = int(value * _MEMORY_UNITS.get(unit, 1))
+    if size < 1:
+        raise ValueError(f"{text!r} is less than one byte; write a fraction of free memory as 0.5 or 50%")
+    return size
 
 
 def _check_int(name: str, value, minimum: int, optional: bool = False) -> None:
     """``ValueError`` naming ``name`` unless ``value`` is an int >= ``minimum`` (or None if optional)."""
     if value is None and optional:
         return
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # numpy ints are integers too
         raise ValueError(f"{name}={value!r} must be an integer" + (" or None" if optional else ""))
     if value < minimum:
         raise ValueError(f"{name}={value} must be >= {minimum}")
@@ -316,7 +320,9 @@ class EngineConfig:
                 raise TypeError(f"{name}={value!r} must be True or False")
         for name in ("device", "dtype", "mode", "attention_backend", "scheduling_policy"):
             value = getattr(self, name)
-            if not isinstance(value, str) and not (name == "dtype" and isinstance(value, torch.dtype)):
+            if not isinstance(value, str) and not isinstance(
+                value, {"dtype": torch.dtype, "device": torch.device}.get(name, str)
+            ):
                 raise TypeError(f"{name}={value!r} must be a string")
         timeout = self.batch_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < math.inf:

@@ -149,7 +149,7 @@ def test_chat_survives_bad_bytes_and_an_overlong_history(tiny_model):
     assert result.returncode == 0, result.stderr.decode()
     assert "not valid UTF-8" in out
     assert out.count("history trimmed") >= 1
-    assert "this message alone is longer than the context" in out
+    assert "this message alone does not fit the context" in out
     assert out.count("assistant> ") == 3
 
 

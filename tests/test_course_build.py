@@ -169,3 +169,15 @@ def test_check_calls_match_the_shipped_check_cells():
         cells = {c.source.strip() for c in nb.cells if "check" in c.metadata.get("tags", [])}
         for name in names:
             assert CHECK_CALLS[name] in cells, (chapter, name)
+
+
+@pytest.mark.slow
+def test_a_renamed_copy_is_still_graded_as_its_chapter(tmp_path):
+    nb = chapter01(solved=False)
+    checks = [c for c in nb.cells if "check" in c.metadata.get("tags", [])]
+    checks[0].source = "check_next_token(lambda logits: int(logits[-1].argmax()))"  # their own answer, not the exercise
+    path = tmp_path / "submission.ipynb"
+    nbformat.write(nb, path)
+    grade = grade_notebook(path, timeout=120)
+    assert [r.check for r in grade.results] == ["check_next_token", "check_generate_naive", "check_causal_attention"]
+    assert [r.status for r in grade.results] == ["not attempted"] * 3, grade.as_text()

@@ -405,3 +405,44 @@ def test_bf16_batched_tokens_differ_only_at_near_ties(tiny_model):
         top2 = logits.topk(2).values
         step = 2.0 ** (math.floor(math.log2(abs(float(top2[0])) or 1.0)) - 7)  # one bf16 step at that size
         assert float(top2[0] - top2[1]) <= 4 * step, (prompt, i, top2)
+
+
+def test_an_interrupted_step_loses_nobody(tiny_model, monkeypatch):
+    """Ctrl-C after the forward pass but before the tokens are appended: the step's sequences
+    run that step again, so every request still finishes with its own tokens."""
+    engine = LLMEngine(tiny_model, dtype="fp32", block_size=4)
+    expected = {}
+    for i, p in enumerate(PROMPTS):
+        expected[i] = LLM(tiny_model, dtype="fp32").generate([p], PARAMS)[0].token_ids if i < 2 else None
+    ids = [engine.add_request(p, PARAMS) for p in PROMPTS[:2]]
+    real = engine._sample_and_append
+    calls = {"n": 0}
+
+    def interrupted(seqs, logits):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(seqs, logits)
+
+    monkeypatch.setattr(engine, "_sample_and_append", interrupted)
+    out = {}
+    with pytest.raises(KeyboardInterrupt):
+        for _ in range(10):
+            engine.step()
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        for d in engine.step():
+            if d.output is not None:
+                out[d.request_id] = d.output.token_ids
+    assert not engine.has_unfinished_requests(), "a request was left waiting forever"
+    assert [out[i] for i in ids] == [expected[0], expected[1]]
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_lenient_where_users_were_right():
+    import numpy as np
+
+    assert EngineConfig(max_num_seqs=np.int64(8), device=torch.device("cpu")).max_num_seqs == 8
+    with pytest.raises(ValueError, match="less than one byte"):
+        parse_memory("5e-1")

@@ -21,7 +21,7 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from minillm.course.results import NOT_ATTEMPTED, PASS, VERDICT_MIME, CheckResult
+from minillm.course.results import FAIL, NOT_ATTEMPTED, PASS, VERDICT_MIME, CheckResult
 
 DEFAULT_TIMEOUT = 600  # seconds per cell
 
@@ -60,11 +60,23 @@ class NotebookGrade:
         return "\n".join(lines)
 
 
-def expected_checks(notebook: Path) -> list[str] | None:
-    """The checks a chapter's exercises have, or None for a notebook that is not a chapter."""
+def expected_checks(notebook: Path, nb=None) -> list[str] | None:
+    """The checks of the chapter ``notebook`` is, or None for a notebook that is not a chapter.
+
+    The chapter comes from the notebook's metadata (``minillm.chapter``), else its file name,
+    else the chapter whose check names its code mentions most: a renamed copy
+    (``submission.ipynb``, ``…-Copy1.ipynb``) still expects all of its chapter's checks."""
     from minillm.course import CHECKS_BY_CHAPTER
 
-    return CHECKS_BY_CHAPTER.get(notebook.stem)
+    chapter = (nb.metadata.get("minillm", {}).get("chapter") if nb is not None else None) or notebook.stem
+    if chapter in CHECKS_BY_CHAPTER:
+        return CHECKS_BY_CHAPTER[chapter]
+    if nb is None:
+        return None
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    counts = {name: sum(check in code for check in checks) for name, checks in CHECKS_BY_CHAPTER.items()}
+    best = max(counts, key=counts.get)
+    return CHECKS_BY_CHAPTER[best] if counts[best] else None
 
 
 def _graded_cell(name: str, call: str, nonce: str) -> str:
@@ -75,8 +87,8 @@ def restore_check_cells(nb, expected: list[str] | None, nonce: str) -> dict[int,
     """Put the course's check cells back into ``nb`` and wrap them; returns cell index → check.
 
     For a chapter, each expected check goes into the cell tagged ``check`` that calls it, else
-    the next unclaimed ``check`` cell in order, else a new cell at the end (the learner deleted
-    it). Any other notebook keeps its own ``check`` cells, wrapped as they are."""
+    into a new cell at the end (the learner deleted or rewrote it; at the end, every exercise
+    function is defined). Any other notebook keeps its own ``check`` cells, wrapped as they are."""
     import nbformat
 
     from minillm.course import CHECK_CALLS
@@ -91,7 +103,7 @@ def restore_check_cells(nb, expected: list[str] | None, nonce: str) -> dict[int,
         return graded
     free = list(check_cells)
     for name in expected:
-        cell = next((i for i in free if name in nb.cells[i].source), free[0] if free else None)
+        cell = next((i for i in free if name in nb.cells[i].source), None)
         if cell is None:
             nb.cells.append(nbformat.v4.new_code_cell(metadata={"tags": ["check"]}))
             cell = len(nb.cells) - 1
@@ -108,12 +120,11 @@ def grade_notebook(path: str | Path, timeout: int = DEFAULT_TIMEOUT) -> Notebook
 
     path = Path(path)
     grade = NotebookGrade(notebook=str(path))
-    expected = expected_checks(path)
     nonce = secrets.token_hex(16)
     graded: dict[int, str] = {}
     try:
         nb = nbformat.read(path, as_version=4)
-        graded = restore_check_cells(nb, expected, nonce)
+        graded = restore_check_cells(nb, expected_checks(path, nb), nonce)
         client = NotebookClient(
             nb,
             timeout=timeout,
@@ -125,12 +136,14 @@ def grade_notebook(path: str | Path, timeout: int = DEFAULT_TIMEOUT) -> Notebook
     except Exception as err:  # a broken notebook is a grade, not a crash of the grader
         grade.error = f"{type(err).__name__}: {err}"
     for index, name in graded.items():
-        verdict = None
+        verdicts = []
         for out in nb.cells[index].get("outputs", []):
             data = out.get("data", {}).get(VERDICT_MIME) if out.get("output_type") == "display_data" else None
             if isinstance(data, dict) and data.get("nonce") == nonce and data.get("check") == name:
-                verdict = CheckResult(name, str(data.get("status")), str(data.get("message")))
-        grade.results.append(verdict or CheckResult(name, NOT_ATTEMPTED, "the check never ran"))
+                verdicts.append(CheckResult(name, str(data.get("status")), str(data.get("message"))))
+        if len(verdicts) > 1:  # the wrapper displays exactly one: anything more was added by other code
+            verdicts = [CheckResult(name, FAIL, "the check cell showed more than one verdict: graded as tampered")]
+        grade.results.append(verdicts[0] if verdicts else CheckResult(name, NOT_ATTEMPTED, "the check never ran"))
     return grade
 
 

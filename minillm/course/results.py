@@ -51,7 +51,8 @@ def graded(name: str, nonce: str):
     try:
         yield
     except BaseException as err:
-        _latest.setdefault(name, CheckResult(name, FAIL, f"the check cell raised {type(err).__name__}: {err}"))
+        if not isinstance(err, CheckFailed) or name not in _latest:  # a check's own failure is already recorded
+            _latest[name] = CheckResult(name, FAIL, f"the check cell raised {type(err).__name__}: {err}")
         raise
     finally:
         from IPython.display import display

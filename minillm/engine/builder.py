@@ -42,8 +42,9 @@ class EngineParts:
     graphs: DecodeGraphs | None = None
 
 
-def free_memory_bytes(device: torch.device) -> int:
-    """Memory free for the KV pool right now: CUDA's free memory, or the OS's available RAM."""
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Memory free for the KV pool right now: CUDA's free memory, or the OS's available RAM
+    (None where the OS does not say, e.g. without /proc or ``SC_AVPHYS_PAGES``)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     try:
@@ -53,7 +54,10 @@ def free_memory_bytes(device: torch.device) -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def resolve_backend(config: EngineConfig, device: torch.device) -> str:
@@ -117,11 +121,13 @@ def num_kv_blocks(
     block_bytes = config.block_size * kv_bytes_per_token(model_config, dtype)
     memory = config.kv_cache_memory
     available = free_memory_bytes(device)
+    if available is None and isinstance(memory, float):
+        raise ValueError(f"kv_cache_memory={memory}: this system does not report free memory; give bytes instead")
     if isinstance(memory, float):
         budget = int(memory * available)
     elif isinstance(memory, int):
         budget = memory
-        if budget > available:
+        if available is not None and budget > available:
             raise ValueError(
                 f"kv_cache_memory={memory} bytes asks for more than the {available:,} bytes free on {device} "
                 "(pass fewer bytes, or a fraction such as 0.5)"
@@ -130,7 +136,7 @@ def num_kv_blocks(
         budget = int(0.9 * available)
     else:
         full = config.max_num_seqs * blocks_for(max_model_len, config.block_size) * block_bytes
-        budget = min(full, CPU_DEFAULT_KV_BYTES, available // 2)
+        budget = min(full, CPU_DEFAULT_KV_BYTES, available // 2 if available is not None else full)
     num_blocks = budget // block_bytes
     if num_blocks < 1:
         raise ValueError(

@@ -146,7 +146,7 @@ class LLM:
                     return delta
                 if seq.is_finished:  # aborted from elsewhere (llm.engine.abort): its last word
                     del self._mailboxes[seq.request_id]
-                    return StreamDelta(seq.request_id, None, "", seq.finish_reason, seq.to_output())
+                    return StreamDelta(seq.request_id, None, seq.take_stream_text(), seq.finish_reason, seq.to_output())
                 deltas = self.engine.step()
                 for delta in deltas:
                     other = self._mailboxes.get(delta.request_id)

@@ -262,14 +262,20 @@ class LLMEngine:
         if not scheduled.chunks:
             return []
         logits = self.runner.execute(self._step_inputs(scheduled))
-        for chunk in scheduled.chunks:
-            chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
-        self.scheduler.commit(scheduled.chunks)
         sampling = [c for c in scheduled.chunks if c.num_logits]
-        if any(c.num_logits != 1 for c in sampling):  # several rows per chunk: sample from the last
-            ends = torch.tensor([c.num_logits for c in sampling], device=logits.device).cumsum(0)
-            logits = logits[ends - 1]
-        deltas = self._sample_and_append([c.seq for c in sampling], logits)
+        try:
+            for chunk in scheduled.chunks:
+                chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            self.scheduler.commit(scheduled.chunks)
+            if any(c.num_logits != 1 for c in sampling):  # several rows per chunk: sample from the last
+                ends = torch.tensor([c.num_logits for c in sampling], device=logits.device).cumsum(0)
+                logits = logits[ends - 1]
+            deltas = self._sample_and_append([c.seq for c in sampling], logits)
+        except BaseException:  # interrupted (Ctrl-C) before every token was appended: let the
+            for c in sampling:  # sequences without their token run this step again, or they would wait forever
+                if len(c.seq) == c.start + c.num_tokens:
+                    c.seq.num_computed_tokens = c.start
+            raise
         for seq in [c.seq for c in sampling if c.seq.is_finished]:
             self.scheduler.finish(seq)
             self.runner.release(seq.request_id)
