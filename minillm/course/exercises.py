@@ -1,0 +1,231 @@
+"""The course's exercises in one table: chapter, check, size, difficulty, points and hints.
+
+Everything that needs to know the exercises reads this table — the grader (which checks a
+chapter expects, and the exact check cell to restore), the notebook build (nbgrader metadata:
+points and grade ids) and ``hint()`` in the notebooks — so adding an exercise is one entry here,
+one solved function and one check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Exercise:
+    chapter: str  # the notebook's stem, e.g. "01_prefill_and_decode"
+    check: str  # the check function's name in minillm.course
+    call: str  # the check cell exactly as the course ships it
+    lines: int  # roughly how many lines a solution takes
+    difficulty: int  # 1 = warm-up, 2 = core, 3 = stretch
+    points: int
+    hints: tuple[str, str]  # a nudge, then nearly the answer
+
+    @property
+    def stars(self) -> str:
+        return "★" * self.difficulty + "☆" * (3 - self.difficulty)
+
+
+EXERCISES: list[Exercise] = [
+    Exercise(
+        "01_prefill_and_decode",
+        "check_next_token",
+        "check_next_token(next_token)",
+        1,
+        1,
+        1,
+        (
+            "The logits have one row per position; only the last row predicts what comes next.",
+            "`int(logits[-1].argmax())` — argmax over the vocabulary of the last row, as a Python int.",
+        ),
+    ),
+    Exercise(
+        "01_prefill_and_decode",
+        "check_generate_naive",
+        "check_generate_naive(generate_naive)",
+        6,
+        1,
+        2,
+        (
+            "Keep one growing list: prompt + generated. Each step runs the model on all of it.",
+            "`ids = list(prompt_ids)`; loop `max_new_tokens` times: `logits = forward_logits(model, ids)`, "
+            "`ids.append(next_token(logits))`; return `ids[len(prompt_ids):]` (only the new tokens).",
+        ),
+    ),
+    Exercise(
+        "01_prefill_and_decode",
+        "check_causal_attention",
+        "check_causal_attention(causal_attention)",
+        5,
+        2,
+        2,
+        (
+            "Scores q·kᵀ / √d, hide the future (j > i) with -inf, softmax over the keys, multiply by v.",
+            "`s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])`; "
+            "`mask = torch.ones(T, T, dtype=torch.bool).tril()`; "
+            "`return torch.softmax(s.masked_fill(~mask, float('-inf')), dim=-1) @ v`.",
+        ),
+    ),
+    Exercise(
+        "02_kv_cache",
+        "check_kv_write",
+        "check_kv_write(kv_write)",
+        2,
+        1,
+        1,
+        (
+            "The caches are [B, H, S_max, D]; the new K/V are [B, H, T, D] and go to positions start..start+T-1.",
+            "Write in place along dim 2: `k_cache[:, :, start:start + T] = k_new` (and the same for v).",
+        ),
+    ),
+    Exercise(
+        "02_kv_cache",
+        "check_kv_read",
+        "check_kv_read(kv_read)",
+        1,
+        1,
+        1,
+        (
+            "Return the first `length` positions of each cache — without copying them.",
+            "`return k_cache[:, :, :length], v_cache[:, :, :length]` (slices are views).",
+        ),
+    ),
+    Exercise(
+        "02_kv_cache",
+        "check_generate_cached",
+        "check_generate_cached(generate_cached)",
+        8,
+        2,
+        2,
+        (
+            "One prefill over the whole prompt gives the first token; then each step feeds only the newest "
+            "token at its own position.",
+            "`cache = new_cache(model, len(prompt_ids) + max_new_tokens)`; "
+            "`tok = next_token(forward_step(model, prompt_ids, 0, cache))`; then for each further token: "
+            "`tok = next_token(forward_step(model, [tok], len(prompt_ids) + i, cache))` with i = 0, 1, ...",
+        ),
+    ),
+    Exercise(
+        "03_paged_kv_cache",
+        "check_slot_mapping",
+        "check_slot_mapping(slot_mapping)",
+        3,
+        1,
+        1,
+        (
+            "Position p lives in logical block p // block_size, at offset p % block_size.",
+            "`[block_table[p // block_size] * block_size + p % block_size for p in range(start, start + num_tokens)]`",
+        ),
+    ),
+    Exercise(
+        "03_paged_kv_cache",
+        "check_block_allocation",
+        "check_block_allocation(take_free_block, release_block)",
+        14,
+        2,
+        2,
+        (
+            "Take from the free list first; only when it is empty evict the *least* recently used cached block. "
+            "Release: decrement, and at zero a hashed block goes to `evictable`, others to `free_ids`.",
+            "`bm.evictable` is an OrderedDict, oldest first: `popitem(last=False)`, then `del bm.cached[block.hash]` "
+            "and `block.hash = None`. A release of a block whose ref_count is already 0 raises RuntimeError.",
+        ),
+    ),
+    Exercise(
+        "03_paged_kv_cache",
+        "check_block_hash",
+        "check_block_hash(block_hash)",
+        4,
+        2,
+        1,
+        (
+            "Python's `hash()` of a str or None changes between processes; use a real hash function over "
+            "bytes, and chain the parent's hash in.",
+            "`h = hashlib.sha256(); h.update((parent_hash or 0).to_bytes(8, 'little')); "
+            "h.update(struct.pack(f'<{len(ids)}q', *ids))`; return `int.from_bytes(h.digest()[:8], 'little')`.",
+        ),
+    ),
+    Exercise(
+        "04_batching",
+        "check_continuous_schedule",
+        "check_continuous_schedule(schedule_continuous)",
+        16,
+        2,
+        2,
+        (
+            "Running sequences first (skip any preempted earlier this step), each as many tokens as the budget "
+            "allows; then admit waiting ones in order — but not in a step that preempted.",
+            "Loop `scheduler.running_in_order()`: `n = scheduler.tokens_to_run(seq, budget, out)`, "
+            "`if n and scheduler.reserve(seq, n, out): budget -= n`. Then, if `not out.preempted`, loop "
+            "`waiting_in_order()` while seats and budget remain; `n = scheduler.try_admit(...)`; stop at the "
+            "first 0 (first come, first served).",
+        ),
+    ),
+    Exercise(
+        "05_attention_variants",
+        "check_gqa_attention",
+        "check_gqa_attention(gqa_attention)",
+        8,
+        3,
+        3,
+        (
+            "Query head h uses K/V head h // G. Fold the G query heads of a group into the query axis "
+            "instead of copying K/V G times.",
+            "`scores = q.reshape(B, KV, G*T, D) @ k.transpose(-1, -2)` (fp32, × scale); the mask [B, 1, T, S] "
+            "lines up after `scores.view(B, KV, G, T, S)` with `mask.unsqueeze(2)`; softmax, `@ v`, "
+            "`.reshape(B, H, T, D)`.",
+        ),
+    ),
+    Exercise(
+        "06_flash_attention",
+        "check_online_softmax",
+        "check_online_softmax(online_softmax_update)",
+        6,
+        2,
+        2,
+        (
+            "A new tile may raise the running max; everything accumulated so far was scaled by the old max.",
+            "`m_new = max(m, scores.max(-1))`; `alpha = exp(m - m_new)`; `p = exp(scores - m_new[:, None])`; "
+            "`l = l * alpha + p.sum(-1)`; `acc = acc * alpha[:, None] + p @ v`.",
+        ),
+    ),
+    Exercise(
+        "06_flash_attention",
+        "check_flash_kernel",
+        "check_flash_kernel(flash_forward)",
+        12,
+        3,
+        3,
+        (
+            "The inner loop is the online softmax of the previous exercise, on one tile of keys at a time; "
+            "causal masking compares key positions with each query's position (queries are the *last* T of S).",
+            "Per tile: `s = tl.dot(q, tl.trans(k)) * scale`; mask `offs_n < S` and, if causal, "
+            "`offs_n[None, :] <= (S - T + offs_m)[:, None]` with -inf; then the m/l/acc update with "
+            "`tl.exp`, `tl.max`, `tl.sum`.",
+        ),
+    ),
+]
+
+BY_CHECK: dict[str, Exercise] = {e.check: e for e in EXERCISES}
+
+
+def chapters() -> dict[str, list[str]]:
+    """Every chapter's checks, in the order the notebook meets them (chapter 00 has none)."""
+    out: dict[str, list[str]] = {"00_welcome": []}
+    for e in EXERCISES:
+        out.setdefault(e.chapter, []).append(e.check)
+    return out
+
+
+def hint(exercise: str, level: int = 1) -> None:
+    """Print a hint for ``exercise`` (a check name, or the function the exercise asks for):
+    level 1 nudges, level 2 all but gives the answer."""
+    e = BY_CHECK.get(exercise) or next((x for x in EXERCISES if f"({exercise}" in x.call), None)
+    if e is None:
+        names = ", ".join(sorted(x.call[x.call.index("(") + 1 : -1] for x in EXERCISES))
+        raise ValueError(f"no exercise called {exercise!r}; the exercises are: {names}")
+    if level not in (1, 2):
+        raise ValueError(f"hint level must be 1 or 2, got {level!r}")
+    print(f"💡 {e.check} (hint {level}/2): {e.hints[level - 1]}")
+    if level == 1:
+        print(f"   still stuck? hint({exercise!r}, 2)")
