@@ -272,3 +272,31 @@ def test_truncate_refuses_to_roll_back_into_released_window_blocks():
     assert bm.truncate(seq, 19, window=8) == 0  # keys 12..19: blocks 3 and 4, still there
     assert seq.num_computed_tokens == 19
     bm.check_invariants()
+
+
+def test_block_hash_is_the_same_in_every_process():
+    """Prefix-cache names must agree between processes (workers sharing a cache, a restart):
+    the built-in hash() of a tuple holding None differs per process before Python 3.12."""
+    import os
+    import subprocess
+    import sys
+
+    from minillm.kvcache.block_manager import block_hash
+
+    code = (
+        "from minillm.kvcache.block_manager import block_hash;"
+        "a = block_hash(None, [1, 2, 3, 4]); print(a, block_hash(a, [5, 6, 7, 8]))"
+    )
+    outputs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()[0:2].__repr__()
+        for seed in ("1", "2", "random")
+    }
+    here = block_hash(None, [1, 2, 3, 4])
+    assert outputs == {repr([str(here), str(block_hash(here, [5, 6, 7, 8]))])}
+    assert block_hash(None, [1, 2]) != block_hash(0, [1, 2])  # "no parent" is not parent 0

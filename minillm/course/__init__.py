@@ -12,16 +12,24 @@ from minillm.course.checks import (
     check_kv_write,
     check_next_token,
 )
-from minillm.course.checks_attention import check_flash_kernel, check_gqa_attention, check_online_softmax
+from minillm.course.checks_attention import (
+    check_flash_kernel,
+    check_gqa_attention,
+    check_online_softmax,
+    check_window_release,
+)
 from minillm.course.checks_serving import (
     check_block_allocation,
     check_block_hash,
+    check_choose_victim,
+    check_chunk_tokens,
     check_continuous_schedule,
+    check_gather_kv,
     check_slot_mapping,
 )
 from minillm.course.exercises import EXERCISES, Exercise, chapters, hint
 from minillm.course.helpers import forward_logits, forward_step, new_cache
-from minillm.course.results import CheckFailed, CheckResult
+from minillm.course.results import CheckFailed, CheckResult, require_pass
 
 #: Every check, by chapter: what `minillm course grade` expects a complete notebook to pass.
 CHECKS_BY_CHAPTER = chapters()
@@ -38,9 +46,14 @@ __all__ = [
     "CHECK_CALLS",
     "CheckFailed",
     "CheckResult",
+    "require_pass",
     "check_block_allocation",
     "check_block_hash",
     "check_causal_attention",
+    "check_choose_victim",
+    "check_chunk_tokens",
+    "check_gather_kv",
+    "check_window_release",
     "check_continuous_schedule",
     "check_flash_kernel",
     "check_gqa_attention",

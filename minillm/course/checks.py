@@ -41,6 +41,15 @@ def _reference_tokens(model: str, steps: int = STEPS) -> list[int]:
     return llm.generate([_prompt_ids(llm)], SamplingParams(max_tokens=steps, ignore_eos=True))[0].token_ids
 
 
+def _refuse_prompt_echo(got, prompt: list[int], steps: int, what: str) -> None:
+    """Returning prompt + new tokens is the commonest slip: say so instead of "token 0 differs"."""
+    if isinstance(got, list) and len(got) == len(prompt) + steps and got[: len(prompt)] == prompt:
+        raise CheckFailed(
+            f"{what} returned {len(got)} tokens: the {len(prompt)} prompt tokens followed by the {steps} new "
+            "ones. Return only the new tokens"
+        )
+
+
 def _compare_tokens(got, expected: list[int], what: str, hint: str) -> None:
     if not isinstance(got, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in got):
         raise CheckFailed(f"{what} should return a list of Python ints, got {type(got).__name__}: {got!r:.80}")
@@ -53,20 +62,39 @@ def _compare_tokens(got, expected: list[int], what: str, hint: str) -> None:
         raise CheckFailed(f"{what} returned {len(got)} tokens, expected {len(expected)}. Hint: {hint}")
 
 
-def _compare_tensors(got, expected: torch.Tensor, what: str, atol: float = 1e-5) -> None:
+def _compare_tensors(got, expected: torch.Tensor, what: str, atol: float = 1e-5, nan_hint: str = "") -> None:
     if not isinstance(got, torch.Tensor):
         raise CheckFailed(f"{what} should be a torch.Tensor, got {type(got).__name__}")
     if tuple(got.shape) != tuple(expected.shape):
         raise CheckFailed(f"{what} has shape {tuple(got.shape)}, expected {tuple(expected.shape)}")
     if got.dtype != expected.dtype:
         raise CheckFailed(f"{what} has dtype {got.dtype}, expected {expected.dtype}")
-    diff = (got.float() - expected.float()).abs()
-    if not bool(diff.max() <= atol):
-        where = tuple(int(i) for i in torch.nonzero(diff == diff.max())[0])
+    got_f, exp_f = got.detach().float().cpu(), expected.detach().float().cpu()
+    bad = ~torch.isfinite(got_f) & torch.isfinite(exp_f)
+    if bool(bad.any()):
+        where = tuple(int(i) for i in torch.nonzero(bad)[0])
         raise CheckFailed(
-            f"{what} differs from the reference by up to {diff.max().item():.3g} at index {where}: "
-            f"got {got[where].item():.5g}, expected {expected[where].item():.5g}"
+            f"{what} has {got_f[where].item()} at index {where} (and {int(bad.sum()) - 1} more non-finite values) "
+            f"where the reference is {exp_f[where].item():.5g}" + (f". Hint: {nan_hint}" if nan_hint else "")
         )
+    diff = (got_f - exp_f).abs().nan_to_num(0.0)
+    worst = float(diff.max()) if diff.numel() else 0.0
+    if worst > atol:
+        where = tuple(int(i) for i in torch.nonzero(diff == worst)[0])
+        raise CheckFailed(
+            f"{what} differs from the reference by up to {worst:.3g} at index {where}: "
+            f"got {got_f[where].item():.5g}, expected {exp_f[where].item():.5g}"
+        )
+
+
+@contextlib.contextmanager
+def _patched(obj, name: str, value):
+    saved = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, saved)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,6 +109,7 @@ def check_next_token(next_token, model: str = DEFAULT_MODEL) -> str:
     logits[0, 6] = 9.0  # the largest value overall, but at the first position
     logits[1, 5] = 5.0
     logits[2, 7] = 2.0  # the answer: the largest value at the last position
+    logits[2, 4] = -3.0  # the smallest value at the last position (what argmin would pick)
     got = next_token(logits)
     if isinstance(got, torch.Tensor):
         raise CheckFailed(f"next_token returned a tensor ({got!r}); return a Python int, e.g. with int(...) or .item()")
@@ -96,6 +125,8 @@ def check_next_token(next_token, model: str = DEFAULT_MODEL) -> str:
             f"next_token returned {got}, a position index rather than a token id: the argmax ran over "
             "the wrong axis. Take logits[-1].argmax(), over the vocabulary."
         )
+    if got == 4:
+        raise CheckFailed("next_token returned 4, the *smallest* logit of the last position: use argmax, not argmin")
     if got != 7:
         raise CheckFailed(f"next_token returned {got} for constructed logits whose last row peaks at token 7")
     llm = _engine(model)
@@ -114,6 +145,7 @@ def check_generate_naive(generate_naive, model: str = DEFAULT_MODEL) -> str:
     ids = _prompt_ids(llm)
     got = generate_naive(llm.model, list(ids), STEPS)
     expected = _reference_tokens(model)
+    _refuse_prompt_echo(got, ids, STEPS, "generate_naive")
     _compare_tokens(
         got,
         expected,
@@ -155,6 +187,20 @@ def _attention_mistakes(q, k, v):
         torch.softmax(scaled.masked_fill(causal, float("-inf")), -1).nan_to_num() @ v,
         "the mask is inverted: keep positions j <= i (torch.tril), hide the ones above the diagonal",
     )
+    yield (
+        torch.softmax(scaled.masked_fill(causal.tril(-1), float("-inf")), -1) @ v,
+        "the mask is inverted: keep positions j <= i (torch.tril), hide the ones above the diagonal",
+    )
+    yield (
+        torch.softmax(scaled.masked_fill(~causal.tril(-1), float("-inf")), -1).nan_to_num() @ v,
+        "the mask hides the diagonal: a position attends to itself too (keep j <= i, torch.tril() without an offset)",
+    )
+
+
+_NAN_HINT = (
+    "a query whose scores are all -inf softmaxes to NaN: every query must keep at least the keys at and "
+    "before its own position (does your mask hide the diagonal?)"
+)
 
 
 def _attention_adapter(causal_attention):
@@ -179,7 +225,7 @@ def check_causal_attention(causal_attention, model: str = DEFAULT_MODEL) -> str:
         for mistake, hint in _attention_mistakes(q, k, v):
             if torch.allclose(got, mistake, atol=1e-5):
                 raise CheckFailed(hint)
-    _compare_tensors(got, expected, "causal_attention(q, k, v) with T = S = 5")
+    _compare_tensors(got, expected, "causal_attention(q, k, v) with T = S = 5", nan_hint=_NAN_HINT)
     llm = _engine(model, "naive")
     from minillm.attention import AttentionBackend
 
@@ -275,7 +321,7 @@ def check_kv_read(kv_read, model: str = DEFAULT_MODEL) -> str:
     """``kv_read(k_cache, v_cache, length)`` returns the first ``length`` positions of each."""
     k_cache, v_cache = torch.randn(2, 3, 10, 4), torch.randn(2, 3, 10, 4)
     got = kv_read(k_cache, v_cache, 7)
-    if not isinstance(got, tuple) or len(got) != 2:
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
         raise CheckFailed(f"kv_read should return a pair (keys, values), got {type(got).__name__}")
     k, v = got
     if isinstance(k, torch.Tensor) and k.shape[2] == 6:
@@ -316,19 +362,32 @@ def check_generate_cached(generate_cached, model: str = DEFAULT_MODEL) -> str:
         got = generate_cached(llm.model, list(ids), STEPS)
     finally:
         ContiguousKVCache.write = original
-    if len(calls) > STEPS:
+    _refuse_prompt_echo(got, ids, STEPS, "generate_cached")
+    if not calls:
         raise CheckFailed(
-            f"your loop ran {len(calls)} forward passes for {STEPS} tokens: prefill the prompt "
-            "once, then one forward pass per *new* token"
+            "your loop never ran the model through the cache: call forward_step(model, ids, start, cache)"
         )
-    if calls and calls[0] != (0, len(ids)):
+    if calls[0] != (0, len(ids)):
         raise CheckFailed(
             f"the first forward pass wrote positions {calls[0][0]}..{sum(calls[0]) - 1}; the prefill "
             f"should write the whole prompt at positions 0..{len(ids) - 1}"
         )
     long_steps = [c for c in calls[1:] if c[1] != 1]
     if long_steps:
-        raise CheckFailed(f"a decode step fed {long_steps[0][1]} tokens: after the prefill, feed only the newest token")
+        raise CheckFailed(
+            f"after the prefill, a step fed {long_steps[0][1]} tokens at position {long_steps[0][0]}: feed only "
+            "the newest token (the cache already holds the others)"
+        )
+    if len(calls) == STEPS + 1:
+        raise CheckFailed(
+            f"your loop ran {len(calls)} forward passes for {STEPS} new tokens, one too many: the prefill's "
+            f"last row already gives the first new token, so {STEPS} tokens take 1 prefill + {STEPS - 1} decode steps"
+        )
+    if len(calls) != STEPS:
+        raise CheckFailed(
+            f"your loop ran {len(calls)} forward passes for {STEPS} new tokens; expected 1 prefill + "
+            f"{STEPS - 1} one-token decode steps"
+        )
     for step, (start, _) in enumerate(calls[1:], start=1):
         expected_pos = len(ids) + step - 1
         if start != expected_pos:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from minillm.course.checks import _compare_tensors, _compare_tokens
+from minillm.course.checks import _compare_tensors, _compare_tokens, _patched
 from minillm.course.results import CheckFailed, check
 
 VARIANT_MODEL = "tiny-shakespeare-8m"  # GQA: 8 query heads share 4 K/V heads
@@ -23,23 +24,33 @@ def _mha_reference(q, k, v, mask, scale):
     return (torch.softmax(scores, -1).to(v.dtype) @ v).to(q.dtype)
 
 
-@contextlib.contextmanager
-def _no_repeating():
-    """Fail if K/V get copied once per query head (the point of GQA is not to)."""
-    saved = torch.Tensor.repeat_interleave, torch.repeat_interleave, torch.Tensor.repeat
+class _CopyWatch(TorchDispatchMode):
+    """Watches every tensor operation of the learner's function for one that turns K or V (or
+    a tensor derived from them, like ``k.float()``) into something ``G`` times their size: a
+    copy of K/V per query head, whatever function made it (repeat, repeat_interleave,
+    expand + reshape, a broadcasting matmul that materialises them, an index)."""
 
-    def refuse(*args, **kwargs):
-        raise CheckFailed(
-            "your function copies K/V once per query head (repeat/repeat_interleave): the result is right but "
-            "the memory saving of GQA is gone. Fold each group of query heads into one batch row instead: "
-            "q.view(B, KV, G * T, D) attends to k[B, KV, S, D] directly"
-        )
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, group: int):
+        super().__init__()
+        self.tracked = {k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr()}
+        self.small = max(k.numel(), v.numel())
+        self.limit = group * min(k.numel(), v.numel())
+        self.copied_by: str | None = None
 
-    torch.Tensor.repeat_interleave = torch.repeat_interleave = torch.Tensor.repeat = refuse
-    try:
-        yield
-    finally:
-        torch.Tensor.repeat_interleave, torch.repeat_interleave, torch.Tensor.repeat = saved
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if any(t.untyped_storage().data_ptr() in self.tracked for t in inputs):
+            for t in pytree.tree_leaves(out):
+                if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                    continue
+                if t.untyped_storage().data_ptr() in self.tracked:
+                    continue  # a view (expand, transpose, ...): no new memory
+                if t.numel() >= self.limit and self.copied_by is None:
+                    self.copied_by = str(func)
+                elif t.numel() <= self.small:
+                    self.tracked.add(t.untyped_storage().data_ptr())  # k.float(), k.contiguous(), ...
+        return out
 
 
 @check
@@ -47,11 +58,13 @@ def check_gqa_attention(gqa_attention, model: str = VARIANT_MODEL) -> str:
     """``gqa_attention(q[B,H,T,D], k[B,KV,S,D], v, mask, scale)``: grouped K/V heads, no copies."""
     gen = torch.Generator().manual_seed(0)
     for heads, kv_heads in ((6, 2), (4, 4), (4, 1)):
-        q = torch.randn(2, heads, 5, 8, generator=gen)
+        # q as the engine hands it over: a transposed view, not contiguous (q.view would fail)
+        q = torch.randn(2, 5, heads, 8, generator=gen).transpose(1, 2)
         k, v = torch.randn(2, kv_heads, 7, 8, generator=gen), torch.randn(2, kv_heads, 7, 8, generator=gen)
         mask = (torch.arange(7)[None, :] <= torch.arange(2, 7)[:, None])[None, None].expand(2, 1, 5, 7)
         expected = _mha_reference(q, k, v, mask, 8**-0.5)
-        with _no_repeating():
+        watch = _CopyWatch(k, v, heads // kv_heads)
+        with watch:
             got = gqa_attention(q, k, v, mask, 8**-0.5)
         if isinstance(got, torch.Tensor) and got.shape == expected.shape and heads != kv_heads:
             wrong_order = _mha_reference(
@@ -63,6 +76,13 @@ def check_gqa_attention(gqa_attention, model: str = VARIANT_MODEL) -> str:
                     "(heads 0..G-1 → K/V head 0), not h % KV"
                 )
         _compare_tensors(got, expected, f"gqa_attention with {heads} query heads and {kv_heads} K/V heads")
+        if heads != kv_heads and watch.copied_by:
+            raise CheckFailed(
+                f"with {heads} query heads on {kv_heads} K/V heads, your function made a copy of K/V {heads // kv_heads}× "
+                f"their size ({watch.copied_by}): that is one copy per query head, and GQA's memory saving is gone. "
+                "Fold each group of query heads into the query axis instead: q.reshape(B, KV, G*T, D) attends to "
+                "k[B, KV, S, D] directly"
+            )
     from minillm import LLM, SamplingParams
 
     def backend(q, k, v, mask, is_causal, scale):
@@ -89,6 +109,77 @@ def check_gqa_attention(gqa_attention, model: str = VARIANT_MODEL) -> str:
     return (
         f"your grouped attention runs every layer of a {c.num_heads}-query/{c.num_kv_heads}-K/V-head model without "
         "copying K/V: 16 tokens identical to the engine"
+    )
+
+
+@check
+def check_window_release(blocks_behind_window, model: str = VARIANT_MODEL) -> str:
+    """``blocks_behind_window(num_computed_tokens, window, block_size) -> int``: leading blocks no
+    future query can see, which the block manager gives back."""
+    cases = [
+        # computed, window, block size, expected, why
+        (5, 8, 4, 0, "a sequence shorter than the window keeps every block"),
+        (8, 8, 4, 0, "the next query (position 8) still sees position 1, in block 0"),
+        (
+            11,
+            8,
+            4,
+            1,
+            "the next query (position 11) sees positions 4..11: block 0 (positions 0-3) is behind the window",
+        ),
+        (12, 8, 4, 1, "the next query (position 12) sees positions 5..12: block 1 (4-7) is still partly visible"),
+        (15, 8, 4, 2, "the next query (position 15) sees 8..15: blocks 0 and 1 are behind it"),
+        (100, 16, 16, 5, "the next query (position 100) sees 85..100: blocks 0-4 (positions 0-79) are behind it"),
+        (0, 4, 4, 0, "an empty sequence has nothing to release"),
+    ]
+    for computed, window, block_size, expected, why in cases:
+        got = blocks_behind_window(computed, window, block_size)
+        if not isinstance(got, int) or isinstance(got, bool):
+            raise CheckFailed(f"blocks_behind_window should return an int, got {type(got).__name__}: {got!r}")
+        if got != expected:
+            raise CheckFailed(
+                f"blocks_behind_window(num_computed_tokens={computed}, window={window}, block_size={block_size}) "
+                f"returned {got}, expected {expected}: {why}"
+            )
+    from minillm import LLM, SamplingParams
+    from minillm.kvcache import block_manager as bm_module
+
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompts = ["KING.\nNow is the winter of our discontent", "ROMEO.\nBut soft, what light"]
+    expected_tokens = [
+        o.token_ids for o in LLM(model, dtype="fp32", mode="naive", sliding_window=12).generate(prompts, params)
+    ]
+    llm = LLM(model, dtype="fp32", attention_backend="torch", sliding_window=12, block_size=4)
+    peak = []
+    original = bm_module.BlockManager.release_behind_window
+
+    def release(self, seq, window):
+        released = original(self, seq, window)
+        peak.append(self.num_used_blocks)
+        return released
+
+    with (
+        _patched(bm_module, "blocks_behind_window", blocks_behind_window),
+        _patched(bm_module.BlockManager, "release_behind_window", release),
+    ):
+        outputs = llm.generate(prompts, params)
+    for n, (out, ref) in enumerate(zip(outputs, expected_tokens)):
+        _compare_tokens(
+            out.token_ids,
+            ref,
+            f"request {n} with a 12-token window on your release",
+            "a block may go only when every one of its positions is before the next query's window",
+        )
+    longest = max(len(llm.tokenizer.encode(p)) for p in prompts) + params.max_tokens
+    bound = len(prompts) * (12 // 4 + 2)
+    if max(peak) > bound:
+        raise CheckFailed(
+            f"two sequences of up to {longest} tokens with a 12-token window held up to {max(peak)} blocks of 4: "
+            f"blocks behind the window were not given back (at most {bound} are ever visible)"
+        )
+    return (
+        f"with your release, two {longest}-token sequences under a 12-token window never held more than "
+        f"{max(peak)} blocks of 4 tokens (without it: {2 * -(-longest // 4)}), tokens identical to the naive engine"
     )
 
 
@@ -121,18 +212,22 @@ def check_online_softmax(online_softmax_update) -> str:
     expected_m = scores.max(-1).values
     expected_l = torch.exp(scores - expected_m[:, None]).sum(-1)
     _compare_tensors(m, expected_m, "the running max m after the last tile")
-    if torch.allclose(acc / l_sum[:, None], torch.softmax(scores, -1) @ v, atol=1e-5):
-        _compare_tensors(
-            l_sum, expected_l, "the running sum l after the last tile (relative to the final max)", atol=1e-4
-        )
+    l_right = torch.allclose(l_sum, expected_l, rtol=1e-4)
+    if l_right and torch.allclose(acc / l_sum[:, None], torch.softmax(scores, -1) @ v, atol=1e-5):
         return "your online softmax, fed 3 tiles of 8 keys, gives exactly softmax(scores) @ V — without ever holding a whole row"
-    naive_l = torch.exp(scores).sum(-1)  # forgot to rescale by exp(m_old - m_new)
-    if torch.allclose(l_sum, naive_l, rtol=1e-3):
+    if not l_right and torch.allclose(l_sum, torch.exp(scores).sum(-1), rtol=1e-3):
         raise CheckFailed(
-            "l was never rescaled: when the max grows from m to m', multiply the old sum by exp(m - m') first"
+            "l is the plain sum of exp(scores): keep it relative to the running max — p = exp(scores - m_new) — "
+            "and when the max grows from m to m', multiply the old sum by exp(m - m') first"
+        )
+    if not l_right:
+        raise CheckFailed(
+            f"l after the last tile is {l_sum[0].item():.5g} for row 0, expected {expected_l[0].item():.5g} (the sum "
+            "of exp(score - final max)): l was never rescaled — when the max grows from m to m', multiply the old "
+            "sum by exp(m - m') before adding the new tile's sum"
         )
     raise CheckFailed(
-        "acc / l differs from softmax(scores) @ V: rescale the accumulator too when the max changes "
+        "l is right but acc / l differs from softmax(scores) @ V: rescale the accumulator too when the max changes "
         "(acc * exp(m_old - m_new)) before adding p @ v_tile"
     )
 
@@ -161,5 +256,12 @@ def check_flash_kernel(flash_forward) -> str:
                 raise CheckFailed(
                     "the kernel ignores causality: hide keys at positions after each query's (offs_n > q_pos → -inf)"
                 )
-        _compare_tensors(got, expected, f"your kernel's output for T={t}, S={s}, causal={causal}", atol=1e-4)
+        _compare_tensors(
+            got,
+            expected,
+            f"your kernel's output for T={t}, S={s}, causal={causal}",
+            atol=1e-4,
+            nan_hint="a query row saw only masked (-inf) keys: a query attends to keys up to and including its "
+            "own position (offs_n <= q_pos, not <)",
+        )
     return "your Triton kernel matches attention exactly on tiles that do not divide the lengths, causal and not, with a cached prefix"

@@ -9,13 +9,12 @@ engine of chapter 02.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 
-from minillm.course.checks import DEFAULT_MODEL
-from minillm.course.results import CheckFailed, check
+from minillm.course.checks import DEFAULT_MODEL, _compare_tensors, _patched
+from minillm.course.results import CheckError, CheckFailed, _learner_cause, check
 from minillm.kvcache import block_manager as bm_module
 from minillm.kvcache.block_manager import BlockManager
 
@@ -100,16 +99,6 @@ def _check_pool(engine) -> None:
         )
 
 
-@contextlib.contextmanager
-def _patched(obj, name: str, value):
-    saved = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, saved)
-
-
 # ---------------------------------------------------------------------------------------------
 # Chapter 03: the paged KV cache
 # ---------------------------------------------------------------------------------------------
@@ -149,6 +138,59 @@ def check_slot_mapping(slot_mapping, model: str = DEFAULT_MODEL) -> str:
 
 
 @check
+def check_gather_kv(gather_kv, model: str = DEFAULT_MODEL) -> str:
+    """``gather_kv(slots[num_slots, KV, D], block_tables[B, n], block_size) -> [B, KV, n*block_size, D]``."""
+    from minillm.attention import paged as paged_attention
+
+    gen = torch.Generator().manual_seed(3)
+    block_size, kv, d = 4, 2, 3
+    slots = torch.randn(10 * block_size, kv, d, generator=gen)
+    tables = torch.tensor([[7, 2, 9], [0, 5, 5]])
+    expected = slots.view(10, block_size, kv, d)[tables].reshape(2, 3 * block_size, kv, d).transpose(1, 2)
+    got = gather_kv(slots, tables, block_size)
+    if isinstance(got, torch.Tensor) and tuple(got.shape) == (2, 3 * block_size, kv, d):
+        raise CheckFailed(
+            f"gather_kv returned shape {tuple(got.shape)} = [B, S, KV, D]; attention wants heads before "
+            "positions: transpose to [B, KV, S, D]"
+        )
+    if isinstance(got, torch.Tensor) and tuple(got.shape) == (2, 3, kv, d):
+        raise CheckFailed(
+            "gather_kv returned one slot per block table entry: a table lists *blocks*; block b holds the "
+            "block_size slots b*block_size .. b*block_size + block_size - 1"
+        )
+    if isinstance(got, torch.Tensor) and got.shape == expected.shape:
+        in_order = slots.view(10, block_size, kv, d)[tables.sort(dim=1).values]
+        if not torch.equal(tables.sort(dim=1).values, tables) and torch.equal(
+            got, in_order.reshape(2, 3 * block_size, kv, d).transpose(1, 2)
+        ):
+            raise CheckFailed(
+                "gather_kv read the blocks in id order, not in block-table order: position p is in table[p // block_size]"
+            )
+    _compare_tensors(got, expected, "gather_kv(slots, [[7, 2, 9], [0, 5, 5]], block_size=4)")
+
+    def engine_gather(pool, layer, block_tables):
+        return (
+            gather_kv(pool.k_slots[layer], block_tables, pool.block_size),
+            gather_kv(pool.v_slots[layer], block_tables, pool.block_size),
+        )
+
+    engine = _paged_engine(model, block_size=4)
+    engine.block_manager.free_ids.rotate(7)  # scattered blocks: a sequence's blocks are not adjacent
+    with _patched(paged_attention, "gather_kv", engine_gather):
+        outputs = _run_all(engine, PROMPTS)
+    _compare_requests(
+        outputs,
+        _reference(model, tuple(PROMPTS)),
+        "the paged engine reading K/V through your gather",
+        "block j of a row is block_tables[row, j]; keep the table's order",
+    )
+    return (
+        f"every attention layer of the paged engine read its K/V through your gather: {len(PROMPTS)} requests "
+        "with scattered blocks match the contiguous cache"
+    )
+
+
+@check
 def check_block_hash(block_hash, model: str = DEFAULT_MODEL) -> str:
     """``block_hash(parent_hash, token_ids) -> int``: a full block's name, chained to its prefix."""
     a = block_hash(None, [1, 2, 3, 4])
@@ -158,6 +200,19 @@ def check_block_hash(block_hash, model: str = DEFAULT_MODEL) -> str:
         raise CheckFailed("block_hash gave different results for the same tokens: hash a tuple of them")
     if block_hash(None, [4, 3, 2, 1]) == a:
         raise CheckFailed("block_hash ignores the order of the tokens")
+    first, second = [1, 2, 3, 4], [5, 6, 7, 8]
+    if block_hash(block_hash(None, first), second) == block_hash(block_hash(None, second), first):
+        raise CheckFailed(
+            "two blocks in swapped order got the same chained hash (as XOR-ing the parent with the block's "
+            "hash does): hash the parent together with the tokens, so the chain depends on block order"
+        )
+    code = getattr(getattr(block_hash, "__wrapped__", block_hash), "__code__", None)
+    if code is not None and "hash" in code.co_names and "hashlib" not in code.co_names:
+        raise CheckFailed(
+            "block_hash uses Python's built-in hash(): it is not stable across processes (hash(None) and "
+            "str hashes change per process before Python 3.12), so two workers would name the same prefix "
+            "differently. Use a real hash function over bytes (hashlib) and return an int"
+        )
     if block_hash(a, [5, 6, 7, 8]) == block_hash(None, [5, 6, 7, 8]) or block_hash(a, [5, 6, 7, 8]) == block_hash(
         block_hash(None, [0, 0, 0, 0]), [5, 6, 7, 8]
     ):
@@ -211,8 +266,13 @@ def check_block_allocation(take_free_block, release_block, model: str = DEFAULT_
         raise CheckFailed(f"after releasing blocks {taken[0]} and {taken[1]} the free list is {list(bm.free_ids)}")
     try:
         release_block(bm, taken[0])
-    except RuntimeError:
-        pass
+    except Exception as err:
+        raised = _learner_cause(err) or err
+        if not isinstance(raised, RuntimeError):
+            raise CheckFailed(
+                f"releasing block {taken[0]} twice raised {type(raised).__name__}: {raised}; a double free must "
+                "raise RuntimeError"
+            ) from None
     else:
         raise CheckFailed(f"releasing block {taken[0]} twice did not raise: a double free must raise RuntimeError")
     # A cached (hashed) block is kept, unreferenced, and evicted only when the free list is empty.
@@ -233,7 +293,23 @@ def check_block_allocation(take_free_block, release_block, model: str = DEFAULT_
     third = take_free_block(bm)
     if third != first or 1234 in bm.cached or bm.blocks[first].hash is not None:
         raise CheckFailed(
-            "with the free list empty, evict the least recently used cached block: pop it from bm.evictable, delete its hash from bm.cached and clear block.hash"
+            "with the free list empty, evict a cached block: pop it from bm.evictable, delete its hash from "
+            "bm.cached and clear block.hash"
+        )
+    # Several cached blocks: the least recently used goes first (evictable is ordered oldest first).
+    bm = BlockManager(num_blocks=4, block_size=2)
+    ids = [take_free_block(bm) for _ in range(4)]
+    for n, b in enumerate(ids[:3]):
+        bm.blocks[b].hash = 100 + n
+        bm.cached[100 + n] = b
+    for b in ids[:3]:
+        release_block(bm, b)  # released oldest first: ids[0] is the least recently used
+    evicted = take_free_block(bm)
+    if evicted != ids[0]:
+        newest = " (popitem() takes the newest; use popitem(last=False))" if evicted == ids[2] else ""
+        raise CheckFailed(
+            f"three cached blocks were released in the order {ids[:3]}; with the free list empty you evicted "
+            f"block {evicted}, not the least recently used {ids[0]}{newest}"
         )
     # The real engine on the learner's allocator: shared prefixes and a pool small enough to preempt.
     prompts = [SYSTEM + p for p in PROMPTS]
@@ -259,19 +335,171 @@ def check_block_allocation(take_free_block, release_block, model: str = DEFAULT_
 # ---------------------------------------------------------------------------------------------
 
 
+def _run_arriving(engine, prompts, priorities=None, on_step=None, max_steps: int = 3000) -> dict:
+    """Two requests now, the rest one per step while others run; outputs by request id."""
+    priorities = priorities or [0] * len(prompts)
+    pending = list(zip(prompts, priorities))
+    ids, done = [], {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests() and not pending:
+            break
+        for _ in range(2 if not ids else 1):
+            if pending:
+                prompt, priority = pending.pop(0)
+                ids.append(engine.add_request(prompt, _params(), priority=priority))
+        for d in engine.step():
+            if d.output is not None:
+                done[d.request_id] = d.output
+    else:
+        raise CheckFailed(
+            f"after {max_steps} steps requests {[i for i in ids if i not in done]} were unfinished: the engine "
+            "is stuck (does every step schedule the running sequences?)"
+        )
+    return {i: done[i] for i in ids}
+
+
+@check
+def check_chunk_tokens(chunk_tokens, model: str = DEFAULT_MODEL) -> str:
+    """``chunk_tokens(remaining, budget, chunked_prefill, step_is_empty) -> int``: how many of a
+    sequence's uncomputed tokens run this step."""
+    cases = [
+        # remaining, budget, chunked, empty step, expected, why
+        (1, 16, True, False, 1, "a decode needs one token"),
+        (40, 16, True, False, 16, "with chunked prefill a long prompt takes what is left of the budget"),
+        (10, 16, True, False, 10, "never more than the sequence still needs"),
+        (40, 0, True, False, 0, "an exhausted budget runs nothing"),
+        (10, 16, False, False, 10, "a prompt that fits runs whole"),
+        (16, 16, False, False, 16, "a prompt exactly the size of the budget fits"),
+        (40, 16, False, False, 0, "without chunking a prompt that does not fit waits for a later step"),
+        (
+            40,
+            16,
+            False,
+            True,
+            40,
+            "without chunking, a prompt larger than the whole budget runs alone in an empty step (else it would wait forever)",
+        ),
+        (
+            40,
+            5,
+            False,
+            True,
+            40,
+            "without chunking, a prompt larger than the whole budget runs alone in an empty step (else it would wait forever)",
+        ),
+    ]
+    for remaining, budget, chunked, empty, expected, why in cases:
+        got = chunk_tokens(remaining, budget, chunked, empty)
+        if not isinstance(got, int) or isinstance(got, bool):
+            raise CheckFailed(f"chunk_tokens should return an int, got {type(got).__name__}: {got!r}")
+        if got != expected:
+            raise CheckFailed(
+                f"chunk_tokens(remaining={remaining}, budget={budget}, chunked_prefill={chunked}, "
+                f"step_is_empty={empty}) returned {got}, expected {expected}: {why}"
+            )
+    from minillm.engine.scheduler import Scheduler
+
+    def tokens_to_run(self, seq, budget, out):
+        return chunk_tokens(len(seq) - seq.num_computed_tokens, budget, self.enable_chunked_prefill, not out.chunks)
+
+    steps = []
+    for chunked in (True, False):
+        engine = _paged_engine(model, block_size=4, max_num_batched_tokens=8, enable_chunked_prefill=chunked)
+        with _patched(Scheduler, "tokens_to_run", tokens_to_run):
+            outputs = _run_arriving(engine, PROMPTS)
+        _compare_requests(
+            outputs,
+            _reference(model, tuple(PROMPTS)),
+            f"requests with an 8-token budget, chunked_prefill={chunked}, on your chunk_tokens",
+            "the budget is shared by the whole step",
+        )
+        steps.append(engine.num_steps)
+    return (
+        f"with an 8-token budget every prompt ran in chunks ({steps[0]} steps) or, unchunked, whole and alone "
+        f"when too long ({steps[1]} steps); all {len(PROMPTS)} requests match running each alone"
+    )
+
+
+class _Seq:
+    """A stand-in sequence for unit cases: only what the victim choice may look at."""
+
+    def __init__(self, name: str, priority: int, arrival: float):
+        self.name, self.sort_key = name, (priority, arrival, 0)
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+@check
+def check_choose_victim(choose_victim, model: str = DEFAULT_MODEL) -> str:
+    """``choose_victim(seq, candidates) -> Sequence``: who is preempted so that ``seq`` can grow."""
+    a, b, c = (
+        _Seq("A(priority 0, arrived 1st)", 0, 1.0),
+        _Seq("B(priority 0, arrived 2nd)", 0, 2.0),
+        _Seq("C(priority 0, arrived 3rd)", 0, 3.0),
+    )
+    low = _Seq("L(priority 5, arrived 0th)", 5, 0.5)
+    urgent = _Seq("U(priority -1, arrived 4th)", -1, 4.0)
+    cases = [
+        (a, [b, c], c, "the latest arrival among equals is preempted (it has waited least; FCFS)"),
+        (a, [c, b], c, "the choice must not depend on the order of the candidates"),
+        (c, [a, low], low, "a lower priority (a larger priority number) goes first, whenever it arrived"),
+        (b, [a], b, "every candidate outranks seq: seq preempts itself rather than an earlier request"),
+        (urgent, [a, b], b, "an urgent request takes blocks from the lowest-ranked running one"),
+        (a, [], a, "with no candidate left, seq itself must yield"),
+    ]
+    for seq, candidates, expected, why in cases:
+        got = choose_victim(seq, list(candidates))
+        if got is not expected:
+            raise CheckFailed(f"choose_victim({seq}, {candidates}) returned {got!r}, expected {expected}: {why}")
+    from minillm.engine.scheduler import Scheduler
+
+    engine = _paged_engine(
+        model, block_size=4, max_num_batched_tokens=32, max_num_seqs=4, kv_cache_memory=_pool_bytes(model, 24, 4)
+    )
+    victims = []
+
+    def chooser(self, seq, candidates):
+        victim = choose_victim(seq, candidates)
+        if victim is not seq and victim not in candidates:
+            raise CheckFailed(f"choose_victim returned {victim!r}, which is neither seq nor one of the candidates")
+        victims.append(victim.priority)
+        return victim
+
+    priorities = [1, 0, 1, 0, 2]
+    with _patched(Scheduler, "choose_victim", chooser):
+        outputs = _run_arriving(engine, PROMPTS, priorities)
+    _compare_requests(
+        outputs,
+        _reference(model, tuple(PROMPTS)),
+        "requests preempted by your choice",
+        "a preempted request recomputes its tokens later; the choice only decides who waits",
+    )
+    _check_pool(engine)
+    if not victims:
+        raise CheckError("the workload was meant to run out of blocks, but nothing was preempted")
+    return (
+        f"a 24-block pool ran out {len(victims)} times; your choice preempted requests of priority "
+        f"{sorted(set(victims))} and every request still matches running alone"
+    )
+
+
 @check
 def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -> str:
     """``schedule_continuous(scheduler) -> SchedulerOutput``: one continuous-batching step."""
     from minillm.engine.scheduler import Scheduler
+    from minillm.sequence import SequenceStatus
 
     budget = 16
     engine = _paged_engine(
-        model, block_size=4, max_num_batched_tokens=budget, max_num_seqs=4, kv_cache_memory=_pool_bytes(model, 48, 4)
+        model, block_size=4, max_num_batched_tokens=budget, max_num_seqs=4, kv_cache_memory=_pool_bytes(model, 24, 4)
     )
     steps = []
 
     def schedule(self, now):
         self._now = now
+        waiting = self.waiting_in_order()
+        decodes = [q for q in self.running if q.is_decoding]
         out = schedule_continuous(self)
         if out is None:
             raise CheckFailed("schedule_continuous returned None: return the SchedulerOutput you filled")
@@ -281,27 +509,88 @@ def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -
             )
         if len(self.running) > self.max_num_seqs:
             raise CheckFailed(f"{len(self.running)} sequences running, more than max_num_seqs={self.max_num_seqs}")
+        for chunk in out.chunks:
+            if chunk.seq.status is not SequenceStatus.RUNNING:
+                raise CheckFailed(
+                    f"a step scheduled request {chunk.seq.request_id} after it had been preempted in the same step: "
+                    "skip running sequences whose status is no longer RUNNING"
+                )
+        if out.preempted and out.admitted:
+            raise CheckFailed(
+                f"a step preempted {len(out.preempted)} request(s) to find blocks, then admitted "
+                f"{len(out.admitted)} new one(s): admitting while evicting only evicts more — admit only in a step "
+                "that preempted nothing"
+            )
+        if out.admitted != waiting[: len(out.admitted)]:
+            first = next(q for q in waiting if q not in out.admitted)
+            raise CheckFailed(
+                f"not first come, first served: the step admitted request {out.admitted[-1].request_id} while "
+                f"request {first.request_id}, ahead of it in the queue, still waited — stop at the first request "
+                "that does not fit"
+            )
+        scheduled = {c.seq for c in out.chunks}
+        prefilled = [c.seq for c in out.chunks if c.seq not in out.admitted and not c.seq.is_decoding]
+        starved = [q for q in decodes if q not in scheduled and q.status is SequenceStatus.RUNNING]
+        if starved and prefilled:
+            raise CheckFailed(
+                f"request {starved[0].request_id} waited on its next token while a prompt chunk used the budget: "
+                "schedule decodes first (scheduler.running_in_order())"
+            )
         steps.append(out)
         return out
 
-    # Requests arrive while others run: two now, the rest one per step.
-    with _patched(Scheduler, "schedule", schedule):
-        ids = [engine.add_request(p, _params()) for p in PROMPTS[:2]]
-        done = {}
-        pending = list(PROMPTS[2:])
-        for _ in range(3000):
-            if not engine.has_unfinished_requests() and not pending:
-                break
-            if pending:
-                ids.append(engine.add_request(pending.pop(0), _params()))
-            for d in engine.step():
-                if d.output is not None:
-                    done[d.request_id] = d.output
-        else:
+    original_reserve, original_admit, original_tokens = Scheduler.reserve, Scheduler.try_admit, Scheduler.tokens_to_run
+    refused: list = []  # sequences try_admit could not start in the current step
+    admitting: list = []  # inside try_admit (which may look at a waiting, preempted sequence)
+
+    def skipped_preempted(seq, what):
+        raise CheckFailed(
+            f"{what} was called for request {seq.request_id}, which was preempted earlier in the same step: "
+            "skip running sequences whose status is no longer RUNNING"
+        )
+
+    def tokens_to_run(self, seq, budget_left, out):
+        if seq in out.preempted and not admitting:
+            skipped_preempted(seq, "scheduler.tokens_to_run")
+        return original_tokens(self, seq, budget_left, out)
+
+    def reserve(self, seq, n, out):
+        if seq.status is not SequenceStatus.RUNNING:
+            skipped_preempted(seq, "scheduler.reserve")
+        return original_reserve(self, seq, n, out)
+
+    def try_admit(self, seq, budget_left, out):
+        if out.preempted:
             raise CheckFailed(
-                f"after 3000 steps requests {[i for i in ids if i not in done]} were unfinished: every step must "
-                "schedule the running sequences (decodes) before admitting new ones"
+                f"a step preempted request {out.preempted[0].request_id} to find blocks, then tried to admit "
+                f"request {seq.request_id}: admitting while evicting only evicts more — admit only in a step that "
+                "preempted nothing"
             )
+        if refused:
+            raise CheckFailed(
+                f"not first come, first served: request {refused[0].request_id} did not fit, and the step went on to "
+                f"try request {seq.request_id} behind it — stop at the first request that does not fit"
+            )
+        admitting.append(seq)
+        try:
+            n = original_admit(self, seq, budget_left, out)
+        finally:
+            admitting.pop()
+        if n == 0:
+            refused.append(seq)
+        return n
+
+    def schedule_step(self, now):
+        refused.clear()
+        return schedule(self, now)
+
+    with (
+        _patched(Scheduler, "schedule", schedule_step),
+        _patched(Scheduler, "reserve", reserve),
+        _patched(Scheduler, "try_admit", try_admit),
+        _patched(Scheduler, "tokens_to_run", tokens_to_run),
+    ):
+        done = _run_arriving(engine, PROMPTS)
     joined = [out for out in steps if out.admitted and any(c.seq not in out.admitted for c in out.chunks)]
     if not joined:
         raise CheckFailed(
@@ -309,14 +598,17 @@ def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -
             "sequences in the same step as the running ones, while seats, budget and blocks last"
         )
     _compare_requests(
-        {i: done[i] for i in ids},
+        done,
         _reference(model, tuple(PROMPTS)),
         "requests under your scheduler",
         "schedule decodes first, then admit in FCFS order",
     )
     _check_pool(engine)
     preemptions = sum(o.num_preemptions for o in done.values())
+    if not preemptions:
+        raise CheckError("the workload was meant to run out of blocks, but nothing was preempted")
     return (
         f"{len(PROMPTS)} requests arriving mid-run all finished under your scheduler, {len(joined)} steps admitted "
-        f"newcomers next to running decodes, {preemptions} preemptions; tokens identical to running each alone"
+        f"newcomers next to running decodes, {preemptions} preemptions in a 24-block pool; tokens identical to "
+        "running each alone"
     )

@@ -119,6 +119,18 @@ EXERCISES: list[Exercise] = [
     ),
     Exercise(
         "03_paged_kv_cache",
+        "check_gather_kv",
+        "check_gather_kv(gather_kv)",
+        3,
+        2,
+        2,
+        (
+            "View the flat slots as [num_blocks, block_size, KV, D]; a block table row lists which blocks, in order.",
+            "`blocks = slots.view(-1, block_size, *slots.shape[1:])`; `out = blocks[block_tables]` is [B, n, block_size, KV, D]; `.reshape(B, n * block_size, KV, D).transpose(1, 2)`.",
+        ),
+    ),
+    Exercise(
+        "03_paged_kv_cache",
         "check_block_allocation",
         "check_block_allocation(take_free_block, release_block)",
         14,
@@ -143,6 +155,30 @@ EXERCISES: list[Exercise] = [
             "bytes, and chain the parent's hash in.",
             "`h = hashlib.sha256(); h.update((parent_hash or 0).to_bytes(8, 'little')); "
             "h.update(struct.pack(f'<{len(ids)}q', *ids))`; return `int.from_bytes(h.digest()[:8], 'little')`.",
+        ),
+    ),
+    Exercise(
+        "04_batching",
+        "check_chunk_tokens",
+        "check_chunk_tokens(chunk_tokens)",
+        5,
+        1,
+        1,
+        (
+            "With chunked prefill a sequence takes min(what it needs, what is left of the budget). Without it, a prompt runs whole or waits — except that one larger than the whole budget must be allowed to run alone.",
+            "`if chunked_prefill: return min(remaining, budget)`; `return remaining if remaining <= budget or step_is_empty else 0`.",
+        ),
+    ),
+    Exercise(
+        "04_batching",
+        "check_choose_victim",
+        "check_choose_victim(choose_victim)",
+        3,
+        2,
+        2,
+        (
+            "Every sequence has a `sort_key` (priority, arrival, ...): smaller runs first. Preempt the one that ranks last — unless seq itself ranks below all of them.",
+            "`victim = max(candidates, key=lambda s: s.sort_key, default=seq)`; `return seq if victim.sort_key < seq.sort_key else victim`.",
         ),
     ),
     Exercise(
@@ -174,6 +210,18 @@ EXERCISES: list[Exercise] = [
             "`scores = q.reshape(B, KV, G*T, D) @ k.transpose(-1, -2)` (fp32, × scale); the mask [B, 1, T, S] "
             "lines up after `scores.view(B, KV, G, T, S)` with `mask.unsqueeze(2)`; softmax, `@ v`, "
             "`.reshape(B, H, T, D)`.",
+        ),
+    ),
+    Exercise(
+        "05_attention_variants",
+        "check_window_release",
+        "check_window_release(blocks_behind_window)",
+        1,
+        2,
+        2,
+        (
+            "The next query sits at position num_computed_tokens and sees the last `window` positions, itself included. A block may go only when all of its positions are before that.",
+            "The first visible position is `num_computed_tokens - window + 1`; whole blocks before it: `max(0, num_computed_tokens - window + 1) // block_size`.",
         ),
     ),
     Exercise(

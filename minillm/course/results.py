@@ -2,8 +2,15 @@
 
 Each check ends in one of three states. *pass*: a sentence saying what now works.
 *fail*: a ``CheckFailed`` (an ``AssertionError``) whose message says what is wrong, where, and
-a hint — raised, so the cell turns red. *not attempted*: the learner's function still raises
-``NotImplementedError``; we say so quietly and the notebook carries on.
+a hint — raised, so the cell turns red, but shown as one short red line (and, when the learner's
+code raised, only the learner's own frames) rather than a traceback through the package.
+*not attempted*: the learner's function still raises ``NotImplementedError``; we say so quietly
+and the notebook carries on.
+
+A check must never blame the learner for its own bug. The learner's functions are wrapped as
+they enter a check (``_LearnerRaised`` marks an exception that came out of them); any other
+exception inside a check is the check's fault and is reported as "the check itself failed —
+please report", with the exception.
 
 When ``MINILLM_GRADE_LOG`` names a file, every verdict is also appended to it as a JSON line
 (a record for the learner's own tools). The grader does not trust that file: notebook code can
@@ -16,16 +23,82 @@ import contextlib
 import functools
 import json
 import os
+import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import NoReturn
 
 GRADE_LOG_ENV = "MINILLM_GRADE_LOG"
-PASS, FAIL, NOT_ATTEMPTED = "pass", "fail", "not attempted"
+PASS, FAIL, NOT_ATTEMPTED, CHECK_ERROR = "pass", "fail", "not attempted", "check error"
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_RED, _RESET = "\x1b[31m", "\x1b[0m"
 
 
 class CheckFailed(AssertionError):
-    """The learner's code ran but produced the wrong thing; the message says what and where."""
+    """The learner's code ran but produced the wrong thing; the message says what and where.
+
+    In a notebook it renders as one red line (``_render_traceback_`` is IPython's hook for
+    that), plus the learner's own frames when their code raised."""
+
+    check: str = ""
+    learner_frames: list[str] = []
+
+    def _render_traceback_(self) -> list[str]:
+        head = f"{_RED}❌ {self.check or 'check'}: {self}{_RESET}"
+        return [head, *self.learner_frames]
+
+
+class CheckError(CheckFailed):
+    """The check itself crashed: not the learner's fault, reported as such."""
+
+
+class _LearnerRaised(Exception):
+    """An exception that came out of the learner's function (its ``__cause__``)."""
+
+
+def _is_learner_frame(filename: str) -> bool:
+    """A frame of code the learner wrote: not this package, not an installed library."""
+    path = os.path.abspath(filename)
+    if path.startswith(_PACKAGE_DIR + os.sep) or "site-packages" in path:
+        return False
+    libs = {os.path.dirname(os.__file__), sys.prefix, sys.base_prefix}
+    return not any(path.startswith(lib + os.sep) for lib in libs if lib)
+
+
+def _learner_frames(err: BaseException) -> list[str]:
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if _is_learner_frame(f.filename)]
+    return traceback.format_list(frames[-5:])
+
+
+def learner_function(fn: Callable) -> Callable:
+    """Wrap one of the learner's functions so that what it raises is known to be theirs."""
+    if getattr(fn, "_minillm_learner", False) or not callable(fn):
+        return fn
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (CheckFailed, _LearnerRaised):
+            raise
+        except Exception as err:
+            raise _LearnerRaised(f"{type(err).__name__}: {err}") from err
+
+    call._minillm_learner = True
+    return call
+
+
+def _learner_cause(err: BaseException) -> BaseException | None:
+    """The learner's original exception if ``err`` came out of their code (possibly re-wrapped
+    by the engine or Triton's interpreter on the way out), else None."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, _LearnerRaised):
+            return err.__cause__
+        err = err.__cause__ or err.__context__
+    return None
 
 
 @dataclass
@@ -84,13 +157,37 @@ def _not_implemented(err: BaseException) -> bool:
 
 
 def _failed(name: str, err: Exception) -> NoReturn:
-    """A wrong answer (``CheckFailed``) or a crash in the learner's code: record it and raise."""
+    """A wrong answer (``CheckFailed``), a crash in the learner's code, or a crash of the check
+    itself: record which, and raise a ``CheckFailed`` that renders as one short line."""
     if isinstance(err, CheckFailed):
-        _record(CheckResult(name, FAIL, str(err)))
-        raise err
-    message = f"your code raised {type(err).__name__}: {err}"  # the learner's code crashed
-    _record(CheckResult(name, FAIL, message))
-    raise CheckFailed(message) from err
+        err.check = name
+        _record(CheckResult(name, CHECK_ERROR if isinstance(err, CheckError) else FAIL, str(err)))
+        raise err.with_traceback(None) from None
+    cause = _learner_cause(err)
+    if cause is not None:
+        failure = CheckFailed(f"your code raised {type(cause).__name__}: {cause}")
+        failure.learner_frames = _learner_frames(cause)
+        status = FAIL
+    else:
+        failure = CheckError(
+            f"the check itself failed — please report this (it is not your code's fault): {type(err).__name__}: {err}"
+        )
+        status = CHECK_ERROR
+    failure.check = name
+    _record(CheckResult(name, status, str(failure)))
+    raise failure from err
+
+
+def _refuse_package_functions(args) -> None:
+    """A check grades the learner's function; passing the package's own implementation (or a
+    library function) would grade minillm instead."""
+    for fn in args:
+        module = getattr(fn, "__module__", None) or ""
+        if callable(fn) and (module == "minillm" or module.startswith(("minillm.", "torch", "triton"))):
+            raise CheckFailed(
+                f"you passed {getattr(fn, '__qualname__', fn)!r} from {module}, not a function you wrote: "
+                "pass the function this exercise asks you to complete"
+            )
 
 
 def check(func: Callable[..., str]) -> Callable[..., CheckResult]:
@@ -100,6 +197,8 @@ def check(func: Callable[..., str]) -> Callable[..., CheckResult]:
     def run(*args, **kwargs) -> CheckResult:
         name = func.__name__
         try:
+            _refuse_package_functions(args)
+            args = tuple(learner_function(a) if callable(a) else a for a in args)
             message = func(*args, **kwargs)
         except CheckFailed as err:
             return _failed(name, err)
@@ -116,3 +215,19 @@ def check(func: Callable[..., str]) -> Callable[..., CheckResult]:
         return result
 
     return run
+
+
+def require_pass(name: str) -> None:
+    """Raise unless check ``name``'s latest verdict in this kernel is *pass*.
+
+    This is the hidden test of a check cell in an nbgrader source notebook
+    (``minillm course nbgrader-source``). nbgrader gives a test cell that does not raise full
+    points, and a check that is not attempted does not raise (so a student notebook runs top to
+    bottom); the call after the check makes "not attempted" (or a check that never ran) worth
+    no points. A failed check has raised already, before this runs."""
+    result = _latest.get(name)
+    if result is None or result.status != PASS:
+        why = "it never reported a verdict" if result is None else result.message
+        err = CheckFailed(f"no points: {name} did not pass — {why}")
+        err.check = name
+        raise err

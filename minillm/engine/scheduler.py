@@ -170,15 +170,21 @@ class Scheduler:
         while (copies := self.block_manager.allocate_slots(seq, n)) is None:
             scheduled = [c.seq for c in out.chunks]
             candidates = [s for s in self.running if s is not seq and s not in scheduled]
-            victim = max(candidates, key=lambda s: s.sort_key, default=seq)
-            if victim.sort_key < seq.sort_key:
-                victim = seq  # everyone left outranks seq: it yields instead
+            victim = self.choose_victim(seq, candidates)
             self._preempt(victim, out)
             if victim is seq:
                 return False
         out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
         out.copies.extend(copies)
         return True
+
+    def choose_victim(self, seq: Sequence, candidates: list[Sequence]) -> Sequence:
+        """Who gives up its blocks so that ``seq`` can grow: the lowest-priority candidate (the
+        latest to arrive among equals) — or ``seq`` itself when every candidate outranks it or
+        there is none. Sequences already scheduled this step are not candidates: their tokens
+        are in the batch."""
+        victim = max(candidates, key=lambda s: s.sort_key, default=seq)
+        return seq if victim.sort_key < seq.sort_key else victim
 
     def try_admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         """Start waiting ``seq`` if its first chunk fits the budget and the pool; return the

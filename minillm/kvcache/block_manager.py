@@ -24,6 +24,9 @@ This class only does the bookkeeping (plain Python ints); the tensors live in
 
 from __future__ import annotations
 
+import array
+import hashlib
+
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -46,10 +49,24 @@ def block_hash(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     """The name of a full block: its tokens *and* everything before them (via the parent's hash).
 
     Chaining matters: the same 16 tokens after different prefixes have different K/V (attention
-    saw different context), so they must not share a block. Python hashes tuples of ints
-    deterministically (no per-process salt), so names are stable across runs.
+    saw different context), so they must not share a block. A real hash function (BLAKE2b over
+    the parent's 8 bytes and the tokens as 64-bit integers) keeps names identical in every
+    process and on every Python: the built-in ``hash()`` is not (``hash(None)`` changes per
+    process before Python 3.12), and names must agree between workers that share a cache.
     """
-    return hash((parent_hash, tuple(token_ids)))
+    h = hashlib.blake2b(digest_size=8)
+    h.update((0 if parent_hash is None else parent_hash + 1).to_bytes(8, "little"))
+    h.update(array.array("q", token_ids).tobytes())
+    return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+
+
+def blocks_behind_window(num_computed_tokens: int, window: int, block_size: int) -> int:
+    """How many leading blocks of a sequence no future query can see under a sliding window.
+
+    The next query sits at position ``num_computed_tokens`` and sees keys from
+    ``num_computed_tokens - window + 1`` on; a block is behind the window only when all of its
+    positions come before that (a partly visible block stays)."""
+    return max(0, num_computed_tokens - window + 1) // block_size
 
 
 @dataclass
@@ -384,9 +401,8 @@ class BlockManager:
         ``num_computed_tokens - window + 1`` on; blocks entirely before that are released (their
         table entries become ``RELEASED``). Returns how many were released."""
         table = self.tables[seq.request_id]
-        first_needed = seq.num_computed_tokens - window + 1
         released = 0
-        for j in range(min(len(table), max(0, first_needed) // self.block_size)):
+        for j in range(min(len(table), blocks_behind_window(seq.num_computed_tokens, window, self.block_size))):
             if table[j] != RELEASED:
                 self._release(table[j])
                 table[j] = RELEASED

@@ -1,0 +1,766 @@
+"""The catalogue of answers every course check is tested against.
+
+For every exercise: at least two correct answers written independently (they must pass) and at
+least five typical wrong answers, each with a fragment of the message it must fail with — the
+mistakes learners make (returning the prompt too, a LIFO eviction, a hash that ignores block
+order, a scheduler that admits while preempting, ...). ``test_check_catalogue.py`` runs them all.
+
+An answer is the tuple of arguments the check is called with (most exercises have one function).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+
+import torch
+import torch.nn.functional as F
+
+from minillm.course import forward_logits, forward_step, new_cache
+from minillm.engine.scheduler import SchedulerOutput
+from minillm.sequence import SequenceStatus
+
+RIGHT: dict[str, list[tuple]] = {}
+WRONG: dict[str, list[tuple[tuple, str]]] = {}
+
+
+def right(check: str, *fns) -> None:
+    RIGHT.setdefault(check, []).append(fns)
+
+
+def wrong(check: str, message: str, *fns) -> None:
+    WRONG.setdefault(check, []).append((fns, message))
+
+
+# ---- 01: next token -------------------------------------------------------------------------
+
+right("check_next_token", lambda logits: int(logits[-1].argmax()))
+right("check_next_token", lambda logits: max(range(logits.shape[-1]), key=lambda i: float(logits[-1, i])))
+wrong("check_next_token", "argmax of position 0", lambda logits: int(logits[0].argmax()))
+wrong("check_next_token", "argmax of position 0", lambda logits: int(logits.argmax()))
+wrong("check_next_token", "wrong axis", lambda logits: int(logits.argmax(dim=0)[-1]))
+wrong("check_next_token", "return a Python int", lambda logits: logits[-1].argmax())
+wrong("check_next_token", "smallest", lambda logits: int(logits[-1].argmin()))
+wrong("check_next_token", "(float)", lambda logits: float(logits[-1].max()))
+
+# ---- 01: the naive loop ---------------------------------------------------------------------
+
+
+def generate_naive(model, prompt_ids, max_new_tokens):
+    ids, new = list(prompt_ids), []
+    for _ in range(max_new_tokens):
+        token = int(forward_logits(model, ids)[-1].argmax())
+        new.append(token)
+        ids.append(token)
+    return new
+
+
+def generate_naive_tensors(model, prompt_ids, max_new_tokens):
+    ids = torch.tensor(prompt_ids)
+    start = len(ids)
+    while len(ids) < start + max_new_tokens:
+        logits = forward_logits(model, ids.tolist())
+        ids = torch.cat([ids, logits[-1:].argmax(-1)])
+    return ids[start:].tolist()
+
+
+right("check_generate_naive", generate_naive)
+right("check_generate_naive", generate_naive_tensors)
+wrong("check_generate_naive", "returned 31 tokens, expected 32", lambda m, p, n: generate_naive(m, p, n - 1))
+wrong(
+    "check_generate_naive",
+    "token 1 is",
+    lambda m, p, n: [int(forward_logits(m, list(p))[-1].argmax()) for _ in range(n)],
+)
+wrong("check_generate_naive", "prompt tokens followed by", lambda m, p, n: list(p) + generate_naive(m, p, n))
+wrong(
+    "check_generate_naive",
+    "list of Python ints",
+    lambda m, p, n: [torch.tensor(t) for t in generate_naive(m, p, n)],
+)
+
+
+def naive_first_row(model, prompt_ids, n):
+    ids = list(prompt_ids)
+    for _ in range(n):
+        ids.append(int(forward_logits(model, ids)[0].argmax()))
+    return ids[len(prompt_ids) :]
+
+
+def naive_no_context(model, prompt_ids, n):
+    new, last = [], list(prompt_ids)
+    for _ in range(n):
+        token = int(forward_logits(model, last)[-1].argmax())
+        new.append(token)
+        last = [token]
+    return new
+
+
+wrong("check_generate_naive", "token 0 is", naive_first_row)
+wrong("check_generate_naive", "the reference engine produced", naive_no_context)
+
+# ---- 01: causal attention -------------------------------------------------------------------
+
+
+def causal_attention(q, k, v):
+    t = q.shape[-2]
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    future = torch.ones(t, t, dtype=torch.bool).triu(diagonal=1)
+    return torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1) @ v
+
+
+def _masked(q, k, v, keep, scale=True, dim=-1):
+    s = q @ k.transpose(-1, -2) / (math.sqrt(q.shape[-1]) if scale else 1.0)
+    return torch.softmax(s.masked_fill(~keep, float("-inf")), dim=dim) @ v
+
+
+def _tril(q, offset=0):
+    t = q.shape[-2]
+    return torch.ones(t, t, dtype=torch.bool).tril(offset)
+
+
+right("check_causal_attention", causal_attention)
+right("check_causal_attention", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+wrong("check_causal_attention", "not scaled", lambda q, k, v: _masked(q, k, v, _tril(q), scale=False))
+wrong("check_causal_attention", "no causal mask", lambda q, k, v: _masked(q, k, v, torch.ones_like(_tril(q))))
+wrong("check_causal_attention", "wrong axis", lambda q, k, v: _masked(q, k, v, _tril(q), dim=-2))
+wrong("check_causal_attention", "inverted", lambda q, k, v: _masked(q, k, v, ~_tril(q, -1)).nan_to_num())
+wrong("check_causal_attention", "diagonal", lambda q, k, v: _masked(q, k, v, _tril(q, -1)))
+wrong("check_causal_attention", "has shape (2, 5, 3, 8)", lambda q, k, v: causal_attention(q, k, v).transpose(1, 2))
+
+# ---- 02: the KV cache -----------------------------------------------------------------------
+
+
+def kv_write(k_cache, v_cache, k_new, v_new, start):
+    t = k_new.shape[2]
+    k_cache[:, :, start : start + t] = k_new
+    v_cache[:, :, start : start + t] = v_new
+
+
+def kv_write_narrow(k_cache, v_cache, k_new, v_new, start):
+    for cache, new in ((k_cache, k_new), (v_cache, v_new)):
+        cache.narrow(2, start, new.shape[2]).copy_(new)
+
+
+def kv_write_rebinds(k_cache, v_cache, k_new, v_new, start):
+    k_cache = k_new  # noqa: F841 - the mistake under test
+    v_cache = v_new  # noqa: F841
+
+
+def kv_write_keys_only(k_cache, v_cache, k_new, v_new, start):
+    k_cache[:, :, start : start + k_new.shape[2]] = k_new
+
+
+def kv_write_heads_axis(k_cache, v_cache, k_new, v_new, start):
+    k_cache[:, start : start + k_new.shape[2]] = k_new
+    v_cache[:, start : start + v_new.shape[2]] = v_new
+
+
+def kv_write_swapped(k_cache, v_cache, k_new, v_new, start):
+    kv_write(k_cache, v_cache, v_new, k_new, start)
+
+
+def kv_write_first_token_only(k_cache, v_cache, k_new, v_new, start):
+    k_cache[:, :, start] = k_new[:, :, 0]
+    v_cache[:, :, start] = v_new[:, :, 0]
+
+
+right("check_kv_write", kv_write)
+right("check_kv_write", kv_write_narrow)
+wrong("check_kv_write", "still all zeros", kv_write_rebinds)
+wrong("check_kv_write", "positions [6, 7], expected [5, 6]", lambda kc, vc, k, v, s: kv_write(kc, vc, k, v, s + 1))
+wrong("check_kv_write", "value cache is still all zeros", kv_write_keys_only)
+wrong("check_kv_write", "your code raised RuntimeError", kv_write_heads_axis)
+wrong("check_kv_write", "k_cache[:, :, 5:7] after kv_write differs", kv_write_swapped)
+wrong("check_kv_write", "positions [5], expected [5, 6]", kv_write_first_token_only)
+
+right("check_kv_read", lambda k, v, n: (k[:, :, :n], v[:, :, :n]))
+right("check_kv_read", lambda k, v, n: [k.narrow(2, 0, n), v.narrow(2, 0, n)])
+wrong("check_kv_read", "off by one", lambda k, v, n: (k[:, :, : n - 1], v[:, :, : n - 1]))
+wrong("check_kv_read", "copied the cache", lambda k, v, n: (k[:, :, :n].clone(), v[:, :, :n].clone()))
+wrong("check_kv_read", "values returned by kv_read", lambda k, v, n: (k[:, :, :n], k[:, :, :n]))
+wrong("check_kv_read", "has shape (2, 3, 10, 4), expected (2, 3, 7, 4)", lambda k, v, n: (k, v))
+wrong("check_kv_read", "has shape (2, 3, 10, 4)", lambda k, v, n: (k[:, :n], v[:, :n]))
+wrong("check_kv_read", "keys returned by kv_read", lambda k, v, n: (k[:, :, -n:], v[:, :, -n:]))
+wrong("check_kv_read", "a pair", lambda k, v, n: torch.stack([k[:, :, :n], v[:, :, :n]]))
+
+
+def generate_cached(model, prompt_ids, max_new_tokens):
+    cache = new_cache(model, len(prompt_ids) + max_new_tokens)
+    logits = forward_step(model, list(prompt_ids), 0, cache)
+    new = [int(logits[-1].argmax())]
+    while len(new) < max_new_tokens:
+        logits = forward_step(model, [new[-1]], len(prompt_ids) + len(new) - 1, cache)
+        new.append(int(logits[-1].argmax()))
+    return new
+
+
+def generate_cached_positions(model, prompt_ids, max_new_tokens):
+    cache = new_cache(model, len(prompt_ids) + max_new_tokens)
+    position, feed, out = 0, list(prompt_ids), []
+    for _ in range(max_new_tokens):
+        token = int(forward_step(model, feed, position, cache)[-1].argmax())
+        out.append(token)
+        position += len(feed)
+        feed = [token]
+    return out
+
+
+def cached_wrong_position(model, prompt, n):
+    cache = new_cache(model, len(prompt) + n + 1)
+    new = [int(forward_step(model, list(prompt), 0, cache)[-1].argmax())]
+    while len(new) < n:
+        new.append(int(forward_step(model, [new[-1]], len(prompt) + len(new), cache)[-1].argmax()))
+    return new
+
+
+def cached_no_reuse(model, prompt, n):
+    new = []
+    for _ in range(n):
+        cache = new_cache(model, len(prompt) + n)
+        new.append(int(forward_step(model, list(prompt) + new, 0, cache)[-1].argmax()))
+    return new
+
+
+def cached_one_extra_step(model, prompt, n):
+    cache = new_cache(model, len(prompt) + n + 1)
+    new = [int(forward_step(model, list(prompt), 0, cache)[-1].argmax())]
+    for i in range(n):
+        new.append(int(forward_step(model, [new[-1]], len(prompt) + i, cache)[-1].argmax()))
+    return new[:n]
+
+
+def cached_split_prefill(model, prompt, n):
+    cache = new_cache(model, len(prompt) + n)
+    forward_step(model, list(prompt[:-1]), 0, cache)  # the prompt but its last token...
+    new = [int(forward_step(model, [prompt[-1]], len(prompt) - 1, cache)[-1].argmax())]  # ...then that one
+    while len(new) < n:
+        new.append(int(forward_step(model, [new[-1]], len(prompt) + len(new) - 1, cache)[-1].argmax()))
+    return new
+
+
+right("check_generate_cached", generate_cached)
+right("check_generate_cached", generate_cached_positions)
+wrong("check_generate_cached", "decode step 1 ran at position", cached_wrong_position)
+wrong("check_generate_cached", "feed only the newest token", cached_no_reuse)
+wrong("check_generate_cached", "one too many", cached_one_extra_step)
+wrong("check_generate_cached", "prompt tokens followed by", lambda m, p, n: list(p) + generate_cached(m, p, n))
+wrong("check_generate_cached", "the first forward pass wrote positions 0..9", cached_split_prefill)
+wrong("check_generate_cached", "never ran the model through the cache", generate_naive)
+
+# ---- 03: the paged KV cache -----------------------------------------------------------------
+
+
+def slot_mapping(block_table, start, num_tokens, block_size):
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, start + num_tokens)]
+
+
+def slot_mapping_divmod(block_table, start, num_tokens, block_size):
+    slots = []
+    for position in range(start, start + num_tokens):
+        block, offset = divmod(position, block_size)
+        slots.append(block_table[block] * block_size + offset)
+    return slots
+
+
+right("check_slot_mapping", slot_mapping)
+right("check_slot_mapping", slot_mapping_divmod)
+wrong("check_slot_mapping", "positions themselves", lambda t, s, n, b: list(range(s, s + n)))
+wrong("check_slot_mapping", "offsets inside blocks", lambda t, s, n, b: [p % b for p in range(s, s + n)])
+wrong(
+    "check_slot_mapping",
+    "expected [31, 8, 9, 10]",
+    lambda t, s, n, b: [t[p // b] + p % b for p in range(s, s + n)],
+)
+wrong(
+    "check_slot_mapping",
+    "your code raised IndexError",
+    lambda t, s, n, b: [t[p % b] * b + p // b for p in range(s, s + n)],
+)
+wrong("check_slot_mapping", "expected [31, 8, 9, 10]", lambda t, s, n, b: slot_mapping(t, s + 1, n, b))
+wrong("check_slot_mapping", "expected [31, 8, 9, 10]", lambda t, s, n, b: torch.tensor(slot_mapping(t, s, n, b)))
+
+
+def gather_kv(slots, block_tables, block_size):
+    b, n = block_tables.shape
+    blocks = slots.view(-1, block_size, *slots.shape[1:])
+    return blocks[block_tables].reshape(b, n * block_size, *slots.shape[1:]).transpose(1, 2)
+
+
+def gather_kv_rows(slots, block_tables, block_size):
+    rows = []
+    for table in block_tables.tolist():
+        index = torch.tensor([blk * block_size + i for blk in table for i in range(block_size)])
+        rows.append(slots.index_select(0, index).permute(1, 0, 2))
+    return torch.stack(rows)
+
+
+right("check_gather_kv", gather_kv)
+right("check_gather_kv", gather_kv_rows)
+wrong("check_gather_kv", "heads before positions", lambda s, t, b: gather_kv(s, t, b).transpose(1, 2))
+wrong("check_gather_kv", "one slot per block table entry", lambda s, t, b: s[t])
+wrong("check_gather_kv", "one slot per block table entry", lambda s, t, b: s[t * b])
+wrong("check_gather_kv", "block-table order", lambda s, t, b: gather_kv(s, t.sort(dim=1).values, b))
+wrong("check_gather_kv", "differs from the reference", lambda s, t, b: gather_kv(s, t[:1].expand_as(t), b))
+wrong("check_gather_kv", "has shape (2, 12, 3, 2)", lambda s, t, b: gather_kv(s, t, b).transpose(1, 2).transpose(2, 3))
+
+
+def take_free_block(bm):
+    if bm.free_ids:
+        block_id = bm.free_ids.popleft()
+    else:
+        block_id, _ = bm.evictable.popitem(last=False)
+        del bm.cached[bm.blocks[block_id].hash]
+        bm.blocks[block_id].hash = None
+    bm.blocks[block_id].ref_count = 1
+    return block_id
+
+
+def release_block(bm, block_id):
+    block = bm.blocks[block_id]
+    if block.ref_count == 0:
+        raise RuntimeError(f"double free of block {block_id}")
+    block.ref_count -= 1
+    if block.ref_count == 0:
+        if block.hash is not None:
+            bm.evictable[block_id] = None
+        else:
+            bm.free_ids.append(block_id)
+
+
+def take_free_block_stack(bm):
+    """Independent: the free list used as a stack, the oldest cached block found by iteration."""
+    if len(bm.free_ids) > 0:
+        chosen = bm.free_ids.pop()
+    else:
+        chosen = next(iter(bm.evictable))
+        bm.evictable.pop(chosen)
+        bm.cached.pop(bm.blocks[chosen].hash)
+        bm.blocks[chosen].hash = None
+    bm.blocks[chosen].ref_count += 1
+    return chosen
+
+
+def release_block_early_return(bm, block_id):
+    block = bm.blocks[block_id]
+    if block.ref_count < 1:
+        raise RuntimeError("double free")
+    block.ref_count -= 1
+    if block.ref_count > 0:
+        return
+    (bm.evictable.__setitem__(block_id, None) if block.hash is not None else bm.free_ids.append(block_id))
+
+
+def take_lifo(bm):
+    if bm.free_ids:
+        return take_free_block(bm)
+    block_id, _ = bm.evictable.popitem()  # the newest: the mistake under test
+    del bm.cached[bm.blocks[block_id].hash]
+    bm.blocks[block_id].hash = None
+    bm.blocks[block_id].ref_count = 1
+    return block_id
+
+
+def take_no_refcount(bm):
+    block_id = take_free_block(bm)
+    bm.blocks[block_id].ref_count = 0
+    return block_id
+
+
+def take_without_removing(bm):
+    block_id = bm.free_ids[0]
+    bm.blocks[block_id].ref_count = 1
+    return block_id
+
+
+def release_at_once(bm, block_id):
+    bm.blocks[block_id].ref_count = 0
+    bm.free_ids.append(block_id)
+
+
+def release_no_double_free_check(bm, block_id):
+    block = bm.blocks[block_id]
+    block.ref_count = max(0, block.ref_count - 1)
+    if block.ref_count == 0 and block_id not in bm.free_ids and block_id not in bm.evictable:
+        (bm.evictable.__setitem__(block_id, None) if block.hash is not None else bm.free_ids.append(block_id))
+
+
+def release_forgets_cache(bm, block_id):
+    block = bm.blocks[block_id]
+    if block.ref_count == 0:
+        raise RuntimeError("double free")
+    block.ref_count -= 1
+    if block.ref_count == 0:
+        bm.free_ids.append(block_id)
+
+
+def take_keeps_hash(bm):
+    if bm.free_ids:
+        return take_free_block(bm)
+    block_id, _ = bm.evictable.popitem(last=False)
+    bm.blocks[block_id].ref_count = 1
+    return block_id
+
+
+right("check_block_allocation", take_free_block, release_block)
+right("check_block_allocation", take_free_block_stack, release_block_early_return)
+wrong("check_block_allocation", "not the least recently used", take_lifo, release_block)
+wrong("check_block_allocation", "ref_count 1", take_no_refcount, release_block)
+wrong("check_block_allocation", "handed out once", take_without_removing, release_block)
+wrong("check_block_allocation", "shared by two sequences", take_free_block, release_at_once)
+wrong("check_block_allocation", "double free", take_free_block, release_no_double_free_check)
+wrong("check_block_allocation", "should go to bm.evictable", take_free_block, release_forgets_cache)
+wrong("check_block_allocation", "delete its hash", take_keeps_hash, release_block)
+
+
+def block_hash(parent_hash, token_ids):
+    h = hashlib.sha256()
+    h.update((parent_hash or 0).to_bytes(8, "little"))
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return int.from_bytes(h.digest()[:8], "little")
+
+
+def block_hash_text(parent_hash, token_ids):
+    text = f"{parent_hash}|{','.join(map(str, token_ids))}"
+    return int(hashlib.blake2b(text.encode(), digest_size=8).hexdigest(), 16)
+
+
+def _sha_tokens(token_ids):
+    return int(hashlib.sha256(repr(list(token_ids)).encode()).hexdigest()[:15], 16)
+
+
+right("check_block_hash", block_hash)
+right("check_block_hash", block_hash_text)
+wrong("check_block_hash", "different prefixes", lambda parent, ids: _sha_tokens(ids))
+wrong("check_block_hash", "swapped order", lambda parent, ids: (parent or 0) ^ _sha_tokens(ids))
+wrong("check_block_hash", "built-in hash()", lambda parent, ids: hash((parent, tuple(ids))))
+wrong("check_block_hash", "ignores the order", lambda parent, ids: (parent or 0) * 31 + sum(ids))
+wrong(
+    "check_block_hash",
+    "should return an int",
+    lambda parent, ids: hashlib.sha256(repr((parent, ids)).encode()).hexdigest(),
+)
+wrong(
+    "check_block_hash",
+    "different results for the same tokens",
+    lambda parent, ids: int(hashlib.sha256(repr((parent, ids)).encode()).hexdigest()[:15], 16),
+)
+
+# ---- 04: batching ---------------------------------------------------------------------------
+
+
+def chunk_tokens(remaining, budget, chunked_prefill, step_is_empty):
+    if chunked_prefill:
+        return min(remaining, budget)
+    return remaining if remaining <= budget or step_is_empty else 0
+
+
+def chunk_tokens_nested(remaining, budget, chunked_prefill, step_is_empty):
+    fits = remaining <= budget
+    if fits:
+        return remaining
+    if chunked_prefill:
+        return budget
+    if step_is_empty:
+        return remaining  # a prompt longer than the whole budget runs alone
+    return 0
+
+
+right("check_chunk_tokens", chunk_tokens)
+right("check_chunk_tokens", chunk_tokens_nested)
+wrong("check_chunk_tokens", "waits for a later step", lambda r, b, c, e: min(r, b))
+wrong("check_chunk_tokens", "runs alone in an empty step", lambda r, b, c, e: chunk_tokens(r, b, c, False))
+wrong("check_chunk_tokens", "takes what is left of the budget", lambda r, b, c, e: r)
+wrong("check_chunk_tokens", "a decode needs one token", lambda r, b, c, e: b if c else chunk_tokens(r, b, c, e))
+wrong("check_chunk_tokens", "an exhausted budget runs nothing", lambda r, b, c, e: max(1, chunk_tokens(r, b, c, e)))
+wrong(
+    "check_chunk_tokens",
+    "exactly the size of the budget",
+    lambda r, b, c, e: min(r, b) if c else (r if r < b or e else 0),
+)
+
+
+def choose_victim(seq, candidates):
+    victim = max(candidates, key=lambda s: s.sort_key, default=seq)
+    return seq if victim.sort_key < seq.sort_key else victim
+
+
+def choose_victim_sorted(seq, candidates):
+    return sorted([seq, *candidates], key=lambda s: s.sort_key)[-1]
+
+
+right("check_choose_victim", choose_victim)
+right("check_choose_victim", choose_victim_sorted)
+wrong("check_choose_victim", "latest arrival among equals", lambda seq, c: c[0] if c else seq)
+wrong("check_choose_victim", "must not depend on the order", lambda seq, c: c[-1] if c else seq)
+wrong("check_choose_victim", "latest arrival", lambda seq, c: min(c, key=lambda s: s.sort_key, default=seq))
+wrong("check_choose_victim", "seq preempts itself", lambda seq, c: max(c, key=lambda s: s.sort_key, default=seq))
+wrong("check_choose_victim", "latest arrival", lambda seq, c: seq)
+wrong(
+    "check_choose_victim",
+    "a lower priority",
+    lambda seq, c: max([seq, *c], key=lambda s: s.sort_key[1]),
+)
+
+
+def schedule_continuous(scheduler):
+    out = SchedulerOutput()
+    budget = scheduler.max_num_batched_tokens
+    for seq in scheduler.running_in_order():
+        if budget == 0:
+            break
+        if seq.status is not SequenceStatus.RUNNING:
+            continue
+        n = scheduler.tokens_to_run(seq, budget, out)
+        if n and scheduler.reserve(seq, n, out):
+            budget -= n
+    if not out.preempted:
+        for seq in scheduler.waiting_in_order():
+            if len(scheduler.running) >= scheduler.max_num_seqs or budget == 0:
+                break
+            n = scheduler.try_admit(seq, budget, out)
+            if n == 0:
+                break
+            budget -= n
+    return out
+
+
+def schedule_continuous_queue(scheduler):
+    """Independent: counts what is used instead of what is left, walks the queue by index."""
+    out = SchedulerOutput()
+    used = 0
+    for seq in [s for s in scheduler.running_in_order()]:
+        if seq.status != SequenceStatus.RUNNING or used >= scheduler.max_num_batched_tokens:
+            continue
+        n = scheduler.tokens_to_run(seq, scheduler.max_num_batched_tokens - used, out)
+        if n > 0 and scheduler.reserve(seq, n, out):
+            used += n
+    queue = scheduler.waiting_in_order()
+    i = 0
+    while not out.preempted and i < len(queue) and len(scheduler.running) < scheduler.max_num_seqs:
+        left = scheduler.max_num_batched_tokens - used
+        if left <= 0:
+            break
+        n = scheduler.try_admit(queue[i], left, out)
+        if not n:
+            break
+        used += n
+        i += 1
+    return out
+
+
+def _decodes(scheduler, out, budget, check_status=True):
+    for seq in scheduler.running_in_order():
+        if budget == 0:
+            break
+        if check_status and seq.status is not SequenceStatus.RUNNING:
+            continue
+        n = scheduler.tokens_to_run(seq, budget, out)
+        if n and scheduler.reserve(seq, n, out):
+            budget -= n
+    return budget
+
+
+def _admit(scheduler, out, budget, order=None, fcfs=True, after_preempt=False):
+    if out.preempted and not after_preempt:
+        return
+    for seq in order if order is not None else scheduler.waiting_in_order():
+        if len(scheduler.running) >= scheduler.max_num_seqs or budget == 0:
+            break
+        n = scheduler.try_admit(seq, budget, out)
+        if n == 0:
+            if fcfs:
+                break
+            continue
+        budget -= n
+
+
+def schedule_static_like(scheduler):
+    out = SchedulerOutput()
+    budget = _decodes(scheduler, out, scheduler.max_num_batched_tokens)
+    if not scheduler.running:
+        _admit(scheduler, out, budget)
+    return out
+
+
+def schedule_admit_only(scheduler):
+    out = SchedulerOutput()
+    _admit(scheduler, out, scheduler.max_num_batched_tokens)
+    return out
+
+
+def schedule_no_status_check(scheduler):
+    out = SchedulerOutput()
+    _admit(scheduler, out, _decodes(scheduler, out, scheduler.max_num_batched_tokens, check_status=False))
+    return out
+
+
+def schedule_admits_after_preempting(scheduler):
+    out = SchedulerOutput()
+    _admit(scheduler, out, _decodes(scheduler, out, scheduler.max_num_batched_tokens), after_preempt=True)
+    return out
+
+
+def schedule_newest_first(scheduler):
+    out = SchedulerOutput()
+    budget = _decodes(scheduler, out, scheduler.max_num_batched_tokens)
+    _admit(scheduler, out, budget, order=scheduler.waiting_in_order()[::-1])
+    return out
+
+
+def schedule_over_budget(scheduler):
+    out = SchedulerOutput()
+    for seq in scheduler.running_in_order():
+        if seq.status is SequenceStatus.RUNNING:
+            n = scheduler.tokens_to_run(seq, scheduler.max_num_batched_tokens, out)
+            if n:
+                scheduler.reserve(seq, n, out)
+    _admit(scheduler, out, scheduler.max_num_batched_tokens)
+    return out
+
+
+right("check_continuous_schedule", schedule_continuous)
+right("check_continuous_schedule", schedule_continuous_queue)
+wrong("check_continuous_schedule", "static batching", schedule_static_like)
+wrong("check_continuous_schedule", "unfinished", schedule_admit_only)
+wrong("check_continuous_schedule", "preempted earlier in the same step", schedule_no_status_check)
+wrong("check_continuous_schedule", "admit only in a step that preempted nothing", schedule_admits_after_preempting)
+wrong("check_continuous_schedule", "first come, first served", schedule_newest_first)
+wrong("check_continuous_schedule", "over the budget", schedule_over_budget)
+
+# ---- 05: attention variants -----------------------------------------------------------------
+
+
+def gqa_attention(q, k, v, mask, scale):
+    b, h, t, d = q.shape
+    kv, s = k.shape[1], k.shape[2]
+    g = h // kv
+    scores = (q.reshape(b, kv, g * t, d) @ k.transpose(-1, -2)).float() * scale
+    if mask is not None:
+        scores = scores.view(b, kv, g, t, s).masked_fill(~mask.unsqueeze(2), float("-inf")).view(b, kv, g * t, s)
+    out = torch.softmax(scores, dim=-1).to(v.dtype) @ v
+    return out.view(b, h, t, d)
+
+
+def gqa_attention_einsum(q, k, v, mask, scale):
+    b, h, t, d = q.shape
+    kv = k.shape[1]
+    grouped = q.reshape(b, kv, h // kv, t, d)
+    scores = torch.einsum("bkgtd,bksd->bkgts", grouped, k) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    return torch.einsum("bkgts,bksd->bkgtd", weights, v).reshape(b, h, t, d)
+
+
+def _gqa_repeat(q, k, v, mask, scale, tile=False, scaled=True, masked=True):
+    g = q.shape[1] // k.shape[1]
+    if tile:
+        k, v = k.repeat(1, g, 1, 1), v.repeat(1, g, 1, 1)
+    else:
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    scores = (q @ k.transpose(-1, -2)) * (scale if scaled else 1.0)
+    if masked and mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, -1) @ v
+
+
+def gqa_view(q, k, v, mask, scale):
+    b, h, t, d = q.shape
+    q.view(b, k.shape[1], (h // k.shape[1]) * t, d)  # raises on a non-contiguous q
+    return gqa_attention(q, k, v, mask, scale)
+
+
+def gqa_mask_interleaved(q, k, v, mask, scale):
+    b, h, t, d = q.shape
+    kv, g = k.shape[1], h // k.shape[1]
+    scores = (q.reshape(b, kv, g * t, d) @ k.transpose(-1, -2)).float() * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask.repeat_interleave(g, dim=2), float("-inf"))  # rows are g-major
+    return (torch.softmax(scores, -1) @ v).reshape(b, h, t, d)
+
+
+def gqa_expand_reshape(q, k, v, mask, scale):
+    b, kv, s, d = k.shape
+    g = q.shape[1] // kv
+    k = k[:, :, None].expand(b, kv, g, s, d).reshape(b, kv * g, s, d)
+    v = v[:, :, None].expand(b, kv, g, s, d).reshape(b, kv * g, s, d)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, -1) @ v
+
+
+right("check_gqa_attention", gqa_attention)
+right("check_gqa_attention", gqa_attention_einsum)
+wrong("check_gqa_attention", "made a copy of K/V 3× their size", _gqa_repeat)
+wrong("check_gqa_attention", "wrong K/V heads", lambda *a: _gqa_repeat(*a, tile=True))
+wrong("check_gqa_attention", "your code raised RuntimeError", gqa_view)
+wrong("check_gqa_attention", "differs from the reference", gqa_mask_interleaved)
+wrong("check_gqa_attention", "made a copy of K/V 3× their size", gqa_expand_reshape)
+wrong("check_gqa_attention", "differs from the reference", lambda q, k, v, m, s: gqa_attention(q, k, v, None, s))
+wrong("check_gqa_attention", "differs from the reference", lambda q, k, v, m, s: gqa_attention(q, k, v, m, 1.0))
+
+
+def blocks_behind_window(num_computed_tokens, window, block_size):
+    return max(0, num_computed_tokens - window + 1) // block_size
+
+
+def blocks_behind_window_loop(num_computed_tokens, window, block_size):
+    first_visible = num_computed_tokens - window + 1
+    count = 0
+    while (count + 1) * block_size <= first_visible:  # the whole block ends before the window
+        count += 1
+    return count
+
+
+right("check_window_release", blocks_behind_window)
+right("check_window_release", blocks_behind_window_loop)
+wrong("check_window_release", "(position 11) sees positions 4..11", lambda n, w, b: max(0, n - w) // b)
+wrong("check_window_release", "still sees position 1", lambda n, w, b: max(0, -(-(n - w + 1) // b)))
+wrong("check_window_release", "shorter than the window", lambda n, w, b: n // b)
+wrong("check_window_release", "behind the window", lambda n, w, b: 0)
+wrong("check_window_release", "returned -1, expected 0", lambda n, w, b: (n - w + 1) // b)
+wrong("check_window_release", "shorter than the window", lambda n, w, b: w // b)
+
+# ---- 06: FlashAttention (the online softmax; the Triton kernel is in test_check_catalogue) ---
+
+
+def online_softmax_update(m, l_sum, acc, scores, v):
+    m_new = torch.maximum(m, scores.max(dim=-1).values)
+    alpha = torch.exp(m - m_new)
+    p = torch.exp(scores - m_new[:, None])
+    return m_new, l_sum * alpha + p.sum(-1), acc * alpha[:, None] + p @ v
+
+
+def online_softmax_logsumexp(m, l_sum, acc, scores, v):
+    tile_max = scores.amax(dim=1)
+    new_max = torch.where(tile_max > m, tile_max, m)
+    old_weight = (m - new_max).exp()
+    weights = (scores - new_max.unsqueeze(1)).exp()
+    return new_max, old_weight * l_sum + weights.sum(1), old_weight.unsqueeze(1) * acc + weights @ v
+
+
+def _online(m, l_sum, acc, scores, v, rescale_l=True, rescale_acc=True, running=True, subtract=True):
+    m_new = torch.maximum(m, scores.max(-1).values) if running else scores.max(-1).values
+    alpha = torch.exp(m - m_new)
+    p = torch.exp(scores - m_new[:, None]) if subtract else torch.exp(scores)
+    return (
+        m_new,
+        (l_sum * alpha if rescale_l else l_sum) + p.sum(-1),
+        (acc * alpha[:, None] if rescale_acc else acc) + p @ v,
+    )
+
+
+right("check_online_softmax", online_softmax_update)
+right("check_online_softmax", online_softmax_logsumexp)
+wrong("check_online_softmax", "never rescaled", lambda *a: _online(*a, rescale_l=False))
+wrong("check_online_softmax", "rescale the accumulator", lambda *a: _online(*a, rescale_acc=False))
+wrong("check_online_softmax", "running max m", lambda *a: _online(*a, running=False))
+wrong(
+    "check_online_softmax",
+    "plain sum of exp(scores)",
+    lambda *a: _online(*a, subtract=False, rescale_l=False, rescale_acc=False),
+)
+wrong("check_online_softmax", "should return (m, l, acc)", lambda *a: _online(*a)[1:])
