@@ -247,3 +247,36 @@ def test_package_functions_are_not_graded_as_the_learners(check, args):
 
 def test_reference_answers_of_other_tests_still_pass():
     assert course.check_causal_attention(causal_attention).status == PASS
+
+
+def test_in_a_notebook_a_failed_check_is_a_short_red_line():
+    """What a learner sees in Jupyter: one red line for a wrong answer; for a crash, that line
+    plus the learner's own frames — not a traceback through the package."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("from minillm.course import check_next_token"),
+        nbformat.v4.new_code_cell("def next_token(logits):\n    return int(logits[0].argmax())"),
+        nbformat.v4.new_code_cell("check_next_token(next_token)"),
+        nbformat.v4.new_code_cell(
+            "def next_token(logits):\n    return pick(logits)\n\ndef pick(logits):\n    return 1 // 0"
+        ),
+        nbformat.v4.new_code_cell("check_next_token(next_token)"),
+        nbformat.v4.new_code_cell("def next_token(logits):\n    return int(logits[-1].argmax())"),
+        nbformat.v4.new_code_cell("check_next_token(next_token)"),
+    ]
+    NotebookClient(nb, timeout=120, allow_errors=True, kernel_name="python3").execute()
+    wrong = [o for o in nb.cells[2].outputs if o.output_type == "error"][0]
+    assert len(wrong.traceback) == 1
+    assert wrong.traceback[0].startswith("\x1b[31m❌ check_next_token: next_token returned 6, the argmax of position 0")
+    crash = [o for o in nb.cells[4].outputs if o.output_type == "error"][0]
+    assert crash.traceback[0] == (
+        "\x1b[31m❌ check_next_token: your code raised ZeroDivisionError: integer division or modulo by zero\x1b[0m"
+    )
+    frames = "".join(crash.traceback[1:])
+    assert "return pick(logits)" in frames and "return 1 // 0" in frames
+    assert "minillm" not in frames and len(crash.traceback) <= 4
+    right = "".join(o.get("text", "") for o in nb.cells[6].outputs)
+    assert right.startswith("✅ check_next_token: you picked token")

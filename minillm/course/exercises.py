@@ -22,6 +22,11 @@ class Exercise:
     hints: tuple[str, str]  # a nudge, then nearly the answer
 
     @property
+    def functions(self) -> list[str]:
+        """The names the check cell passes: the functions the learner writes."""
+        return [name.strip() for name in self.call[self.call.index("(") + 1 : -1].split(",")]
+
+    @property
     def stars(self) -> str:
         return "★" * self.difficulty + "☆" * (3 - self.difficulty)
 
@@ -268,9 +273,11 @@ def chapters() -> dict[str, list[str]]:
 def hint(exercise: str, level: int = 1) -> None:
     """Print a hint for ``exercise`` (a check name, or the function the exercise asks for):
     level 1 nudges, level 2 all but gives the answer."""
-    e = BY_CHECK.get(exercise) or next((x for x in EXERCISES if f"({exercise}" in x.call), None)
+    e = BY_CHECK.get(exercise) or BY_CHECK.get(f"check_{exercise}") or next(
+        (x for x in EXERCISES if exercise in x.functions), None
+    )
     if e is None:
-        names = ", ".join(sorted(x.call[x.call.index("(") + 1 : -1] for x in EXERCISES))
+        names = ", ".join(sorted(f for x in EXERCISES for f in x.functions))
         raise ValueError(f"no exercise called {exercise!r}; the exercises are: {names}")
     if level not in (1, 2):
         raise ValueError(f"hint level must be 1 or 2, got {level!r}")
