@@ -233,11 +233,16 @@ def cmd_bench(args) -> int:
 
 
 def cmd_course_build(args) -> int:
+    import warnings
     from pathlib import Path
 
-    from minillm.course.build import build
+    from minillm.course.build import ExerciseWarning, build
 
-    differing = build(Path(args.solutions), Path(args.notebooks), check_only=args.check)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ExerciseWarning)
+        differing = build(Path(args.solutions), Path(args.notebooks), check_only=args.check)
+    for message in dict.fromkeys(str(w.message) for w in caught):  # each once, in order
+        print(f"warning: {message}", file=sys.stderr)
     if args.check:
         for path in differing:
             print(f"out of date: {path}")
@@ -246,25 +251,54 @@ def cmd_course_build(args) -> int:
     return 0
 
 
+DEFAULT_GRADE_TIMEOUT = 900  # = minillm.course.grade.DEFAULT_TIMEOUT (not imported: it imports torch)
+
+
+def cmd_course_nbgrader_source(args) -> int:
+    from pathlib import Path
+
+    from minillm.course.build import nbgrader_source
+
+    try:
+        written = nbgrader_source(Path(args.solutions), Path(args.course), args.chapter, overwrite=args.overwrite)
+    except FileExistsError as err:
+        raise ValueError(str(err)) from None
+    for path in written:
+        print(f"wrote {path}")
+    print(f"next, in {args.course}: nbgrader generate_assignment <chapter> (see docs/instructors.md)")
+    return 0
+
+
 def cmd_course_grade(args) -> int:
     from pathlib import Path
 
-    from minillm.course.grade import grade_folder, grade_notebook
+    from minillm.course.grade import grade_folder, grade_notebook, write_csv
 
     path = Path(args.path)
     if args.timeout <= 0:
-        raise ValueError(f"--timeout {args.timeout}: the seconds allowed per cell must be positive")
+        raise ValueError(f"--timeout {args.timeout}: the seconds allowed per notebook must be positive")
     if path.is_dir():
         grades = grade_folder(path, args.csv, timeout=args.timeout)
     elif path.is_file():
         grades = [grade_notebook(path, timeout=args.timeout)]
+        if args.csv:
+            write_csv(grades, args.csv)
     else:
         raise FileNotFoundError(f"{path}: no such notebook or folder")
     if args.json:
-        print(json.dumps([g.as_dict() for g in grades], indent=2))
+        print(json.dumps([g.as_dict() for g in grades], indent=2, ensure_ascii=False))
     else:
         for g in grades:
             print(g.as_text())
+        course = [g for g in grades if g.course]
+        if len(grades) > 1:
+            points = sum(g.points for g in course)
+            most = sum(g.max_points for g in course)
+            print(
+                f"{len(grades)} notebooks ({len(grades) - len(course)} not course notebooks): {points}/{most} points in all"
+            )
+        if path.is_dir():
+            print(f"wrote {args.csv or path / 'grades.csv'}")
     return 0
 
 
@@ -312,11 +346,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--notebooks", default="notebooks")
     p.add_argument("--check", action="store_true", help="only report notebooks that are out of date (exit 1)")
     p.set_defaults(func=cmd_course_build)
-    p = course_sub.add_parser("grade", help="run a notebook (or every notebook in a folder) and report its checks")
+    p = course_sub.add_parser(
+        "nbgrader-source", help="write the solved chapters as nbgrader source notebooks (COURSE/source/<chapter>/)"
+    )
+    p.add_argument("course", help="the nbgrader course folder (created if missing)")
+    p.add_argument("--solutions", default="solutions")
+    p.add_argument("--chapter", action="append", help="only this chapter, e.g. 01_prefill_and_decode (repeatable)")
+    p.add_argument("--overwrite", action="store_true", help="replace source notebooks that already exist")
+    p.set_defaults(func=cmd_course_nbgrader_source)
+    p = course_sub.add_parser(
+        "grade", help="run a notebook (or every notebook in a folder) and report its checks and points"
+    )
     p.add_argument("path", help="a .ipynb file or a folder of submissions")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.add_argument("--csv", default=None, help="CSV path for a folder (default: FOLDER/grades.csv)")
-    p.add_argument("--timeout", type=int, default=600, help="seconds each cell may run (default: 600)")
+    p.add_argument("--csv", default=None, help="write a CSV here (a folder: default FOLDER/grades.csv)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_GRADE_TIMEOUT,
+        help=f"seconds each notebook may run, all cells together (default: {DEFAULT_GRADE_TIMEOUT})",
+    )
     p.set_defaults(func=cmd_course_grade)
     return parser
 

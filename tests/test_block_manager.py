@@ -294,7 +294,9 @@ def test_block_hash_is_the_same_in_every_process():
             capture_output=True,
             text=True,
             check=True,
-        ).stdout.split()[0:2].__repr__()
+        )
+        .stdout.split()[0:2]
+        .__repr__()
         for seed in ("1", "2", "random")
     }
     here = block_hash(None, [1, 2, 3, 4])

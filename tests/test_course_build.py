@@ -9,7 +9,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from minillm.course.build import build, strip_solutions, student_notebook
+from minillm.course.build import build, read_notebook, strip_solutions, student_notebook
 from minillm.course.grade import grade_folder, grade_notebook
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,7 +44,7 @@ def test_malformed_regions_are_reported(source, message):
 
 def test_student_notebooks_have_no_solutions_no_outputs_and_tags():
     for path in SOLUTIONS.glob("*.ipynb"):
-        student = student_notebook(nbformat.read(path, as_version=4))
+        student = student_notebook(nbformat.read(path, as_version=4), chapter=path.stem)
         assert "widgets" not in student.metadata  # no megabytes of saved widget JavaScript
         for cell in student.cells:
             assert "### BEGIN SOLUTION" not in cell.source
@@ -82,8 +82,10 @@ def test_grading_a_folder_writes_a_csv(tmp_path):
     assert by_name["alice"].passed == 2
     failed = [r for r in by_name["alice"].results if r.status == "fail"]
     assert failed[0].check == "check_causal_attention" and "not scaled" in failed[0].message
+    assert (by_name["alice"].points, by_name["alice"].max_points) == (3, 5)
     rows = list(csv.DictReader(open(submissions / "grades.csv")))
     assert len(rows) == 2 and {r["check_causal_attention"] for r in rows} == {"pass", "fail"}
+    assert {(r["points"], r["max_points"]) for r in rows} == {("5", "5"), ("3", "5")}
 
 
 # ------------------------------------------------------------------------------------------
@@ -181,3 +183,264 @@ def test_a_renamed_copy_is_still_graded_as_its_chapter(tmp_path):
     grade = grade_notebook(path, timeout=120)
     assert [r.check for r in grade.results] == ["check_next_token", "check_generate_naive", "check_causal_attention"]
     assert [r.status for r in grade.results] == ["not attempted"] * 3, grade.as_text()
+
+
+# ------------------------------------------------------------------------------------------
+# Student notebooks are nbgrader release notebooks; nbgrader source notebooks
+# ------------------------------------------------------------------------------------------
+
+CH01 = "01_prefill_and_decode"
+
+
+def test_built_notebooks_carry_their_chapter_and_nbgrader_metadata():
+    from minillm.course import EXERCISES
+    from minillm.course.build import nbgrader_checksum
+
+    for path in NOTEBOOKS.glob("*.ipynb"):
+        nb = nbformat.read(path, as_version=4)
+        assert nb.metadata["minillm"]["chapter"] == path.stem
+        graded = {c.metadata.nbgrader.grade_id: c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade")}
+        exercises = [e for e in EXERCISES if e.chapter == path.stem]
+        assert sorted(graded) == sorted(e.check for e in exercises), path.name
+        for e in exercises:
+            cell = graded[e.check]
+            assert cell.source == e.call and "check" in cell.metadata.tags
+            assert cell.metadata.nbgrader == {
+                "schema_version": 3,
+                "grade": True,
+                "solution": False,
+                "locked": True,
+                "grade_id": e.check,
+                "points": e.points,
+                "checksum": nbgrader_checksum(cell),
+                "cell_type": "code",
+            }
+            assert cell.metadata.editable is False and cell.metadata.deletable is False
+        ids = []
+        for cell in nb.cells:
+            meta = cell.metadata.get("nbgrader")
+            assert "HIDDEN TESTS" not in cell.source and "BEGIN SOLUTION" not in cell.source
+            if "exercise" in cell.metadata.get("tags", []):
+                assert meta["solution"] and not meta["grade"] and not meta["locked"], path.name
+                assert meta["grade_id"].startswith("answer_") and cell.metadata.deletable is False
+            if meta:
+                ids.append(meta["grade_id"])
+                assert meta["checksum"] == nbgrader_checksum(cell)
+        assert len(ids) == len(set(ids)), path.name
+
+
+def test_source_check_cells_end_in_a_hidden_test_the_release_removes():
+    from minillm.course.build import release_notebook, source_notebook
+
+    source = source_notebook(read_notebook(SOLUTIONS / f"{CH01}.ipynb"), chapter=CH01)
+    checks = [c for c in source.cells if c.metadata.get("nbgrader", {}).get("grade")]
+    assert [c.metadata.nbgrader.grade_id for c in checks] == [
+        "check_next_token",
+        "check_generate_naive",
+        "check_causal_attention",
+    ]
+    for cell in checks:
+        name = cell.metadata.nbgrader.grade_id
+        assert cell.source.startswith(f"{name}(") and f"require_pass({name!r})" in cell.source
+        assert "### BEGIN HIDDEN TESTS" in cell.source and cell.outputs  # the source keeps its outputs
+    release = release_notebook(source)
+    assert release == nbformat.read(NOTEBOOKS / f"{CH01}.ipynb", as_version=4)
+
+
+def test_hidden_tests_written_in_a_solution_are_kept_for_nbgrader_and_stripped_for_students():
+    from minillm.course.build import source_notebook
+
+    solved = read_notebook(SOLUTIONS / f"{CH01}.ipynb")
+    with_tests = read_notebook(SOLUTIONS / f"{CH01}.ipynb")
+    cell = next(c for c in with_tests.cells if c.source == "check_next_token(next_token)")
+    cell.source += "\n### BEGIN HIDDEN TESTS\nassert next_token(torch.eye(3)) == 2\n### END HIDDEN TESTS"
+    assert student_notebook(with_tests, chapter=CH01) == student_notebook(solved, chapter=CH01)
+    source = source_notebook(with_tests, chapter=CH01)
+    cell = next(c for c in source.cells if c.source.startswith("check_next_token("))
+    assert "assert next_token(torch.eye(3)) == 2" in cell.source and "require_pass(" in cell.source
+
+    stray = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell.source.replace("check_", "x_"))])
+    with pytest.raises(ValueError, match="hidden-test region outside a graded check cell"):
+        student_notebook(stray)
+
+
+def test_an_exercise_without_its_check_cell_is_an_error_for_nbgrader_and_a_warning_for_the_build():
+    from minillm.course.build import source_notebook
+
+    nb = read_notebook(SOLUTIONS / f"{CH01}.ipynb")
+    nb.cells = [c for c in nb.cells if c.source != "check_generate_naive(generate_naive)"]
+    with pytest.raises(ValueError, match="check_generate_naive"):
+        source_notebook(nb, chapter=CH01)
+    with pytest.warns(UserWarning, match="check_generate_naive"):
+        student = student_notebook(nb, chapter=CH01)
+    assert sum(bool(c.metadata.get("nbgrader", {}).get("grade")) for c in student.cells) == 2
+
+
+def test_nbgrader_source_writes_an_nbgrader_course(tmp_path, capsys):
+    from minillm.cli import main
+    from minillm.course.build import nbgrader_source
+
+    written = nbgrader_source(SOLUTIONS, tmp_path, [CH01])
+    source = tmp_path / "source" / CH01 / f"{CH01}.ipynb"
+    assert written == [source, tmp_path / "nbgrader_config.py"]
+    assert nbformat.read(source, as_version=4).metadata.minillm.chapter == CH01
+    assert "c.Execute.timeout" in (tmp_path / "nbgrader_config.py").read_text()
+    with pytest.raises(FileExistsError):  # an instructor's edited source is not overwritten
+        nbgrader_source(SOLUTIONS, tmp_path, [CH01])
+    with pytest.raises(ValueError, match="no chapter 99_nothing"):
+        nbgrader_source(SOLUTIONS, tmp_path, ["99_nothing"])
+    (tmp_path / "nbgrader_config.py").write_text("c = get_config()\n")  # their own config is kept
+    assert main(["course", "nbgrader-source", str(tmp_path), "--chapter", CH01, "--overwrite"]) == 0
+    assert (tmp_path / "nbgrader_config.py").read_text() == "c = get_config()\n"
+    assert f"wrote {source}" in capsys.readouterr().out
+
+
+def test_student_notebooks_are_what_nbgrader_generate_assignment_makes():
+    """nbgrader's own generate_assignment steps (all but saving to its database), run on our
+    source notebooks, give exactly the built notebooks: checksums, locks, stubs and all."""
+    pytest.importorskip("nbgrader")
+    import warnings
+
+    from nbgrader.converters.generate_assignment import GenerateAssignment
+    from nbgrader.nbgraderformat import MetadataValidator
+    from nbgrader.preprocessors import SaveCells
+    from nbgrader.utils import compute_checksum
+
+    from minillm.course.build import source_notebook
+
+    for path in sorted(SOLUTIONS.glob("*.ipynb")):
+        with warnings.catch_warnings():  # completeness is the test above's business
+            warnings.simplefilter("ignore")
+            nb = source_notebook(read_notebook(path), chapter=path.stem, strict=False)
+        MetadataValidator().validate_nb(nb)
+        resources: dict = {}
+        for step in GenerateAssignment.preprocessors.default():
+            if step is not SaveCells:
+                nb, resources = step().preprocess(nb, resources)
+        built = nbformat.read(NOTEBOOKS / path.name, as_version=4)
+        assert nb == built, f"{path.name}: the build and nbgrader disagree"
+        for cell in built.cells:
+            if "nbgrader" in cell.metadata:
+                assert cell.metadata.nbgrader.checksum == compute_checksum(cell)
+
+
+# ------------------------------------------------------------------------------------------
+# The grader: chapter from metadata, points, time limit, notebooks that are not the course's
+# ------------------------------------------------------------------------------------------
+
+
+def test_the_chapter_comes_from_the_notebook_metadata_first(tmp_path):
+    from minillm.course.grade import find_chapter
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1")])
+    nb.metadata["minillm"] = {"chapter": CH01}
+    assert find_chapter(tmp_path / "02_kv_cache.ipynb", nb) == CH01  # metadata beats the file name
+    assert find_chapter(tmp_path / "whatever-Copy1.ipynb", nb) == CH01  # a renamed copy, checks deleted
+    nb.metadata["minillm"] = {"chapter": "99_future_chapter"}
+    assert find_chapter(tmp_path / "02_kv_cache.ipynb", nb) == "02_kv_cache"
+    nb.metadata.pop("minillm")
+    assert find_chapter(tmp_path / "mine.ipynb", nb) is None
+    nb.cells.append(nbformat.v4.new_code_cell("check_kv_read(kv_read)"))
+    assert find_chapter(tmp_path / "mine.ipynb", nb) == "02_kv_cache"
+
+
+def test_a_notebook_that_is_not_part_of_the_course_is_reported_as_such(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("raise SystemExit('never run')")])
+    nbformat.write(nb, tmp_path / "homework.ipynb")
+    grade = grade_notebook(tmp_path / "homework.ipynb")
+    assert not grade.course and grade.results == []
+    assert grade.as_text().startswith(f"{tmp_path / 'homework.ipynb'}: not a course notebook")
+    assert grade.as_dict()["points"] is None and grade.as_dict()["course_notebook"] is False
+    grade_folder(tmp_path)
+    (row,) = csv.DictReader(open(tmp_path / "grades.csv"))
+    assert row["points"] == "" and row["error"].startswith("not a course notebook")
+
+
+def test_points_and_totals_in_text():
+    from minillm.course.grade import NotebookGrade
+    from minillm.course.results import CheckResult
+
+    grade = NotebookGrade(
+        "alice.ipynb",
+        CH01,
+        [
+            CheckResult("check_next_token", "pass", "ok"),
+            CheckResult("check_generate_naive", "not attempted", "not attempted yet"),
+            CheckResult("check_causal_attention", "fail", "not scaled"),
+        ],
+    )
+    assert (grade.points, grade.max_points, grade.passed, grade.total) == (1, 5, 1, 3)
+    text = grade.as_text().splitlines()
+    assert text[0] == f"alice.ipynb ({CH01}): 1/3 checks passed, 1/5 points"
+    assert text[1] == "  [PASS] check_next_token (1/1)"
+    assert text[3] == "  [FAIL] check_causal_attention (0/2) — fail: not scaled"
+    assert [c["points"] for c in grade.as_dict()["checks"]] == [1, 0, 0]
+
+
+@pytest.mark.slow
+def test_a_notebook_that_runs_past_its_time_is_stopped_and_the_cell_named(tmp_path):
+    import time
+
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_markdown_cell("# my work"),
+            nbformat.v4.new_code_cell("x = 1"),
+            nbformat.v4.new_code_cell("import time\nwhile True:\n    time.sleep(0.05)"),
+            nbformat.v4.new_code_cell("check_next_token(next_token)", metadata={"tags": ["check"]}),
+        ]
+    )
+    nb.metadata["minillm"] = {"chapter": CH01}
+    nbformat.write(nb, tmp_path / "loop.ipynb")
+    start = time.monotonic()
+    grade = grade_notebook(tmp_path / "loop.ipynb", timeout=6)
+    assert time.monotonic() - start < 30  # a limit for the whole notebook, not per cell
+    assert grade.error.startswith("timed out in cell 3 of 4 (`import time`)"), grade.error
+    assert [r.status for r in grade.results] == ["not run"] * 3
+    assert "cell 3" in grade.results[0].message and grade.points == 0 and grade.max_points == 5
+
+
+@pytest.mark.slow
+def test_a_renamed_copy_without_its_check_cells_still_expects_all_its_checks(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1")])
+    nb.metadata["minillm"] = {"chapter": CH01}
+    nbformat.write(nb, tmp_path / "my copy.ipynb")
+    grade = grade_notebook(tmp_path / "my copy.ipynb", timeout=120)
+    assert [r.check for r in grade.results] == ["check_next_token", "check_generate_naive", "check_causal_attention"]
+    assert grade.passed == 0 and grade.max_points == 5, grade.as_text()
+
+
+@pytest.mark.slow
+def test_grade_command_prints_points_as_json_and_writes_a_csv(tmp_path, capsys):
+    import json
+
+    from minillm.cli import main
+
+    nb = chapter01(solved=True)
+    nb.metadata["minillm"] = {"chapter": CH01}
+    nbformat.write(nb, tmp_path / "carol.ipynb")
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1")]), tmp_path / "scratch.ipynb")
+    assert main(["course", "grade", str(tmp_path), "--json", "--timeout", "120"]) == 0
+    by_name = {Path(g["notebook"]).name: g for g in json.loads(capsys.readouterr().out)}
+    carol, scratch = by_name["carol.ipynb"], by_name["scratch.ipynb"]
+    assert (carol["chapter"], carol["points"], carol["max_points"], carol["passed"]) == (CH01, 5, 5, 3), carol
+    assert [c["points"] for c in carol["checks"]] == [1, 2, 2]
+    assert scratch["course_notebook"] is False and scratch["points"] is None
+    rows = {Path(r["notebook"]).name: r for r in csv.DictReader(open(tmp_path / "grades.csv"))}
+    assert (rows["carol.ipynb"]["points"], rows["carol.ipynb"]["max_points"]) == ("5", "5")
+    assert list(rows["carol.ipynb"])[6:9] == ["check_next_token", "check_generate_naive", "check_causal_attention"]
+
+
+def test_cells_without_ids_get_the_same_ids_on_every_build(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# a"), nbformat.v4.new_code_cell("x = 1")])
+    raw = nbformat.writes(nb).replace(f'"id": "{nb.cells[1].id}",', "")  # a cell written without an id
+    (tmp_path / "nb.ipynb").write_text(raw)
+    first, second = read_notebook(tmp_path / "nb.ipynb"), read_notebook(tmp_path / "nb.ipynb")
+    assert first.cells[0].id == nb.cells[0].id  # ids that are there are kept
+    assert first.cells[1].id == second.cells[1].id != nb.cells[1].id
+
+
+def test_the_command_line_default_time_limit_is_the_graders():
+    from minillm.cli import DEFAULT_GRADE_TIMEOUT
+    from minillm.course.grade import DEFAULT_TIMEOUT
+
+    assert DEFAULT_GRADE_TIMEOUT == DEFAULT_TIMEOUT

@@ -1,11 +1,20 @@
-"""``minillm course grade``: run learners' notebooks and report every check.
+"""``minillm course grade``: run learners' notebooks and report every check, with points.
+
+The chapter of a notebook comes from its metadata (``minillm.chapter``, which every built
+notebook carries), else its file name, else the chapter whose checks its code mentions most:
+a renamed copy (``submission.ipynb``, ``…-Copy1.ipynb``) still expects all of its chapter's
+checks. A notebook that is none of these (no chapter, no course check) is reported as *not a
+course notebook* and not run.
 
 A notebook is executed top to bottom in a fresh kernel (errors do not stop it: a failed check
-must not hide the ones after it). Before running it, the grader **restores the check cells**
-of a chapter from the course's own list (``CHECK_CALLS``): a check cell the learner edited,
-emptied or deleted is put back, and each is wrapped so that it displays its verdict under a
-one-time nonce. Verdicts are read only from those cells' outputs: text printed elsewhere, or
-lines written to a log file, do not count. Checks that never report are "not attempted".
+must not hide the ones after it), within a time limit for the whole notebook: one that runs
+past it is stopped and reported as "timed out in cell N" (the checks it never reached are
+*not run*). Before running it, the grader **restores the check cells** of a chapter from the
+course's own list (``CHECK_CALLS``): a check cell the learner edited, emptied or deleted is
+put back, and each is wrapped so that it displays its verdict under a one-time nonce.
+Verdicts are read only from those cells' outputs: text printed elsewhere, or lines written to
+a log file, do not count. Checks that never report are "not attempted". A passed check earns
+its exercise's points (``EXERCISES``); anything else earns none.
 
 What grading cannot prevent: the notebook runs the learner's code in the same Python process
 as the checks, so code written to defeat the grader (replacing the check functions themselves
@@ -16,21 +25,42 @@ signal for honest work, and read the code of a submission whose grades surprise 
 from __future__ import annotations
 
 import csv
+import math
 import secrets
 import subprocess
-from dataclasses import asdict, dataclass, field
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from minillm.course.results import FAIL, NOT_ATTEMPTED, PASS, VERDICT_MIME, CheckResult
 
-DEFAULT_TIMEOUT = 600  # seconds per cell
+DEFAULT_TIMEOUT = 900  # seconds for a whole notebook
+NOT_RUN = "not run"  # the notebook stopped (timed out, kernel died) before the check's cell
+NOT_A_COURSE_NOTEBOOK = "not a course notebook"
+
+
+def max_points(check: str) -> int:
+    """What a check is worth (``EXERCISES``); 0 for a check the course does not list."""
+    from minillm.course.exercises import BY_CHECK
+
+    exercise = BY_CHECK.get(check)
+    return exercise.points if exercise else 0
+
+
+def _course_order(check: str) -> tuple[int, str]:
+    from minillm.course.exercises import EXERCISES
+
+    order = [e.check for e in EXERCISES]
+    return (order.index(check), "") if check in order else (len(order), check)
 
 
 @dataclass
 class NotebookGrade:
     notebook: str
+    chapter: str | None = None
     results: list[CheckResult] = field(default_factory=list)
-    error: str | None = None  # the notebook could not be executed at all
+    error: str | None = None  # the notebook could not run, or not to the end
+    course: bool = True  # False: not a course notebook (it was not run)
 
     @property
     def passed(self) -> int:
@@ -40,47 +70,83 @@ class NotebookGrade:
     def total(self) -> int:
         return len(self.results)
 
+    @property
+    def points(self) -> int:
+        return sum(max_points(r.check) for r in self.results if r.status == PASS)
+
+    @property
+    def max_points(self) -> int:
+        return sum(max_points(r.check) for r in self.results)
+
     def as_dict(self) -> dict:
+        counts = {"passed": self.passed, "total": self.total, "points": self.points, "max_points": self.max_points}
         return {
             "notebook": self.notebook,
-            "passed": self.passed,
-            "total": self.total,
+            "chapter": self.chapter,
+            "course_notebook": self.course,
+            **{k: (v if self.course else None) for k, v in counts.items()},
             "error": self.error,
-            "checks": [asdict(r) for r in self.results],
+            "checks": [
+                {
+                    "check": r.check,
+                    "status": r.status,
+                    "message": r.message,
+                    "points": max_points(r.check) if r.status == PASS else 0,
+                    "max_points": max_points(r.check),
+                }
+                for r in self.results
+            ],
         }
 
     def as_text(self) -> str:
-        lines = [f"{self.notebook}: {self.passed}/{self.total} checks passed"]
+        if not self.course:
+            return f"{self.notebook}: {self.error}"
+        chapter = f" ({self.chapter})" if self.chapter and self.chapter != Path(self.notebook).stem else ""
+        lines = [
+            f"{self.notebook}{chapter}: {self.passed}/{self.total} checks passed, "
+            f"{self.points}/{self.max_points} points"
+        ]
         if self.error:
-            lines.append(f"  could not run: {self.error}")
+            lines.append(f"  could not run to the end: {self.error}")
         for r in self.results:
-            mark = {"pass": "PASS", "fail": "FAIL"}.get(r.status, "----")
-            detail = "" if r.status == PASS else f" — {r.message}"
-            lines.append(f"  [{mark}] {r.check}{detail}")
+            mark = {PASS: "PASS", FAIL: "FAIL"}.get(r.status, "----")
+            earned = f"{max_points(r.check) if r.status == PASS else 0}/{max_points(r.check)}"
+            detail = "" if r.status == PASS else f" — {r.status}: {r.message}"
+            lines.append(f"  [{mark}] {r.check} ({earned}){detail}")
         return "\n".join(lines)
 
 
-def expected_checks(notebook: Path, nb=None) -> list[str] | None:
-    """The checks of the chapter ``notebook`` is, or None for a notebook that is not a chapter.
-
-    The chapter comes from the notebook's metadata (``minillm.chapter``), else its file name,
-    else the chapter whose check names its code mentions most: a renamed copy
-    (``submission.ipynb``, ``…-Copy1.ipynb``) still expects all of its chapter's checks."""
+def find_chapter(notebook: Path, nb=None) -> str | None:
+    """The chapter ``notebook`` is: its metadata's ``minillm.chapter``, else its file name, else
+    the chapter whose check names its code mentions most; None for a notebook that is none."""
     from minillm.course import CHECKS_BY_CHAPTER
 
-    chapter = (nb.metadata.get("minillm", {}).get("chapter") if nb is not None else None) or notebook.stem
-    if chapter in CHECKS_BY_CHAPTER:
-        return CHECKS_BY_CHAPTER[chapter]
+    meta = nb.metadata.get("minillm", {}) if nb is not None else {}
+    for chapter in (meta.get("chapter") if isinstance(meta, dict) else None, Path(notebook).stem):
+        if chapter in CHECKS_BY_CHAPTER:
+            return chapter
     if nb is None:
         return None
     code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
     counts = {name: sum(check in code for check in checks) for name, checks in CHECKS_BY_CHAPTER.items()}
     best = max(counts, key=counts.get)
-    return CHECKS_BY_CHAPTER[best] if counts[best] else None
+    return best if counts[best] else None
+
+
+def expected_checks(notebook: Path, nb=None) -> list[str] | None:
+    """The checks of the chapter ``notebook`` is (``find_chapter``), or None for no chapter."""
+    from minillm.course import CHECKS_BY_CHAPTER
+
+    chapter = find_chapter(notebook, nb)
+    return None if chapter is None else CHECKS_BY_CHAPTER[chapter]
 
 
 def _graded_cell(name: str, call: str, nonce: str) -> str:
     return f"with __import__('minillm.course.results', fromlist=['graded']).graded({name!r}, {nonce!r}):\n    {call}\n"
+
+
+def _check_cells(nb) -> list[int]:
+    return [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and "check" in c.metadata.get("tags", [])]
 
 
 def restore_check_cells(nb, expected: list[str] | None, nonce: str) -> dict[int, str]:
@@ -93,11 +159,11 @@ def restore_check_cells(nb, expected: list[str] | None, nonce: str) -> dict[int,
 
     from minillm.course import CHECK_CALLS
 
-    check_cells = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and "check" in c.metadata.get("tags", [])]
+    check_cells = _check_cells(nb)
     graded: dict[int, str] = {}
     if expected is None:
         for i in check_cells:
-            name = next((n for n in CHECK_CALLS if n in nb.cells[i].source), f"cell {i}")
+            name = next((n for n in CHECK_CALLS if n in nb.cells[i].source), f"cell {i + 1}")
             graded[i] = name
             nb.cells[i].source = _graded_cell(name, nb.cells[i].source.replace("\n", "\n    "), nonce)
         return graded
@@ -114,27 +180,88 @@ def restore_check_cells(nb, expected: list[str] | None, nonce: str) -> dict[int,
     return graded
 
 
-def grade_notebook(path: str | Path, timeout: int = DEFAULT_TIMEOUT) -> NotebookGrade:
-    import nbformat
+class _OutOfTime(Exception):
+    """The notebook's time ran out before a cell could start."""
+
+
+def _where(index: int, first_lines: list[str], graded: dict[int, str]) -> str:
+    """'cell N of M' in the learner's numbering (1-based, markdown included), with its first line."""
+    if index >= len(first_lines):
+        return f"the restored check cell of {graded.get(index, '?')} (after the last cell)"
+    first = first_lines[index] if len(first_lines[index]) <= 60 else first_lines[index][:57] + "..."
+    return f"cell {index + 1} of {len(first_lines)}" + (f" (`{first}`)" if first else "")
+
+
+def _run(
+    nb, path: Path, timeout: float, graded: dict[int, str], first_lines: list[str]
+) -> tuple[str | None, int | None]:
+    """Execute ``nb`` within ``timeout`` seconds in all; returns (error, index of the cell where
+    execution stopped, -1 before the first) — (None, None) when it ran to the end."""
     from nbclient import NotebookClient
+    from nbclient.exceptions import CellTimeoutError, DeadKernelError
+
+    deadline = time.monotonic() + timeout
+    current: dict[str, int | None] = {"index": None}
+
+    def on_cell_start(cell, cell_index):
+        current["index"] = cell_index
+        if time.monotonic() >= deadline:
+            raise _OutOfTime
+
+    client = NotebookClient(
+        nb,
+        timeout_func=lambda cell: max(1, math.ceil(deadline - time.monotonic())),
+        allow_errors=True,
+        kernel_name="python3",
+        shutdown_kernel="immediate",
+        resources={"metadata": {"path": str(path.parent)}},
+        on_cell_start=on_cell_start,
+    )
+    try:
+        client.execute(stderr=subprocess.DEVNULL)  # the kernel's own warnings are not the learner's output
+        return None, None
+    except (CellTimeoutError, _OutOfTime, DeadKernelError) as err:
+        index = current["index"]
+        where = "its start" if index is None else _where(index, first_lines, graded)
+        if isinstance(err, DeadKernelError):
+            error = f"the kernel died in {where} (out of memory, or a crash in native code)"
+        else:
+            error = f"timed out in {where}: the notebook ran past its limit of {timeout:g} s"
+    except Exception as err:  # a broken notebook is a grade, not a crash of the grader
+        index = current["index"]
+        error = f"{type(err).__name__}: {err}"
+    return error, -1 if index is None else index
+
+
+def grade_notebook(path: str | Path, timeout: float = DEFAULT_TIMEOUT) -> NotebookGrade:
+    """Run one notebook (at most ``timeout`` seconds in all) and grade its checks."""
+    import nbformat
+
+    from minillm.course import CHECKS_BY_CHAPTER
 
     path = Path(path)
     grade = NotebookGrade(notebook=str(path))
-    nonce = secrets.token_hex(16)
-    graded: dict[int, str] = {}
     try:
         nb = nbformat.read(path, as_version=4)
-        graded = restore_check_cells(nb, expected_checks(path, nb), nonce)
-        client = NotebookClient(
-            nb,
-            timeout=timeout,
-            allow_errors=True,
-            kernel_name="python3",
-            resources={"metadata": {"path": str(path.parent)}},
+    except Exception as err:
+        grade.error = f"could not read the notebook: {type(err).__name__}: {err}"
+        grade.chapter = find_chapter(path)
+        expected = CHECKS_BY_CHAPTER.get(grade.chapter, [])
+        grade.results = [CheckResult(name, NOT_RUN, "the notebook could not be read") for name in expected]
+        return grade
+    grade.chapter = find_chapter(path, nb)
+    expected = None if grade.chapter is None else CHECKS_BY_CHAPTER[grade.chapter]
+    if expected is None and not _check_cells(nb):
+        grade.course = False
+        grade.error = (
+            f"{NOT_A_COURSE_NOTEBOOK}: no minillm chapter in its metadata or file name, and no course check "
+            "in its code (not run)"
         )
-        client.execute(stderr=subprocess.DEVNULL)  # the kernel's own warnings are not the learner's output
-    except Exception as err:  # a broken notebook is a grade, not a crash of the grader
-        grade.error = f"{type(err).__name__}: {err}"
+        return grade
+    nonce = secrets.token_hex(16)
+    first_lines = [next((line.strip() for line in c.source.splitlines() if line.strip()), "") for c in nb.cells]
+    graded = restore_check_cells(nb, expected, nonce)
+    grade.error, stopped = _run(nb, path, timeout, graded, first_lines)
     for index, name in graded.items():
         verdicts = []
         for out in nb.cells[index].get("outputs", []):
@@ -142,25 +269,47 @@ def grade_notebook(path: str | Path, timeout: int = DEFAULT_TIMEOUT) -> Notebook
             if isinstance(data, dict) and data.get("nonce") == nonce and data.get("check") == name:
                 verdicts.append(CheckResult(name, str(data.get("status")), str(data.get("message"))))
         if len(verdicts) > 1:  # the wrapper displays exactly one: anything more was added by other code
-            verdicts = [CheckResult(name, FAIL, "the check cell showed more than one verdict: graded as tampered")]
-        grade.results.append(verdicts[0] if verdicts else CheckResult(name, NOT_ATTEMPTED, "the check never ran"))
+            result = CheckResult(name, FAIL, "the check cell showed more than one verdict: graded as tampered")
+        elif verdicts:
+            result = verdicts[0]
+        elif stopped is not None and index == stopped:
+            result = CheckResult(name, FAIL, f"the notebook stopped in this check's cell — {grade.error}")
+        elif stopped is not None and index > stopped:
+            if stopped < 0:
+                where = "before its first cell"
+            else:
+                where = f"in cell {stopped + 1}" if stopped < len(first_lines) else "in an earlier restored check cell"
+            result = CheckResult(name, NOT_RUN, f"the notebook stopped {where}, before this check")
+        else:
+            result = CheckResult(name, NOT_ATTEMPTED, "the check never ran")
+        grade.results.append(result)
     return grade
 
 
-def grade_folder(
-    folder: str | Path, csv_path: str | Path | None = None, timeout: int = DEFAULT_TIMEOUT
-) -> list[NotebookGrade]:
-    """Grade every notebook below ``folder`` (one that cannot run is flagged with its error; the
-    others are graded all the same) and write ``grades.csv``."""
+def notebooks_below(folder: str | Path) -> list[Path]:
     folder = Path(folder)
-    paths = sorted(p for p in folder.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
-    grades = [grade_notebook(p, timeout) for p in paths]
-    csv_path = Path(csv_path) if csv_path else folder / "grades.csv"
-    names = sorted({r.check for g in grades for r in g.results})
-    with open(csv_path, "w", newline="") as f:
+    return sorted(p for p in folder.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
+
+
+def write_csv(grades: list[NotebookGrade], csv_path: str | Path) -> None:
+    """One row per notebook: chapter, points, checks passed, each check's status, error."""
+    names = sorted({r.check for g in grades for r in g.results}, key=_course_order)
+    with open(csv_path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(["notebook", "passed", "total", *names, "error"])
+        writer.writerow(["notebook", "chapter", "points", "max_points", "passed", "total", *names, "error"])
         for g in grades:
             status = {r.check: r.status for r in g.results}
-            writer.writerow([g.notebook, g.passed, g.total, *[status.get(n, "") for n in names], g.error or ""])
+            counts = [g.points, g.max_points, g.passed, g.total] if g.course else ["", "", "", ""]
+            writer.writerow([g.notebook, g.chapter or "", *counts, *[status.get(n, "") for n in names], g.error or ""])
+
+
+def grade_folder(
+    folder: str | Path, csv_path: str | Path | None = None, timeout: float = DEFAULT_TIMEOUT
+) -> list[NotebookGrade]:
+    """Grade every notebook below ``folder`` (one that cannot run is flagged with its error; the
+    others are graded all the same) and write ``grades.csv`` (or ``csv_path``)."""
+    folder = Path(folder)
+    csv_path = Path(csv_path) if csv_path else folder / "grades.csv"
+    grades = [grade_notebook(p, timeout) for p in notebooks_below(folder)]
+    write_csv(grades, csv_path)
     return grades

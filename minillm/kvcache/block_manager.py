@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import array
 import hashlib
-
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
