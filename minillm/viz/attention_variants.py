@@ -109,21 +109,40 @@ def variants_figure(timings: list[VariantTiming], heads: int = 8):
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
+    from minillm.viz import style
+
     fig = make_subplots(rows=1, cols=2, subplot_titles=("KV cache per token", "decode step vs context length"))
     variants = sorted({t.kv_heads for t in timings}, reverse=True)
-    for kv in variants:
+    colors = ["#636efa", "#ef553b", "#00cc96", "#ab63fa", "#ffa15a"]
+    for i, kv in enumerate(variants):
         rows = sorted((t for t in timings if t.kv_heads == kv), key=lambda t: t.context)
-        name = variant_name(kv, heads)
+        name, color = variant_name(kv, heads), colors[i % len(colors)]
         fig.add_trace(
-            go.Bar(x=[name], y=[rows[0].kv_bytes_per_token / 1024], name=name, showlegend=False), row=1, col=1
+            go.Bar(x=[name], y=[rows[0].kv_bytes_per_token / 1024], name=name, showlegend=False, marker_color=color),
+            row=1,
+            col=1,
         )
         fig.add_trace(
-            go.Scatter(x=[t.context for t in rows], y=[t.step_ms for t in rows], mode="lines+markers", name=name),
+            go.Scatter(
+                x=[t.context for t in rows],
+                y=[t.step_ms for t in rows],
+                mode="lines+markers",
+                name=name,
+                line_color=color,
+            ),
             row=1,
             col=2,
         )
     fig.update_yaxes(title_text="KiB per token", row=1, col=1)
     fig.update_xaxes(title_text="context (tokens)", type="log", row=1, col=2)
     fig.update_yaxes(title_text="ms per step", row=1, col=2)
-    fig.update_layout(template="plotly_white", height=400, title="MHA vs GQA vs MQA")
+    title, height = "MHA vs GQA vs MQA", 420
+    fig.update_annotations(font_size=14)  # the subplot titles
+    fig.update_layout(
+        template="plotly_white",
+        height=height,
+        title=style.title(title),
+        legend=style.legend_under_title(title, height),
+        margin=dict(l=70, r=30, t=style.top_margin(title, legend=True, extra=style.LINE * 14 + 4), b=style.X_AXIS),
+    )
     return fig

@@ -88,6 +88,10 @@ def hbm_bytes(t: int, s: int, head_dim: int, block_m: int, causal: bool = True, 
     return {"naive": naive, "flash": flash, "ratio": naive / flash}
 
 
+HEIGHT = 460
+SUBPLOT_TITLE_SIZE = 14
+
+
 def flash_tiling_figure(
     t: int = 256,
     s: int = 256,
@@ -101,6 +105,8 @@ def flash_tiling_figure(
     grey). Right: its running max and sum for the program's first query row, tile by tile."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
+
+    from minillm.viz import style
 
     rows, cols = tile_counts(t, s, block_m, block_n)
     query_tile = rows - 1 if query_tile is None else query_tile
@@ -117,8 +123,9 @@ def flash_tiling_figure(
     trace = online_softmax_trace(t, s, block_m, block_n, query_tile, 0, causal, head_dim)
     traffic = hbm_bytes(t, s, head_dim, block_m, causal)
     fig = make_subplots(
-        rows=1, cols=2, subplot_titles=("tiles (Q tiles × K tiles)", "online softmax, first row of the tile")
+        rows=1, cols=2, subplot_titles=("tiles (Q tiles × K tiles)", "online softmax, the tile's first row")
     )
+    fig.update_annotations(font_size=SUBPLOT_TITLE_SIZE)
     fig.add_trace(
         go.Heatmap(
             z=grid, text=text, texttemplate="%{text}", showscale=False, xgap=2, ygap=2, zmin=0, zmax=2,
@@ -127,7 +134,7 @@ def flash_tiling_figure(
         ),
         row=1, col=1,
     )  # fmt: skip
-    steps = [f"tile {st.key_tile}" for st in trace]
+    steps = [st.key_tile for st in trace]
     fig.add_trace(
         go.Scatter(x=steps, y=[st.running_max for st in trace], name="running max m", mode="lines+markers"),
         row=1,
@@ -138,24 +145,38 @@ def flash_tiling_figure(
         row=1,
         col=2,
     )
-    fig.update_yaxes(autorange="reversed", title_text="query tile", row=1, col=1)
-    fig.update_xaxes(title_text="key tile", row=1, col=1)
+    fig.update_yaxes(autorange="reversed", title_text="query tile", dtick=math.ceil(rows / 8), row=1, col=1)
+    fig.update_xaxes(title_text="key tile", dtick=math.ceil(cols / 8), row=1, col=1)
+    fig.update_xaxes(title_text="after key tile", row=1, col=2)
+    ratio = traffic["ratio"]
+    title = (
+        f"T={t}, S={s}, {block_m}×{block_n} tiles{', causal' if causal else ''}: "
+        f"program {query_tile} loads {len(order)} of {cols} key tiles<br>"
+        f"HBM traffic {traffic['naive'] / 1e6:.2f} MB naive vs {traffic['flash'] / 1e6:.2f} MB tiled "
+        f"({f'{ratio:.1f}x less' if ratio >= 1 else f'{1 / ratio:.1f}x more'})"
+    )
     fig.update_layout(
         template="plotly_white",
-        height=420,
-        title=(
-            f"T={t}, S={s}, {block_m}×{block_n} tiles{' causal' if causal else ''}: program {query_tile} loads "
-            f"{len(order)} of {cols} key tiles; HBM traffic {traffic['naive'] / 1e6:.2f} MB naive vs "
-            f"{traffic['flash'] / 1e6:.2f} MB tiled ({traffic['ratio']:.1f}x less)"
+        height=HEIGHT,
+        title=style.title(title),
+        legend=style.legend_at_bottom(HEIGHT),
+        margin=dict(
+            l=70,
+            r=30,
+            t=style.top_margin(title, extra=style.LINE * SUBPLOT_TITLE_SIZE + 4),
+            b=style.X_AXIS + style.LEGEND_ROW + 4,
         ),
     )
     return fig
 
 
 def flash_tiling_widget():
-    """Sliders for the sizes; the figure redraws as they move."""
+    """Sliders for the sizes; the figure redraws as they move. Displayed, it also carries a
+    static copy of the figure, shown by a notebook opened without the widget's state."""
     import ipywidgets as widgets
     import plotly.graph_objects as go
+
+    from minillm.viz.display import FigureBox
 
     t = widgets.IntSlider(value=256, min=16, max=2048, step=16, description="T (queries)")
     s = widgets.IntSlider(value=256, min=16, max=4096, step=16, description="S (keys)")
@@ -172,8 +193,14 @@ def flash_tiling_widget():
         with fig.batch_update():
             for old_trace, new_trace in zip(fig.data, new.data):
                 old_trace.update(new_trace)
-            fig.layout.title = new.layout.title
+            fig.update_layout(
+                title=new.layout.title, xaxis_dtick=new.layout.xaxis.dtick, yaxis_dtick=new.layout.yaxis.dtick
+            )
 
     for w in (t, s, bm, bn, tile, causal):
         w.observe(redraw, names="value")
-    return widgets.VBox([widgets.HBox([t, s, causal]), widgets.HBox([bm, bn, tile]), fig])
+    return FigureBox(
+        [widgets.HBox([t, s, causal]), widgets.HBox([bm, bn, tile]), fig],
+        figure=fig,
+        description="FlashAttention tiling explorer",
+    )

@@ -19,6 +19,12 @@ PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e
 FREE, CACHED = 0, 1  # grid values below the owners' colours
 
 
+FREE_COLOR, CACHED_COLOR = "#e6e6e6", "#a6a6a6"  # light grey cells on white; mid grey
+OWNER_PALETTE = [c for c in PALETTE if c != "#7f7f7f"]  # no grey owner: grey means free or cached
+BLOCK_ROW_PX = 32
+RUNNING_SHOWN = 10  # request ids listed in the caption, then "+ n more"
+
+
 def _block_grid(record: StepRecord, num_blocks: int, columns: int, owners: dict[Hashable, int]):
     """Values, hover text and labels of one step's grid (values: 0 free, 1 cached, 2+ owner colour)."""
     values = [FREE] * num_blocks
@@ -35,7 +41,7 @@ def _block_grid(record: StepRecord, num_blocks: int, columns: int, owners: dict[
     for b, rids in holders.items():
         if b >= num_blocks:
             continue
-        values[b] = 2 + owners[rids[0]] % len(PALETTE)
+        values[b] = 2 + owners[rids[0]] % len(OWNER_PALETTE)
         shared = len(rids) > 1
         hover[b] = f"block {b}: {', '.join(map(str, rids))}" + (" (shared prefix)" if shared else "")
         labels[b] = f"×{len(rids)}" if shared else ""
@@ -50,8 +56,8 @@ def _block_grid(record: StepRecord, num_blocks: int, columns: int, owners: dict[
 
 
 def _colorscale() -> list:
-    """A discrete scale: white = free, light grey = cached, then one colour per owner slot."""
-    colors = ["#ffffff", "#d9d9d9", *PALETTE]
+    """A discrete scale: light grey = free, mid grey = cached, then one colour per owner slot."""
+    colors = [FREE_COLOR, CACHED_COLOR, *OWNER_PALETTE]
     n = len(colors)
     scale = []
     for i, c in enumerate(colors):
@@ -59,9 +65,32 @@ def _colorscale() -> list:
     return scale
 
 
-def block_table_explorer(step_records: list[StepRecord], num_blocks: int, columns: int = 16, max_blocks: int = 256):
-    """A plotly figure with one frame per recorded step and a slider to move between them."""
+def _block_key():
+    """Legend entries for the grid's colours (a heatmap has none of its own)."""
     import plotly.graph_objects as go
+
+    def entry(name, color, symbol="square"):
+        return go.Scatter(
+            x=[None], y=[None], mode="markers", name=name, hoverinfo="skip",
+            marker=dict(symbol=symbol, size=14, color=color, line=dict(color="white", width=1)),
+        )  # fmt: skip
+
+    return [
+        entry("in use (colour: request)", OWNER_PALETTE[0]),
+        entry("×n: shared by n requests", "#444444", "square-x-open"),
+        entry("cached, unreferenced", CACHED_COLOR),
+        entry("free", FREE_COLOR),
+    ]
+
+
+def block_table_explorer(step_records: list[StepRecord], num_blocks: int, columns: int = 16, max_blocks: int = 256):
+    """A plotly figure with one frame per recorded step and a slider to move between them.
+
+    One cell per block (row ``block // columns``, column ``block % columns``), 32 px a row; a
+    colour key above the grid; the title says what the step holds."""
+    import plotly.graph_objects as go
+
+    from minillm.viz import style
 
     records = [r for r in step_records if r.block_tables is not None]
     if not records:
@@ -71,7 +100,7 @@ def block_table_explorer(step_records: list[StepRecord], num_blocks: int, column
     for r in records:
         for rid in r.block_tables:
             owners.setdefault(rid, len(owners))
-    n_colors = 2 + len(PALETTE)
+    n_colors = 2 + len(OWNER_PALETTE)
 
     def heatmap(record):
         z, hover, text = _block_grid(record, shown, columns, owners)
@@ -90,31 +119,46 @@ def block_table_explorer(step_records: list[StepRecord], num_blocks: int, column
         )
 
     def caption(record):
-        running = ", ".join(f"{rid}" for rid in record.block_tables) or "none"
+        running = [str(rid) for rid in record.block_tables]
+        if len(running) > RUNNING_SHOWN:
+            running = running[:RUNNING_SHOWN] + [f"+ {len(running) - RUNNING_SHOWN} more"]
         return (
             f"step {record.index}: {record.blocks_used} blocks in use, {record.blocks_cached} cached, "
-            f"{record.blocks_free} free — running: {running}"
+            f"{record.blocks_free} free<br>running requests: {', '.join(running) or 'none'}"
         )
 
-    frames = [go.Frame(data=[heatmap(r)], name=str(r.index), layout=dict(title=caption(r))) for r in records]
-    fig = go.Figure(data=[heatmap(records[0])], frames=frames)
+    rows = -(-shown // columns)
+    title = caption(records[0])
+    top = style.top_margin(title, legend=True)
+    slider_pad = style.X_AXIS + 4  # the slider starts under the x axis' labels
+    bottom = slider_pad + style.SLIDER + 6
+    height = top + bottom + max(2, rows) * BLOCK_ROW_PX
+    every = max(1, -(-len(records) * 28 // 700))  # a step label every ~28 px of a 700 px rail
+    frames = [
+        go.Frame(data=[heatmap(r)], name=str(r.index), layout=dict(title=style.title(caption(r)))) for r in records
+    ]
+    fig = go.Figure(data=[heatmap(records[0]), *_block_key()], frames=frames)
     fig.update_layout(
-        title=caption(records[0]),
+        title=style.title(title),
+        legend=style.legend_under_title(title, height),
         template="plotly_white",
-        height=160 + 28 * -(-shown // columns),
-        xaxis=dict(title=f"block id mod {columns}", showgrid=False),
-        yaxis=dict(title=f"block id // {columns}", autorange="reversed", showgrid=False),
+        height=height,
+        margin=dict(l=80, r=30, t=top, b=bottom),
+        xaxis=dict(title=f"block id mod {columns}", showgrid=False, zeroline=False),
+        yaxis=dict(title=f"block id // {columns}", autorange="reversed", showgrid=False, zeroline=False),
         sliders=[
             dict(
                 active=0,
-                currentvalue=dict(prefix="scheduler step "),
+                currentvalue=dict(visible=False),  # the title names the step
+                pad=dict(t=slider_pad, b=0),
                 steps=[
                     dict(
                         method="animate",
-                        label=str(r.index),
+                        label=str(r.index) if i % every == 0 else "",
+                        value=str(r.index),
                         args=[[str(r.index)], dict(mode="immediate", frame=dict(duration=0, redraw=True))],
                     )
-                    for r in records
+                    for i, r in enumerate(records)
                 ],
             )
         ],
