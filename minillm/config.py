@@ -278,6 +278,10 @@ class EngineConfig:
     attention_backend: str = "auto"
     cpu_prepack: bool = True  # oneDNN-prepacked linears on CPU where supported (measured faster)
     compile: bool = False  # torch.compile the decode step, mode="contiguous" only (costs minutes on a small CPU)
+    # Weight quantization (chapter 07): None | "int8" | "int4"; int4 groups of this many weights
+    # (None: the largest of 128/64/32 that divides every layer).
+    quantization: str | None = None
+    quantization_group_size: int | None = None
     # The paged engine (mode="paged").
     scheduling_policy: str = "continuous"
     block_size: int = 16
@@ -351,6 +355,14 @@ class EngineConfig:
                 raise ValueError(f"kv_cache_memory={memory} bytes must be positive")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
+        if self.quantization is not None and not isinstance(self.quantization, str):
+            raise TypeError(f"quantization={self.quantization!r} must be a string or None")
+        _check_int("quantization_group_size", self.quantization_group_size, 1, optional=True)
+        from minillm.quantization import check_quantization
+
+        check_quantization(self.quantization, self.quantization_group_size)
+        if self.quantization is not None and self.compile:
+            raise ValueError(f"quantization={self.quantization!r} cannot be combined with compile=True")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r}; expected one of {ATTENTION_BACKENDS}")
         if self.attention_backend == "triton":

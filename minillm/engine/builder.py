@@ -75,7 +75,7 @@ def build_engine_parts(
     backend = resolve_backend(config, device)
     model.set_attention_backend(backend)
     model.sliding_window = window
-    apply_cpu_fast_paths(config, model, device, dtype)
+    apply_weight_methods(config, model, device, dtype)
     if config.mode != "paged":  # one static batch at a time, whole prompts, no pool to manage
         runner = NaiveRunner(model) if config.mode == "naive" else ContiguousRunner(model)
         unbounded = config.max_num_seqs * max_model_len
@@ -98,14 +98,22 @@ def build_engine_parts(
     return EngineParts(scheduler, runner, backend, block_manager, kv_cache, graphs)
 
 
-def apply_cpu_fast_paths(config: EngineConfig, model: LlamaForCausalLM, device: torch.device, dtype) -> None:
+def apply_weight_methods(config: EngineConfig, model: LlamaForCausalLM, device: torch.device, dtype) -> None:
+    """How the linear layers hold their weights: quantized (``quantization``), then oneDNN
+    prepacking for the layers left in plain storage on CPU, then compilation."""
     from minillm.layers.cpu_prepack import CPUPrepackMethod, prepack_available
+    from minillm.layers.linear import PLAIN
+    from minillm.quantization import quantize_model
 
+    if config.quantization is not None:  # before prepacking: quantized layers keep their own kernels
+        quantize_model(model, config.quantization, config.quantization_group_size)
     prepack = config.cpu_prepack and device.type == "cpu" and prepack_available(dtype)
     if config.compile and dtype != torch.float32:
         prepack = False  # packed half-precision kernels are opaque to the compiler
     if prepack:
-        model.set_linear_method(CPUPrepackMethod())
+        for layer in model.linear_layers():
+            if layer.method is PLAIN:
+                layer.set_method(CPUPrepackMethod())
     if config.compile:  # validated: mode="contiguous"
         # Measured on CPU: fp32 runs batched steps fastest on prepacked weights and
         # single-sequence steps fastest compiled; half precision fastest compiled throughout.

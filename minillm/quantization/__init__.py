@@ -1,0 +1,91 @@
+"""Weight quantization: fewer bytes per weight, so a memory-bound decode step streams less.
+
+A decode step reads every weight once to produce one token per sequence; at batch 1 its speed
+is the memory bandwidth divided by the bytes of the weights. Storing a weight in 8 or 4 bits
+instead of 16 cuts those bytes 2× or ~3.5×, at a small cost in accuracy that
+``benchmarks/bench_quant.py`` measures. Each method is a ``LinearMethod`` (``layers/linear.py``):
+the model code does not change, only the storage and the matmul of its linear layers.
+
+- ``int8``: weight-only, one symmetric scale per output channel (``int8.py``);
+- ``int4``: weight-only, group-wise asymmetric (a scale and a zero point per group of
+  ``group_size`` input weights), two 4-bit values per byte (``int4.py``).
+
+What is quantized: every linear layer of the decoder blocks, and the LM head in int8 for both
+methods — the head is 28% of SmolLM2-135M's parameters and is read every step, but it decides
+every logit, so it gets the gentler 8 bits. The embedding table stays in the model's dtype: a
+step reads only the rows of its tokens, so shrinking it saves memory but no time.
+"""
+
+from __future__ import annotations
+
+from minillm.quantization.int4 import (
+    INT4_GROUP_SIZES,
+    Int4Method,
+    dequantize_int4,
+    pack_int4,
+    quantize_int4,
+    unpack_int4,
+)
+from minillm.quantization.int8 import Int8Method, dequantize_int8, quantize_int8
+
+QUANTIZATION_METHODS = ("int8", "int4")
+
+
+def check_quantization(method: str | None, group_size: int | None) -> None:
+    """Validate the engine's options before any weight is touched (a clear error, nothing half-done)."""
+    if method is None:
+        return
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization={method!r}: expected one of {QUANTIZATION_METHODS} (or None)")
+    if method == "int4" and group_size is not None and group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"quantization_group_size={group_size!r}: int4 groups must be one of {INT4_GROUP_SIZES}")
+
+
+def default_group_size(model) -> int:
+    """The largest int4 group (at most 128) that divides every decoder layer's input features:
+    SmolLM2's 576 = 9 × 64 takes 64."""
+    sizes = {m.in_features for name, m in _decoder_linears(model)}
+    for group in (128, 64, 32):
+        if all(size % group == 0 for size in sizes):
+            return group
+    raise ValueError(f"no int4 group size in (128, 64, 32) divides every layer's input features {sorted(sizes)}")
+
+
+def _decoder_linears(model):
+    from minillm.layers.linear import Linear
+
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, Linear) and name != "lm_head"]
+
+
+def quantize_model(model, method: str, group_size: int | None = None) -> None:
+    """Quantize ``model``'s linear layers in place: the decoder's with ``method``, the LM head
+    with int8. Every layer is checked first, so a shape the method cannot take raises
+    ``ValueError`` naming the layer before anything changed. ``group_size`` (int4): None picks
+    ``default_group_size``."""
+    check_quantization(method, group_size)
+    decoder = _decoder_linears(model)
+    if method == "int4" and group_size is None:
+        group_size = default_group_size(model)
+    make = (lambda: Int8Method()) if method == "int8" else (lambda: Int4Method(group_size))
+    for name, layer in decoder:
+        make().validate(layer, name)
+    for _, layer in decoder:
+        layer.set_method(make())
+    model.lm_head.set_method(Int8Method())
+
+
+__all__ = [
+    "INT4_GROUP_SIZES",
+    "QUANTIZATION_METHODS",
+    "Int4Method",
+    "Int8Method",
+    "check_quantization",
+    "default_group_size",
+    "dequantize_int4",
+    "dequantize_int8",
+    "pack_int4",
+    "quantize_int4",
+    "quantize_int8",
+    "quantize_model",
+    "unpack_int4",
+]

@@ -1,0 +1,110 @@
+"""int4 weight-only quantization: group-wise, asymmetric, two values per byte.
+
+Four bits give only 16 levels, so one scale per row is too coarse: each row is cut into groups
+of ``group_size`` consecutive input weights, and each group gets its own ``scale`` and
+``minimum``: ``q = round((w - min) / scale)`` in ``[0, 15]`` with ``scale = (max - min) / 15``.
+The zero point (``min``) is what makes it *asymmetric*: a group whose weights are mostly
+positive uses all 16 levels instead of half. Smaller groups are more accurate and cost more
+scale bytes (at 32: 2 bf16 numbers per 32 weights = 1 extra bit per weight).
+
+Storage (what a checkpoint holds): ``pack_int4`` puts two 4-bit values in each byte, low
+nibble first. On CPU, PyTorch's ``_weight_int4pack_mm_for_cpu`` consumes its own tiled layout
+(made once by ``_convert_weight_to_int4pack_for_cpu``) and a ``[groups, out, 2]`` table of
+``(scale, zero)`` with ``w = (q - 8) · scale + zero`` — so our zero is ``min + 8 · scale``.
+Elsewhere the layer dequantizes and calls ``F.linear`` (the numerical reference).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the CPU kernel accepts
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight[out, in]`` → ``(q uint8 [out, in] in 0..15, scale [out, groups], minimum [out, groups])``
+    with ``weight ≈ q * scale + minimum`` per group."""
+    out, cols = weight.shape
+    if cols % group_size:
+        raise ValueError(f"int4 group_size={group_size} does not divide the layer's {cols} input features")
+    w = weight.detach().float().reshape(out, cols // group_size, group_size)
+    low, high = w.amin(-1), w.amax(-1)
+    scale = ((high - low) / 15.0).clamp(min=1e-12)
+    q = torch.round((w - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    return q.reshape(out, cols), scale, low
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    out, cols = q.shape
+    groups = scale.shape[1]
+    w = q.float().reshape(out, groups, cols // groups) * scale[..., None] + minimum[..., None]
+    return w.reshape(out, cols).to(dtype)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """``q uint8 [out, in]`` (values 0..15, ``in`` even) → ``uint8 [out, in/2]``, low nibble first."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"int4 packing needs an even number of columns, got {q.shape[-1]}")
+    if int(q.max()) > 15:
+        raise ValueError("int4 values must be in 0..15")
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).to(torch.uint8)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``pack_int4``."""
+    low, high = packed & 0x0F, packed >> 4
+    return torch.stack([low, high], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+class Int4Method:
+    """A linear layer stored as group-wise int4 (the CPU kernel's tiled layout on CPU)."""
+
+    name = "int4"
+
+    def __init__(self, group_size: int = 128):
+        if group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"int4 group_size={group_size!r} must be one of {INT4_GROUP_SIZES}")
+        self.group_size = group_size
+
+    def validate(self, layer, name: str) -> None:
+        out, cols = layer.out_features, layer.in_features
+        if cols % self.group_size:
+            raise ValueError(f"{name}: int4 group_size={self.group_size} does not divide its {cols} input features")
+        if out % 16:
+            raise ValueError(f"{name}: int4 needs output features divisible by 16 (the CPU kernel's tile), got {out}")
+
+    def process_weights(self, layer) -> None:
+        self.validate(layer, repr(layer))
+        weight = layer.weight
+        q, scale, low = quantize_int4(weight, self.group_size)
+        layer.dtype = weight.dtype
+        layer.int4 = pack_int4(q)  # the storage format: two values per byte
+        layer.int4_scale, layer.int4_min = scale, low
+        layer.cpu_int4 = None
+        if weight.device.type == "cpu":
+            table_dtype = torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32
+            zero = low + 8 * scale  # the kernel computes (q - 8) * scale + zero
+            layer.cpu_int4 = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+            layer.cpu_table = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(table_dtype)
+            layer.int4 = None  # the kernel's tiled copy is what the matmul reads
+        layer.weight = None
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, layer.in_features)
+        if layer.cpu_int4 is not None and x.dtype in (torch.bfloat16, torch.float32):
+            y = torch._weight_int4pack_mm_for_cpu(rows, layer.cpu_int4, self.group_size, layer.cpu_table.to(x.dtype))
+        else:
+            q = unpack_int4(layer.int4)
+            y = F.linear(rows, dequantize_int4(q, layer.int4_scale, layer.int4_min, x.dtype))
+        if layer.bias is not None:
+            y = y + layer.bias
+        return y.view(*x.shape[:-1], layer.out_features)
+
+    def held_tensors(self, layer) -> list[torch.Tensor]:
+        kept = (
+            (layer.cpu_int4, layer.cpu_table)
+            if layer.cpu_int4 is not None
+            else (layer.int4, layer.int4_scale, layer.int4_min)
+        )
+        return [t for t in (*kept, layer.bias) if t is not None]

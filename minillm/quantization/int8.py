@@ -1,0 +1,64 @@
+"""int8 weight-only quantization: one symmetric scale per output channel.
+
+Each row ``w`` of a weight matrix (one output channel) is stored as ``round(w / s)`` in
+``[-127, 127]`` with ``s = max|w| / 127``, so ``w ≈ q · s``. One scale per row keeps a row
+with large weights from crushing the resolution of the others (a single per-tensor scale
+would), and it factors out of the matmul: ``x · (q·s)ᵀ = (x · qᵀ) · s``.
+
+On CPU, PyTorch's ``_weight_int8pack_mm`` multiplies activations by the int8 matrix directly
+(dequantizing in registers), reading half the bytes of bf16: for a few rows (decode) it is
+about 2× faster than bf16. It is a matrix-*vector* kernel, though: measured on a 2-core AMD
+EPYC, from ~32 rows on it is slower than dequantizing the whole matrix and calling bf16
+``F.linear`` (512 rows: 7.4 ms against 2.5 ms), so a prefill takes that route. Elsewhere (GPU)
+the layer dequantizes and calls ``F.linear`` — also the numerical reference the fast kernel is
+tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+GEMV_ROWS = 32  # from this many rows on, dequantize + F.linear beats the int8 GEMV kernel (see above)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight[out, in]`` → ``(q int8 [out, in], scale fp32 [out])`` with ``weight ≈ q * scale[:, None]``."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (q.float() * scale[:, None]).to(dtype)
+
+
+class Int8Method:
+    """A linear layer stored as int8 with per-output-channel scales."""
+
+    name = "int8"
+
+    def validate(self, layer, name: str) -> None:
+        if layer.weight is None or layer.weight.dim() != 2:
+            raise ValueError(f"{name}: int8 needs the loaded 2-D weight (was the layer already converted?)")
+
+    def process_weights(self, layer) -> None:
+        self.validate(layer, repr(layer))
+        layer.qweight, scale = quantize_int8(layer.weight)
+        layer.dtype = layer.weight.dtype
+        layer.scales = scale.to(layer.dtype if layer.dtype != torch.float16 else torch.float32)
+        layer.weight = None  # a tied head's matrix stays alive through the embedding
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, layer.in_features)
+        if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) and rows.shape[0] < GEMV_ROWS:
+            y = torch._weight_int8pack_mm(rows, layer.qweight, layer.scales.to(x.dtype))
+        else:
+            y = F.linear(rows, dequantize_int8(layer.qweight, layer.scales.float(), x.dtype))
+        if layer.bias is not None:
+            y = y + layer.bias
+        return y.view(*x.shape[:-1], layer.out_features)
+
+    def held_tensors(self, layer) -> list[torch.Tensor]:
+        return [t for t in (layer.qweight, layer.scales, layer.bias) if t is not None]

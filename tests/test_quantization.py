@@ -1,0 +1,129 @@
+"""Weight quantization (chapter 07): the quantizers' error bounds, the fast CPU kernels against
+a dequantized reference matmul, the engine on quantized weights, and every bad option."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minillm import LLM, SamplingParams
+from minillm.layers.linear import Linear
+from minillm.quantization import (
+    Int4Method,
+    Int8Method,
+    dequantize_int4,
+    dequantize_int8,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
+
+
+def _weight(out=64, cols=128, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, cols, generator=gen)
+    w[3] *= 40  # one loud row: per-channel scales keep it from crushing the others
+    return w.to(dtype)
+
+
+def test_int8_error_is_at_most_half_a_step_per_row():
+    w = _weight()
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.shape == (64,)
+    err = (dequantize_int8(q, scale) - w).abs()
+    assert bool((err <= scale[:, None] / 2 + 1e-6).all())
+    quiet = torch.cat([torch.arange(3), torch.arange(4, 64)])
+    assert err[quiet].max() < err[3].max() / 10  # the loud row does not cost the others
+
+
+def test_int4_error_is_at_most_half_a_step_per_group_and_packing_round_trips():
+    w = _weight()
+    q, scale, low = quantize_int4(w, 32)
+    assert int(q.max()) <= 15 and scale.shape == (64, 4)
+    err = (dequantize_int4(q, scale, low) - w).abs().reshape(64, 4, 32)
+    assert bool((err <= scale[..., None] / 2 + 1e-5).all())
+    packed = pack_int4(q)
+    assert packed.shape == (64, 64) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_int4(packed), q)
+    assert int(packed[0, 0]) == int(q[0, 0]) | (int(q[0, 1]) << 4)  # low nibble first
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("method", ["int8", "int4-32", "int4-64"])
+def test_fast_kernel_matches_the_dequantized_reference(method, rows, dtype):
+    layer = Linear(128, 64, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(_weight())
+        layer.bias.copy_(torch.randn(64))
+    layer.to(dtype)
+    w = layer.weight.detach().float().clone()
+    if method == "int8":
+        q, scale = quantize_int8(w)
+        reference_w = dequantize_int8(q, scale)
+        layer.set_method(Int8Method())
+    else:
+        group = int(method.split("-")[1])
+        q, scale, low = quantize_int4(w, group)
+        reference_w = dequantize_int4(q, scale, low)
+        layer.set_method(Int4Method(group))
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(1)).to(dtype)
+    got = layer(x).float()
+    expected = F.linear(x.float(), reference_w, layer.bias.float())
+    tol = 1e-3 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(got, expected, rtol=tol, atol=tol * expected.abs().max().item()), (got - expected).abs().max()
+    assert layer.weight is None  # the plain matrix is gone: memory is really saved
+
+
+def test_engine_on_quantized_weights_stays_within_budget():
+    """Perplexity on held-out text: int8 within 0.5% of fp32, int4 within 2%; greedy tokens agree."""
+    from minillm.assets import heldout_text
+    from minillm.evaluation import perplexity
+
+    ppl, tokens, held = {}, {}, {}
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for q in (None, "int8", "int4"):
+        llm = LLM("tiny-shakespeare-8m", dtype="fp32", quantization=q)
+        ids = llm.tokenizer.encode(heldout_text())[:1024]
+        ppl[q] = perplexity(llm.model, ids)
+        tokens[q] = llm.generate("KING.\nNow is the winter", params)[0].token_ids
+        held[q] = llm.model.weight_bytes()
+    assert abs(ppl["int8"] / ppl[None] - 1) < 0.005, ppl
+    assert abs(ppl["int4"] / ppl[None] - 1) < 0.02, ppl
+    assert tokens["int8"][:16] == tokens[None][:16]
+    assert held["int4"] < held["int8"] < held[None]
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"quantization": "int3"}, "quantization='int3': expected one of"),
+        ({"quantization": 8}, "must be a string"),
+        ({"quantization": "int4", "quantization_group_size": 48}, "int4 groups must be one of"),
+        ({"quantization": "int4", "quantization_group_size": 0}, "quantization_group_size"),
+    ],
+)
+def test_bad_quantization_options_are_named(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        LLM("tiny-shakespeare-1m", **kwargs)
+
+
+def test_a_group_that_does_not_divide_a_layer_is_named_and_nothing_is_changed(tiny_model):
+    llm = LLM(tiny_model, dtype="fp32", cpu_prepack=False)  # hidden size 64
+    from minillm.quantization import quantize_model
+
+    before = {name: m.method.name for name, m in llm.model.named_modules() if isinstance(m, Linear)}
+    with pytest.raises(ValueError, match=r"layers\.0\.attn\.qkv_proj: int4 group_size=128 does not divide its 64"):
+        quantize_model(llm.model, "int4", 128)
+    after = {name: m.method.name for name, m in llm.model.named_modules() if isinstance(m, Linear)}
+    assert after == before  # nothing half-quantized
+
+
+def test_int4_refuses_odd_shapes():
+    with pytest.raises(ValueError, match="even number of columns"):
+        pack_int4(torch.zeros(2, 3, dtype=torch.uint8))
+    layer = Linear(64, 40)
+    with pytest.raises(ValueError, match="output features divisible by 16"):
+        Int4Method(32).validate(layer, "odd")
