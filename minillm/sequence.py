@@ -91,18 +91,19 @@ class Sequence:
     def append_token(self, token_id: int, now: float | None = None) -> None:
         """Record a generated token, update the text, and decide whether the request is done."""
         self.output_token_ids.append(token_id)
-        self.metrics.token_times.append(time.perf_counter() if now is None else now)
+        now = time.perf_counter() if now is None else now
+        self.metrics.token_times.append(now)
         if token_id in self._stop_ids:
             self.text += self._detok.flush()
-            self._finish("stop")
+            self._finish("stop", now)
             return
         text_before = len(self.text)
         self.text += self._detok.add(token_id)
         if self.params.stop and self._cut_at_stop_string(text_before):
-            self._finish("stop")
+            self._finish("stop", now)
         elif len(self.output_token_ids) >= self.max_output:
             self.text += self._detok.flush()
-            self._finish("length")
+            self._finish("length", now)
 
     def append_tokens(self, token_ids: list[int], now: float | None = None) -> int:
         """Append several tokens produced in one step (e.g. accepted speculative tokens), up to
@@ -128,14 +129,14 @@ class Sequence:
         """Scheduling order: priority first, then arrival (FCFS), then id for a total order."""
         return (self.priority, self.metrics.arrival_time, self._order)
 
-    def abort(self) -> None:
+    def abort(self, now: float | None = None) -> None:
         self.text += self._detok.flush()
-        self._finish("abort")
+        self._finish("abort", now)
 
-    def _finish(self, reason: str) -> None:
+    def _finish(self, reason: str, now: float | None = None) -> None:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
-        self.metrics.finished_time = time.perf_counter()
+        self.metrics.finished_time = time.perf_counter() if now is None else now
 
     def take_stream_text(self) -> str:
         """Text that is safe to show now: all of it once finished, otherwise all but a tail

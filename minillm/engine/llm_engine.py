@@ -24,7 +24,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Union
 
@@ -81,6 +81,9 @@ class LLMEngine:
         self.step_records: deque[StepRecord] = deque(maxlen=config.max_step_records)
         self.num_steps = 0  # steps that ran the model
         self.record_block_tables = False  # snapshot block tables every step (the explorer widget)
+        # Where every timestamp comes from (arrivals, token times, step records). A serving
+        # replay on simulated time swaps it for a virtual clock: engine/virtual_clock.py.
+        self.clock: Callable[[], float] = time.perf_counter
         self._warm_up()
 
     @property
@@ -181,6 +184,8 @@ class LLMEngine:
             self._next_id += 1
         elif request_id in self.requests:
             raise ValueError(f"request_id={request_id!r} is already in use by an unfinished request")
+        if arrival_time is None:
+            arrival_time = self.clock()
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         generator = torch.Generator(device=self.device).manual_seed(seed)
         seq = Sequence(
@@ -232,7 +237,7 @@ class LLMEngine:
                 raise ValueError(f"abort: no unfinished request with id {request_id!r}")
             self.scheduler.finish(seq)
             self.runner.release(request_id)
-            seq.abort()
+            seq.abort(self.clock())
             return seq.to_output()
 
     def has_unfinished_requests(self) -> bool:
@@ -257,7 +262,7 @@ class LLMEngine:
             return self._step()
 
     def _step(self) -> list[StreamDelta]:
-        started = time.perf_counter()
+        started = self.clock()
         scheduled = self.scheduler.schedule(started)
         if not scheduled.chunks:
             return []
@@ -309,7 +314,7 @@ class LLMEngine:
             [s.generator for s in seqs],
             seen=[s.token_ids for s in seqs] if needs_history else None,
         )
-        now = time.perf_counter()
+        now = self.clock()
         deltas = []
         for seq, token in zip(seqs, tokens):
             seq.append_token(token, now)
@@ -324,7 +329,7 @@ class LLMEngine:
         record = StepRecord(
             index=self.num_steps - 1,
             start=started,
-            end=time.perf_counter(),
+            end=self.clock(),
             chunks=[(c.seq.request_id, c.start, c.num_tokens, c.is_decode) for c in scheduled.chunks],
             preempted=[s.request_id for s in scheduled.preempted],
             num_running=len(self.scheduler.running),

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 from minillm.metrics import RunReport, StepRecord
+from minillm.viz import style
 
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
 FREE, CACHED = 0, 1  # grid values below the owners' colours
@@ -90,7 +91,6 @@ def block_table_explorer(step_records: list[StepRecord], num_blocks: int, column
     colour key above the grid; the title says what the step holds."""
     import plotly.graph_objects as go
 
-    from minillm.viz import style
 
     records = [r for r in step_records if r.block_tables is not None]
     if not records:
@@ -256,7 +256,15 @@ def compare_timelines(runs: dict[str, tuple[list[StepRecord], list]], max_reques
             trace.legendgroup = trace.name
             fig.add_trace(trace, row=i, col=1)
         fig.update_yaxes(autorange="reversed", showticklabels=False, title="requests", row=i, col=1)
-    fig.update_layout(barmode="overlay", template="plotly_white", height=160 + len(runs) * (60 + 10 * max_requests))
+    height = 160 + len(runs) * (60 + 10 * max_requests)
+    top = style.top_margin("", legend=True, extra=24)
+    fig.update_layout(
+        barmode="overlay",
+        template="plotly_white",
+        height=height,
+        margin=dict(t=top),
+        legend=dict(orientation="h", x=0, xanchor="left", y=1 + (top - 24) / height * 0.9, yanchor="bottom"),
+    )
     fig.update_xaxes(title="seconds since the first arrival", row=len(runs), col=1)
     return fig
 
@@ -276,5 +284,13 @@ def latency_percentiles(reports: dict[str, RunReport]):
             row=1,
             col=2,
         )
-    fig.update_layout(barmode="group", template="plotly_white", title="Latency percentiles", height=380)
+    title = "Latency percentiles"
+    fig.update_layout(
+        barmode="group",
+        template="plotly_white",
+        title=style.title(title),
+        height=380,
+        margin=dict(t=style.top_margin(title, legend=True, extra=24)),
+        legend=style.legend_under_title(title, 380),
+    )
     return fig
