@@ -25,15 +25,21 @@ from minillm.config import parse_dtype
 
 def machine_description(device: torch.device) -> dict:
     cpu = platform.processor() or platform.machine()
+    flags: list[str] = []
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and cpu == (platform.processor() or platform.machine()):
                 cpu = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith("flags") and not flags:
+                present = set(line.split(":", 1)[1].split())
+                flags = [
+                    f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") if f in present
+                ]
     except OSError:
         pass
     info = {
         "cpu": cpu,
+        "cpu_flags": flags,  # what decides the fast paths: bf16 dot products, AMX tiles
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -203,6 +203,8 @@ EXECUTION_MODES = ("paged", "contiguous", "naive")
 DEPRECATED_MODES = {"kv_cache": "contiguous"}
 SCHEDULING_POLICIES = ("static", "dynamic", "continuous")
 ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "triton")
+QUANTIZATION_METHODS = ("int8", "int4")  # weight-only methods of minillm/quantization
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's CPU int4 kernel accepts
 
 
 _MEMORY_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -358,9 +360,11 @@ class EngineConfig:
         if self.quantization is not None and not isinstance(self.quantization, str):
             raise TypeError(f"quantization={self.quantization!r} must be a string or None")
         _check_int("quantization_group_size", self.quantization_group_size, 1, optional=True)
-        from minillm.quantization import check_quantization
-
-        check_quantization(self.quantization, self.quantization_group_size)
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization={self.quantization!r}: expected one of {QUANTIZATION_METHODS} (or None)")
+        group = self.quantization_group_size
+        if self.quantization == "int4" and group is not None and group not in INT4_GROUP_SIZES:
+            raise ValueError(f"quantization_group_size={group!r}: int4 groups must be one of {INT4_GROUP_SIZES}")
         if self.quantization is not None and self.compile:
             raise ValueError(f"quantization={self.quantization!r} cannot be combined with compile=True")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -18,6 +18,7 @@ step reads only the rows of its tokens, so shrinking it saves memory but no time
 
 from __future__ import annotations
 
+from minillm.config import QUANTIZATION_METHODS
 from minillm.quantization.int4 import (
     INT4_GROUP_SIZES,
     Int4Method,
@@ -28,11 +29,10 @@ from minillm.quantization.int4 import (
 )
 from minillm.quantization.int8 import Int8Method, dequantize_int8, quantize_int8
 
-QUANTIZATION_METHODS = ("int8", "int4")
-
 
 def check_quantization(method: str | None, group_size: int | None) -> None:
-    """Validate the engine's options before any weight is touched (a clear error, nothing half-done)."""
+    """Validate options before any weight is touched (a clear error, nothing half-done); the
+    engine's ``EngineConfig`` applies the same rules to its own fields."""
     if method is None:
         return
     if method not in QUANTIZATION_METHODS:

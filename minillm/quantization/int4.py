@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the CPU kernel accepts
+from minillm.config import INT4_GROUP_SIZES  # what the CPU kernel accepts
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

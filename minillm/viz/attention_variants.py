@@ -109,7 +109,7 @@ def variants_figure(timings: list[VariantTiming], heads: int = 8):
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    from minillm.viz import style
+    import minillm.viz.style as style
 
     fig = make_subplots(rows=1, cols=2, subplot_titles=("KV cache per token", "decode step vs context length"))
     variants = sorted({t.kv_heads for t in timings}, reverse=True)

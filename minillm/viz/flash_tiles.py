@@ -106,7 +106,7 @@ def flash_tiling_figure(
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    from minillm.viz import style
+    import minillm.viz.style as style
 
     rows, cols = tile_counts(t, s, block_m, block_n)
     query_tile = rows - 1 if query_tile is None else query_tile

@@ -81,7 +81,7 @@ def kv_memory_figure(
 
     import plotly.graph_objects as go
 
-    from minillm.viz import style
+    import minillm.viz.style as style
 
     p = KV_PRESETS[preset] if isinstance(preset, str) else preset
     seq_lens = list(seq_lens or [2**i for i in range(7, 18)])

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
+import minillm.viz.style as style
 from minillm.metrics import RunReport, StepRecord
-from minillm.viz import style
 
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
 FREE, CACHED = 0, 1  # grid values below the owners' colours
@@ -90,7 +90,6 @@ def block_table_explorer(step_records: list[StepRecord], num_blocks: int, column
     One cell per block (row ``block // columns``, column ``block % columns``), 32 px a row; a
     colour key above the grid; the title says what the step holds."""
     import plotly.graph_objects as go
-
 
     records = [r for r in step_records if r.block_tables is not None]
     if not records:

@@ -56,7 +56,7 @@ def latency_timeline(outputs, title: str = "Per-request timeline"):
     """One row per request (first request on top); TTFT and TPOT written after each row's last bar."""
     import plotly.graph_objects as go
 
-    from minillm.viz import style
+    import minillm.viz.style as style
 
     segments = timeline_segments(outputs)
     rows = [f"request {o.request_id}" for o in outputs]

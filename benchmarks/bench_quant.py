@@ -1,0 +1,160 @@
+"""Quantization, measured: quality, memory and speed of every weight method next to bf16.
+
+    python benchmarks/bench_quant.py                    # SmolLM2-135M, writes results/quant-*.{json,md}
+    python benchmarks/bench_quant.py --threads 2 --repeats 3 --methods bf16 int8 int4
+
+For each method, in one process and one run (so the machine's noise hits them alike):
+- quality: perplexity on held-out text that ships offline (the course's held-out Shakespeare,
+  and English prose from Python's own reference manual, ``pydoc_data.topics``); agreement of
+  greedy tokens with bf16 over a fixed prompt set; the chat answer to "What is the capital of
+  France?";
+- memory: the bytes of weights actually held (``model.weight_bytes()``);
+- speed: batch-1 and batch-8 decode tokens/s and TTFT of a 64-token prompt (medians of
+  interleaved repeats, as ``minillm bench`` measures them), and prefill tokens/s of a
+  512-token prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from minillm import LLM, SamplingParams
+from minillm.bench import _measure, _prompts, machine_description
+
+PROMPTS = [
+    "The history of the Roman Empire",
+    "def fibonacci(n):",
+    "Photosynthesis is the process by which",
+    "Once upon a time, in a small village,",
+    "The three laws of thermodynamics are",
+    "To make a good cup of tea, first",
+    "The largest planet in the solar system",
+    "In 1969, the Apollo 11 mission",
+]
+
+
+def english_prose(limit_chars: int = 40_000) -> str:
+    """Prose every Python installation carries: the reference manual's topic texts."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))[:limit_chars]
+
+
+def method_kwargs(method: str) -> dict:
+    if method == "bf16":
+        return {}
+    if method.startswith("int4-g"):
+        return {"quantization": "int4", "quantization_group_size": int(method.split("g")[1])}
+    return {"quantization": method}
+
+
+def evaluate(model: str, method: str, reference_tokens: list[list[int]] | None, repeats: int) -> dict:
+    from minillm.assets import heldout_text
+    from minillm.evaluation import perplexity
+
+    llm = LLM(model, dtype="bf16", enable_prefix_caching=False, **method_kwargs(method))
+    row: dict = {"method": method, "weight_bytes": llm.model.weight_bytes()}
+    for name, text in (("shakespeare", heldout_text()), ("english", english_prose())):
+        ids = llm.tokenizer.encode(text)[:4096]
+        row[f"ppl_{name}"] = perplexity(llm.model, ids, window=512)
+    greedy = llm.generate(PROMPTS, SamplingParams(max_tokens=32, ignore_eos=True))
+    row["tokens"] = [o.token_ids for o in greedy]
+    if reference_tokens is not None:
+        same = [sum(1 for _ in _prefix(a, b)) for a, b in zip(row["tokens"], reference_tokens)]
+        row["greedy_agreement"] = sum(same) / sum(len(t) for t in reference_tokens)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    answer = llm.generate([chat], SamplingParams(max_tokens=24))[0].text
+    row["chat_answer"], row["chat_right"] = answer, "Paris" in answer
+    for batch in (1, 8):
+        prompts = _prompts(llm.tokenizer, batch, 64)
+
+        def run(n, prompts=prompts):
+            llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+
+        timing = _measure({method: run}, batch, 64, repeats, llm.device)[method]
+        row[f"decode_tok_s_b{batch}"] = timing["decode_tok_s"]
+        row[f"ttft_ms_b{batch}"] = timing["ttft_ms"]
+    long_prompt = _prompts(llm.tokenizer, 1, 512)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        llm.generate(long_prompt, SamplingParams(max_tokens=1))
+        samples.append(time.perf_counter() - start)
+    row["prefill_tok_s_512"] = 512 / statistics.median(samples)
+    row["machine"] = machine_description(llm.device)
+    return row
+
+
+def _prefix(a: list[int], b: list[int]):
+    for x, y in zip(a, b):
+        if x != y:
+            return
+        yield x
+
+
+def markdown(rows: list[dict]) -> str:
+    base = rows[0]
+    head = (
+        "| method | weights MB (× bf16) | ppl Shakespeare | ppl English | greedy agreement | Paris? "
+        "| decode b1 tok/s (× bf16) | decode b8 tok/s | prefill 512 tok/s |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {r['weight_bytes'] / 1e6:.0f} ({r['weight_bytes'] / base['weight_bytes']:.2f}) "
+            f"| {r['ppl_shakespeare']:.2f} | {r['ppl_english']:.2f} | {r.get('greedy_agreement', 1.0):.0%} "
+            f"| {'yes' if r['chat_right'] else 'no'} "
+            f"| {r['decode_tok_s_b1']:.1f} ({r['decode_tok_s_b1'] / base['decode_tok_s_b1']:.2f}) "
+            f"| {r['decode_tok_s_b8']:.1f} | {r['prefill_tok_s_512']:.0f} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--methods", nargs="+", default=["bf16", "int8", "int4-g64", "int4-g32"])
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.methods[0] != "bf16":
+        args.methods.insert(0, "bf16")  # every figure is read against bf16, measured in the same run
+    rows, reference = [], None
+    for method in args.methods:
+        row = evaluate(args.model, method, reference, args.repeats)
+        reference = reference or row["tokens"]
+        rows.append(row)
+        print(
+            f"{method:>9}: {row['weight_bytes'] / 1e6:6.0f} MB  ppl {row['ppl_shakespeare']:.2f}/{row['ppl_english']:.2f}  "
+            f"b1 {row['decode_tok_s_b1']:.1f} tok/s  b8 {row['decode_tok_s_b8']:.1f} tok/s  "
+            f"prefill {row['prefill_tok_s_512']:.0f} tok/s",
+            flush=True,
+        )
+    table = markdown(rows)
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"quant-{date.today()}-{rows[0]['machine']['device']}-{torch.get_num_threads()}t"
+    for r in rows:
+        r.pop("tokens")
+    (out / f"{stem}.json").write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(
+        f"Command: `python {' '.join(sys.argv)}`\n\nMachine: {rows[0]['machine']}\n\n{table}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
