@@ -42,6 +42,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--no-chunked-prefill", action="store_true", help="prefill whole prompts in one step")
+    g.add_argument(
+        "--quantization", default=None, choices=["int8", "int4"], help="weight-only quantization (default: none)"
+    )
+    g.add_argument(
+        "--quantization-group-size",
+        type=int,
+        default=None,
+        help="int4 group size: 32 | 64 | 128 | 256 (default: the largest <= 128 that divides every layer)",
+    )
 
 
 def _memory(text: str) -> int | float:
@@ -98,6 +107,8 @@ def _llm(args):
         kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill,
+        quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
     )
 
 

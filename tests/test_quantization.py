@@ -127,3 +127,19 @@ def test_int4_refuses_odd_shapes():
     layer = Linear(64, 40)
     with pytest.raises(ValueError, match="output features divisible by 16"):
         Int4Method(32).validate(layer, "odd")
+
+
+def test_cli_generates_with_quantized_weights(capsys):
+    import json
+
+    from minillm.cli import main
+
+    args = ["generate", "--model", "tiny-shakespeare-8m", "--dtype", "fp32", "--prompt", "KING.", "--max-tokens", "8"]
+    assert main([*args, "--ignore-eos", "--json", "--quantization", "int8"]) == 0
+    quantized = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main([*args, "--ignore-eos", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert quantized["token_ids"] == plain["token_ids"]
+    with pytest.raises(SystemExit):
+        main([*args, "--quantization", "int3"])
+    assert "invalid choice: 'int3'" in capsys.readouterr().err
