@@ -146,7 +146,8 @@ def main(argv=None) -> int:
     print(table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"quant-{date.today()}-{rows[0]['machine']['device']}-{torch.get_num_threads()}t"
+    model = Path(args.model).name
+    stem = f"quant-{model}-{date.today()}-{rows[0]['machine']['device']}-{torch.get_num_threads()}t"
     for r in rows:
         r.pop("tokens")
     (out / f"{stem}.json").write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1) + "\n")

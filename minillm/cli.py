@@ -46,6 +46,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--quantization", default=None, choices=["int8", "int4"], help="weight-only quantization (default: none)"
     )
     g.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="KV pool storage (default: the model's dtype)"
+    )
+    g.add_argument(
         "--quantization-group-size",
         type=int,
         default=None,
@@ -109,6 +112,7 @@ def _llm(args):
         enable_chunked_prefill=not args.no_chunked_prefill,
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

@@ -204,6 +204,7 @@ DEPRECATED_MODES = {"kv_cache": "contiguous"}
 SCHEDULING_POLICIES = ("static", "dynamic", "continuous")
 ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "triton")
 QUANTIZATION_METHODS = ("int8", "int4")  # weight-only methods of minillm/quantization
+KV_CACHE_DTYPES = ("auto", "int8")  # the paged pool's storage (minillm/quantization/kv.py)
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's CPU int4 kernel accepts
 
 
@@ -284,6 +285,8 @@ class EngineConfig:
     # (None: the largest of 128/64/32 that divides every layer).
     quantization: str | None = None
     quantization_group_size: int | None = None
+    # The paged pool's storage: "auto" (the model's dtype) | "int8" (per token and head scales).
+    kv_cache_dtype: str = "auto"
     # The paged engine (mode="paged").
     scheduling_policy: str = "continuous"
     block_size: int = 16
@@ -365,6 +368,15 @@ class EngineConfig:
         group = self.quantization_group_size
         if self.quantization == "int4" and group is not None and group not in INT4_GROUP_SIZES:
             raise ValueError(f"quantization_group_size={group!r}: int4 groups must be one of {INT4_GROUP_SIZES}")
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: expected one of {KV_CACHE_DTYPES}")
+        if self.kv_cache_dtype != "auto" and self.mode != "paged":
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} needs mode='paged' (got mode={self.mode!r})")
+        if self.kv_cache_dtype != "auto" and self.attention_backend == "triton":
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} runs on the 'torch' and 'sdpa' backends; the Triton "
+                "kernels do not read a quantized pool yet"
+            )
         if self.quantization is not None and self.compile:
             raise ValueError(f"quantization={self.quantization!r} cannot be combined with compile=True")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -140,6 +140,96 @@ def test_cli_generates_with_quantized_weights(capsys):
     assert main([*args, "--ignore-eos", "--json"]) == 0
     plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert quantized["token_ids"] == plain["token_ids"]
+    assert main([*args, "--ignore-eos", "--json", "--kv-cache-dtype", "int8"]) == 0
+    assert len(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"]) == 8
     with pytest.raises(SystemExit):
         main([*args, "--quantization", "int3"])
     assert "invalid choice: 'int3'" in capsys.readouterr().err
+
+
+# ---- the int8 KV cache -------------------------------------------------------------------------
+
+
+def test_kv_quantization_error_is_half_a_step_per_token_and_head():
+    from minillm.quantization.kv import dequantize_kv, quantize_kv
+
+    x = torch.randn(5, 3, 64, generator=torch.Generator().manual_seed(0))
+    x[2, 1] *= 100  # an outlier token-head does not cost the others precision
+    q, scale = quantize_kv(x)
+    assert q.dtype == torch.int8 and scale.shape == (5, 3)
+    err = (dequantize_kv(q, scale, torch.float32) - x).abs()
+    assert bool((err <= scale[..., None] / 2 + 1e-6).all())
+    assert err[0].max() < err[2, 1].max() / 20
+
+
+def _kv_run(kv_cache_dtype, blocks=None, **kwargs):
+    from minillm.kvcache.addressing import kv_bytes_per_token
+
+    llm = LLM("tiny-shakespeare-8m", dtype="fp32", attention_backend="torch", block_size=4, **kwargs)
+    if blocks is not None:  # rebuild with a pool of exactly this many blocks
+        per_block = 4 * kv_bytes_per_token(llm.model_config, torch.float32, kv_cache_dtype)
+        llm = LLM(
+            "tiny-shakespeare-8m",
+            dtype="fp32",
+            attention_backend="torch",
+            block_size=4,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_memory=blocks * per_block,
+            **kwargs,
+        )
+    return llm
+
+
+KV_PROMPTS = [
+    "You are a courtly poet. Answer in blank verse.\nROMEO.\nBut soft, what light",
+    "You are a courtly poet. Answer in blank verse.\nJULIET.\nO Romeo, Romeo",
+    "You are a courtly poet. Answer in blank verse.\nHAMLET.\nTo be, or not to be",
+    "KING.\nNow is the winter of our discontent",
+]
+
+
+def test_int8_kv_cache_keeps_the_tokens_and_holds_more_blocks():
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    memory = 2_000_000
+    plain = LLM("tiny-shakespeare-8m", dtype="fp32", attention_backend="torch", kv_cache_memory=memory)
+    int8 = LLM(
+        "tiny-shakespeare-8m", dtype="fp32", attention_backend="torch", kv_cache_memory=memory, kv_cache_dtype="int8"
+    )
+    ref = [o.token_ids for o in plain.generate(KV_PROMPTS, params)]
+    got = [o.token_ids for o in int8.generate(KV_PROMPTS, params)]
+    agree = sum(a == b for r, g in zip(ref, got) for a, b in zip(r, g)) / sum(map(len, ref))
+    assert agree >= 0.9, agree
+    assert all(r[:8] == g[:8] for r, g in zip(ref, got))
+    report, plain_report = int8.engine.memory_report(), plain.engine.memory_report()
+    per_block = report["kv_pool_bytes"] / (report["kv_pool_blocks"] + 1)  # + the null block
+    assert report["kv_pool_bytes"] <= memory + per_block  # the same budget, one spare block at most
+    # fp32 values (4 bytes) against 1 byte + a 4-byte scale per 64 values: ~3.8x the blocks
+    assert report["kv_pool_blocks"] >= 3.5 * plain_report["kv_pool_blocks"]
+
+
+def test_int8_kv_cache_under_preemption_and_prefix_sharing_is_deterministic():
+    """Recomputed (preempted) and shared (prefix-cached, copied-on-write) blocks hold the same
+    int8 values as freshly written ones: a pool too small for the batch gives the big pool's tokens."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    roomy = _kv_run("int8", blocks=400)
+    tight = _kv_run("int8", blocks=24)
+    expected = [o.token_ids for o in roomy.generate(KV_PROMPTS, params)]
+    # the first request alone fills the prefix cache; the others then share its blocks
+    outputs = tight.generate(KV_PROMPTS[:1], params) + tight.generate(KV_PROMPTS[1:], params)
+    assert [o.token_ids for o in outputs] == expected
+    assert sum(o.num_preemptions for o in outputs) > 0
+    assert max(o.num_cached_tokens for o in outputs) > 0
+    tight.engine.block_manager.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"kv_cache_dtype": "fp4"}, "kv_cache_dtype='fp4': expected one of"),
+        ({"kv_cache_dtype": "int8", "mode": "contiguous"}, "needs mode='paged'"),
+        ({"kv_cache_dtype": "int8", "attention_backend": "triton"}, "Triton"),
+    ],
+)
+def test_bad_kv_cache_dtype_is_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM("tiny-shakespeare-1m", **kwargs)

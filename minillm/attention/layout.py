@@ -25,6 +25,24 @@ class KVPool:
     v_slots: list[torch.Tensor]
     block_size: int
     null_block: int  # a block nothing owns: padding rows and padded table entries point here
+    # An int8 pool (kv_cache_dtype="int8"): per layer, one scale per slot and head
+    # [num_slots, kv_heads]; attention dequantizes to ``dtype`` as it reads.
+    k_scales: list[torch.Tensor] | None = None
+    v_scales: list[torch.Tensor] | None = None
+    dtype: torch.dtype | None = None
+
+    @classmethod
+    def of(cls, cache) -> KVPool:
+        """The plain-tensor view of a ``PagedKVCache``."""
+        return cls(
+            cache.k_slots,
+            cache.v_slots,
+            cache.block_size,
+            cache.null_block,
+            cache.k_scale_slots,
+            cache.v_scale_slots,
+            cache.dtype,
+        )
 
 
 @dataclass

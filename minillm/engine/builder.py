@@ -64,7 +64,8 @@ def resolve_backend(config: EngineConfig, device: torch.device) -> str:
     """``auto`` → ``triton`` for the paged engine on CUDA (when Triton is installed), else ``sdpa``."""
     if config.attention_backend != "auto":
         return config.attention_backend
-    return "triton" if device.type == "cuda" and config.mode == "paged" and triton_available() else "sdpa"
+    triton = device.type == "cuda" and config.mode == "paged" and config.kv_cache_dtype == "auto"
+    return "triton" if triton and triton_available() else "sdpa"
 
 
 def build_engine_parts(
@@ -83,7 +84,7 @@ def build_engine_parts(
         return EngineParts(scheduler, runner, backend)
     num_blocks = num_kv_blocks(config, model_config, max_model_len, device, dtype)  # after the weights loaded
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-    kv_cache = PagedKVCache(model_config, num_blocks, config.block_size, dtype, device)
+    kv_cache = PagedKVCache(model_config, num_blocks, config.block_size, dtype, device, config.kv_cache_dtype)
     scheduler = Scheduler(
         block_manager,
         policy=config.scheduling_policy,
@@ -126,7 +127,7 @@ def num_kv_blocks(
     """Blocks in the pool: ``kv_cache_memory`` bytes, or that fraction of free memory, never
     more than the device has free (a pool that cannot be allocated is an error now, not an
     out-of-memory crash later)."""
-    block_bytes = config.block_size * kv_bytes_per_token(model_config, dtype)
+    block_bytes = config.block_size * kv_bytes_per_token(model_config, dtype, config.kv_cache_dtype)
     memory = config.kv_cache_memory
     available = free_memory_bytes(device)
     if available is None and isinstance(memory, float):

@@ -125,7 +125,7 @@ class DecodeGraphs:
             block_tables=buffer(size, self.max_blocks),
             num_decodes=size,
             logit_index=torch.arange(size, device=self.device),
-            pool=KVPool(self.cache.k_slots, self.cache.v_slots, self.cache.block_size, self.cache.null_block),
+            pool=KVPool.of(self.cache),
             window=self.window,
             max_context=self.max_context,  # fixed: the split-K layout must not change between replays
         )

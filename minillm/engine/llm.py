@@ -34,7 +34,8 @@ class LLM:
         max_num_seqs, mode ("paged" | "contiguous" | "naive"), num_threads, seed,
         attention_backend ("auto" | "torch" | "sdpa"), cpu_prepack, compile, and for the paged
         engine scheduling_policy, block_size, kv_cache_memory, enable_prefix_caching,
-        enable_chunked_prefill, max_num_batched_tokens, batch_timeout."""
+        enable_chunked_prefill, max_num_batched_tokens, batch_timeout; quantization ("int8" |
+        "int4") with quantization_group_size, and kv_cache_dtype ("auto" | "int8")."""
         self.engine = LLMEngine(model, **engine_args)
         self._mailboxes: dict[Hashable, _Mailbox] = {}  # deltas waiting for their caller, by request
 

@@ -101,6 +101,8 @@ class LLMEngine:
         report: dict[str, int | None] = {
             "weights_bytes": weights,
             "kv_pool_bytes": self.kv_cache.nbytes if self.kv_cache is not None else None,
+            # How many blocks those bytes hold: an int8 pool (kv_cache_dtype="int8") holds ~2x.
+            "kv_pool_blocks": self.kv_cache.num_blocks if self.kv_cache is not None else None,
             "allocated_bytes": None,
             "peak_allocated_bytes": None,
         }

@@ -34,7 +34,7 @@ class PagedRunner:
         static buffers / CUDA graphs."""
         self.model = model
         self.cache = cache
-        self.pool = KVPool(cache.k_slots, cache.v_slots, cache.block_size, cache.null_block)
+        self.pool = KVPool.of(cache)
         self.window = window
         self.graphs = graphs
         self.device = model.embed_tokens.weight.device

@@ -16,27 +16,52 @@ from minillm.config import ModelConfig
 
 
 class PagedKVCache:
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_cache_dtype: str = "auto",
+    ):
         # One block more than the block manager hands out: the null block, which padded rows of
         # a batch (a CUDA graph's spare seats, a short block table's tail) write to and read from.
         self.null_block = num_blocks
         shape = (config.num_layers, num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
+        # kv_cache_dtype="int8": int8 values plus one scale per (token, head) (quantization/kv.py);
+        # attention computes in ``dtype`` after dequantizing.
+        self.kv_cache_dtype, self.dtype = kv_cache_dtype, dtype
+        stored = torch.int8 if kv_cache_dtype == "int8" else dtype
         # Zeroed, not empty: attention multiplies unused slots by a probability of exactly 0,
         # and 0 * NaN (uninitialised memory) would still be NaN.
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = torch.zeros(shape, dtype=stored, device=device)
+        self.v = torch.zeros(shape, dtype=stored, device=device)
+        self.k_scale = self.v_scale = None
+        if kv_cache_dtype == "int8":
+            from minillm.quantization.kv import SCALE_DTYPE
+
+            self.k_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
+            self.v_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
         # Per layer, the same memory seen as one row per slot: [num_slots, kv_heads, head_dim].
         self.k_slots = [k.flatten(0, 1) for k in self.k.unbind(0)]
         self.v_slots = [v.flatten(0, 1) for v in self.v.unbind(0)]
+        # ... and their scales, [num_slots, kv_heads] (None for an unquantized pool).
+        self.k_scale_slots = None if self.k_scale is None else [s.flatten(0, 1) for s in self.k_scale.unbind(0)]
+        self.v_scale_slots = None if self.v_scale is None else [s.flatten(0, 1) for s in self.v_scale.unbind(0)]
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        scales = 0 if self.k_scale is None else self.k_scale.nbytes + self.v_scale.nbytes
+        return self.k.nbytes + self.v.nbytes + scales
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: block ``dst`` becomes a copy of ``src`` in every layer."""
         for src, dst in copies:
             self.k[:, dst] = self.k[:, src]
             self.v[:, dst] = self.v[:, src]
+            if self.k_scale is not None:
+                self.k_scale[:, dst] = self.k_scale[:, src]
+                self.v_scale[:, dst] = self.v_scale[:, src]
