@@ -228,6 +228,15 @@ def cmd_assets(args) -> int:
     return 0
 
 
+def cmd_quantize(args) -> int:
+    from minillm.assets import resolve_model
+    from minillm.quantization.checkpoint import save_quantized
+
+    out = save_quantized(resolve_model(args.model), args.out, args.method, args.group_size, args.dtype)
+    print(f"wrote {args.method} checkpoint to {out}: load it with LLM({str(out)!r})")
+    return 0
+
+
 def cmd_bench(args) -> int:
     from minillm.bench import run_generate_benchmark
 
@@ -339,6 +348,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("assets", help="convert the bundled model(s) into HF folders (idempotent)")
     p.add_argument("--model", action="append", help="asset name (default: all)")
     p.set_defaults(func=cmd_assets)
+
+    p = sub.add_parser("quantize", help="quantize a checkpoint once and save it (int8 | int4)")
+    p.add_argument("model", help="short name or HF-format folder")
+    p.add_argument("--method", required=True, choices=["int8", "int4"])
+    p.add_argument("--group-size", type=int, default=None, help="int4 group: 32 | 64 | 128 | 256 (default: auto)")
+    p.add_argument("--dtype", default="bf16", help="dtype of the parts kept unquantized (default: bf16)")
+    p.add_argument("--out", required=True, help="folder to write")
+    p.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser("bench", help="decode/prefill benchmark against HF transformers generate()")
     p.add_argument("--model", default="smollm2-135m")

@@ -233,3 +233,58 @@ def test_int8_kv_cache_under_preemption_and_prefix_sharing_is_deterministic():
 def test_bad_kv_cache_dtype_is_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM("tiny-shakespeare-1m", **kwargs)
+
+
+# ---- quantized checkpoints ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method,group", [("int8", None), ("int4", 64)])
+def test_saved_quantized_checkpoint_loads_bit_identical(tmp_path, method, group):
+    from minillm.assets import resolve_model
+    from minillm.course import forward_logits
+    from minillm.quantization.checkpoint import save_quantized
+
+    out = save_quantized(resolve_model("tiny-shakespeare-8m"), tmp_path / method, method, group, dtype="fp32")
+    config = __import__("json").loads((out / "config.json").read_text())
+    assert config["quantization_config"]["method"] == method
+    in_memory = LLM("tiny-shakespeare-8m", dtype="fp32", quantization=method, quantization_group_size=group)
+    loaded = LLM(out, dtype="fp32")
+    assert {m.method.name for m in loaded.model.linear_layers()} == {
+        m.method.name for m in in_memory.model.linear_layers()
+    }
+    ids = in_memory.tokenizer.encode("KING.\nNow is the winter of our discontent")
+    assert torch.equal(forward_logits(loaded.model, ids), forward_logits(in_memory.model, ids))
+    assert loaded.model.weight_bytes() == in_memory.model.weight_bytes()
+    with pytest.raises(ValueError, match="already quantized"):
+        LLM(out, dtype="fp32", quantization="int8")
+
+
+def test_a_quantized_checkpoint_missing_a_scale_is_refused_by_name(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from minillm.assets import resolve_model
+    from minillm.errors import ModelLoadError
+    from minillm.quantization.checkpoint import save_quantized
+
+    out = save_quantized(resolve_model("tiny-shakespeare-1m"), tmp_path / "q", "int8", dtype="fp32")
+    tensors = load_file(str(out / "model.safetensors"))
+    del tensors["layers.0.mlp.down_proj.scales"]
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="missing tensor 'layers.0.mlp.down_proj.scales'"):
+        LLM(out, dtype="fp32")
+
+
+def test_cli_quantize_writes_a_loadable_checkpoint(tmp_path, capsys):
+    from minillm.cli import main
+
+    assert main(["quantize", "tiny-shakespeare-1m", "--method", "int4", "--out", str(tmp_path / "q4")]) == 0
+    assert "wrote int4 checkpoint" in capsys.readouterr().out
+    llm = LLM(tmp_path / "q4")
+    assert {m.method.name for m in llm.model.linear_layers()} == {"int4", "int8"}
+    assert (
+        main(
+            ["quantize", "tiny-shakespeare-1m", "--method", "int4", "--group-size", "48", "--out", str(tmp_path / "x")]
+        )
+        != 0
+    )
+    assert "group" in capsys.readouterr().err

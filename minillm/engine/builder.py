@@ -106,6 +106,12 @@ def apply_weight_methods(config: EngineConfig, model: LlamaForCausalLM, device: 
     from minillm.layers.linear import PLAIN
     from minillm.quantization import quantize_model
 
+    saved = {layer.method.name for layer in model.linear_layers()} - {PLAIN.name}
+    if config.quantization is not None and saved:
+        raise ValueError(
+            f"quantization={config.quantization!r}: this checkpoint is already quantized ({', '.join(sorted(saved))}); "
+            "load it without quantization="
+        )
     if config.quantization is not None:  # before prepacking: quantized layers keep their own kernels
         quantize_model(model, config.quantization, config.quantization_group_size)
     prepack = config.cpu_prepack and device.type == "cpu" and prepack_available(dtype)

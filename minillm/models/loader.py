@@ -73,6 +73,13 @@ def load_model(
     model.tie_weights()  # to_empty gives each module its own tensor: share the head again
 
     targets = model.checkpoint_targets()
+    from minillm.quantization.checkpoint import install_quantized, quantization_config
+
+    qc = quantization_config(folder)
+    quantized: dict[str, torch.Tensor] = {}  # a quantized checkpoint's linear layers, by our names
+    if qc is not None:
+        linears = set(model.linear_layers())
+        targets = {name: t for name, t in targets.items() if t[0] not in linears}
     for path in safetensors_files(folder):
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -82,6 +89,9 @@ def load_model(
                     if name == "lm_head.weight" and config.tie_word_embeddings:
                         continue  # some tied checkpoints store a copy; ours is the embedding
                     target = targets.pop(name, None)
+                    if target is None and qc is not None:
+                        quantized[name] = f.get_tensor(name)
+                        continue
                     if target is None:
                         raise ModelLoadError(f"{path}: unexpected tensor {name!r} for a {config.model_type} model")
                     tensor = f.get_tensor(name)
@@ -102,5 +112,7 @@ def load_model(
         missing = sorted(targets)
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"{folder}: incomplete checkpoint, {len(missing)} tensor(s) missing: {shown}")
+    if qc is not None:
+        install_quantized(model, folder, quantized, qc)
     model.init_rope(max_positions or config.max_position_embeddings)
     return model.eval()

@@ -76,19 +76,27 @@ class Int4Method:
 
     def process_weights(self, layer) -> None:
         self.validate(layer, repr(layer))
+        q, scale, low = quantize_int4(layer.weight, self.group_size)
+        self.install(layer, q, scale, low)
+
+    def install(self, layer, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> None:
+        """Hold ``q`` (values 0..15, unpacked) with its group scales and minima — quantized now,
+        or loaded from a quantized checkpoint."""
+        self.validate(layer, repr(layer))
         weight = layer.weight
-        q, scale, low = quantize_int4(weight, self.group_size)
-        layer.dtype = weight.dtype
+        device, layer.dtype = weight.device, weight.dtype
+        q, scale, low = q.to(device), scale.float().to(device), low.float().to(device)
         layer.int4 = pack_int4(q)  # the storage format: two values per byte
         layer.int4_scale, layer.int4_min = scale, low
         layer.cpu_int4 = None
-        if weight.device.type == "cpu":
+        if device.type == "cpu":
             table_dtype = torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32
             zero = low + 8 * scale  # the kernel computes (q - 8) * scale + zero
             layer.cpu_int4 = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
             layer.cpu_table = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(table_dtype)
             layer.int4 = None  # the kernel's tiled copy is what the matmul reads
         layer.weight = None
+        layer.method = self
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, layer.in_features)

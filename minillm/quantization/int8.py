@@ -43,12 +43,23 @@ class Int8Method:
         if layer.weight is None or layer.weight.dim() != 2:
             raise ValueError(f"{name}: int8 needs the loaded 2-D weight (was the layer already converted?)")
 
+    @staticmethod
+    def scale_for(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Scales are kept in the activations' dtype (the kernel wants them so); fp16 keeps fp32."""
+        return scale.to(dtype if dtype != torch.float16 else torch.float32)
+
     def process_weights(self, layer) -> None:
         self.validate(layer, repr(layer))
-        layer.qweight, scale = quantize_int8(layer.weight)
-        layer.dtype = layer.weight.dtype
-        layer.scales = scale.to(layer.dtype if layer.dtype != torch.float16 else torch.float32)
+        q, scale = quantize_int8(layer.weight)
+        self.install(layer, q, scale)
+
+    def install(self, layer, q: torch.Tensor, scale: torch.Tensor) -> None:
+        """Hold ``q`` and ``scale`` (quantized now, or loaded from a quantized checkpoint)."""
+        device, layer.dtype = layer.weight.device, layer.weight.dtype
+        layer.qweight = q.to(device=device, dtype=torch.int8)
+        layer.scales = self.scale_for(scale, layer.dtype).to(device)
         layer.weight = None  # a tied head's matrix stays alive through the embedding
+        layer.method = self
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, layer.in_features)

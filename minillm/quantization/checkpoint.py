@@ -1,0 +1,149 @@
+"""Quantized checkpoints: quantize once, save, and load without quantizing again.
+
+``minillm quantize MODEL --method int4 --out DIR`` writes a folder that ``LLM(DIR)`` loads as
+it is: ``config.json`` with a ``quantization_config`` (method, group size, what the LM head
+holds), the tokenizer files, and ``model.safetensors`` holding
+
+- the embedding and the norms in the model's dtype, under their Hugging Face names;
+- every linear layer under *our* module names (fused ``qkv_proj`` and ``gate_up_proj``, as the
+  engine runs them): ``<name>.qweight`` (int8) and ``<name>.scales`` for int8 layers,
+  ``<name>.int4`` (two values per byte), ``<name>.int4_scale`` and ``<name>.int4_min`` (fp32,
+  one per group) for int4 layers, ``<name>.bias`` where there is one. The LM head is int8.
+
+Loading checks every tensor before the model is returned: a missing or misshapen one is a
+``ModelLoadError`` naming it (nothing half-loaded). The values are the ones saved, bit for bit,
+so a loaded model computes exactly what the model that was quantized in memory computes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from minillm.errors import ModelLoadError
+from minillm.quantization.int4 import Int4Method, pack_int4, quantize_int4, unpack_int4
+from minillm.quantization.int8 import Int8Method, quantize_int8
+
+FORMAT = "minillm"
+
+
+def _linear_layers(model) -> dict:
+    from minillm.layers.linear import Linear
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+
+
+def save_quantized(model_dir: str | Path, out_dir: str | Path, method: str, group_size: int | None = None,
+                   dtype: str = "bf16") -> Path:  # fmt: skip
+    """Quantize the checkpoint in ``model_dir`` with ``method`` and write it to ``out_dir``."""
+    from safetensors.torch import save_file
+
+    from minillm.config import parse_dtype
+    from minillm.models.loader import load_model
+    from minillm.quantization import check_quantization, default_group_size
+
+    check_quantization(method, group_size)
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    model = load_model(model_dir, parse_dtype(dtype))
+    if method == "int4" and group_size is None:
+        group_size = default_group_size(model)
+    layers = _linear_layers(model)
+    for name, layer in layers.items():  # every shape checked before anything is written
+        if name != "lm_head":
+            (Int8Method() if method == "int8" else Int4Method(group_size)).validate(layer, name)
+    tensors: dict[str, torch.Tensor] = {}
+    for hf_name, (module, param, _) in model.checkpoint_targets().items():
+        if module not in layers.values():
+            tensors[hf_name] = getattr(module, param).detach().contiguous()
+    for name, layer in layers.items():
+        weight = layer.weight.detach()
+        if method == "int8" or name == "lm_head":
+            q, scale = quantize_int8(weight)
+            tensors[f"{name}.qweight"], tensors[f"{name}.scales"] = q, Int8Method.scale_for(scale, weight.dtype)
+        else:
+            q, scale, low = quantize_int4(weight, group_size)
+            tensors[f"{name}.int4"], tensors[f"{name}.int4_scale"], tensors[f"{name}.int4_min"] = (
+                pack_int4(q),
+                scale,
+                low,
+            )
+        if layer.bias is not None:
+            tensors[f"{name}.bias"] = layer.bias.detach().contiguous()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"))
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": FORMAT,
+        "method": method,
+        "group_size": group_size if method == "int4" else None,
+        "lm_head": "int8",
+        "dtype": dtype,
+    }
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for extra in model_dir.iterdir():  # tokenizer and generation config
+        if (
+            extra.is_file()
+            and extra.suffix in (".json", ".txt", ".model")
+            and extra.name
+            not in (
+                "config.json",
+                "model.safetensors.index.json",
+            )
+        ):
+            shutil.copy2(extra, out_dir / extra.name)
+    return out_dir
+
+
+def quantization_config(folder: str | Path) -> dict | None:
+    """The folder's ``quantization_config`` if it is a checkpoint this module wrote, else None;
+    a quantization config of another kind is refused by name."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    qc = config.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, dict) or qc.get("quant_method") != FORMAT:
+        kind = qc.get("quant_method") if isinstance(qc, dict) else qc
+        raise ModelLoadError(f"{folder}: quantization_config of kind {kind!r} is not supported (only {FORMAT!r})")
+    return qc
+
+
+def install_quantized(model, folder: Path, tensors: dict[str, torch.Tensor], qc: dict) -> None:
+    """Give each linear layer of ``model`` its saved quantized storage (pops what it uses)."""
+    method, group = qc.get("method"), qc.get("group_size")
+    if method not in ("int8", "int4"):
+        raise ModelLoadError(f"{folder}: quantization_config method {method!r} is not int8 or int4")
+
+    def take(name: str, shape: tuple | None = None) -> torch.Tensor:
+        if name not in tensors:
+            raise ModelLoadError(f"{folder}: quantized checkpoint is missing tensor {name!r}")
+        t = tensors.pop(name)
+        if shape is not None and tuple(t.shape) != shape:
+            raise ModelLoadError(f"{folder}: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+        return t
+
+    plan = []
+    for name, layer in _linear_layers(model).items():  # read and check everything first
+        out, cols = layer.out_features, layer.in_features
+        bias = take(f"{name}.bias", (out,)) if layer.bias is not None else None
+        if method == "int8" or name == "lm_head":
+            plan.append(
+                (layer, Int8Method(), (take(f"{name}.qweight", (out, cols)), take(f"{name}.scales", (out,))), bias)
+            )
+        else:
+            groups = cols // group
+            packed = take(f"{name}.int4", (out, cols // 2))
+            scale, low = take(f"{name}.int4_scale", (out, groups)), take(f"{name}.int4_min", (out, groups))
+            plan.append((layer, Int4Method(group), (unpack_int4(packed), scale, low), bias))
+    if tensors:
+        raise ModelLoadError(f"{folder}: unexpected tensor(s) {sorted(tensors)[:5]} in a quantized checkpoint")
+    for layer, quantized, parts, bias in plan:
+        if bias is not None:
+            with torch.no_grad():
+                layer.bias.copy_(bias)
+        quantized.install(layer, *parts)
