@@ -46,7 +46,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--quantization", default=None, choices=["int8", "int4"], help="weight-only quantization (default: none)"
     )
     g.add_argument(
-        "--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="KV pool storage (default: the model's dtype)"
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "int8", "fp8"],
+        help="KV pool storage (default: the model's dtype)",
     )
     g.add_argument(
         "--quantization-group-size",
@@ -230,9 +233,15 @@ def cmd_assets(args) -> int:
 
 def cmd_quantize(args) -> int:
     from minillm.assets import resolve_model
+    from minillm.config import parse_dtype
+    from minillm.models.loader import load_model
+    from minillm.quantization import check_quantization
     from minillm.quantization.checkpoint import save_quantized
 
-    out = save_quantized(resolve_model(args.model), args.out, args.method, args.group_size, args.dtype)
+    check_quantization(args.method, args.group_size)  # before the slow load
+    folder = resolve_model(args.model)
+    model = load_model(folder, parse_dtype(args.dtype))
+    out = save_quantized(model, folder, args.out, args.method, args.group_size, args.dtype)
     print(f"wrote {args.method} checkpoint to {out}: load it with LLM({str(out)!r})")
     return 0
 

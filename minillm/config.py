@@ -204,7 +204,7 @@ DEPRECATED_MODES = {"kv_cache": "contiguous"}
 SCHEDULING_POLICIES = ("static", "dynamic", "continuous")
 ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "triton")
 QUANTIZATION_METHODS = ("int8", "int4")  # weight-only methods of minillm/quantization
-KV_CACHE_DTYPES = ("auto", "int8")  # the paged pool's storage (minillm/quantization/kv.py)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # the paged pool's storage (minillm/quantization/kv.py)
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's CPU int4 kernel accepts
 
 
@@ -285,7 +285,8 @@ class EngineConfig:
     # (None: the largest of 128/64/32 that divides every layer).
     quantization: str | None = None
     quantization_group_size: int | None = None
-    # The paged pool's storage: "auto" (the model's dtype) | "int8" (per token and head scales).
+    # The paged pool's storage: "auto" (the model's dtype) | "int8" | "fp8" (e4m3; both with a
+    # scale per token and head).
     kv_cache_dtype: str = "auto"
     # The paged engine (mode="paged").
     scheduling_policy: str = "continuous"

@@ -30,6 +30,7 @@ class KVPool:
     k_scales: list[torch.Tensor] | None = None
     v_scales: list[torch.Tensor] | None = None
     dtype: torch.dtype | None = None
+    kv_cache_dtype: str = "auto"  # "int8" | "fp8": how the slots' 8 bits are read
 
     @classmethod
     def of(cls, cache) -> KVPool:
@@ -42,6 +43,7 @@ class KVPool:
             cache.k_scale_slots,
             cache.v_scale_slots,
             cache.dtype,
+            cache.kv_cache_dtype,
         )
 
 

@@ -67,17 +67,27 @@ def bucket_rows(context_lens: list[int], overhead: int = 1024) -> list[tuple[int
     return buckets[::-1]
 
 
-def write_kv(pool: KVPool, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def write_kv(
+    pool: KVPool, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Store ``k, v[N, kv_heads, D]`` (one row per new token) at ``slot_mapping[N]`` —
-    quantized first when the pool is int8."""
-    if pool.k_scales is not None:
-        for new, slots, scales in ((k, pool.k_slots, pool.k_scales), (v, pool.v_slots, pool.v_scales)):
-            q, scale = quantize_kv(new)
-            slots[layer].index_copy_(0, slot_mapping, q)
-            scales[layer].index_copy_(0, slot_mapping, scale)
-        return
-    pool.k_slots[layer].index_copy_(0, slot_mapping, k)
-    pool.v_slots[layer].index_copy_(0, slot_mapping, v)
+    quantized first when the pool is int8 or fp8 — and return them *as stored*.
+
+    With a quantized pool the returned K/V are the dequantized stored values, so a prompt that
+    attends to its own new tokens sees exactly what a later decode step will read back: the
+    model then behaves the same whether a prefix was just computed, recomputed after a
+    preemption, or found in the prefix cache."""
+    if pool.k_scales is None:
+        pool.k_slots[layer].index_copy_(0, slot_mapping, k)
+        pool.v_slots[layer].index_copy_(0, slot_mapping, v)
+        return k, v
+    stored = []
+    for new, slots, scales in ((k, pool.k_slots, pool.k_scales), (v, pool.v_slots, pool.v_scales)):
+        q, scale = quantize_kv(new, pool.kv_cache_dtype)
+        slots[layer].index_copy_(0, slot_mapping, q)
+        scales[layer].index_copy_(0, slot_mapping, scale)
+        stored.append(dequantize_kv(q, scale, new.dtype))
+    return stored[0], stored[1]
 
 
 def gather_kv(pool: KVPool, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +101,7 @@ def gather_kv(pool: KVPool, layer: int, block_tables: torch.Tensor) -> tuple[tor
     for slots, scale in zip((pool.k_slots[layer], pool.v_slots[layer]), scales):
         blocks = slots.view(-1, pool.block_size, *slots.shape[1:])
         rows = blocks.index_select(0, flat).view(b, n * pool.block_size, *slots.shape[1:])
-        if scale is not None:  # an int8 pool: dequantize what was gathered
+        if scale is not None:  # an 8-bit pool: dequantize what was gathered
             gathered = scale.view(-1, pool.block_size, scale.shape[-1]).index_select(0, flat)
             rows = dequantize_kv(rows, gathered.view(b, n * pool.block_size, -1), pool.dtype)
         out.append(rows.transpose(1, 2))
@@ -132,7 +142,7 @@ class ReferencePagedStep:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """``q[1, N, H, D]``, ``k, v[1, N, KV, D]`` for the step's new tokens → ``[1, N, H, D]``."""
         q, k, v = q[0], k[0], v[0]
-        write_kv(self.pool, layer, self.layout.slot_mapping, k, v)
+        k, v = write_kv(self.pool, layer, self.layout.slot_mapping, k, v)
         nd = self.layout.num_decodes
         if nd == q.shape[0]:  # a pure decode step: no output buffer to fill piecewise
             return self._decode(q, layer, scale)[None]

@@ -59,7 +59,7 @@ def kv_bytes_per_token_of(layers: int, kv_heads: int, head_dim: int, dtype: torc
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype | str | float, kv_cache_dtype: str = "auto") -> int:
     """``kv_bytes_per_token_of`` for a model's shape, rounded up to whole bytes; an int8 pool
-    (``kv_cache_dtype="int8"``) costs one byte per value plus a 4-byte scale per token and head."""
-    if kv_cache_dtype == "int8":
+    (``kv_cache_dtype="int8"`` or ``"fp8"``) costs one byte per value plus a 4-byte scale per token and head."""
+    if kv_cache_dtype in ("int8", "fp8"):
         dtype = 1 + 4 / config.head_dim
     return int(-(-kv_bytes_per_token_of(config.num_layers, config.num_kv_heads, config.head_dim, dtype) // 1))

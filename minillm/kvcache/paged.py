@@ -29,18 +29,18 @@ class PagedKVCache:
         # a batch (a CUDA graph's spare seats, a short block table's tail) write to and read from.
         self.null_block = num_blocks
         shape = (config.num_layers, num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
-        # kv_cache_dtype="int8": int8 values plus one scale per (token, head) (quantization/kv.py);
-        # attention computes in ``dtype`` after dequantizing.
+        # kv_cache_dtype="int8" | "fp8": 8-bit values plus one scale per (token, head)
+        # (quantization/kv.py); attention computes in ``dtype`` after dequantizing.
+        from minillm.quantization.kv import SCALE_DTYPE, STORAGE
+
         self.kv_cache_dtype, self.dtype = kv_cache_dtype, dtype
-        stored = torch.int8 if kv_cache_dtype == "int8" else dtype
+        stored = STORAGE.get(kv_cache_dtype, dtype)
         # Zeroed, not empty: attention multiplies unused slots by a probability of exactly 0,
         # and 0 * NaN (uninitialised memory) would still be NaN.
         self.k = torch.zeros(shape, dtype=stored, device=device)
         self.v = torch.zeros(shape, dtype=stored, device=device)
         self.k_scale = self.v_scale = None
-        if kv_cache_dtype == "int8":
-            from minillm.quantization.kv import SCALE_DTYPE
-
+        if kv_cache_dtype in STORAGE:
             self.k_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
             self.v_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
         self.num_blocks = num_blocks

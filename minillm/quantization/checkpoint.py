@@ -36,18 +36,16 @@ def _linear_layers(model) -> dict:
     return {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
 
 
-def save_quantized(model_dir: str | Path, out_dir: str | Path, method: str, group_size: int | None = None,
+def save_quantized(model, model_dir: str | Path, out_dir: str | Path, method: str, group_size: int | None = None,
                    dtype: str = "bf16") -> Path:  # fmt: skip
-    """Quantize the checkpoint in ``model_dir`` with ``method`` and write it to ``out_dir``."""
+    """Quantize ``model`` (loaded from the checkpoint in ``model_dir``, in ``dtype``) with
+    ``method`` and write it, with ``model_dir``'s config and tokenizer, to ``out_dir``."""
     from safetensors.torch import save_file
 
-    from minillm.config import parse_dtype
-    from minillm.models.loader import load_model
     from minillm.quantization import check_quantization, default_group_size
 
     check_quantization(method, group_size)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    model = load_model(model_dir, parse_dtype(dtype))
     if method == "int4" and group_size is None:
         group_size = default_group_size(model)
     layers = _linear_layers(model)
