@@ -41,6 +41,17 @@ def _reference_tokens(model: str, steps: int = STEPS) -> list[int]:
     return llm.generate([_prompt_ids(llm)], SamplingParams(max_tokens=steps, ignore_eos=True))[0].token_ids
 
 
+def _int_cases(fn, name: str, cases, arg_names: tuple[str, ...]) -> None:
+    """Unit cases of a function that returns an int: ``cases`` are ``(*args, expected, why)``."""
+    for *args, expected, why in cases:
+        got = fn(*args)
+        if not isinstance(got, int) or isinstance(got, bool):
+            raise CheckFailed(f"{name} should return an int, got {type(got).__name__}: {got!r}")
+        if got != expected:
+            call = ", ".join(f"{a}={v}" for a, v in zip(arg_names, args))
+            raise CheckFailed(f"{name}({call}) returned {got}, expected {expected}: {why}")
+
+
 def _refuse_prompt_echo(got, prompt: list[int], steps: int, what: str) -> None:
     """Returning prompt + new tokens is the commonest slip: say so instead of "token 0 differs"."""
     if isinstance(got, list) and len(got) == len(prompt) + steps and got[: len(prompt)] == prompt:

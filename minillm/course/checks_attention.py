@@ -8,7 +8,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from minillm.course.checks import _compare_tensors, _compare_tokens, _patched
+from minillm.course.checks import _compare_tensors, _compare_tokens, _int_cases, _patched
 from minillm.course.results import CheckFailed, check
 
 VARIANT_MODEL = "tiny-shakespeare-8m"  # GQA: 8 query heads share 4 K/V heads
@@ -132,15 +132,7 @@ def check_window_release(blocks_behind_window, model: str = VARIANT_MODEL) -> st
         (100, 16, 16, 5, "the next query (position 100) sees 85..100: blocks 0-4 (positions 0-79) are behind it"),
         (0, 4, 4, 0, "an empty sequence has nothing to release"),
     ]
-    for computed, window, block_size, expected, why in cases:
-        got = blocks_behind_window(computed, window, block_size)
-        if not isinstance(got, int) or isinstance(got, bool):
-            raise CheckFailed(f"blocks_behind_window should return an int, got {type(got).__name__}: {got!r}")
-        if got != expected:
-            raise CheckFailed(
-                f"blocks_behind_window(num_computed_tokens={computed}, window={window}, block_size={block_size}) "
-                f"returned {got}, expected {expected}: {why}"
-            )
+    _int_cases(blocks_behind_window, "blocks_behind_window", cases, ("num_computed_tokens", "window", "block_size"))
     from minillm import LLM, SamplingParams
     from minillm.kvcache import block_manager as bm_module
 

@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from minillm.course.checks import DEFAULT_MODEL, _compare_tensors, _patched
+from minillm.course.checks import DEFAULT_MODEL, _compare_tensors, _int_cases, _patched
 from minillm.course.results import CheckError, CheckFailed, _learner_cause, check
 from minillm.kvcache import block_manager as bm_module
 from minillm.kvcache.block_manager import BlockManager
@@ -88,6 +88,17 @@ def _compare_requests(outputs: dict, expected: list[list[int]], what: str, hint:
             )
 
 
+def _run_scattered(model: str, patch: tuple, what: str, hint: str) -> None:
+    """Every prompt through a paged engine whose free list is scattered (a sequence's blocks
+    are not adjacent in the pool), with ``patch`` = (object, attribute, the learner's function)
+    in place; each request must match the contiguous cache."""
+    engine = _paged_engine(model, block_size=4)
+    engine.block_manager.free_ids.rotate(7)
+    with _patched(*patch):
+        outputs = _run_all(engine, PROMPTS)
+    _compare_requests(outputs, _reference(model, tuple(PROMPTS)), what, hint)
+
+
 def _check_pool(engine) -> None:
     try:
         engine.block_manager.check_invariants()
@@ -123,14 +134,9 @@ def check_slot_mapping(slot_mapping, model: str = DEFAULT_MODEL) -> str:
         )
     from minillm.kvcache import addressing
 
-    engine = _paged_engine(model, block_size=4)
-    # Scatter the free list so a sequence's blocks are not contiguous in the pool.
-    engine.block_manager.free_ids.rotate(7)
-    with _patched(addressing, "slot_mapping", slot_mapping):
-        outputs = _run_all(engine, PROMPTS)
-    _compare_requests(
-        outputs,
-        _reference(model, tuple(PROMPTS)),
+    _run_scattered(
+        model,
+        (addressing, "slot_mapping", slot_mapping),
         "the engine writing K/V through your slot mapping",
         "check positions that cross a block boundary",
     )
@@ -174,13 +180,9 @@ def check_gather_kv(gather_kv, model: str = DEFAULT_MODEL) -> str:
             gather_kv(pool.v_slots[layer], block_tables, pool.block_size),
         )
 
-    engine = _paged_engine(model, block_size=4)
-    engine.block_manager.free_ids.rotate(7)  # scattered blocks: a sequence's blocks are not adjacent
-    with _patched(paged_attention, "gather_kv", engine_gather):
-        outputs = _run_all(engine, PROMPTS)
-    _compare_requests(
-        outputs,
-        _reference(model, tuple(PROMPTS)),
+    _run_scattered(
+        model,
+        (paged_attention, "gather_kv", engine_gather),
         "the paged engine reading K/V through your gather",
         "block j of a row is block_tables[row, j]; keep the table's order",
     )
@@ -388,15 +390,7 @@ def check_chunk_tokens(chunk_tokens, model: str = DEFAULT_MODEL) -> str:
             "without chunking, a prompt larger than the whole budget runs alone in an empty step (else it would wait forever)",
         ),
     ]
-    for remaining, budget, chunked, empty, expected, why in cases:
-        got = chunk_tokens(remaining, budget, chunked, empty)
-        if not isinstance(got, int) or isinstance(got, bool):
-            raise CheckFailed(f"chunk_tokens should return an int, got {type(got).__name__}: {got!r}")
-        if got != expected:
-            raise CheckFailed(
-                f"chunk_tokens(remaining={remaining}, budget={budget}, chunked_prefill={chunked}, "
-                f"step_is_empty={empty}) returned {got}, expected {expected}: {why}"
-            )
+    _int_cases(chunk_tokens, "chunk_tokens", cases, ("remaining", "budget", "chunked_prefill", "step_is_empty"))
     from minillm.engine.scheduler import Scheduler
 
     def tokens_to_run(self, seq, budget, out):

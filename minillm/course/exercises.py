@@ -273,8 +273,10 @@ def chapters() -> dict[str, list[str]]:
 def hint(exercise: str, level: int = 1) -> None:
     """Print a hint for ``exercise`` (a check name, or the function the exercise asks for):
     level 1 nudges, level 2 all but gives the answer."""
-    e = BY_CHECK.get(exercise) or BY_CHECK.get(f"check_{exercise}") or next(
-        (x for x in EXERCISES if exercise in x.functions), None
+    e = (
+        BY_CHECK.get(exercise)
+        or BY_CHECK.get(f"check_{exercise}")
+        or next((x for x in EXERCISES if exercise in x.functions), None)
     )
     if e is None:
         names = ", ".join(sorted(f for x in EXERCISES for f in x.functions))
