@@ -51,8 +51,9 @@ def english_prose(limit_chars: int = 40_000) -> str:
 def method_kwargs(method: str) -> dict:
     if method == "bf16":
         return {}
-    if method.startswith("int4-g"):
-        return {"quantization": "int4", "quantization_group_size": int(method.split("g")[1])}
+    if "-g" in method:  # int4-g64, awq-g64: a method and its group size
+        name, group = method.split("-g")
+        return {"quantization": name, "quantization_group_size": int(group)}
     return {"quantization": method}
 
 

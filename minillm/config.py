@@ -203,7 +203,7 @@ EXECUTION_MODES = ("paged", "contiguous", "naive")
 DEPRECATED_MODES = {"kv_cache": "contiguous"}
 SCHEDULING_POLICIES = ("static", "dynamic", "continuous")
 ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "triton")
-QUANTIZATION_METHODS = ("int8", "int4")  # weight-only methods of minillm/quantization
+QUANTIZATION_METHODS = ("int8", "int4", "awq")  # weight-only methods of minillm/quantization
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # the paged pool's storage (minillm/quantization/kv.py)
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's CPU int4 kernel accepts
 
@@ -281,7 +281,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     cpu_prepack: bool = True  # oneDNN-prepacked linears on CPU where supported (measured faster)
     compile: bool = False  # torch.compile the decode step, mode="contiguous" only (costs minutes on a small CPU)
-    # Weight quantization (chapter 07): None | "int8" | "int4"; int4 groups of this many weights
+    # Weight quantization (chapter 07): None | "int8" | "int4" | "awq"; int4 groups of this many weights
     # (None: the largest of 128/64/32 that divides every layer).
     quantization: str | None = None
     quantization_group_size: int | None = None
@@ -367,7 +367,7 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization={self.quantization!r}: expected one of {QUANTIZATION_METHODS} (or None)")
         group = self.quantization_group_size
-        if self.quantization == "int4" and group is not None and group not in INT4_GROUP_SIZES:
+        if self.quantization in ("int4", "awq") and group is not None and group not in INT4_GROUP_SIZES:
             raise ValueError(f"quantization_group_size={group!r}: int4 groups must be one of {INT4_GROUP_SIZES}")
         if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: expected one of {KV_CACHE_DTYPES}")

@@ -102,6 +102,7 @@ def test_engine_on_quantized_weights_stays_within_budget():
         ({"quantization": "int3"}, "quantization='int3': expected one of"),
         ({"quantization": 8}, "must be a string"),
         ({"quantization": "int4", "quantization_group_size": 48}, "int4 groups must be one of"),
+        ({"quantization": "awq", "quantization_group_size": 48}, "int4 groups must be one of"),
         ({"quantization": "int4", "quantization_group_size": 0}, "quantization_group_size"),
     ],
 )
@@ -305,3 +306,37 @@ def test_cli_quantize_writes_a_loadable_checkpoint(tmp_path, capsys):
         != 0
     )
     assert "group" in capsys.readouterr().err
+
+
+def test_awq_calibration_beats_round_to_nearest():
+    """Activation-aware scales, calibrated on text that ships with Python, lose less perplexity
+    than plain int4 on held-out Shakespeare (measured on SmolLM2-135M at groups of 64: RTN
+    +5.6, AWQ +2.7 — see the README; here the fast tiny model)."""
+    from minillm.assets import heldout_text
+    from minillm.evaluation import perplexity
+    from minillm.quantization.awq import AWQInt4Method
+
+    ppl = {}
+    for q in (None, "int4", "awq"):
+        llm = LLM("tiny-shakespeare-8m", dtype="fp32", quantization=q, quantization_group_size=128 if q else None)
+        ppl[q] = perplexity(llm.model, llm.tokenizer.encode(heldout_text())[:2048], window=512)
+        if q == "awq":
+            methods = [m.method for m in llm.model.linear_layers()]
+            assert sum(isinstance(m, AWQInt4Method) for m in methods) == len(methods) - 1  # all but the int8 head
+    assert ppl["awq"] <= ppl["int4"], ppl
+    assert abs(ppl["awq"] / ppl[None] - 1) < 0.02, ppl
+
+
+def test_awq_search_keeps_the_exact_product_and_prefers_round_to_nearest_when_it_is_best():
+    from minillm.quantization.awq import search_scale
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 64, generator=gen)
+    x = torch.randn(100, 64, generator=gen)
+    x[:, 5] *= 50  # one loud channel: its weights deserve more levels
+    s, alpha = search_scale(w, x.abs().mean(0), x, 32)
+    assert alpha > 0 and s[5] == s.max()
+    assert torch.allclose((x / s) @ (w * s).t(), x @ w.t(), rtol=1e-4, atol=1e-3)  # scaling alone is exact
+    flat = torch.randn(100, 64, generator=gen)
+    _, alpha_flat = search_scale(w, torch.ones(64), flat, 32)
+    assert alpha_flat is not None

@@ -69,14 +69,19 @@ def resolve_backend(config: EngineConfig, device: torch.device) -> str:
 
 
 def build_engine_parts(
-    config: EngineConfig, model: LlamaForCausalLM, model_config: ModelConfig, max_model_len: int, window: int | None
+    config: EngineConfig,
+    model: LlamaForCausalLM,
+    model_config: ModelConfig,
+    max_model_len: int,
+    window: int | None,
+    tokenizer=None,
 ) -> EngineParts:
     """Configure ``model`` (backend, window, fast paths) and build what runs it."""
     device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
     backend = resolve_backend(config, device)
     model.set_attention_backend(backend)
     model.sliding_window = window
-    apply_weight_methods(config, model, device, dtype)
+    apply_weight_methods(config, model, device, dtype, tokenizer)
     if config.mode != "paged":  # one static batch at a time, whole prompts, no pool to manage
         runner = NaiveRunner(model) if config.mode == "naive" else ContiguousRunner(model)
         unbounded = config.max_num_seqs * max_model_len
@@ -99,7 +104,9 @@ def build_engine_parts(
     return EngineParts(scheduler, runner, backend, block_manager, kv_cache, graphs)
 
 
-def apply_weight_methods(config: EngineConfig, model: LlamaForCausalLM, device: torch.device, dtype) -> None:
+def apply_weight_methods(
+    config: EngineConfig, model: LlamaForCausalLM, device: torch.device, dtype, tokenizer=None
+) -> None:
     """How the linear layers hold their weights: quantized (``quantization``), then oneDNN
     prepacking for the layers left in plain storage on CPU, then compilation."""
     from minillm.layers.cpu_prepack import CPUPrepackMethod, prepack_available
@@ -113,7 +120,7 @@ def apply_weight_methods(config: EngineConfig, model: LlamaForCausalLM, device: 
             "load it without quantization="
         )
     if config.quantization is not None:  # before prepacking: quantized layers keep their own kernels
-        quantize_model(model, config.quantization, config.quantization_group_size)
+        quantize_model(model, config.quantization, config.quantization_group_size, tokenizer=tokenizer)
     prepack = config.cpu_prepack and device.type == "cpu" and prepack_available(dtype)
     if config.compile and dtype != torch.float32:
         prepack = False  # packed half-precision kernels are opaque to the compiler

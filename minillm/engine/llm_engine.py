@@ -64,7 +64,9 @@ class LLMEngine:
         self.model = load_model(self.model_dir, self.dtype, self.device, max_positions=self.max_model_len)
         # Sliding-window attention: the engine's option, else the checkpoint's (Mistral).
         self.sliding_window = config.sliding_window or self.model_config.sliding_window
-        parts = build_engine_parts(config, self.model, self.model_config, self.max_model_len, self.sliding_window)
+        parts = build_engine_parts(
+            config, self.model, self.model_config, self.max_model_len, self.sliding_window, self.tokenizer
+        )
         self.scheduler = parts.scheduler
         self.runner = parts.runner
         self.attention_backend = parts.attention_backend

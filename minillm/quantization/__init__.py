@@ -8,7 +8,10 @@ the model code does not change, only the storage and the matmul of its linear la
 
 - ``int8``: weight-only, one symmetric scale per output channel (``int8.py``);
 - ``int4``: weight-only, group-wise asymmetric (a scale and a zero point per group of
-  ``group_size`` input weights), two 4-bit values per byte (``int4.py``).
+  ``group_size`` input weights), two 4-bit values per byte (``int4.py``);
+- ``awq``: int4 with activation-aware per-channel scales calibrated on text that ships offline
+  (``awq.py``) — chosen over GPTQ because it needs only activation statistics and a small
+  search per layer (about a minute for SmolLM2-135M on 2 cores), no Hessian inverses.
 
 What is quantized: every linear layer of the decoder blocks, and the LM head in int8 for both
 methods — the head is 28% of SmolLM2-135M's parameters and is read every step, but it decides
@@ -57,11 +60,18 @@ def _decoder_linears(model):
     return [(name, m) for name, m in model.named_modules() if isinstance(m, Linear) and name != "lm_head"]
 
 
-def quantize_model(model, method: str, group_size: int | None = None) -> None:
+def quantize_model(model, method: str, group_size: int | None = None, calibration_ids=None, tokenizer=None) -> None:
     """Quantize ``model``'s linear layers in place: the decoder's with ``method``, the LM head
     with int8. Every layer is checked first, so a shape the method cannot take raises
-    ``ValueError`` naming the layer before anything changed. ``group_size`` (int4): None picks
-    ``default_group_size``."""
+    ``ValueError`` naming the layer before anything changed. ``group_size`` (int4, awq): None
+    picks ``default_group_size``. ``awq`` calibrates on ``calibration_ids`` (default: the
+    shipped calibration text, tokenized with ``tokenizer``)."""
+
+    def tokenizer_ids(model, text):
+        if tokenizer is None:
+            raise ValueError("quantization='awq' needs calibration_ids or a tokenizer to tokenize its calibration text")
+        return tokenizer.encode(text)
+
     check_quantization(method, group_size)
     decoder = _decoder_linears(model)
     if method == "int4" and group_size is None:
@@ -69,8 +79,14 @@ def quantize_model(model, method: str, group_size: int | None = None) -> None:
     make = (lambda: Int8Method()) if method == "int8" else (lambda: Int4Method(group_size))
     for name, layer in decoder:
         make().validate(layer, name)
-    for _, layer in decoder:
-        layer.set_method(make())
+    if method == "awq":  # calibrate on the unquantized model first, then convert
+        from minillm.quantization.awq import awq_quantize, calibration_text
+
+        ids = calibration_ids if calibration_ids is not None else tokenizer_ids(model, calibration_text())
+        awq_quantize(model, [layer for _, layer in decoder], group_size, ids)
+    else:
+        for _, layer in decoder:
+            layer.set_method(make())
     model.lm_head.set_method(Int8Method())
 
 

@@ -45,6 +45,8 @@ def save_quantized(model, model_dir: str | Path, out_dir: str | Path, method: st
     from minillm.quantization import check_quantization, default_group_size
 
     check_quantization(method, group_size)
+    if method not in ("int8", "int4"):
+        raise ValueError(f"saving a {method!r} checkpoint is not supported yet: save int8 or int4")
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if method == "int4" and group_size is None:
         group_size = default_group_size(model)

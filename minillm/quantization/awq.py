@@ -1,0 +1,119 @@
+"""Activation-aware int4 (AWQ; Lin et al., 2023, *AWQ: Activation-aware Weight Quantization*).
+
+Round-to-nearest int4 treats every input channel alike, but a few channels carry much larger
+activations than the rest, and the error of *their* weights is multiplied by those large
+values. AWQ protects them without mixed precision: scale input channel ``j`` of the weight up
+by ``s_j`` before quantizing (its weights then use more of the 16 levels, so their relative
+error shrinks) and divide the activation by ``s_j`` at run time, which leaves the exact product
+unchanged: ``x · Wᵀ = (x / s) · (W · s)ᵀ``. With ``s = mean|x|^α`` per channel, measured on
+calibration text, α is chosen per layer by trying a grid and keeping the one whose quantized
+output is closest to the unquantized layer's on the calibration activations.
+
+We divide ``x`` by ``s`` inside the layer (one elementwise multiply per step, a vector of a few
+hundred numbers at decode) instead of folding ``1/s`` into the previous operation as the paper
+does — simpler, the same numbers, and every layer handled the same way. The calibration text
+ships with Python (the reference manual, ``pydoc_data.topics``), from a different part of it
+than ``benchmarks/bench_quant.py`` evaluates on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minillm.quantization.int4 import Int4Method, dequantize_int4, quantize_int4
+
+ALPHAS = [i / 10 for i in range(11)]  # α = 0 is plain round-to-nearest
+
+
+def calibration_text(start: int = 60_000, length: int = 12_000) -> str:
+    """English prose every Python installation carries, away from the slice evaluated on."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))[start : start + length]
+
+
+@torch.inference_mode()
+def collect_activations(model, layers, token_ids: list[int], window: int = 256, rows: int = 512) -> dict:
+    """For each of ``layers``: the mean |x| of every input channel over the calibration tokens,
+    and a sample of ``rows`` input rows to score candidate scales on."""
+    from minillm.attention.contiguous import ForwardBatch
+
+    stats = {layer: [torch.zeros(layer.in_features), 0, []] for layer in layers}
+
+    def hook(layer, args):
+        x = args[0].detach().reshape(-1, layer.in_features).float().cpu()
+        entry = stats[layer]
+        entry[0] += x.abs().sum(0)
+        entry[1] += x.shape[0]
+        entry[2].append(x[:: max(1, x.shape[0] // 64)])
+
+    handles = [layer.register_forward_pre_hook(hook) for layer in layers]
+    device = model.embed_tokens.weight.device
+    try:
+        n = max(1, len(token_ids) // window)
+        ids = torch.tensor(token_ids[: n * window], device=device).view(n, window)
+        positions = torch.arange(window, device=device).expand(n, -1)
+        for i in range(n):
+            model(ForwardBatch(ids[i : i + 1], positions[i : i + 1]))
+    finally:
+        for h in handles:
+            h.remove()
+    return {layer: (total / max(count, 1), torch.cat(sample)[:rows]) for layer, (total, count, sample) in stats.items()}
+
+
+def search_scale(weight: torch.Tensor, mean_abs: torch.Tensor, sample: torch.Tensor, group_size: int):
+    """The per-channel scale ``s`` (and its α) whose int4 version of ``W · s``, fed ``x / s``,
+    is closest to ``x · Wᵀ`` on ``sample``."""
+    w = weight.detach().float()
+    reference = sample @ w.t()
+    best = (float("inf"), None, None)
+    for alpha in ALPHAS:
+        s = mean_abs.clamp(min=1e-5).pow(alpha)
+        s = s / (s.max() * s.min()).sqrt()  # centred, so neither W·s nor x/s drifts in magnitude
+        q, scale, low = quantize_int4(w * s, group_size)
+        error = ((sample / s) @ dequantize_int4(q, scale, low).t() - reference).pow(2).mean().item()
+        if error < best[0]:
+            best = (error, s, alpha)
+    return best[1], best[2]
+
+
+class AWQInt4Method(Int4Method):
+    """Int4 of ``W · s`` with ``x / s`` at run time (``inv_scale`` = 1/s per input channel)."""
+
+    name = "awq"
+
+    def __init__(self, group_size: int, inv_scale: torch.Tensor | None = None):
+        super().__init__(group_size)
+        self.inv_scale = inv_scale
+
+    def process_weights(self, layer) -> None:  # the weight given is already W · s
+        super().process_weights(layer)
+        layer.awq_inv_scale = self.inv_scale.to(device=layer.int4_scale.device, dtype=layer.dtype)
+
+    def install(self, layer, q, scale, low, inv_scale=None) -> None:
+        dtype, device = layer.weight.dtype, layer.weight.device
+        super().install(layer, q, scale, low)
+        if inv_scale is not None:
+            self.inv_scale = inv_scale
+        layer.awq_inv_scale = self.inv_scale.to(device=device, dtype=dtype)
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        return super().apply(layer, x * layer.awq_inv_scale)
+
+    def held_tensors(self, layer) -> list[torch.Tensor]:
+        return [*super().held_tensors(layer), layer.awq_inv_scale]
+
+
+def awq_quantize(model, layers: list, group_size: int, token_ids: list[int]) -> dict:
+    """Calibrate on ``token_ids`` and convert ``layers`` to ``AWQInt4Method``; returns each
+    layer's chosen α (for reports)."""
+    stats = collect_activations(model, layers, token_ids)
+    chosen = {}
+    for layer in layers:
+        mean_abs, sample = stats[layer]
+        s, alpha = search_scale(layer.weight, mean_abs, sample, group_size)
+        with torch.no_grad():
+            layer.weight.mul_(s.to(layer.weight.dtype))
+        layer.set_method(AWQInt4Method(group_size, 1.0 / s))
+        chosen[layer] = alpha
+    return chosen
