@@ -43,7 +43,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--no-chunked-prefill", action="store_true", help="prefill whole prompts in one step")
     g.add_argument(
-        "--quantization", default=None, choices=["int8", "int4"], help="weight-only quantization (default: none)"
+        "--quantization", default=None, choices=["int8", "int4", "awq"], help="weight-only quantization (default: none)"
     )
     g.add_argument(
         "--kv-cache-dtype",
