@@ -233,9 +233,8 @@ def cmd_assets(args) -> int:
 
 def cmd_quantize(args) -> int:
     from minillm.assets import resolve_model
-    from minillm.config import parse_dtype
+    from minillm.config import check_quantization, parse_dtype
     from minillm.models.loader import load_model
-    from minillm.quantization import check_quantization
     from minillm.quantization.checkpoint import save_quantized
 
     check_quantization(args.method, args.group_size)  # before the slow load

@@ -206,6 +206,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "triton")
 QUANTIZATION_METHODS = ("int8", "int4", "awq")  # weight-only methods of minillm/quantization
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # the paged pool's storage (minillm/quantization/kv.py)
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's CPU int4 kernel accepts
+INT4_METHODS = ("int4", "awq")  # the methods that store int4 groups
 
 
 _MEMORY_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -237,6 +238,17 @@ def parse_memory(text: str) -> int | float:
     if size < 1:
         raise ValueError(f"{text!r} is less than one byte; write a fraction of free memory as 0.5 or 50%")
     return size
+
+
+def check_quantization(method: str | None, group_size: int | None) -> None:
+    """A weight-quantization method and group size the engine supports, else ``ValueError``
+    naming the option (checked before any weight is touched)."""
+    if method is None:
+        return
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization={method!r}: expected one of {QUANTIZATION_METHODS} (or None)")
+    if method in INT4_METHODS and group_size is not None and group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"quantization_group_size={group_size!r}: int4 groups must be one of {INT4_GROUP_SIZES}")
 
 
 def _check_int(name: str, value, minimum: int, optional: bool = False) -> None:
@@ -364,11 +376,7 @@ class EngineConfig:
         if self.quantization is not None and not isinstance(self.quantization, str):
             raise TypeError(f"quantization={self.quantization!r} must be a string or None")
         _check_int("quantization_group_size", self.quantization_group_size, 1, optional=True)
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
-            raise ValueError(f"quantization={self.quantization!r}: expected one of {QUANTIZATION_METHODS} (or None)")
-        group = self.quantization_group_size
-        if self.quantization in ("int4", "awq") and group is not None and group not in INT4_GROUP_SIZES:
-            raise ValueError(f"quantization_group_size={group!r}: int4 groups must be one of {INT4_GROUP_SIZES}")
+        check_quantization(self.quantization, self.quantization_group_size)
         if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: expected one of {KV_CACHE_DTYPES}")
         if self.kv_cache_dtype != "auto" and self.mode != "paged":

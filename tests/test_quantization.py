@@ -340,3 +340,9 @@ def test_awq_search_keeps_the_exact_product_and_prefers_round_to_nearest_when_it
     flat = torch.randn(100, 64, generator=gen)
     _, alpha_flat = search_scale(w, torch.ones(64), flat, 32)
     assert alpha_flat is not None
+
+
+def test_awq_picks_its_group_size_like_int4():
+    llm = LLM("tiny-shakespeare-1m", dtype="fp32", quantization="awq")
+    groups = {m.method.group_size for m in llm.model.linear_layers() if m.method.name == "awq"}
+    assert len(groups) == 1 and groups <= {32, 64, 128}

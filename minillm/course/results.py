@@ -42,7 +42,7 @@ class CheckFailed(AssertionError):
     that), plus the learner's own frames when their code raised."""
 
     check: str = ""
-    learner_frames: list[str] = []
+    learner_frames: list[str] | tuple = ()
 
     def _render_traceback_(self) -> list[str]:
         head = f"{_RED}❌ {self.check or 'check'}: {self}{_RESET}"

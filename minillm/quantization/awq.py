@@ -86,11 +86,8 @@ class AWQInt4Method(Int4Method):
         super().__init__(group_size)
         self.inv_scale = inv_scale
 
-    def process_weights(self, layer) -> None:  # the weight given is already W · s
-        super().process_weights(layer)
-        layer.awq_inv_scale = self.inv_scale.to(device=layer.int4_scale.device, dtype=layer.dtype)
-
     def install(self, layer, q, scale, low, inv_scale=None) -> None:
+        """``Int4Method.install`` (the weight quantized is already ``W · s``), plus ``1/s``."""
         dtype, device = layer.weight.dtype, layer.weight.device
         super().install(layer, q, scale, low)
         if inv_scale is not None:

@@ -42,7 +42,8 @@ def save_quantized(model, model_dir: str | Path, out_dir: str | Path, method: st
     ``method`` and write it, with ``model_dir``'s config and tokenizer, to ``out_dir``."""
     from safetensors.torch import save_file
 
-    from minillm.quantization import check_quantization, default_group_size
+    from minillm.config import check_quantization
+    from minillm.quantization import default_group_size
 
     check_quantization(method, group_size)
     if method not in ("int8", "int4"):
