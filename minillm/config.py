@@ -203,7 +203,8 @@ EXECUTION_MODES = ("paged", "contiguous", "naive")
 DEPRECATED_MODES = {"kv_cache": "contiguous"}
 SCHEDULING_POLICIES = ("static", "dynamic", "continuous")
 ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "triton")
-QUANTIZATION_METHODS = ("int8", "int4", "awq")  # weight-only methods of minillm/quantization
+QUANTIZATION_METHODS = ("int8", "int4", "awq", "w8a8")  # the linear-layer methods of minillm/quantization
+SPARSITY_METHODS = ("2:4", "2:4-wanda")  # 2:4 pruning by magnitude or by Wanda scores (quantization/sparsity.py)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # the paged pool's storage (minillm/quantization/kv.py)
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's CPU int4 kernel accepts
 INT4_METHODS = ("int4", "awq")  # the methods that store int4 groups
@@ -293,10 +294,12 @@ class EngineConfig:
     attention_backend: str = "auto"
     cpu_prepack: bool = True  # oneDNN-prepacked linears on CPU where supported (measured faster)
     compile: bool = False  # torch.compile the decode step, mode="contiguous" only (costs minutes on a small CPU)
-    # Weight quantization (chapter 07): None | "int8" | "int4" | "awq"; int4 groups of this many weights
-    # (None: the largest of 128/64/32 that divides every layer).
+    # Weight quantization (chapter 07): None | "int8" | "int4" | "awq" | "w8a8"; int4 groups of this many
+    # weights (None: the largest of 128/64/32 that divides every layer).
     quantization: str | None = None
     quantization_group_size: int | None = None
+    # 2:4 pruning of the decoder's linear layers before any quantization: None | "2:4" | "2:4-wanda".
+    sparsity: str | None = None
     # The paged pool's storage: "auto" (the model's dtype) | "int8" | "fp8" (e4m3; both with a
     # scale per token and head).
     kv_cache_dtype: str = "auto"
@@ -377,15 +380,14 @@ class EngineConfig:
             raise TypeError(f"quantization={self.quantization!r} must be a string or None")
         _check_int("quantization_group_size", self.quantization_group_size, 1, optional=True)
         check_quantization(self.quantization, self.quantization_group_size)
+        if self.sparsity is not None and self.sparsity not in SPARSITY_METHODS:
+            raise ValueError(f"sparsity={self.sparsity!r}: expected one of {SPARSITY_METHODS} (or None)")
+        if self.sparsity is not None and self.compile:
+            raise ValueError(f"sparsity={self.sparsity!r} cannot be combined with compile=True")
         if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: expected one of {KV_CACHE_DTYPES}")
         if self.kv_cache_dtype != "auto" and self.mode != "paged":
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} needs mode='paged' (got mode={self.mode!r})")
-        if self.kv_cache_dtype != "auto" and self.attention_backend == "triton":
-            raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} runs on the 'torch' and 'sdpa' backends; the Triton "
-                "kernels do not read a quantized pool yet"
-            )
         if self.quantization is not None and self.compile:
             raise ValueError(f"quantization={self.quantization!r} cannot be combined with compile=True")
         if self.attention_backend not in ATTENTION_BACKENDS:

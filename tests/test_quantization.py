@@ -241,12 +241,27 @@ def test_8bit_kv_cache_under_preemption_and_prefix_sharing_is_deterministic(kind
     [
         ({"kv_cache_dtype": "fp4"}, "kv_cache_dtype='fp4': expected one of"),
         ({"kv_cache_dtype": "int8", "mode": "contiguous"}, "needs mode='paged'"),
-        ({"kv_cache_dtype": "int8", "attention_backend": "triton"}, "Triton"),
     ],
 )
 def test_bad_kv_cache_dtype_is_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM("tiny-shakespeare-1m", **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_8bit_kv_cache_runs_on_the_triton_backend_which_auto_picks_on_cuda(kind):
+    """The Triton kernels read an 8-bit pool (tests/test_kv_quant_triton.py), so ``auto`` picks
+    them on CUDA for it as for a plain pool, and asking for them is no longer refused."""
+    from minillm.config import EngineConfig, triton_available
+    from minillm.engine.builder import resolve_backend
+
+    config = EngineConfig(kv_cache_dtype=kind)
+    assert resolve_backend(config, torch.device("cuda")) == ("triton" if triton_available() else "sdpa")
+    assert resolve_backend(config, torch.device("cpu")) == "sdpa"
+    if triton_available():
+        llm = LLM("tiny-shakespeare-1m", dtype="fp32", kv_cache_dtype=kind, attention_backend="triton")
+        assert llm.model.attention_backend.name == "triton"
+        assert llm.engine.kv_cache.k_scale is not None
 
 
 # ---- quantized checkpoints ---------------------------------------------------------------------

@@ -17,6 +17,21 @@ paged pool through block tables — and never build the ``[T, S]`` score matrix 
 - ``write_kv``: the new tokens' K and V into the pool through the slot mapping, one program
   per token.
 
+**An 8-bit pool** (``kv_cache_dtype="int8"`` or ``"fp8"``, ``quantization/kv.py``): ``write_kv``
+quantizes each new token's K and V per head as it stores them (the scale ``max|x| / 127``, or
+``/ 448`` for fp8 e4m3, goes to the pool's scale tensor), and both attention kernels load the
+8-bit values with their scales and dequantize **in registers**, right after the load. That is
+the point of doing it in the kernel: decode is bound by the bytes it reads, and those are now
+one per value (plus a 4-byte scale per token and head) instead of two or four, while the
+arithmetic — scores, softmax, weighted sum — stays fp32 exactly as before. A constexpr
+``KV_QUANT`` (0 none, 1 int8, 2 fp8) selects the code at compile time, so the unquantized
+kernels are unchanged. The rounding is the reference's (``quantize_kv``) bit for bit: IEEE
+division (``tl.fdiv(..., ieee_rounding=True)``, not the GPU's fast approximate one), round half
+to even, and the e4m3 encoding and decoding done with integer bit arithmetic (``_e4m3_bits``,
+``_e4m3_value``): portable to GPUs without fp8 conversions (before sm_89), and correct under
+the interpreter, whose float → fp8 cast drops the carry when rounding crosses a power of two
+(it turns 126 into 64).
+
 On a machine without CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``
 is set here before the kernels are defined): slow, but the same code, which is how the course
 runs them on a laptop. The interpreter computes bfloat16 arithmetic wrongly, so every load is
@@ -44,16 +59,96 @@ if os.environ.get("TRITON_INTERPRET") == "1" and type(tl.zeros).__name__ != "Int
 
 
 NO_WINDOW = 1 << 30  # "no sliding window": a window longer than any context
+KV_QUANT = {"auto": 0, "int8": 1, "fp8": 2}  # the kernels' constexpr for the pool's kv_cache_dtype
+
+
+def _kv_quant(kv_cache_dtype: str, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> int:
+    """The ``KV_QUANT`` code of a pool, checking an 8-bit one comes with its scales."""
+    if kv_cache_dtype not in KV_QUANT:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: expected one of {tuple(KV_QUANT)}")
+    code = KV_QUANT[kv_cache_dtype]
+    if code and (k_scales is None or v_scales is None):
+        raise ValueError(f"an {kv_cache_dtype} pool needs k_scales and v_scales ([num_slots, kv_heads])")
+    if code and k_scales.stride() != v_scales.stride():
+        raise ValueError("k_scales and v_scales must have the same layout")
+    return code
+
+
+# ---- 8-bit K/V: the same numbers as quantization/kv.py, in registers --------------------------
+
+
+@triton.jit
+def _round_half_even(x):
+    """``torch.round`` for ``|x| < 2**22``: adding 2**23 leaves no fraction bits, so the FPU rounds
+    (half to even); the integer is read back from the sum's bits (``libdevice.rint`` does the
+    same on a GPU, but the interpreter has no libdevice)."""
+    r = ((tl.abs(x) + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000).to(tl.float32)  # 2**23's bits
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def _e4m3_bits(x):
+    """fp32 ``x`` (``|x| <= 448``) → its float8 e4m3fn bit pattern (int32 0..255), rounded to
+    nearest, half to even — what ``x.to(torch.float8_e4m3fn).view(torch.uint8)`` gives."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag_bits = bits & 0x7FFFFFFF
+    mag = mag_bits.to(tl.float32, bitcast=True)
+    # Normal (|x| >= 2**-6): keep 3 of fp32's 23 mantissa bits, rounding half to even; a carry
+    # out of the mantissa bumps the exponent, as it should. Then rebias the exponent 127 → 7.
+    rounded = mag_bits + 0x7FFFF + ((mag_bits >> 20) & 1)
+    normal = (rounded >> 20) - (120 << 3)
+    # Subnormal: multiples of 2**-9. In 2**14 + |x| the FPU rounds |x| to exactly that spacing;
+    # 8 such steps is 2**-6, whose e4m3 pattern is 8 too.
+    sub = (mag + 16384.0).to(tl.int32, bitcast=True) - 0x46800000  # 2**14's bits
+    return sign | tl.where(mag < 0.015625, sub, normal)
+
+
+@triton.jit
+def _e4m3_value(code):
+    """float8 e4m3fn bit patterns (int32 0..255) → fp32 values (exact)."""
+    mag = code & 0x7F
+    normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)  # exponent rebiased 7 → 127
+    sub = mag.to(tl.float32) * 0.001953125  # e == 0: mantissa * 2**-9
+    value = tl.where(mag < 8, sub, normal)
+    return tl.where(code >= 128, -value, value)
+
+
+@triton.jit
+def _quantize(x, KV_QUANT: tl.constexpr):
+    """``x[H, D]`` fp32 → (values to store ``[H, D]``, scales ``[H]``), as ``quantize_kv``."""
+    if KV_QUANT == 1:
+        top = 127.0
+    else:
+        top = 448.0
+    scale = tl.fdiv(tl.maximum(tl.max(tl.abs(x), 1), 1e-8), top, ieee_rounding=True)
+    scaled = tl.fdiv(x, scale[:, None], ieee_rounding=True)
+    if KV_QUANT == 1:
+        q = tl.minimum(tl.maximum(_round_half_even(scaled), -127.0), 127.0)
+    else:
+        q = _e4m3_bits(tl.minimum(tl.maximum(scaled, -448.0), 448.0))
+    return q, scale
+
+
+@triton.jit
+def _dequantize(raw, scale, KV_QUANT: tl.constexpr):
+    """Loaded 8-bit values ``[N, D]`` and their scales ``[N]`` → fp32, as ``dequantize_kv``."""
+    if KV_QUANT == 2:
+        values = _e4m3_value(raw.to(tl.int32))
+    else:
+        values = raw.to(tl.float32)
+    return values * scale[:, None]
 
 
 @triton.jit
 def _flash_attention_kernel(
-    Q, K, V, Out,
+    Q, K, V, Out, K_scale, V_scale,
     cu_seqlens_q, cu_seqlens_k, seqlens_k, block_tables,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_bt,
+    stride_sn, stride_sh,
     scale, group, head_dim, page_size, window,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    CAUSAL: tl.constexpr, PAGED: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, PAGED: tl.constexpr, PRECISION: tl.constexpr, KV_QUANT: tl.constexpr,
 ):  # fmt: skip
     tile, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(cu_seqlens_q + seq)
@@ -94,6 +189,10 @@ def _flash_attention_kernel(
         kv_mask = n_valid[:, None] & d_valid[None, :]
         k = tl.load(K + rows[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V + rows[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_QUANT != 0:  # an 8-bit pool: one byte per value loaded, dequantized here in registers
+            scale_rows = rows * stride_sn + kv_head * stride_sh
+            k = _dequantize(k, tl.load(K_scale + scale_rows, mask=n_valid, other=0.0), KV_QUANT)
+            v = _dequantize(v, tl.load(V_scale + scale_rows, mask=n_valid, other=0.0), KV_QUANT)
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
         allowed = n_valid[None, :] & m_valid[:, None] & (offs_n[None, :] > q_pos[:, None] - window)
         if CAUSAL:
@@ -130,6 +229,9 @@ def flash_attention(
     block_m: int = 32,
     block_n: int = 32,
     window: int | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> torch.Tensor:
     """Attention for packed variable-length sequences. ``q[N, H, D]`` holds every sequence's
     queries back to back (``cu_seqlens_q[S+1]`` marks where each starts). Keys come either
@@ -137,10 +239,14 @@ def flash_attention(
     as ``[num_slots, KV, D]`` and ``block_tables[S, max_blocks]``. Sequence ``i`` has
     ``seqlens_k[i]`` keys; its queries are the last ones of those positions (a prefill that
     continues a cached prefix). ``window``: sliding-window attention, each query sees its last
-    ``window`` keys. Returns ``[N, H, D]`` in ``q``'s dtype."""
+    ``window`` keys. An 8-bit pool (``kv_cache_dtype="int8"`` or ``"fp8"``) passes its scales,
+    ``k_scales, v_scales[num_slots, KV]``. Returns ``[N, H, D]`` in ``q``'s dtype."""
     paged = block_tables is not None
     if not paged and cu_seqlens_k is None:
         raise ValueError("flash_attention needs cu_seqlens_k (packed keys) or block_tables (paged keys)")
+    kv_quant = _kv_quant(kv_cache_dtype, k_scales, v_scales)
+    if kv_quant and not paged:
+        raise ValueError("8-bit K/V are read from the paged pool: pass block_tables")
     n, heads, dim = q.shape
     group = heads // k.shape[1]
     out = torch.empty_like(q)
@@ -150,25 +256,26 @@ def flash_attention(
     grid = (triton.cdiv(max_seqlen_q, block_m), num_seqs, heads)
     dummy = cu_seqlens_q  # an unused pointer argument still needs a tensor
     _flash_attention_kernel[grid](
-        q, k, v, out,
+        q, k, v, out, k_scales if kv_quant else dummy, v_scales if kv_quant else dummy,
         cu_seqlens_q, cu_seqlens_k if not paged else dummy, seqlens_k, block_tables if paged else dummy,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0) if paged else 0,
+        k_scales.stride(0) if kv_quant else 0, k_scales.stride(1) if kv_quant else 0,
         scale, group, dim, block_size, NO_WINDOW if window is None else window,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=max(16, triton.next_power_of_2(dim)),
-        CAUSAL=causal, PAGED=paged, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        CAUSAL=causal, PAGED=paged, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=kv_quant,
     )  # fmt: skip
     return out
 
 
 @triton.jit
 def _paged_decode_kernel(
-    Q, K, V, M_part, L_part, O_part,
+    Q, K, V, K_scale, V_scale, M_part, L_part, O_part,
     context_lens, block_tables,
-    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_bt,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_bt, stride_sn, stride_sh,
     stride_ms, stride_mh, stride_os, stride_oh, stride_osplit,
     scale, group, head_dim, page_size, split_len, window,
-    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr,
 ):  # fmt: skip
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(context_lens + seq)
@@ -196,6 +303,10 @@ def _paged_decode_kernel(
         kv_mask = n_valid[:, None] & d_valid[None, :]
         k = tl.load(K + rows[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V + rows[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_QUANT != 0:  # an 8-bit pool: one byte per value loaded, dequantized here in registers
+            scale_rows = rows * stride_sn + kv_head * stride_sh
+            k = _dequantize(k, tl.load(K_scale + scale_rows, mask=n_valid, other=0.0), KV_QUANT)
+            v = _dequantize(v, tl.load(V_scale + scale_rows, mask=n_valid, other=0.0), KV_QUANT)
         # One query per head: a broadcast multiply-add instead of a (too small) matrix product.
         s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2) * scale  # [GROUP, BLOCK_N]
         s = tl.where(n_valid[None, :], s, float("-inf"))
@@ -239,10 +350,15 @@ def paged_decode(
     num_splits: int | None = None,
     block_n: int = 32,
     window: int | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> torch.Tensor:
     """One query token per sequence, ``q[B, H, D]``, against K/V in the pool (``[num_slots, KV, D]``)
     through ``block_tables[B, max_blocks]``; ``context_lens[B]`` keys each (the last ``window`` of
-    them with sliding-window attention). Returns ``[B, H, D]``."""
+    them with sliding-window attention). An 8-bit pool (``kv_cache_dtype="int8"`` or ``"fp8"``)
+    passes its scales, ``k_scales, v_scales[num_slots, KV]``. Returns ``[B, H, D]``."""
+    kv_quant = _kv_quant(kv_cache_dtype, k_scales, v_scales)
     b, heads, dim = q.shape
     kv_heads = k_pool.shape[1]
     group = heads // kv_heads
@@ -253,13 +369,14 @@ def paged_decode(
     l_part = torch.empty_like(m_part)
     o_part = torch.empty((b, heads, num_splits, dim), dtype=torch.float32, device=q.device)
     _paged_decode_kernel[(b, kv_heads, num_splits)](
-        q, k_pool, v_pool, m_part, l_part, o_part,
+        q, k_pool, v_pool, k_scales if kv_quant else m_part, v_scales if kv_quant else m_part, m_part, l_part, o_part,
         context_lens, block_tables,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        block_tables.stride(0),
+        block_tables.stride(0), k_scales.stride(0) if kv_quant else 0, k_scales.stride(1) if kv_quant else 0,
         m_part.stride(0), m_part.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         scale, group, dim, block_size, split_len, NO_WINDOW if window is None else window,
         GROUP=max(2, triton.next_power_of_2(group)), BLOCK_N=block_n, HEAD_DIM=max(16, triton.next_power_of_2(dim)),
+        KV_QUANT=kv_quant,
     )  # fmt: skip
     if num_splits == 1:
         return (o_part[:, :, 0] / l_part).to(q.dtype)
@@ -272,26 +389,58 @@ def paged_decode(
 
 @triton.jit
 def _write_kv_kernel(
-    K_new, V_new, K_pool, V_pool, slots,
-    stride_kn, stride_vn, stride_pk, stride_pv, row_size,
-    ROW: tl.constexpr,
+    K_new, V_new, K_pool, V_pool, K_scale, V_scale, slots,
+    stride_kn, stride_vn, stride_pk, stride_pv, stride_sn, stride_sh, row_size, kv_heads, head_dim,
+    ROW: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0)
     slot = tl.load(slots + token)
-    offs = tl.arange(0, ROW)
-    valid = offs < row_size  # one token's [kv_heads * head_dim] row, contiguous in both tensors
-    tl.store(K_pool + slot * stride_pk + offs, tl.load(K_new + token * stride_kn + offs, mask=valid), mask=valid)
-    tl.store(V_pool + slot * stride_pv + offs, tl.load(V_new + token * stride_vn + offs, mask=valid), mask=valid)
+    if KV_QUANT == 0:
+        offs = tl.arange(0, ROW)
+        valid = offs < row_size  # one token's [kv_heads * head_dim] row, contiguous in both tensors
+        tl.store(K_pool + slot * stride_pk + offs, tl.load(K_new + token * stride_kn + offs, mask=valid), mask=valid)
+        tl.store(V_pool + slot * stride_pv + offs, tl.load(V_new + token * stride_vn + offs, mask=valid), mask=valid)
+    else:  # an 8-bit pool: the row as [kv_heads, head_dim], quantized per head on its way in
+        offs_h = tl.arange(0, HEADS)
+        offs_d = tl.arange(0, HEAD_DIM)
+        h_valid = offs_h < kv_heads
+        valid = h_valid[:, None] & (offs_d < head_dim)[None, :]
+        offs = offs_h[:, None] * head_dim + offs_d[None, :]
+        scale_offs = slot * stride_sn + offs_h * stride_sh
+        k = tl.load(K_new + token * stride_kn + offs, mask=valid, other=0.0).to(tl.float32)
+        k_q, k_scale = _quantize(k, KV_QUANT)
+        tl.store(K_pool + slot * stride_pk + offs, k_q.to(K_pool.dtype.element_ty), mask=valid)
+        tl.store(K_scale + scale_offs, k_scale, mask=h_valid)
+        v = tl.load(V_new + token * stride_vn + offs, mask=valid, other=0.0).to(tl.float32)
+        v_q, v_scale = _quantize(v, KV_QUANT)
+        tl.store(V_pool + slot * stride_pv + offs, v_q.to(V_pool.dtype.element_ty), mask=valid)
+        tl.store(V_scale + scale_offs, v_scale, mask=h_valid)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store ``k, v[N, KV, D]`` at pool rows ``slots[N]`` (pool ``[num_slots, KV, D]``), fused in one kernel."""
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+    kv_cache_dtype: str = "auto",
+) -> None:
+    """Store ``k, v[N, KV, D]`` at pool rows ``slots[N]`` (pool ``[num_slots, KV, D]``), fused in one
+    kernel. An 8-bit pool (``kv_cache_dtype="int8"`` or ``"fp8"``) gets each token's K and V
+    quantized per head as ``quantize_kv`` does, their scales written to ``k_scales, v_scales[num_slots, KV]``."""
+    kv_quant = _kv_quant(kv_cache_dtype, k_scales, v_scales)
     n = k.shape[0]
     if n == 0:
         return
     k, v = k.contiguous(), v.contiguous()
-    row = k.shape[1] * k.shape[2]
+    kv_heads, dim = k.shape[1], k.shape[2]
+    row = kv_heads * dim
     _write_kv_kernel[(n,)](
-        k, v, k_pool, v_pool, slots, k.stride(0), v.stride(0), k_pool.stride(0), v_pool.stride(0), row,
-        ROW=triton.next_power_of_2(row),
+        k, v, k_pool, v_pool, k_scales if kv_quant else k_pool, v_scales if kv_quant else v_pool, slots,
+        k.stride(0), v.stride(0), k_pool.stride(0), v_pool.stride(0),
+        k_scales.stride(0) if kv_quant else 0, k_scales.stride(1) if kv_quant else 0, row, kv_heads, dim,
+        ROW=triton.next_power_of_2(row), HEADS=max(2, triton.next_power_of_2(kv_heads)),
+        HEAD_DIM=triton.next_power_of_2(dim), KV_QUANT=kv_quant,
     )  # fmt: skip

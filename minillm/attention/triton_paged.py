@@ -5,6 +5,11 @@ tables and context lengths, and the prefill chunks as ``cu_seqlens`` / context l
 block tables — as views of the layout's tensors where it can (so a CUDA graph that captured
 one step reads the next step's values from the same buffers). The kernels read the blocks in
 place: prefill chunks read their keys, cached prefix and new tokens alike, from the pool.
+
+An 8-bit pool (``kv_cache_dtype="int8"`` or ``"fp8"``) changes nothing here but the arguments:
+``write_kv`` quantizes as it stores, and the attention kernels dequantize what they load. A
+prefill chunk reads its own new tokens back from the pool too, so — as with the reference's
+``write_kv`` returning the stored values — it attends over exactly what later decodes will read.
 """
 
 from __future__ import annotations
@@ -43,7 +48,12 @@ class TritonPagedStep:
         q, k, v = q[0], k[0], v[0]
         layout, pool = self.layout, self.layout.pool
         k_pool, v_pool = pool.k_slots[layer], pool.v_slots[layer]
-        write_kv(k, v, k_pool, v_pool, layout.slot_mapping)
+        quant = {}  # an 8-bit pool: its scales and how to read its bytes
+        if pool.k_scales is not None:
+            quant = dict(
+                k_scales=pool.k_scales[layer], v_scales=pool.v_scales[layer], kv_cache_dtype=pool.kv_cache_dtype
+            )
+        write_kv(k, v, k_pool, v_pool, layout.slot_mapping, **quant)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = layout.num_decodes
         if nd:
@@ -57,6 +67,7 @@ class TritonPagedStep:
                 pool.block_size,
                 self.max_decode_context,
                 window=layout.window,
+                **quant,
             )
         if self.num_prefills:
             out[nd:] = flash_attention(
@@ -71,5 +82,6 @@ class TritonPagedStep:
                 block_tables=self.prefill_block_tables,
                 block_size=pool.block_size,
                 window=layout.window,
+                **quant,
             )
         return out[None]

@@ -61,10 +61,11 @@ def free_memory_bytes(device: torch.device) -> int | None:
 
 
 def resolve_backend(config: EngineConfig, device: torch.device) -> str:
-    """``auto`` → ``triton`` for the paged engine on CUDA (when Triton is installed), else ``sdpa``."""
+    """``auto`` → ``triton`` for the paged engine on CUDA (when Triton is installed; its kernels
+    read an 8-bit pool too), else ``sdpa``."""
     if config.attention_backend != "auto":
         return config.attention_backend
-    triton = device.type == "cuda" and config.mode == "paged" and config.kv_cache_dtype == "auto"
+    triton = device.type == "cuda" and config.mode == "paged"
     return "triton" if triton and triton_available() else "sdpa"
 
 
@@ -107,11 +108,13 @@ def build_engine_parts(
 def apply_weight_methods(
     config: EngineConfig, model: LlamaForCausalLM, device: torch.device, dtype, tokenizer=None
 ) -> None:
-    """How the linear layers hold their weights: quantized (``quantization``), then oneDNN
-    prepacking for the layers left in plain storage on CPU, then compilation."""
+    """How the linear layers hold their weights: pruned (``sparsity``), quantized
+    (``quantization``), then — for the layers left in plain storage — the compressed 2:4 format
+    on a GPU that has sparse kernels, or oneDNN prepacking on CPU; then compilation."""
     from minillm.layers.cpu_prepack import CPUPrepackMethod, prepack_available
     from minillm.layers.linear import PLAIN
-    from minillm.quantization import quantize_model
+    from minillm.quantization import prune, quantize_model
+    from minillm.quantization.sparsity import SemiStructuredMethod
 
     saved = {layer.method.name for layer in model.linear_layers()} - {PLAIN.name}
     if config.quantization is not None and saved:
@@ -119,8 +122,16 @@ def apply_weight_methods(
             f"quantization={config.quantization!r}: this checkpoint is already quantized ({', '.join(sorted(saved))}); "
             "load it without quantization="
         )
+    if config.sparsity is not None and saved:
+        raise ValueError(f"sparsity={config.sparsity!r}: this checkpoint is already quantized; prune before quantizing")
+    if config.sparsity is not None:  # on the float weights, before quantization rounds them
+        prune(model, config.sparsity, tokenizer=tokenizer)
     if config.quantization is not None:  # before prepacking: quantized layers keep their own kernels
         quantize_model(model, config.quantization, config.quantization_group_size, tokenizer=tokenizer)
+    if config.sparsity is not None and config.quantization is None:
+        for layer in model.linear_layers():
+            if layer.method is PLAIN and layer is not model.lm_head and SemiStructuredMethod.supported(layer):
+                layer.set_method(SemiStructuredMethod())
     prepack = config.cpu_prepack and device.type == "cpu" and prepack_available(dtype)
     if config.compile and dtype != torch.float32:
         prepack = False  # packed half-precision kernels are opaque to the compiler

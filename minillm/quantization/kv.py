@@ -7,8 +7,13 @@ the same pool holds about twice the tokens — twice the sequences at a given le
 Each token's key (and value) vector of each head gets its own symmetric scale,
 ``s = max|x| / 127``: scales are computed as the token is written (no calibration), and one
 scale per (token, head) keeps an outlier head or token from costing the others precision.
-The cost is a scale (4 bytes) per 64-128 values, and a quantize on write / dequantize on read,
-done here in PyTorch by the reference attention backend.
+The cost is a scale (4 bytes) per 64-128 values, and a quantize on write / dequantize on read.
+The reference attention backends (``attention/paged.py``) do both in PyTorch with the two
+functions below: they gather the 8-bit blocks and dequantize the copy before attending. The Triton kernels
+(``attention/triton_kernels.py``) do the same arithmetic inside the kernels — quantizing as they
+write a token, dequantizing **in registers** right after loading a tile — and that is the point:
+the bytes read from memory, which bound a decode step, are halved (against bf16/fp16), while the
+attention arithmetic stays fp32. The kernels reproduce ``quantize_kv`` bit for bit.
 
 ``fp8`` (e4m3: 4 exponent bits, 3 mantissa bits, largest value 448) spends its 8 bits
 differently: relative precision is the same for small and large values (int8's is best near
