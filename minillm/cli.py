@@ -43,7 +43,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--no-chunked-prefill", action="store_true", help="prefill whole prompts in one step")
     g.add_argument(
-        "--quantization", default=None, choices=["int8", "int4", "awq"], help="weight-only quantization (default: none)"
+        "--quantization",
+        default=None,
+        choices=["int8", "int4", "awq", "w8a8"],
+        help="quantized linear layers: weight-only int8/int4/awq, or int8 weights and activations (default: none)",
+    )
+    g.add_argument(
+        "--sparsity",
+        default=None,
+        choices=["2:4", "2:4-wanda"],
+        help="prune the decoder's linear layers to 2 of every 4 weights, by magnitude or Wanda scores (default: none)",
     )
     g.add_argument(
         "--kv-cache-dtype",
@@ -115,6 +124,7 @@ def _llm(args):
         enable_chunked_prefill=not args.no_chunked_prefill,
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
+        sparsity=args.sparsity,
         kv_cache_dtype=args.kv_cache_dtype,
     )
 

@@ -35,7 +35,8 @@ class LLM:
         attention_backend ("auto" | "torch" | "sdpa"), cpu_prepack, compile, and for the paged
         engine scheduling_policy, block_size, kv_cache_memory, enable_prefix_caching,
         enable_chunked_prefill, max_num_batched_tokens, batch_timeout; quantization ("int8" |
-        "int4") with quantization_group_size, and kv_cache_dtype ("auto" | "int8")."""
+        "int4" | "awq" | "w8a8") with quantization_group_size, sparsity ("2:4" | "2:4-wanda"),
+        and kv_cache_dtype ("auto" | "int8" | "fp8")."""
         self.engine = LLMEngine(model, **engine_args)
         self._mailboxes: dict[Hashable, _Mailbox] = {}  # deltas waiting for their caller, by request
 

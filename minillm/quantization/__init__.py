@@ -9,13 +9,17 @@ the model code does not change, only the storage and the matmul of its linear la
 - ``int8``: weight-only, one symmetric scale per output channel (``int8.py``);
 - ``int4``: weight-only, group-wise asymmetric (a scale and a zero point per group of
   ``group_size`` input weights), two 4-bit values per byte (``int4.py``);
+- ``w8a8``: int8 weights and int8 activations (per token, quantized on the fly), multiplied
+  in integers, with SmoothQuant-style smoothing calibrated on the same text (``w8a8.py``);
 - ``awq``: int4 with activation-aware per-channel scales calibrated on text that ships offline
   (``awq.py``) — chosen over GPTQ because it needs only activation statistics and a small
   search per layer (SmolLM2-135M: 90 s measured on 2 cores shared with another job), no
   Hessian inverses.
 
-What is quantized: every linear layer of the decoder blocks, and the LM head in int8 for both
-methods — the head is 28% of SmolLM2-135M's parameters and is read every step, but it decides
+``sparsity.py`` prunes the same layers to the 2:4 pattern (by magnitude or Wanda scores).
+
+What is quantized: every linear layer of the decoder blocks, and the LM head in int8
+(weight-only) for every method — the head is 28% of SmolLM2-135M's parameters and is read every step, but it decides
 every logit, so it gets the gentler 8 bits. The embedding table stays in the model's dtype: a
 step reads only the rows of its tokens, so shrinking it saves memory but no time.
 """
@@ -44,6 +48,18 @@ def default_group_size(model) -> int:
     raise ValueError(f"no int4 group size in (128, 64, 32) divides every layer's input features {sorted(sizes)}")
 
 
+def prune(model, method: str, calibration_ids=None, tokenizer=None) -> dict:
+    """Prune every decoder linear layer of ``model`` to 2:4 in place (``sparsity.py``); the LM
+    head stays dense. ``2:4-wanda`` calibrates on ``calibration_ids`` (default: the shipped
+    text, tokenized with ``tokenizer``). Returns the fraction of weight norm² removed per layer."""
+    from minillm.quantization.calibration import calibration_ids as calibration_tokens
+    from minillm.quantization.sparsity import prune_model
+
+    layers = [layer for _, layer in _decoder_linears(model)]
+    ids = calibration_tokens(tokenizer, calibration_ids) if method == "2:4-wanda" else None
+    return prune_model(model, method, layers, ids)
+
+
 def _decoder_linears(model):
     from minillm.layers.linear import Linear
 
@@ -57,20 +73,27 @@ def quantize_model(model, method: str, group_size: int | None = None, calibratio
     picks ``default_group_size``. ``awq`` calibrates on ``calibration_ids`` (default: the
     shipped calibration text, tokenized with ``tokenizer``)."""
 
+    from minillm.quantization.calibration import calibration_ids as calibration_tokens
+    from minillm.quantization.w8a8 import W8A8Method, w8a8_quantize
+
     check_quantization(method, group_size)
-    if method == "awq" and calibration_ids is None and tokenizer is None:
-        raise ValueError("quantization='awq' needs calibration_ids or a tokenizer to tokenize its calibration text")
+    calibrated = method in ("awq", "w8a8")
+    if calibrated and calibration_ids is None and tokenizer is None:
+        raise ValueError(
+            f"quantization={method!r} needs calibration_ids or a tokenizer to tokenize its calibration text"
+        )
     decoder = _decoder_linears(model)
     if method in INT4_METHODS and group_size is None:
         group_size = default_group_size(model)
-    make = (lambda: Int8Method()) if method == "int8" else (lambda: Int4Method(group_size))
+    make = {"int8": Int8Method, "w8a8": W8A8Method}.get(method, lambda: Int4Method(group_size))
     for name, layer in decoder:
         make().validate(layer, name)
-    if method == "awq":  # calibrate on the unquantized model first, then convert
-        from minillm.quantization.awq import awq_quantize, calibration_text
+    if calibrated:  # calibrate on the unquantized model first, then convert
+        from minillm.quantization.awq import awq_quantize
 
-        ids = calibration_ids if calibration_ids is not None else tokenizer.encode(calibration_text())
-        awq_quantize(model, [layer for _, layer in decoder], group_size, ids)
+        ids = calibration_tokens(tokenizer, calibration_ids)
+        layers = [layer for _, layer in decoder]
+        awq_quantize(model, layers, group_size, ids) if method == "awq" else w8a8_quantize(model, layers, ids)
     else:
         for _, layer in decoder:
             layer.set_method(make())
@@ -84,6 +107,7 @@ __all__ = [
     "Int8Method",
     "check_quantization",
     "default_group_size",
+    "prune",
     "dequantize_int4",
     "dequantize_int8",
     "pack_int4",

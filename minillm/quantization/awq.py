@@ -12,53 +12,17 @@ output is closest to the unquantized layer's on the calibration activations.
 We divide ``x`` by ``s`` inside the layer (one elementwise multiply per step, a vector of a few
 hundred numbers at decode) instead of folding ``1/s`` into the previous operation as the paper
 does — simpler, the same numbers, and every layer handled the same way. The calibration text
-ships with Python (the reference manual, ``pydoc_data.topics``), from a different part of it
-than ``benchmarks/bench_quant.py`` evaluates on.
+and the activation statistics come from ``calibration.py``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from minillm.quantization.calibration import calibration_text, collect_activations  # noqa: F401 (re-exported)
 from minillm.quantization.int4 import Int4Method, dequantize_int4, quantize_int4
 
 ALPHAS = [i / 10 for i in range(11)]  # α = 0 is plain round-to-nearest
-
-
-def calibration_text(start: int = 60_000, length: int = 12_000) -> str:
-    """English prose every Python installation carries, away from the slice evaluated on."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k] for k in sorted(topics))[start : start + length]
-
-
-@torch.inference_mode()
-def collect_activations(model, layers, token_ids: list[int], window: int = 256, rows: int = 512) -> dict:
-    """For each of ``layers``: the mean |x| of every input channel over the calibration tokens,
-    and a sample of ``rows`` input rows to score candidate scales on."""
-    from minillm.attention.contiguous import ForwardBatch
-
-    stats = {layer: [torch.zeros(layer.in_features), 0, []] for layer in layers}
-
-    def hook(layer, args):
-        x = args[0].detach().reshape(-1, layer.in_features).float().cpu()
-        entry = stats[layer]
-        entry[0] += x.abs().sum(0)
-        entry[1] += x.shape[0]
-        entry[2].append(x[:: max(1, x.shape[0] // 64)])
-
-    handles = [layer.register_forward_pre_hook(hook) for layer in layers]
-    device = model.embed_tokens.weight.device
-    try:
-        n = max(1, len(token_ids) // window)
-        ids = torch.tensor(token_ids[: n * window], device=device).view(n, window)
-        positions = torch.arange(window, device=device).expand(n, -1)
-        for i in range(n):
-            model(ForwardBatch(ids[i : i + 1], positions[i : i + 1]))
-    finally:
-        for h in handles:
-            h.remove()
-    return {layer: (total / max(count, 1), torch.cat(sample)[:rows]) for layer, (total, count, sample) in stats.items()}
 
 
 def search_scale(weight: torch.Tensor, mean_abs: torch.Tensor, sample: torch.Tensor, group_size: int):
@@ -107,8 +71,7 @@ def awq_quantize(model, layers: list, group_size: int, token_ids: list[int]) -> 
     stats = collect_activations(model, layers, token_ids)
     chosen = {}
     for layer in layers:
-        mean_abs, sample = stats[layer]
-        s, alpha = search_scale(layer.weight, mean_abs, sample, group_size)
+        s, alpha = search_scale(layer.weight, stats[layer].mean_abs, stats[layer].sample, group_size)
         with torch.no_grad():
             layer.weight.mul_(s.to(layer.weight.dtype))
         layer.set_method(AWQInt4Method(group_size, 1.0 / s))

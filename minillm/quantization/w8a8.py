@@ -1,0 +1,128 @@
+"""W8A8: int8 weights *and* int8 activations, with SmoothQuant-style smoothing.
+
+Weight-only methods store int8/int4 but multiply in floating point. W8A8 also rounds the
+activations to int8 — per token (row), with a scale computed on the fly from the row's
+maximum, so no calibration of activation ranges is needed — and multiplies int8 × int8 into
+int32 accumulators (``torch._int_mm``), the arithmetic integer units are fastest at:
+``y = (a · qᵀ) · s_x · s_w`` with ``a = round(x / s_x)`` and ``q = round(W / s_w)``.
+
+The catch is outliers. A few input channels of an LLM's activations are 10-100× larger than
+the rest, for every token; one scale per token is then set by the outlier and the other
+channels round to a handful of levels. SmoothQuant (Xiao et al., 2022, *SmoothQuant: Accurate
+and Efficient Post-Training Quantization for Large Language Models*) moves that range into the
+weights, which are easy to quantize: divide input channel ``j`` of the activations by ``s_j``
+and multiply the weights' column ``j`` by it, which leaves ``x · Wᵀ`` unchanged, with
+``s_j = max|x_j|^α / max|W_j|^(1-α)``. ``max|x_j|`` is measured on calibration text
+(``calibration.py``); α is chosen per layer from a grid by the error of the quantized layer on
+calibration rows (α = 0 is no smoothing). Like ``awq.py`` we multiply ``x`` by ``1/s`` inside
+the layer rather than folding it into the previous norm.
+
+Speed: ``torch._int_mm`` is PyTorch's int8 GEMM (on CPU through oneDNN); the per-token
+quantization of the activations is extra work that weight-only methods do not do, which
+``benchmarks/bench_quant.py`` measures rather than assumes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minillm.quantization.calibration import collect_activations
+from minillm.quantization.int8 import quantize_int8
+
+ALPHAS = [i / 10 for i in range(0, 10)]  # α = 0: no smoothing; the paper's default is 0.5
+CUDA_MIN_ROWS = 17  # torch._int_mm on CUDA wants more than 16 rows: fewer are padded
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x[rows, in]`` → ``(a int8 [rows, in], scale fp32 [rows])``: one symmetric scale per token."""
+    scale = x.float().abs().amax(dim=-1).clamp(min=1e-8) / 127.0
+    a = torch.round(x.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return a, scale
+
+
+def int8_matmul(a: torch.Tensor, q_t: torch.Tensor) -> torch.Tensor:
+    """``a int8 [M, K] · q_t int8 [K, N]`` → int32 ``[M, N]``, exact, on any device."""
+    if a.device.type == "cpu":
+        return torch._int_mm(a, q_t)
+    if a.device.type == "cuda" and a.shape[1] % 8 == 0 and q_t.shape[1] % 8 == 0:
+        rows = a.shape[0]
+        if rows < CUDA_MIN_ROWS:
+            a = torch.cat([a, a.new_zeros(CUDA_MIN_ROWS - rows, a.shape[1])])
+        return torch._int_mm(a, q_t)[:rows]
+    return (a.double() @ q_t.double()).to(torch.int32)  # exact: every partial sum fits a double
+
+
+def w8a8_linear(x: torch.Tensor, q_t: torch.Tensor, w_scale: torch.Tensor, inv_smooth: torch.Tensor | None):
+    """The layer's matmul on ``x[rows, in]``: smooth, quantize per token, int8 GEMM, rescale."""
+    if inv_smooth is not None:
+        x = x * inv_smooth
+    a, x_scale = quantize_activations(x)
+    return int8_matmul(a, q_t).float() * x_scale[:, None] * w_scale[None, :]
+
+
+def smoothing_scale(act_max: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
+    """SmoothQuant's ``s_j = max|x_j|^α / max|W_j|^(1-α)`` per input channel ``j``."""
+    w_max = weight.detach().float().abs().amax(dim=0).clamp(min=1e-5)
+    return (act_max.clamp(min=1e-5).pow(alpha) / w_max.pow(1 - alpha)).clamp(min=1e-5)
+
+
+def search_smoothing(weight: torch.Tensor, act_max: torch.Tensor, sample: torch.Tensor):
+    """The α (and its ``s``) whose W8A8 layer is closest to the float layer on ``sample``."""
+    w = weight.detach().float()
+    reference = sample @ w.t()
+    best = (float("inf"), None, None)
+    for alpha in ALPHAS:
+        s = smoothing_scale(act_max, w, alpha) if alpha else torch.ones(w.shape[1])
+        q, w_scale = quantize_int8(w * s)
+        error = (w8a8_linear(sample, q.t(), w_scale, 1.0 / s) - reference).pow(2).mean().item()
+        if error < best[0]:
+            best = (error, s, alpha)
+    return best[1], best[2]
+
+
+class W8A8Method:
+    """A linear layer with int8 weights (per output channel), int8 activations (per token) and
+    a per-input-channel smoothing vector ``1/s``."""
+
+    name = "w8a8"
+
+    def validate(self, layer, name: str) -> None:
+        if layer.weight is None or layer.weight.dim() != 2:
+            raise ValueError(f"{name}: w8a8 needs the loaded 2-D weight (was the layer already converted?)")
+
+    def process_weights(self, layer) -> None:
+        """Without calibration: α = 0 (no smoothing)."""
+        self.validate(layer, repr(layer))
+        q, scale = quantize_int8(layer.weight)
+        self.install(layer, q, scale, torch.ones(layer.in_features))
+
+    def install(self, layer, q: torch.Tensor, scale: torch.Tensor, inv_smooth: torch.Tensor) -> None:
+        """Hold ``q`` (int8 ``[out, in]`` of ``W · s``), its per-row scale and ``1/s``."""
+        device, layer.dtype = layer.weight.device, layer.weight.dtype
+        layer.w8a8_qt = q.to(device=device, dtype=torch.int8).t().contiguous()  # [in, out]: the GEMM's layout
+        layer.w8a8_scale = scale.float().to(device)
+        layer.w8a8_inv_smooth = inv_smooth.float().to(device)
+        layer.weight = None
+        layer.method = self
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, layer.in_features)
+        y = w8a8_linear(rows, layer.w8a8_qt, layer.w8a8_scale, layer.w8a8_inv_smooth).to(x.dtype)
+        if layer.bias is not None:
+            y = y + layer.bias
+        return y.view(*x.shape[:-1], layer.out_features)
+
+    def held_tensors(self, layer) -> list[torch.Tensor]:
+        return [t for t in (layer.w8a8_qt, layer.w8a8_scale, layer.w8a8_inv_smooth, layer.bias) if t is not None]
+
+
+def w8a8_quantize(model, layers: list, token_ids: list[int]) -> dict:
+    """Calibrate on ``token_ids`` and convert ``layers`` to ``W8A8Method``; returns each layer's α."""
+    stats = collect_activations(model, layers, token_ids)
+    chosen = {}
+    for layer in layers:
+        s, alpha = search_smoothing(layer.weight, stats[layer].max_abs, stats[layer].sample)
+        q, scale = quantize_int8(layer.weight.detach().float() * s)
+        W8A8Method().install(layer, q, scale, 1.0 / s)
+        chosen[layer] = alpha
+    return chosen
