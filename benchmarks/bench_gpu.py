@@ -8,7 +8,12 @@
 3. Paged decode attention, batch 1/8/64 × contexts 1k/4k/16k: our kernel vs the reference
    (gather the blocks, then SDPA) — time, achieved GB/s and % of the measured bandwidth.
    Target: >= 60% of peak at batch 64 x 4k.
-4. End-to-end SmolLM2-135M decode tokens/s at batch 1/8/64: minillm with and without CUDA graphs
+4. Weight-only quantized linear layers: one forward's worth of SmolLM2-135M's projections (30 ×
+   qkv 576→960, o 576→576, gate_up 576→3072, down 1536→576, and the 576→49152 head) at 1 and 512
+   rows — bf16 ``F.linear`` vs our int8 and int4 (group 64) Triton kernels (the head in int8 for
+   both, as the engine does) vs int8 dequantize + ``F.linear`` (the reference path); eager and
+   replayed as one CUDA graph (no launch overhead), median ms, ratio to bf16, weight GB/s.
+5. End-to-end SmolLM2-135M decode tokens/s at batch 1/8/64: minillm with and without CUDA graphs
    and HF ``generate()``, same run, interleaved repeats, medians. Target: batch 1 >= 3x HF.
 
 Prints Markdown tables and writes ``benchmarks/results/gpu-DATE-GPU.json``. Without CUDA it
@@ -133,6 +138,106 @@ def _decode_row(b: int, ctx: int, peak_gbs: float, heads: int, kv_heads: int, di
     return row
 
 
+SMOLLM2_LINEARS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o, gate_up, down
+
+
+def bench_quant_linears(
+    rows_list, peak_gbs: float, layers: int = 30, vocab: int = 49152, group: int = 64
+) -> list[dict]:
+    """One forward's worth of SmolLM2-135M's linear layers, bf16 vs int8 / int4 Triton kernels."""
+    import torch.nn.functional as F
+
+    from minillm.quantization import dequantize_int8, pack_int4, quantize_int4, quantize_int8
+    from minillm.quantization.triton_matmul import int4_matmul, int8_matmul
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = SMOLLM2_LINEARS * layers
+    bf16 = [torch.randn(shape, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02 for shape in shapes]
+    head = torch.randn(vocab, shapes[0][1], device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+    int8 = [quantize_int8(w) for w in bf16]
+    int8 = [(q, s.to(torch.bfloat16)) for q, s in int8]  # what Int8Method holds for bf16 activations
+    head8 = quantize_int8(head)
+    head8 = (head8[0], head8[1].to(torch.bfloat16))
+    int4 = []
+    for w in bf16:
+        q, s, low = quantize_int4(w, group)
+        int4.append((pack_int4(q), s, low))
+    params = sum(w.numel() for w in bf16) + head.numel()
+    weight_bytes = {
+        "bf16": 2 * params,
+        "int8 triton": sum(q.numel() + 2 * s.numel() for q, s in [*int8, head8]),
+        "int4 triton": sum(p.numel() + s.numel() * 8 for p, s, _ in int4) + head8[0].numel() + 2 * head8[1].numel(),
+    }
+    weight_bytes["int8 dequantize + F.linear"] = weight_bytes["int8 triton"]  # read once, plus the bf16 copy
+    rows_out = []
+    for m in rows_list:
+        xs = {k: torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16) for k in {576, 1536}}
+
+        def run_bf16(xs=xs):
+            for w in bf16:
+                F.linear(xs[w.shape[1]], w)
+            return F.linear(xs[576], head)
+
+        def run_int8(xs=xs):
+            for q, s in int8:
+                int8_matmul(xs[q.shape[1]], q, s)
+            return int8_matmul(xs[576], *head8)
+
+        def run_int4(xs=xs):
+            for p, s, low in int4:
+                int4_matmul(xs[2 * p.shape[1]], p, s, low, group)
+            return int8_matmul(xs[576], *head8)
+
+        def run_dequantize(xs=xs):
+            for q, s in int8:
+                F.linear(xs[q.shape[1]], dequantize_int8(q, s.float(), torch.bfloat16))
+            return F.linear(xs[576], dequantize_int8(head8[0], head8[1].float(), torch.bfloat16))
+
+        runs = {
+            "bf16": run_bf16,
+            "int8 triton": run_int8,
+            "int4 triton": run_int4,
+            "int8 dequantize + F.linear": run_dequantize,
+        }
+        reference = run_bf16().float()
+        row = {"rows": m, "weight_mb": {k: v / 1e6 for k, v in weight_bytes.items()}}
+        for name, fn in runs.items():
+            error = ((fn().float() - reference).abs().max() / reference.abs().max()).item()
+            eager = cuda_time(fn)
+            graphed = cuda_time(_as_cuda_graph(fn))
+            row[name] = {
+                "eager_ms": 1000 * eager,
+                "graph_ms": 1000 * graphed,
+                "weight_gbs": weight_bytes[name] / graphed / 1e9,
+                "pct_peak_bandwidth": 100 * weight_bytes[name] / graphed / 1e9 / peak_gbs,
+                "head_max_rel_error_vs_bf16": error,
+            }
+        for name in runs:
+            for kind in ("eager", "graph"):
+                row[name][f"{kind}_vs_bf16"] = row[name][f"{kind}_ms"] / row["bf16"][f"{kind}_ms"]
+        rows_out.append(row)
+        print(
+            f"quantized linears, {m:>4} rows (graph ms, ratio to bf16): "
+            + ", ".join(f"{k} {row[k]['graph_ms']:.3f} ({row[k]['graph_vs_bf16']:.2f}x)" for k in runs),
+            flush=True,
+        )
+    return rows_out
+
+
+def _as_cuda_graph(fn):
+    """``fn`` captured once as a CUDA graph: its replay times the kernels without launch overhead."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compiles the Triton kernels) outside the capture
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def bench_end_to_end(model: str, batches, prompt_len: int, new_tokens: int, repeats: int) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
@@ -207,6 +312,19 @@ def format_tables(result: dict) -> str:
         )
     lines += [
         "",
+        "| rows | layers | weight MB | eager ms | × bf16 | graph ms | × bf16 | weight GB/s (graph) | % of peak |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result.get("quant_linears", []):
+        for name, t in r.items():
+            if isinstance(t, dict) and "graph_ms" in t:
+                lines.append(
+                    f"| {r['rows']} | {name} | {r['weight_mb'][name]:.0f} | {t['eager_ms']:.3f} | "
+                    f"{t['eager_vs_bf16']:.2f} | {t['graph_ms']:.3f} | {t['graph_vs_bf16']:.2f} | "
+                    f"{t['weight_gbs']:.0f} | {t['pct_peak_bandwidth']:.0f}% |"
+                )
+    lines += [
+        "",
         "| batch | minillm + graphs tok/s | minillm eager tok/s | HF tok/s | graphs / HF |",
         "|---:|---:|---:|---:|---:|",
     ]
@@ -225,6 +343,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-lengths", type=int, nargs="+", default=[512, 2048, 8192, 16384])
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--decode-contexts", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--quant-rows", type=int, nargs="+", default=[1, 512])
     parser.add_argument("--e2e-batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -252,6 +371,7 @@ def main(argv=None) -> int:
     }
     result["prefill"] = bench_prefill(args.prefill_lengths)
     result["decode"] = bench_decode(args.decode_batches, args.decode_contexts, peaks.bandwidth_gbs)
+    result["quant_linears"] = bench_quant_linears(args.quant_rows, peaks.bandwidth_gbs)
     result["end_to_end"] = bench_end_to_end(
         args.model, args.e2e_batches, args.prompt_len, args.new_tokens, args.repeats
     )

@@ -11,7 +11,10 @@ Storage (what a checkpoint holds): ``pack_int4`` puts two 4-bit values in each b
 nibble first. On CPU, PyTorch's ``_weight_int4pack_mm_for_cpu`` consumes its own tiled layout
 (made once by ``_convert_weight_to_int4pack_for_cpu``) and a ``[groups, out, 2]`` table of
 ``(scale, zero)`` with ``w = (q - 8) · scale + zero`` — so our zero is ``min + 8 · scale``.
-Elsewhere the layer dequantizes and calls ``F.linear`` (the numerical reference).
+On CUDA the layer keeps the packed ``[out, in/2]`` bytes with fp32 ``[out, groups]`` scales and
+minima, and calls our Triton kernel (``triton_matmul.int4_matmul``: reads half a byte per weight
+and dequantizes in registers). Elsewhere the layer dequantizes and calls ``F.linear`` (the
+numerical reference).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from minillm.config import INT4_GROUP_SIZES  # what the CPU kernel accepts
+from minillm.quantization.int8 import use_triton
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -99,12 +103,26 @@ class Int4Method:
         layer.method = self
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x) and layer.int4 is not None:
+            return self.apply_triton(layer, x)
         rows = x.reshape(-1, layer.in_features)
         if layer.cpu_int4 is not None and x.dtype in (torch.bfloat16, torch.float32):
             y = torch._weight_int4pack_mm_for_cpu(rows, layer.cpu_int4, self.group_size, layer.cpu_table.to(x.dtype))
         else:
             q = unpack_int4(layer.int4)
             y = F.linear(rows, dequantize_int4(q, layer.int4_scale, layer.int4_min, x.dtype))
+        if layer.bias is not None:
+            y = y + layer.bias
+        return y.view(*x.shape[:-1], layer.out_features)
+
+    def apply_triton(self, layer, x: torch.Tensor) -> torch.Tensor:
+        """The CUDA path: the Triton kernel on the packed bytes, scales and minima as held.
+        ``apply`` takes it only on CUDA; tests call it directly on CPU (under Triton's
+        interpreter) on a layer that holds the packed form."""
+        from minillm.quantization.triton_matmul import int4_matmul
+
+        rows = x.reshape(-1, layer.in_features)
+        y = int4_matmul(rows, layer.int4, layer.int4_scale, layer.int4_min, self.group_size)
         if layer.bias is not None:
             y = y + layer.bias
         return y.view(*x.shape[:-1], layer.out_features)

@@ -9,17 +9,33 @@ On CPU, PyTorch's ``_weight_int8pack_mm`` multiplies activations by the int8 mat
 (dequantizing in registers), reading half the bytes of bf16: for a few rows (decode) it is
 about 2× faster than bf16. It is a matrix-*vector* kernel, though: measured on a 2-core AMD
 EPYC, from ~32 rows on it is slower than dequantizing the whole matrix and calling bf16
-``F.linear`` (512 rows: 7.4 ms against 2.5 ms), so a prefill takes that route. Elsewhere (GPU)
-the layer dequantizes and calls ``F.linear`` — also the numerical reference the fast kernel is
-tested against.
+``F.linear`` (512 rows: 7.4 ms against 2.5 ms), so a prefill takes that route. On CUDA the
+layer calls our Triton kernel (``triton_matmul.int8_matmul``: reads the int8 matrix and
+dequantizes in registers). Elsewhere the layer dequantizes and calls ``F.linear`` — also the
+numerical reference the fast kernels are tested against.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
+from minillm.config import triton_available
+
 GEMV_ROWS = 32  # from this many rows on, dequantize + F.linear beats the int8 GEMV kernel (see above)
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return triton_available()
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether a quantized layer multiplies ``x`` with our Triton kernels: on CUDA (where PyTorch
+    ships triton). The CPU engine keeps PyTorch's CPU kernels; it never routes through the interpreter."""
+    return x.device.type == "cuda" and _triton_installed()
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,11 +78,23 @@ class Int8Method:
         layer.method = self
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x):
+            return self.apply_triton(layer, x)
         rows = x.reshape(-1, layer.in_features)
         if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) and rows.shape[0] < GEMV_ROWS:
             y = torch._weight_int8pack_mm(rows, layer.qweight, layer.scales.to(x.dtype))
         else:
             y = F.linear(rows, dequantize_int8(layer.qweight, layer.scales.float(), x.dtype))
+        if layer.bias is not None:
+            y = y + layer.bias
+        return y.view(*x.shape[:-1], layer.out_features)
+
+    def apply_triton(self, layer, x: torch.Tensor) -> torch.Tensor:
+        """The CUDA path: the Triton kernel on ``qweight`` and ``scales`` as held. ``apply`` takes it
+        only on CUDA; tests call it directly on CPU, where it runs under Triton's interpreter."""
+        from minillm.quantization.triton_matmul import int8_matmul
+
+        y = int8_matmul(x.reshape(-1, layer.in_features), layer.qweight, layer.scales)
         if layer.bias is not None:
             y = y + layer.bias
         return y.view(*x.shape[:-1], layer.out_features)
