@@ -1,17 +1,26 @@
 """Quantization, measured: quality, memory and speed of every weight method next to bf16.
 
     python benchmarks/bench_quant.py                    # SmolLM2-135M, writes results/quant-*.{json,md}
-    python benchmarks/bench_quant.py --threads 2 --repeats 3 --methods bf16 int8 int4
+    python benchmarks/bench_quant.py --threads 2 --repeats 3 --methods bf16 int8 int4-g64 kv-int8
+
+Methods: ``bf16`` (the reference, always measured first), ``int8``, ``int4-g<group>``,
+``awq-g<group>``, ``w8a8`` (weights), ``kv-int8``, ``kv-fp8`` (the KV cache), ``2:4``,
+``2:4-wanda`` (pruning).
 
 For each method, in one process and one run (so the machine's noise hits them alike):
 - quality: perplexity on held-out text that ships offline (the course's held-out Shakespeare,
   and English prose from Python's own reference manual, ``pydoc_data.topics``); agreement of
   greedy tokens with bf16 over a fixed prompt set; the chat answer to "What is the capital of
   France?";
-- memory: the bytes of weights actually held (``model.weight_bytes()``);
+  perplexity through the paged engine too (``engine_perplexity``: prompts prefilled in chunks,
+  keys and values read back from the pool), the only one a quantized KV cache changes;
+- memory: the bytes of weights actually held (``model.weight_bytes()``), KV bytes per token,
+  how many 1024-token sequences a fixed 64 MB KV pool holds (the engine's own block count),
+  and how many fit in a fixed 512 MB budget for weights + KV together;
 - speed: batch-1 and batch-8 decode tokens/s and TTFT of a 64-token prompt (medians of
   interleaved repeats, as ``minillm bench`` measures them), and prefill tokens/s of a
-  512-token prompt.
+  512-token prompt; HF ``transformers`` ``generate()`` in bf16, interleaved with the bf16 row,
+  as an outside anchor.
 """
 
 from __future__ import annotations
@@ -48,24 +57,42 @@ def english_prose(limit_chars: int = 40_000) -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))[:limit_chars]
 
 
+KV_POOL_BYTES = 64 * 10**6  # the same pool for every method: how many sequences does it hold?
+BUDGET_BYTES = 512 * 10**6  # weights + KV in one budget: quantized weights leave room for more KV
+SEQ_LEN = 1024
+
+
 def method_kwargs(method: str) -> dict:
     if method == "bf16":
         return {}
+    if method.startswith("kv-"):
+        return {"kv_cache_dtype": method[3:]}
+    if method.startswith("2:4"):
+        return {"sparsity": method}
     if "-g" in method:  # int4-g64, awq-g64: a method and its group size
         name, group = method.split("-g")
         return {"quantization": name, "quantization_group_size": int(group)}
     return {"quantization": method}
 
 
-def evaluate(model: str, method: str, reference_tokens: list[list[int]] | None, repeats: int) -> dict:
+def evaluate(model: str, method: str, reference_tokens: list[list[int]] | None, repeats: int, hf: bool) -> dict:
     from minillm.assets import heldout_text
-    from minillm.evaluation import perplexity
+    from minillm.evaluation import engine_perplexity, perplexity
+    from minillm.kvcache.addressing import kv_bytes_per_token
 
-    llm = LLM(model, dtype="bf16", enable_prefix_caching=False, **method_kwargs(method))
+    kwargs = method_kwargs(method)
+    llm = LLM(model, dtype="bf16", enable_prefix_caching=False, kv_cache_memory=KV_POOL_BYTES, **kwargs)
     row: dict = {"method": method, "weight_bytes": llm.model.weight_bytes()}
     for name, text in (("shakespeare", heldout_text()), ("english", english_prose())):
         ids = llm.tokenizer.encode(text)[:4096]
         row[f"ppl_{name}"] = perplexity(llm.model, ids, window=512)
+    row["ppl_english_pool"] = engine_perplexity(llm.engine, llm.tokenizer.encode(english_prose())[:2049], 512, 128)
+    per_token = kv_bytes_per_token(llm.model_config, llm.dtype, kwargs.get("kv_cache_dtype", "auto"))
+    blocks = llm.engine.memory_report()["kv_pool_blocks"]
+    row["kv_bytes_per_token"] = per_token
+    row["kv_pool_blocks"] = blocks
+    row["seqs_fit_pool"] = blocks * llm.engine_config.block_size // SEQ_LEN
+    row["seqs_fit_budget"] = max(0, (BUDGET_BYTES - row["weight_bytes"]) // (per_token * SEQ_LEN))
     greedy = llm.generate(PROMPTS, SamplingParams(max_tokens=32, ignore_eos=True))
     row["tokens"] = [o.token_ids for o in greedy]
     if reference_tokens is not None:
@@ -74,15 +101,25 @@ def evaluate(model: str, method: str, reference_tokens: list[list[int]] | None, 
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     answer = llm.generate([chat], SamplingParams(max_tokens=24))[0].text
     row["chat_answer"], row["chat_right"] = answer, "Paris" in answer
+    hf_model = None
+    if hf:
+        from transformers import AutoModelForCausalLM
+
+        hf_model = AutoModelForCausalLM.from_pretrained(str(llm.model_dir), dtype=torch.bfloat16).eval()
     for batch in (1, 8):
         prompts = _prompts(llm.tokenizer, batch, 64)
 
         def run(n, prompts=prompts):
             llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
 
-        timing = _measure({method: run}, batch, 64, repeats, llm.device)[method]
-        row[f"decode_tok_s_b{batch}"] = timing["decode_tok_s"]
-        row[f"ttft_ms_b{batch}"] = timing["ttft_ms"]
+        runs = {method: run}
+        if hf_model is not None:
+            runs["hf"] = _hf_runner(hf_model, prompts)
+        timings = _measure(runs, batch, 64, repeats, llm.device)
+        row[f"decode_tok_s_b{batch}"] = timings[method]["decode_tok_s"]
+        row[f"ttft_ms_b{batch}"] = timings[method]["ttft_ms"]
+        if hf_model is not None:
+            row[f"hf_decode_tok_s_b{batch}"] = timings["hf"]["decode_tok_s"]
     long_prompt = _prompts(llm.tokenizer, 1, 512)
     samples = []
     for _ in range(repeats):
@@ -92,6 +129,19 @@ def evaluate(model: str, method: str, reference_tokens: list[list[int]] | None, 
     row["prefill_tok_s_512"] = 512 / statistics.median(samples)
     row["machine"] = machine_description(llm.device)
     return row
+
+
+def _hf_runner(hf_model, prompts: list[list[int]]):
+    ids = torch.tensor(prompts)
+
+    def run(n):
+        with torch.inference_mode():
+            hf_model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                pad_token_id=0,
+            )  # fmt: skip
+
+    return run
 
 
 def _prefix(a: list[int], b: list[int]):
@@ -104,18 +154,26 @@ def _prefix(a: list[int], b: list[int]):
 def markdown(rows: list[dict]) -> str:
     base = rows[0]
     head = (
-        "| method | weights MB (× bf16) | ppl Shakespeare | ppl English | greedy agreement | Paris? "
-        "| decode b1 tok/s (× bf16) | decode b8 tok/s | prefill 512 tok/s |\n"
-        "|---|---|---|---|---|---|---|---|---|\n"
+        "| method | weights MB (× bf16) | ppl Shakespeare | ppl English | ppl English, paged | greedy agreement "
+        "| Paris? | KV B/token | 1k-token seqs in 64 MB KV | in 512 MB total "
+        "| decode b1 tok/s (× bf16) | decode b8 tok/s (× bf16) | prefill 512 tok/s (× bf16) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
         lines.append(
             f"| {r['method']} | {r['weight_bytes'] / 1e6:.0f} ({r['weight_bytes'] / base['weight_bytes']:.2f}) "
-            f"| {r['ppl_shakespeare']:.2f} | {r['ppl_english']:.2f} | {r.get('greedy_agreement', 1.0):.0%} "
-            f"| {'yes' if r['chat_right'] else 'no'} "
+            f"| {r['ppl_shakespeare']:.2f} | {r['ppl_english']:.2f} | {r['ppl_english_pool']:.2f} "
+            f"| {r.get('greedy_agreement', 1.0):.0%} | {'yes' if r['chat_right'] else 'no'} "
+            f"| {r['kv_bytes_per_token']} | {r['seqs_fit_pool']} | {r['seqs_fit_budget']} "
             f"| {r['decode_tok_s_b1']:.1f} ({r['decode_tok_s_b1'] / base['decode_tok_s_b1']:.2f}) "
-            f"| {r['decode_tok_s_b8']:.1f} | {r['prefill_tok_s_512']:.0f} |"
+            f"| {r['decode_tok_s_b8']:.1f} ({r['decode_tok_s_b8'] / base['decode_tok_s_b8']:.2f}) "
+            f"| {r['prefill_tok_s_512']:.0f} ({r['prefill_tok_s_512'] / base['prefill_tok_s_512']:.2f}) |"
+        )
+    if "hf_decode_tok_s_b1" in base:
+        lines.append(
+            f"\nHF `transformers` bf16 `generate()`, interleaved with the bf16 row: decode b1 "
+            f"{base['hf_decode_tok_s_b1']:.1f} tok/s, b8 {base['hf_decode_tok_s_b8']:.1f} tok/s."
         )
     return head + "\n".join(lines) + "\n"
 
@@ -127,6 +185,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers anchor")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -134,7 +193,7 @@ def main(argv=None) -> int:
         args.methods.insert(0, "bf16")  # every figure is read against bf16, measured in the same run
     rows, reference = [], None
     for method in args.methods:
-        row = evaluate(args.model, method, reference, args.repeats)
+        row = evaluate(args.model, method, reference, args.repeats, hf=method == "bf16" and not args.no_hf)
         reference = reference or row["tokens"]
         rows.append(row)
         print(

@@ -249,8 +249,10 @@ def cmd_quantize(args) -> int:
 
     check_quantization(args.method, args.group_size)  # before the slow load
     folder = resolve_model(args.model)
+    from minillm.tokenizer import Tokenizer
+
     model = load_model(folder, parse_dtype(args.dtype))
-    out = save_quantized(model, folder, args.out, args.method, args.group_size, args.dtype)
+    out = save_quantized(model, folder, args.out, args.method, args.group_size, args.dtype, Tokenizer(folder))
     print(f"wrote {args.method} checkpoint to {out}: load it with LLM({str(out)!r})")
     return 0
 
@@ -367,10 +369,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", action="append", help="asset name (default: all)")
     p.set_defaults(func=cmd_assets)
 
-    p = sub.add_parser("quantize", help="quantize a checkpoint once and save it (int8 | int4)")
+    p = sub.add_parser("quantize", help="quantize a checkpoint once and save it (int8 | int4 | awq | w8a8)")
     p.add_argument("model", help="short name or HF-format folder")
-    p.add_argument("--method", required=True, choices=["int8", "int4"])
-    p.add_argument("--group-size", type=int, default=None, help="int4 group: 32 | 64 | 128 | 256 (default: auto)")
+    p.add_argument("--method", required=True, choices=["int8", "int4", "awq", "w8a8"])
+    p.add_argument("--group-size", type=int, default=None, help="int4/awq group: 32 | 64 | 128 | 256 (default: auto)")
     p.add_argument("--dtype", default="bf16", help="dtype of the parts kept unquantized (default: bf16)")
     p.add_argument("--out", required=True, help="folder to write")
     p.set_defaults(func=cmd_quantize)

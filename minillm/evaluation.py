@@ -35,3 +35,47 @@ def perplexity(model, token_ids: list[int], window: int = 256, batch_size: int =
         total += nll.item()
         count += ids.numel()
     return float(torch.exp(torch.tensor(total / count)))
+
+
+@torch.inference_mode()
+def engine_perplexity(engine, token_ids: list[int], window: int = 256, chunk: int = 64) -> float:
+    """Perplexity as the paged engine computes it: each window of ``window`` tokens is prefilled
+    ``chunk`` tokens at a time through the engine's runner and KV pool, so every position's
+    logits come from keys and values read back from the pool — with ``kv_cache_dtype="int8"``
+    or ``"fp8"``, the quantized ones. ``perplexity`` (the model alone, no pool) cannot see a
+    quantized KV cache; this can."""
+    n = (len(token_ids) - 1) // window
+    if n < 1:
+        raise ValueError(f"perplexity needs more than window={window} tokens, got {len(token_ids)}")
+    if engine.block_manager is None:
+        raise ValueError("engine_perplexity needs the paged engine (mode='paged')")
+    bm, total = engine.block_manager, 0.0
+    caching, bm.enable_prefix_caching = bm.enable_prefix_caching, False  # every position computed, none shared
+    try:
+        for w in range(n):
+            total += _window_nll(engine, bm, token_ids[w * window : (w + 1) * window + 1], chunk, ("perplexity", w))
+    finally:
+        bm.enable_prefix_caching = caching
+    return float(torch.exp(torch.tensor(total / (n * window))))
+
+
+def _window_nll(engine, bm, ids: list[int], chunk: int, request_id) -> float:
+    """Summed negative log-likelihood of ``ids[1:]``, prefilled ``chunk`` tokens per step."""
+    from minillm.engine.runner import ChunkInput, StepInputs
+    from minillm.sampling import SamplingParams
+
+    window, total = len(ids) - 1, 0.0
+    seq = engine.make_sequence(ids[:-1], SamplingParams(max_tokens=1), request_id=request_id)
+    bm.match_prefix(seq)
+    try:
+        bm.allocate_slots(seq, window)
+        for start in range(0, window, chunk):
+            piece = ids[start : start + chunk]
+            step = ChunkInput(seq.request_id, piece, start, len(piece), bm.block_table_of(seq))
+            logits = engine.runner.execute(StepInputs([step])).float()
+            targets = torch.tensor(ids[start + 1 : start + 1 + len(piece)], device=logits.device)
+            total += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
+    finally:
+        engine.runner.release(seq.request_id)
+        bm.free(seq)
+    return total

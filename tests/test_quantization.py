@@ -267,15 +267,17 @@ def test_8bit_kv_cache_runs_on_the_triton_backend_which_auto_picks_on_cuda(kind)
 # ---- quantized checkpoints ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method,group", [("int8", None), ("int4", 64)])
+@pytest.mark.parametrize("method,group", [("int8", None), ("int4", 64), ("awq", 128), ("w8a8", None)])
 def test_saved_quantized_checkpoint_loads_bit_identical(tmp_path, method, group):
     from minillm.assets import resolve_model
     from minillm.course import forward_logits
     from minillm.models.loader import load_model
     from minillm.quantization.checkpoint import save_quantized
 
+    from minillm.tokenizer import Tokenizer
+
     folder = resolve_model("tiny-shakespeare-8m")
-    out = save_quantized(load_model(folder), folder, tmp_path / method, method, group, dtype="fp32")
+    out = save_quantized(load_model(folder), folder, tmp_path / method, method, group, "fp32", Tokenizer(folder))
     config = __import__("json").loads((out / "config.json").read_text())
     assert config["quantization_config"]["method"] == method
     in_memory = LLM("tiny-shakespeare-8m", dtype="fp32", quantization=method, quantization_group_size=group)

@@ -65,13 +65,17 @@ class AWQInt4Method(Int4Method):
         return [*super().held_tensors(layer), layer.awq_inv_scale]
 
 
+def awq_scales(model, layers: list, group_size: int, token_ids: list[int]) -> dict:
+    """Calibrate on ``token_ids``: each layer's per-channel scale ``s`` and its α (nothing changed)."""
+    stats = collect_activations(model, layers, token_ids)
+    return {layer: search_scale(layer.weight, stats[layer].mean_abs, stats[layer].sample, group_size) for layer in layers}
+
+
 def awq_quantize(model, layers: list, group_size: int, token_ids: list[int]) -> dict:
     """Calibrate on ``token_ids`` and convert ``layers`` to ``AWQInt4Method``; returns each
     layer's chosen α (for reports)."""
-    stats = collect_activations(model, layers, token_ids)
     chosen = {}
-    for layer in layers:
-        s, alpha = search_scale(layer.weight, stats[layer].mean_abs, stats[layer].sample, group_size)
+    for layer, (s, alpha) in awq_scales(model, layers, group_size, token_ids).items():
         with torch.no_grad():
             layer.weight.mul_(s.to(layer.weight.dtype))
         layer.set_method(AWQInt4Method(group_size, 1.0 / s))

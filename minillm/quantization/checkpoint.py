@@ -6,9 +6,14 @@ holds), the tokenizer files, and ``model.safetensors`` holding
 
 - the embedding and the norms in the model's dtype, under their Hugging Face names;
 - every linear layer under *our* module names (fused ``qkv_proj`` and ``gate_up_proj``, as the
-  engine runs them): ``<name>.qweight`` (int8) and ``<name>.scales`` for int8 layers,
+  engine runs them): ``<name>.qweight`` (int8) and ``<name>.scales`` for int8 and w8a8 layers,
   ``<name>.int4`` (two values per byte), ``<name>.int4_scale`` and ``<name>.int4_min`` (fp32,
-  one per group) for int4 layers, ``<name>.bias`` where there is one. The LM head is int8.
+  one per group) for int4 and awq layers, ``<name>.inv_scale`` (``1/s`` per input channel: AWQ's
+  scale, or SmoothQuant's smoothing for w8a8 — the stored weights are ``W · s``), and
+  ``<name>.bias`` where there is one. The LM head is int8.
+
+The calibrated methods (awq, w8a8) calibrate once, when the checkpoint is written: loading it
+needs neither the calibration text nor its minute of activation statistics.
 
 Loading checks every tensor before the model is returned: a missing or misshapen one is a
 ``ModelLoadError`` naming it (nothing half-loaded). The values are the ones saved, bit for bit,
@@ -37,33 +42,41 @@ def _linear_layers(model) -> dict:
 
 
 def save_quantized(model, model_dir: str | Path, out_dir: str | Path, method: str, group_size: int | None = None,
-                   dtype: str = "bf16") -> Path:  # fmt: skip
+                   dtype: str = "bf16", tokenizer=None) -> Path:  # fmt: skip
     """Quantize ``model`` (loaded from the checkpoint in ``model_dir``, in ``dtype``) with
-    ``method`` and write it, with ``model_dir``'s config and tokenizer, to ``out_dir``."""
+    ``method`` and write it, with ``model_dir``'s config and tokenizer, to ``out_dir``. The
+    calibrated methods (awq, w8a8) calibrate on the shipped text, tokenized with ``tokenizer``."""
     from safetensors.torch import save_file
 
-    from minillm.config import check_quantization
+    from minillm.config import INT4_METHODS, check_quantization
     from minillm.quantization import default_group_size
 
     check_quantization(method, group_size)
-    if method not in ("int8", "int4"):
-        raise ValueError(f"saving a {method!r} checkpoint is not supported yet: save int8 or int4")
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    if method == "int4" and group_size is None:
+    if method in INT4_METHODS and group_size is None:
         group_size = default_group_size(model)
     layers = _linear_layers(model)
+    decoder = [layer for name, layer in layers.items() if name != "lm_head"]
     for name, layer in layers.items():  # every shape checked before anything is written
         if name != "lm_head":
-            (Int8Method() if method == "int8" else Int4Method(group_size)).validate(layer, name)
+            (Int4Method(group_size) if method in INT4_METHODS else Int8Method()).validate(layer, name)
+    smoothing = _calibrate(model, method, decoder, group_size, tokenizer)
     tensors: dict[str, torch.Tensor] = {}
     for hf_name, (module, param, _) in model.checkpoint_targets().items():
         if module not in layers.values():
             tensors[hf_name] = getattr(module, param).detach().contiguous()
     for name, layer in layers.items():
         weight = layer.weight.detach()
-        if method == "int8" or name == "lm_head":
+        if layer in smoothing:  # the stored matrix is W · s; the layer divides x by s at run time
+            s = smoothing[layer]
+            # exactly the in-memory methods' arithmetic, so a loaded model is bit-identical to it
+            weight = weight * s.to(weight.dtype) if method == "awq" else weight.float() * s
+            tensors[f"{name}.inv_scale"] = (1.0 / s).float()
+        if method in ("int8", "w8a8") or name == "lm_head":
             q, scale = quantize_int8(weight)
-            tensors[f"{name}.qweight"], tensors[f"{name}.scales"] = q, Int8Method.scale_for(scale, weight.dtype)
+            if method == "int8" or name == "lm_head":
+                scale = Int8Method.scale_for(scale, layer.weight.dtype)
+            tensors[f"{name}.qweight"], tensors[f"{name}.scales"] = q, scale
         else:
             q, scale, low = quantize_int4(weight, group_size)
             tensors[f"{name}.int4"], tensors[f"{name}.int4_scale"], tensors[f"{name}.int4_min"] = (
@@ -79,7 +92,7 @@ def save_quantized(model, model_dir: str | Path, out_dir: str | Path, method: st
     config["quantization_config"] = {
         "quant_method": FORMAT,
         "method": method,
-        "group_size": group_size if method == "int4" else None,
+        "group_size": group_size if method in INT4_METHODS else None,
         "lm_head": "int8",
         "dtype": dtype,
     }
@@ -96,6 +109,20 @@ def save_quantized(model, model_dir: str | Path, out_dir: str | Path, method: st
         ):
             shutil.copy2(extra, out_dir / extra.name)
     return out_dir
+
+
+def _calibrate(model, method: str, decoder: list, group_size: int | None, tokenizer) -> dict:
+    """The per-input-channel ``s`` of every decoder layer for awq / w8a8 (the same search the
+    engine runs when it quantizes in memory), else nothing."""
+    if method not in ("awq", "w8a8"):
+        return {}
+    from minillm.quantization.awq import awq_scales
+    from minillm.quantization.calibration import calibration_ids
+    from minillm.quantization.w8a8 import w8a8_scales
+
+    ids = calibration_ids(tokenizer)
+    found = awq_scales(model, decoder, group_size, ids) if method == "awq" else w8a8_scales(model, decoder, ids)
+    return {layer: s for layer, (s, _) in found.items()}
 
 
 def quantization_config(folder: str | Path) -> dict | None:
@@ -116,9 +143,15 @@ def quantization_config(folder: str | Path) -> dict | None:
 
 def install_quantized(model, folder: Path, tensors: dict[str, torch.Tensor], qc: dict) -> None:
     """Give each linear layer of ``model`` its saved quantized storage (pops what it uses)."""
+    from minillm.config import INT4_METHODS, QUANTIZATION_METHODS
+    from minillm.quantization.awq import AWQInt4Method
+    from minillm.quantization.w8a8 import W8A8Method
+
     method, group = qc.get("method"), qc.get("group_size")
-    if method not in ("int8", "int4"):
-        raise ModelLoadError(f"{folder}: quantization_config method {method!r} is not int8 or int4")
+    if method not in QUANTIZATION_METHODS:
+        raise ModelLoadError(f"{folder}: quantization_config method {method!r} is not one of {QUANTIZATION_METHODS}")
+    if method in INT4_METHODS and not (isinstance(group, int) and group > 0):
+        raise ModelLoadError(f"{folder}: quantization_config group_size {group!r} is not a positive integer")
 
     def take(name: str, shape: tuple | None = None) -> torch.Tensor:
         if name not in tensors:
@@ -132,15 +165,21 @@ def install_quantized(model, folder: Path, tensors: dict[str, torch.Tensor], qc:
     for name, layer in _linear_layers(model).items():  # read and check everything first
         out, cols = layer.out_features, layer.in_features
         bias = take(f"{name}.bias", (out,)) if layer.bias is not None else None
-        if method == "int8" or name == "lm_head":
-            plan.append(
-                (layer, Int8Method(), (take(f"{name}.qweight", (out, cols)), take(f"{name}.scales", (out,))), bias)
-            )
+        if method in ("int8", "w8a8") or name == "lm_head":
+            parts = (take(f"{name}.qweight", (out, cols)), take(f"{name}.scales", (out,)))
         else:
             groups = cols // group
             packed = take(f"{name}.int4", (out, cols // 2))
             scale, low = take(f"{name}.int4_scale", (out, groups)), take(f"{name}.int4_min", (out, groups))
-            plan.append((layer, Int4Method(group), (unpack_int4(packed), scale, low), bias))
+            parts = (unpack_int4(packed), scale, low)
+        if name == "lm_head" or method == "int8":
+            quantized = Int8Method()
+        elif method == "int4":
+            quantized = Int4Method(group)
+        else:  # awq, w8a8: the weights are W · s, the layer divides its input by s
+            parts = (*parts, take(f"{name}.inv_scale", (cols,)))
+            quantized = AWQInt4Method(group) if method == "awq" else W8A8Method()
+        plan.append((layer, quantized, parts, bias))
     if tensors:
         raise ModelLoadError(f"{folder}: unexpected tensor(s) {sorted(tensors)[:5]} in a quantized checkpoint")
     for layer, quantized, parts, bias in plan:

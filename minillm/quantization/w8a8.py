@@ -116,12 +116,16 @@ class W8A8Method:
         return [t for t in (layer.w8a8_qt, layer.w8a8_scale, layer.w8a8_inv_smooth, layer.bias) if t is not None]
 
 
+def w8a8_scales(model, layers: list, token_ids: list[int]) -> dict:
+    """Calibrate on ``token_ids``: each layer's smoothing vector ``s`` and its α (nothing changed)."""
+    stats = collect_activations(model, layers, token_ids)
+    return {layer: search_smoothing(layer.weight, stats[layer].max_abs, stats[layer].sample) for layer in layers}
+
+
 def w8a8_quantize(model, layers: list, token_ids: list[int]) -> dict:
     """Calibrate on ``token_ids`` and convert ``layers`` to ``W8A8Method``; returns each layer's α."""
-    stats = collect_activations(model, layers, token_ids)
     chosen = {}
-    for layer in layers:
-        s, alpha = search_smoothing(layer.weight, stats[layer].max_abs, stats[layer].sample)
+    for layer, (s, alpha) in w8a8_scales(model, layers, token_ids).items():
         q, scale = quantize_int8(layer.weight.detach().float() * s)
         W8A8Method().install(layer, q, scale, 1.0 / s)
         chosen[layer] = alpha
