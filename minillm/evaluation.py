@@ -17,7 +17,7 @@ def perplexity(model, token_ids: list[int], window: int = 256, batch_size: int =
     """``exp(mean negative log-likelihood)`` of ``token_ids`` under ``model`` (a ``LlamaForCausalLM``),
     scored in non-overlapping windows of ``window`` tokens (each window predicts its tokens 1..).
     Lower is better; a model that guesses uniformly over V tokens scores V."""
-    device = model.embed_tokens.weight.device
+    device = model.device
     n = (len(token_ids) - 1) // window
     if n < 1:
         raise ValueError(f"perplexity needs more than window={window} tokens, got {len(token_ids)}")

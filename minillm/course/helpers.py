@@ -13,7 +13,7 @@ from minillm.models.llama import ForwardBatch, LlamaForCausalLM
 
 
 def _device(model: LlamaForCausalLM) -> torch.device:
-    return model.embed_tokens.weight.device
+    return model.device
 
 
 def forward_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
@@ -25,8 +25,7 @@ def forward_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
 
 def new_cache(model: LlamaForCausalLM, max_len: int) -> ContiguousKVCache:
     """An empty KV cache for one sequence of up to ``max_len`` tokens."""
-    w = model.embed_tokens.weight
-    return ContiguousKVCache(model.config, 1, max_len, w.dtype, w.device)
+    return ContiguousKVCache(model.config, 1, max_len, model.dtype, model.device)
 
 
 def forward_step(model: LlamaForCausalLM, ids: list[int], start: int, cache: ContiguousKVCache) -> torch.Tensor:

@@ -78,7 +78,7 @@ def build_engine_parts(
     tokenizer=None,
 ) -> EngineParts:
     """Configure ``model`` (backend, window, fast paths) and build what runs it."""
-    device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+    device, dtype = model.device, model.dtype
     backend = resolve_backend(config, device)
     model.set_attention_backend(backend)
     model.sliding_window = window

@@ -23,8 +23,8 @@ from minillm.models.llama import LlamaForCausalLM
 class ContiguousRunner:
     def __init__(self, model: LlamaForCausalLM):
         self.model = model
-        self.device = model.embed_tokens.weight.device
-        self.dtype = model.embed_tokens.weight.dtype
+        self.device = model.device
+        self.dtype = model.dtype
         self.order: list[Hashable] = []  # request id of each cache row
         self.lengths: list[int] = []
         self.cache: ContiguousKVCache | None = None

@@ -61,7 +61,7 @@ class DecodeGraphs:
     ):
         self.model = model
         self.cache = cache
-        self.device = model.embed_tokens.weight.device
+        self.device = model.device
         self.max_blocks = addressing.blocks_for(max_model_len, cache.block_size)
         self.max_context = max_model_len
         self.window = window

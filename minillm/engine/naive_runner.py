@@ -26,7 +26,7 @@ def padded(rows: list[list[int]], device: torch.device, pad: int = 0) -> torch.T
 def run_padded(model: LlamaForCausalLM, inputs: StepInputs, **cache_args) -> torch.Tensor:
     """One padded forward pass over the chunks (row ``i`` = chunk ``i``) → the wanted logits."""
     chunks = inputs.chunks
-    device = model.embed_tokens.weight.device
+    device = model.device
     ids = padded([c.token_ids for c in chunks], device)
     positions = torch.arange(ids.shape[1], device=device).expand(ids.shape[0], -1)
     if all(c.num_logits == 1 for c in chunks):  # the usual case: the last token of each row

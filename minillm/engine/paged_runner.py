@@ -37,7 +37,7 @@ class PagedRunner:
         self.pool = KVPool.of(cache)
         self.window = window
         self.graphs = graphs
-        self.device = model.embed_tokens.weight.device
+        self.device = model.device
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Copy-on-write copies first, then the forward pass; logits chunk by chunk."""

@@ -108,6 +108,17 @@ class LlamaForCausalLM(nn.Module):
         self._compiled_step = None
         self._compiled_single_row_only = False
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live (the final norm's weight is always a plain tensor, whatever
+        storage the embedding or the linear layers use)."""
+        return self.norm.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype: the model's floating-point dtype."""
+        return self.norm.weight.dtype
+
     def tie_weights(self) -> None:
         """Tied checkpoints use the embedding matrix as the LM head: one tensor, two uses."""
         if self.config.tie_word_embeddings:
@@ -143,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
 
     def init_rope(self, max_positions: int) -> None:
         """Build the cos/sin table once weights are on their device (it is not a parameter)."""
-        self.rope = RotaryEmbedding(self.config, max_positions, self.embed_tokens.weight.device)
+        self.rope = RotaryEmbedding(self.config, max_positions, self.device)
 
     def linear_layers(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]

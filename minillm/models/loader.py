@@ -79,6 +79,8 @@ def load_model(
     quantized: dict[str, torch.Tensor] = {}  # a quantized checkpoint's linear layers, by our names
     if qc is not None:
         linears = set(model.linear_layers())
+        if config.tie_word_embeddings:  # a tied quantized model embeds from its int8 head
+            linears.add(model.embed_tokens)
         targets = {name: t for name, t in targets.items() if t[0] not in linears}
     for path in safetensors_files(folder):
         try:

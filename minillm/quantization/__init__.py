@@ -19,9 +19,11 @@ the model code does not change, only the storage and the matmul of its linear la
 ``sparsity.py`` prunes the same layers to the 2:4 pattern (by magnitude or Wanda scores).
 
 What is quantized: every linear layer of the decoder blocks, and the LM head in int8
-(weight-only) for every method — the head is 28% of SmolLM2-135M's parameters and is read every step, but it decides
-every logit, so it gets the gentler 8 bits. The embedding table stays in the model's dtype: a
-step reads only the rows of its tokens, so shrinking it saves memory but no time.
+(weight-only) for every method — the head is 28% of SmolLM2-135M's parameters and is read
+every step, but it decides every logit, so it gets the gentler 8 bits. A tied model's
+embedding then reads its rows from that int8 head (``TiedInt8Embedding``) instead of keeping
+a float copy of the same matrix; an untied model's embedding stays in the model's dtype (a
+step reads only its tokens' rows, so shrinking it would save memory but no time).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from minillm.quantization.int4 import (
     quantize_int4,
     unpack_int4,
 )
-from minillm.quantization.int8 import Int8Method, dequantize_int8, quantize_int8
+from minillm.quantization.int8 import Int8Method, dequantize_int8, quantize_int8, share_int8_head_as_embedding
 
 
 def default_group_size(model) -> int:
@@ -98,6 +100,7 @@ def quantize_model(model, method: str, group_size: int | None = None, calibratio
         for _, layer in decoder:
             layer.set_method(make())
     model.lm_head.set_method(Int8Method())
+    share_int8_head_as_embedding(model)
 
 
 __all__ = [

@@ -68,7 +68,9 @@ class AWQInt4Method(Int4Method):
 def awq_scales(model, layers: list, group_size: int, token_ids: list[int]) -> dict:
     """Calibrate on ``token_ids``: each layer's per-channel scale ``s`` and its α (nothing changed)."""
     stats = collect_activations(model, layers, token_ids)
-    return {layer: search_scale(layer.weight, stats[layer].mean_abs, stats[layer].sample, group_size) for layer in layers}
+    return {
+        layer: search_scale(layer.weight, stats[layer].mean_abs, stats[layer].sample, group_size) for layer in layers
+    }
 
 
 def awq_quantize(model, layers: list, group_size: int, token_ids: list[int]) -> dict:

@@ -54,7 +54,7 @@ def collect_activations(model, layers, token_ids: list[int], window: int = 256, 
         entry["rows"].append(x[:: max(1, x.shape[0] // 64)])
 
     handles = [layer.register_forward_pre_hook(hook) for layer in layers]
-    device = model.embed_tokens.weight.device
+    device = model.device
     window = min(window, len(token_ids))
     try:
         n = len(token_ids) // window

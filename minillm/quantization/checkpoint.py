@@ -4,7 +4,8 @@
 it is: ``config.json`` with a ``quantization_config`` (method, group size, what the LM head
 holds), the tokenizer files, and ``model.safetensors`` holding
 
-- the embedding and the norms in the model's dtype, under their Hugging Face names;
+- the norms (and an untied model's embedding) in the model's dtype, under their Hugging Face
+  names — a tied model embeds from its int8 head, so its float embedding is not written;
 - every linear layer under *our* module names (fused ``qkv_proj`` and ``gate_up_proj``, as the
   engine runs them): ``<name>.qweight`` (int8) and ``<name>.scales`` for int8 and w8a8 layers,
   ``<name>.int4`` (two values per byte), ``<name>.int4_scale`` and ``<name>.int4_min`` (fp32,
@@ -30,7 +31,7 @@ import torch
 
 from minillm.errors import ModelLoadError
 from minillm.quantization.int4 import Int4Method, pack_int4, quantize_int4, unpack_int4
-from minillm.quantization.int8 import Int8Method, quantize_int8
+from minillm.quantization.int8 import Int8Method, quantize_int8, share_int8_head_as_embedding
 
 FORMAT = "minillm"
 
@@ -63,8 +64,8 @@ def save_quantized(model, model_dir: str | Path, out_dir: str | Path, method: st
     smoothing = _calibrate(model, method, decoder, group_size, tokenizer)
     tensors: dict[str, torch.Tensor] = {}
     for hf_name, (module, param, _) in model.checkpoint_targets().items():
-        if module not in layers.values():
-            tensors[hf_name] = getattr(module, param).detach().contiguous()
+        if module not in layers.values() and not (module is model.embed_tokens and model.config.tie_word_embeddings):
+            tensors[hf_name] = getattr(module, param).detach().contiguous()  # a tied embedding is the int8 head
     for name, layer in layers.items():
         weight = layer.weight.detach()
         if layer in smoothing:  # the stored matrix is W · s; the layer divides x by s at run time
@@ -187,3 +188,4 @@ def install_quantized(model, folder: Path, tensors: dict[str, torch.Tensor], qc:
             with torch.no_grad():
                 layer.bias.copy_(bias)
         quantized.install(layer, *parts)
+    share_int8_head_as_embedding(model)

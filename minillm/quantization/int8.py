@@ -101,3 +101,33 @@ class Int8Method:
 
     def held_tensors(self, layer) -> list[torch.Tensor]:
         return [t for t in (layer.qweight, layer.scales, layer.bias) if t is not None]
+
+
+class TiedInt8Embedding(torch.nn.Module):
+    """The embedding of a tied model read from its int8 LM head: one int8 matrix, two uses.
+
+    A tied model's embedding table *is* its head matrix (SmolLM2-135M: 49152 × 576, 28% of the
+    parameters). Once the head is int8, keeping a bf16 copy only for the embedding would hold
+    the same numbers twice; instead a token's embedding is its head row dequantized,
+    ``q[id] · scale[id]`` — a gather of a few rows per step, so no speed is lost.
+    """
+
+    def __init__(self, head):
+        super().__init__()
+        if getattr(head, "qweight", None) is None:
+            raise ValueError("TiedInt8Embedding needs an int8 LM head (Int8Method installed)")
+        self._head = [head]  # a reference, not a submodule: its tensors are counted once
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        head = self._head[0]
+        return head.qweight[ids].to(head.dtype) * head.scales[ids].to(head.dtype).unsqueeze(-1)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows of the int8 LM head"
+
+
+def share_int8_head_as_embedding(model) -> None:
+    """For a tied model whose head is int8: drop the float embedding, embed from the head."""
+    if model.config.tie_word_embeddings and model.lm_head.method.name == "int8":
+        model.embed_tokens = TiedInt8Embedding(model.lm_head)
