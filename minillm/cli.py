@@ -246,13 +246,24 @@ def cmd_quantize(args) -> int:
     from minillm.config import check_quantization, parse_dtype
     from minillm.models.loader import load_model
     from minillm.quantization.checkpoint import save_quantized
-
-    check_quantization(args.method, args.group_size)  # before the slow load
-    folder = resolve_model(args.model)
     from minillm.tokenizer import Tokenizer
 
+    check_quantization(args.method, args.group_size)  # before the slow load
+    if args.from_gguf and (args.method != "int4" or args.group_size not in (None, 32)):
+        raise ValueError("--from-gguf keeps the file's Q4_1 blocks: use --method int4 (groups of 32)")
+    folder = resolve_model(args.model)
     model = load_model(folder, parse_dtype(args.dtype))
-    out = save_quantized(model, folder, args.out, args.method, args.group_size, args.dtype, Tokenizer(folder))
+    int4_layers = group = None
+    if args.from_gguf:
+        from minillm.assets import REGISTRY, gguf_path
+        from minillm.quantization.gguf_int4 import gguf_int4_layers
+
+        if args.model not in REGISTRY:
+            raise ValueError(f"--from-gguf: {args.model!r} is not a model shipped as GGUF ({', '.join(REGISTRY)})")
+        int4_layers, group = gguf_int4_layers(gguf_path(REGISTRY[args.model]), model), 32
+    out = save_quantized(
+        model, folder, args.out, args.method, args.group_size or group, args.dtype, Tokenizer(folder), int4_layers
+    )
     print(f"wrote {args.method} checkpoint to {out}: load it with LLM({str(out)!r})")
     return 0
 
@@ -374,6 +385,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", required=True, choices=["int8", "int4", "awq", "w8a8"])
     p.add_argument("--group-size", type=int, default=None, help="int4/awq group: 32 | 64 | 128 | 256 (default: auto)")
     p.add_argument("--dtype", default="bf16", help="dtype of the parts kept unquantized (default: bf16)")
+    p.add_argument(
+        "--from-gguf",
+        action="store_true",
+        help="int4: take the shipped GGUF file's own Q4_1 blocks (groups of 32) as they are, no re-quantizing",
+    )
     p.add_argument("--out", required=True, help="folder to write")
     p.set_defaults(func=cmd_quantize)
 

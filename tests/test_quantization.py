@@ -380,3 +380,38 @@ def test_a_tied_model_embeds_from_its_int8_head_and_holds_no_float_copy():
     decoder = sum(m.weight.numel() for m in plain.linear_layers() if m is not plain.lm_head)
     # int4 decoder (≤ 4.5 bits with group tables) + int8 head/embedding + its scales + norms: nothing in fp32 beyond
     assert llm.model.weight_bytes() < decoder * 5 / 8 + vocab * hidden + vocab * 4 + 64 * hidden * 4
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_blocks_load_as_int4_without_requantizing(tmp_path, capsys):
+    """``minillm quantize smollm2-135m --method int4 --from-gguf``: the file's own Q4_1 blocks
+    become the int4 layers. Dequantized and rounded to bf16 they equal, value for value, the
+    converted bf16 folder every other chapter loads (so the nibble order, the fused shards and
+    the rotary row permutation are right); unrounded they are the file's exact weights."""
+    from safetensors.torch import load_file
+
+    from minillm.assets import resolve_model
+    from minillm.cli import main
+
+    assert main(["quantize", "smollm2-135m", "--method", "int4", "--from-gguf", "--out", str(tmp_path / "g")]) == 0
+    saved = load_file(str(tmp_path / "g" / "model.safetensors"))
+    folder = load_file(str(resolve_model("smollm2-135m") / "model.safetensors"))
+    for layer, ours, parts in (
+        (5, "attn.qkv_proj", [f"self_attn.{n}_proj" for n in "qkv"]),
+        (5, "attn.o_proj", ["self_attn.o_proj"]),
+        (29, "mlp.gate_up_proj", ["mlp.gate_proj", "mlp.up_proj"]),
+        (29, "mlp.down_proj", ["mlp.down_proj"]),
+    ):
+        name = f"layers.{layer}.{ours}"
+        w = dequantize_int4(unpack_int4(saved[f"{name}.int4"]), saved[f"{name}.int4_scale"], saved[f"{name}.int4_min"])
+        expected = torch.cat([folder[f"model.layers.{layer}.{p}.weight"] for p in parts])
+        assert torch.equal(w.to(torch.bfloat16), expected), name
+    llm = LLM(tmp_path / "g")
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    assert "Paris" in llm.generate([chat], SamplingParams(max_tokens=12))[0].text
+    assert main(["quantize", "smollm2-135m", "--method", "int8", "--from-gguf", "--out", str(tmp_path / "x")]) == 2
+    assert (
+        main(["quantize", "tiny-shakespeare-1m", "--method", "int4", "--from-gguf", "--out", str(tmp_path / "y")]) == 2
+    )
+    err = capsys.readouterr().err
+    assert "--from-gguf keeps the file's Q4_1 blocks" in err and "not a model shipped as GGUF" in err

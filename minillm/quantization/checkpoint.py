@@ -43,10 +43,12 @@ def _linear_layers(model) -> dict:
 
 
 def save_quantized(model, model_dir: str | Path, out_dir: str | Path, method: str, group_size: int | None = None,
-                   dtype: str = "bf16", tokenizer=None) -> Path:  # fmt: skip
+                   dtype: str = "bf16", tokenizer=None, int4_layers: dict | None = None) -> Path:  # fmt: skip
     """Quantize ``model`` (loaded from the checkpoint in ``model_dir``, in ``dtype``) with
     ``method`` and write it, with ``model_dir``'s config and tokenizer, to ``out_dir``. The
-    calibrated methods (awq, w8a8) calibrate on the shipped text, tokenized with ``tokenizer``."""
+    calibrated methods (awq, w8a8) calibrate on the shipped text, tokenized with ``tokenizer``.
+    ``int4_layers`` (int4 only): each decoder layer's ``(q, scale, minimum)`` already quantized
+    elsewhere (``gguf_int4.py``), written as they are."""
     from safetensors.torch import save_file
 
     from minillm.config import INT4_METHODS, check_quantization
@@ -61,6 +63,8 @@ def save_quantized(model, model_dir: str | Path, out_dir: str | Path, method: st
     for name, layer in layers.items():  # every shape checked before anything is written
         if name != "lm_head":
             (Int4Method(group_size) if method in INT4_METHODS else Int8Method()).validate(layer, name)
+    if int4_layers is not None and method != "int4":
+        raise ValueError(f"int4_layers are int4 weights: method must be 'int4', not {method!r}")
     smoothing = _calibrate(model, method, decoder, group_size, tokenizer)
     tensors: dict[str, torch.Tensor] = {}
     for hf_name, (module, param, _) in model.checkpoint_targets().items():
@@ -79,7 +83,7 @@ def save_quantized(model, model_dir: str | Path, out_dir: str | Path, method: st
                 scale = Int8Method.scale_for(scale, layer.weight.dtype)
             tensors[f"{name}.qweight"], tensors[f"{name}.scales"] = q, scale
         else:
-            q, scale, low = quantize_int4(weight, group_size)
+            q, scale, low = int4_layers[name] if int4_layers is not None else quantize_int4(weight, group_size)
             tensors[f"{name}.int4"], tensors[f"{name}.int4_scale"], tensors[f"{name}.int4_min"] = (
                 pack_int4(q),
                 scale,
