@@ -4,8 +4,9 @@
     python benchmarks/bench_quant.py --threads 2 --repeats 3 --methods bf16 int8 int4-g64 kv-int8
 
 Methods: ``bf16`` (the reference, always measured first), ``int8``, ``int4-g<group>``,
-``awq-g<group>``, ``w8a8`` (weights), ``kv-int8``, ``kv-fp8`` (the KV cache), ``2:4``,
-``2:4-wanda`` (pruning).
+``awq-g<group>``, ``w8a8`` (weights), ``int4-gguf`` (SmolLM2's own Q4_1 blocks, loaded as
+int4 without re-quantizing), ``kv-int8``, ``kv-fp8`` (the KV cache), ``2:4``, ``2:4-wanda``
+(pruning).
 
 For each method, in one process and one run (so the machine's noise hits them alike):
 - quality: perplexity on held-out text that ships offline (the course's held-out Shakespeare,
@@ -75,13 +76,29 @@ def method_kwargs(method: str) -> dict:
     return {"quantization": method}
 
 
+def gguf_checkpoint(model: str) -> Path:
+    """An int4 checkpoint of ``model``'s GGUF Q4_1 blocks as they are (``--from-gguf``)."""
+    import tempfile
+
+    from minillm.assets import REGISTRY, gguf_path, resolve_model
+    from minillm.models.loader import load_model
+    from minillm.quantization.checkpoint import save_quantized
+    from minillm.quantization.gguf_int4 import gguf_int4_layers
+
+    folder = resolve_model(model)
+    plain = load_model(folder, torch.bfloat16)
+    layers = gguf_int4_layers(gguf_path(REGISTRY[model]), plain)
+    return save_quantized(plain, folder, Path(tempfile.mkdtemp()) / "int4-gguf", "int4", 32, "bf16", None, layers)
+
+
 def evaluate(model: str, method: str, reference_tokens: list[list[int]] | None, repeats: int, hf: bool) -> dict:
     from minillm.assets import heldout_text
     from minillm.evaluation import engine_perplexity, perplexity
     from minillm.kvcache.addressing import kv_bytes_per_token
 
-    kwargs = method_kwargs(method)
-    llm = LLM(model, dtype="bf16", enable_prefix_caching=False, kv_cache_memory=KV_POOL_BYTES, **kwargs)
+    kwargs = {} if method == "int4-gguf" else method_kwargs(method)
+    source = gguf_checkpoint(model) if method == "int4-gguf" else model
+    llm = LLM(source, dtype="bf16", enable_prefix_caching=False, kv_cache_memory=KV_POOL_BYTES, **kwargs)
     row: dict = {"method": method, "weight_bytes": llm.model.weight_bytes()}
     for name, text in (("shakespeare", heldout_text()), ("english", english_prose())):
         ids = llm.tokenizer.encode(text)[:4096]
