@@ -66,6 +66,23 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="int4 group size: 32 | 64 | 128 | 256 (default: the largest <= 128 that divides every layer)",
     )
+    g.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        default=None,
+        help='speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+        '\'{"method": "draft", "model": "NAME_OR_PATH", "num_speculative_tokens": 4}\'',
+    )
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"not JSON ({err}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _memory(text: str) -> int | float:
@@ -126,6 +143,7 @@ def _llm(args):
         quantization_group_size=args.quantization_group_size,
         sparsity=args.sparsity,
         kv_cache_dtype=args.kv_cache_dtype,
+        speculative_config=args.speculative_config,
     )
 
 
@@ -137,7 +155,12 @@ def cmd_generate(args) -> int:
         for prompt in prompts:
             for delta in llm.stream(prompt, params):
                 if args.json:  # one JSON line per delta; the last carries the whole record
-                    record = {"text": delta.text, "token_id": delta.token_id, "finish_reason": delta.finish_reason}
+                    record = {
+                        "text": delta.text,
+                        "token_id": delta.token_id,
+                        "token_ids": delta.token_ids,
+                        "finish_reason": delta.finish_reason,
+                    }
                     if delta.output is not None:
                         record["output"] = _output_record(delta.output)
                     print(json.dumps(record), flush=True)

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import math
 import numbers
+import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -241,6 +242,60 @@ def parse_memory(text: str) -> int | float:
     return size
 
 
+SPECULATIVE_METHODS = ("draft", "ngram")
+
+
+@dataclass
+class SpeculativeConfig:
+    """A checked ``speculative_config``: who proposes (``method``), how many tokens per step."""
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None  # the draft model ("draft")
+    prompt_lookup_max: int = 4  # the longest n-gram matched ("ngram")
+    prompt_lookup_min: int = 1  # the shortest
+
+    KEYS = {
+        "draft": {"method", "model", "num_speculative_tokens"},
+        "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
+    }
+
+    @classmethod
+    def from_dict(cls, raw) -> SpeculativeConfig | None:
+        """``None`` stays None; anything else is checked, every bad field named."""
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raise TypeError(f"speculative_config={raw!r} must be a dict (or None)")
+        method = raw.get("method")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method={method!r}: expected one of {SPECULATIVE_METHODS}")
+        unknown = sorted(set(raw) - cls.KEYS[method])
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown} for method {method!r}")
+        if "num_speculative_tokens" not in raw:
+            raise ValueError("speculative_config needs num_speculative_tokens (the k tokens proposed per step)")
+        _check_int("speculative_config num_speculative_tokens", raw["num_speculative_tokens"], 1)
+        if raw["num_speculative_tokens"] > 16:
+            raise ValueError(f"speculative_config num_speculative_tokens={raw['num_speculative_tokens']} is above 16")
+        config = cls(method, raw["num_speculative_tokens"])
+        if method == "draft":
+            if not isinstance(raw.get("model"), (str, os.PathLike)) or not str(raw.get("model")):
+                raise ValueError("speculative_config method='draft' needs model=NAME_OR_PATH (the draft model)")
+            config.model = str(raw["model"])
+        else:
+            for key in ("prompt_lookup_max", "prompt_lookup_min"):
+                if key in raw:
+                    _check_int(f"speculative_config {key}", raw[key], 1)
+                    setattr(config, key, raw[key])
+            if config.prompt_lookup_min > config.prompt_lookup_max:
+                raise ValueError(
+                    f"speculative_config prompt_lookup_min={config.prompt_lookup_min} is above "
+                    f"prompt_lookup_max={config.prompt_lookup_max}"
+                )
+        return config
+
+
 def check_quantization(method: str | None, group_size: int | None) -> None:
     """A weight-quantization method and group size the engine supports, else ``ValueError``
     naming the option (checked before any weight is touched)."""
@@ -319,6 +374,10 @@ class EngineConfig:
     # in a ring of this many steps, so a long-running server does not grow without bound.
     # 0 keeps none; None keeps every step.
     max_step_records: int | None = 10_000
+    # Speculative decoding (chapter 08), vLLM's shape: {"method": "draft", "model": NAME_OR_PATH,
+    # "num_speculative_tokens": k} or {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_max": n}. Checked into a SpeculativeConfig (``speculative`` below).
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
         if self.mode in DEPRECATED_MODES:
@@ -380,6 +439,9 @@ class EngineConfig:
             raise TypeError(f"quantization={self.quantization!r} must be a string or None")
         _check_int("quantization_group_size", self.quantization_group_size, 1, optional=True)
         check_quantization(self.quantization, self.quantization_group_size)
+        self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.speculative is not None and self.mode != "paged":
+            raise ValueError(f"speculative_config needs mode='paged' (got mode={self.mode!r})")
         if self.sparsity is not None and self.sparsity not in SPARSITY_METHODS:
             raise ValueError(f"sparsity={self.sparsity!r}: expected one of {SPARSITY_METHODS} (or None)")
         if self.sparsity is not None and self.compile:

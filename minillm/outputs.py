@@ -23,6 +23,27 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finished_time: float | None = None
+    # Speculative decoding: target forward passes that produced tokens for this request, and
+    # the proposals made / accepted over its verify steps.
+    num_forward_passes: int = 0
+    num_verify_steps: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / proposed tokens (None: nothing was proposed)."""
+        return self.spec_accepted / self.spec_proposed if self.spec_proposed else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Proposals accepted per verify step (each step also emits one token of the target's own)."""
+        return self.spec_accepted / self.num_verify_steps if self.num_verify_steps else None
+
+    @property
+    def forward_passes_per_token(self) -> float | None:
+        """Target forward passes per output token: 1 without speculation, lower with it."""
+        return self.num_forward_passes / len(self.token_times) if self.token_times else None
 
     @property
     def first_token_time(self) -> float | None:
@@ -58,6 +79,9 @@ class RequestMetrics:
             "e2e_latency": self.e2e_latency,
             "queueing_time": self.queueing_time,
             "num_tokens": len(self.token_times),
+            "forward_passes_per_token": self.forward_passes_per_token,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
         }
 
 
@@ -80,7 +104,8 @@ class RequestOutput:
 
 @dataclass
 class StreamDelta:
-    """What ``LLM.stream`` yields: the token just produced and the text it made visible.
+    """What ``LLM.stream`` yields: the token(s) just produced and the text they made visible
+    (one token per step, or several when speculative decoding accepted proposals).
 
     ``text`` may be empty (half a UTF-8 character, or text held back because it could be the
     start of a stop string) and is released by a later delta. The last delta has
@@ -88,7 +113,8 @@ class StreamDelta:
     """
 
     request_id: Hashable
-    token_id: int | None
+    token_id: int | None  # the last token of this delta
     text: str
     finish_reason: str | None = None
     output: RequestOutput | None = None  # the complete result, on the last delta of a request
+    token_ids: list[int] = field(default_factory=list)  # every token of this delta (several after a verify step)

@@ -44,6 +44,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache (paged engine)
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache when first scheduled
         self.num_preemptions = 0
+        self.draft_tokens: list[int] = []  # speculative proposals for this step (set by the engine)
         Sequence._counter += 1
         self._order = Sequence._counter
         self.prompt = prompt

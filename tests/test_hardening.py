@@ -414,16 +414,16 @@ def test_an_interrupted_step_loses_nobody(tiny_model, monkeypatch):
     solo = LLM(tiny_model, dtype="fp32")
     expected = [solo.generate([p], PARAMS)[0].token_ids for p in PROMPTS[:2]]
     ids = [engine.add_request(p, PARAMS) for p in PROMPTS[:2]]
-    real = engine._sample_and_append
+    real = engine._append
     calls = {"n": 0}
 
-    def interrupted(seqs, logits):
+    def interrupted(chunks, emitted):
         calls["n"] += 1
         if calls["n"] == 3:
             raise KeyboardInterrupt
-        return real(seqs, logits)
+        return real(chunks, emitted)
 
-    monkeypatch.setattr(engine, "_sample_and_append", interrupted)
+    monkeypatch.setattr(engine, "_append", interrupted)
     out = {}
     with pytest.raises(KeyboardInterrupt):
         for _ in range(10):

@@ -12,7 +12,7 @@ once, so the engine's step loop never asks what mode it is in:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,7 @@ from minillm.kvcache.block_manager import BlockManager
 from minillm.kvcache.paged import PagedKVCache
 from minillm.kvcache.unpaged import NoBlockPool
 from minillm.models.llama import LlamaForCausalLM
+from minillm.speculative.speculator import NoSpeculation, Speculator
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
@@ -40,6 +41,7 @@ class EngineParts:
     block_manager: BlockManager | None = None  # the paged pool's
     kv_cache: PagedKVCache | None = None
     graphs: DecodeGraphs | None = None
+    speculator: Speculator | NoSpeculation = field(default_factory=NoSpeculation)
 
 
 def free_memory_bytes(device: torch.device) -> int | None:
@@ -102,7 +104,38 @@ def build_engine_parts(
     )
     graphs = decode_graphs(config, model, kv_cache, backend, max_model_len, window)
     runner = PagedRunner(model, kv_cache, window, graphs)
-    return EngineParts(scheduler, runner, backend, block_manager, kv_cache, graphs)
+    speculator = build_speculator(config, model_config, tokenizer, device, dtype, max_model_len, num_blocks, backend)
+    return EngineParts(scheduler, runner, backend, block_manager, kv_cache, graphs, speculator)
+
+
+def build_speculator(config: EngineConfig, model_config: ModelConfig, tokenizer, device, dtype, max_model_len: int,
+                     num_blocks: int, backend: str) -> Speculator | NoSpeculation:  # fmt: skip
+    """``speculative_config`` → the proposer and verifier. The draft model's pool gets as many
+    blocks as the target's plus room for every sequence's k look-ahead tokens."""
+    spec = config.speculative
+    if spec is None:
+        return NoSpeculation()
+    draft = None
+    if spec.method == "draft":
+        from minillm.assets import resolve_model
+        from minillm.models import load_model
+        from minillm.speculative.draft_model import DraftModelProposer, check_same_tokenizer
+        from minillm.tokenizer import Tokenizer
+
+        folder = resolve_model(spec.model)
+        draft_config = ModelConfig.from_folder(folder)
+        check_same_tokenizer(Tokenizer(folder), tokenizer, draft_config, model_config, spec.model)
+        if draft_config.max_position_embeddings < max_model_len:
+            raise ValueError(
+                f"speculative_config model={spec.model!r} handles {draft_config.max_position_embeddings} positions, "
+                f"fewer than the target's max_model_len={max_model_len}: lower max_model_len"
+            )
+        model = load_model(folder, dtype, device, max_positions=max_model_len)
+        model.set_attention_backend(backend)
+        apply_weight_methods(EngineConfig(cpu_prepack=config.cpu_prepack), model, device, dtype)
+        extra = config.max_num_seqs * blocks_for(spec.num_speculative_tokens + 1, config.block_size)
+        draft = DraftModelProposer(model, draft_config, config.block_size, num_blocks + extra)
+    return Speculator(spec, max_model_len, draft)
 
 
 def apply_weight_methods(

@@ -34,7 +34,7 @@ from minillm.assets import resolve_model
 from minillm.config import EngineConfig, ModelConfig
 from minillm.engine.builder import build_engine_parts
 from minillm.engine.runner import ChunkInput, StepInputs
-from minillm.engine.scheduler import SchedulerOutput
+from minillm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from minillm.errors import PromptTooLongError
 from minillm.metrics import StepRecord
 from minillm.models import load_model
@@ -73,6 +73,7 @@ class LLMEngine:
         self.block_manager = parts.block_manager  # None outside the paged mode
         self.kv_cache = parts.kv_cache
         self.graphs = parts.graphs
+        self.speculator = parts.speculator  # proposes and verifies; does nothing without speculative_config
         self._rng = random.Random(config.seed)
         self._next_id = 0
         self.requests: dict[Hashable, Sequence] = {}  # every unfinished request, by id
@@ -241,6 +242,7 @@ class LLMEngine:
                 raise ValueError(f"abort: no unfinished request with id {request_id!r}")
             self.scheduler.finish(seq)
             self.runner.release(request_id)
+            self.speculator.release(request_id)
             seq.abort(self.clock())
             return seq.to_output()
 
@@ -267,7 +269,10 @@ class LLMEngine:
 
     def _step(self) -> list[StreamDelta]:
         started = self.clock()
+        self.speculator.propose(self.scheduler.running)  # proposals for decoding sequences, if speculating
         scheduled = self.scheduler.schedule(started)
+        for seq in scheduled.preempted:
+            self.speculator.release(seq.request_id)
         if not scheduled.chunks:
             return []
         logits = self.runner.execute(self._step_inputs(scheduled))
@@ -275,19 +280,18 @@ class LLMEngine:
         try:
             for chunk in scheduled.chunks:
                 chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
-            self.scheduler.commit(scheduled.chunks)
-            if any(c.num_logits != 1 for c in sampling):  # several rows per chunk: sample from the last
-                ends = torch.tensor([c.num_logits for c in sampling], device=logits.device).cumsum(0)
-                logits = logits[ends - 1]
-            deltas = self._sample_and_append([c.seq for c in sampling], logits)
+            emitted = self._choose_tokens(sampling, logits)
+            deltas = self._append(sampling, emitted)
         except BaseException:  # interrupted (Ctrl-C) before every token was appended: let the
             for c in sampling:  # sequences without their token run this step again, or they would wait forever
-                if len(c.seq) == c.start + c.num_tokens:
+                if len(c.seq) == c.start + c.num_tokens - len(c.draft_tokens):
                     c.seq.num_computed_tokens = c.start
             raise
+        self.scheduler.commit(scheduled.chunks)
         for seq in [c.seq for c in sampling if c.seq.is_finished]:
             self.scheduler.finish(seq)
             self.runner.release(seq.request_id)
+            self.speculator.release(seq.request_id)
         self.num_steps += 1
         if self.step_records.maxlen != 0:
             self._record(started, scheduled)
@@ -298,7 +302,7 @@ class LLMEngine:
         chunks = [
             ChunkInput(
                 c.seq.request_id,
-                c.seq.tokens(c.start, c.start + c.num_tokens),
+                c.seq.tokens(c.start, c.start + c.num_tokens - len(c.draft_tokens)) + c.draft_tokens,
                 c.start,
                 c.num_logits,
                 self.scheduler.block_table(c.seq),
@@ -308,21 +312,53 @@ class LLMEngine:
         ]
         return StepInputs(chunks, scheduled.copies)
 
-    def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StreamDelta]:
-        if not seqs:
-            return []
-        needs_history = any(s.params.repetition_penalty != 1.0 for s in seqs)
-        tokens = sample(
-            logits,
-            [s.params for s in seqs],
-            [s.generator for s in seqs],
-            seen=[s.token_ids for s in seqs] if needs_history else None,
-        )
+    def _choose_tokens(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[list[int]]:
+        """The tokens each sampling chunk emits: one sampled token, or — for a verify chunk —
+        the proposals the target accepts and its own next token."""
+        emitted: list[list[int]] = [[] for _ in chunks]
+        ends = [0]
+        for c in chunks:
+            ends.append(ends[-1] + c.num_logits)
+        plain = [i for i, c in enumerate(chunks) if not c.draft_tokens]
+        if plain:
+            seqs = [chunks[i].seq for i in plain]
+            rows = (
+                logits
+                if len(plain) == len(logits)
+                else logits[torch.tensor([ends[i + 1] - 1 for i in plain], device=logits.device)]
+            )
+            needs_history = any(s.params.repetition_penalty != 1.0 for s in seqs)
+            tokens = sample(
+                rows,
+                [s.params for s in seqs],
+                [s.generator for s in seqs],
+                seen=[s.token_ids for s in seqs] if needs_history else None,
+            )
+            for i, token in zip(plain, tokens):
+                emitted[i] = [token]
+        for i, chunk in enumerate(chunks):
+            if chunk.draft_tokens:  # verify: the k + 1 rows of this chunk decide
+                emitted[i] = self.speculator.verify(chunk.seq, chunk.draft_tokens, logits[ends[i] : ends[i + 1]])
+        return emitted
+
+    def _append(self, chunks: list[ScheduledChunk], emitted: list[list[int]]) -> list[StreamDelta]:
         now = self.clock()
         deltas = []
-        for seq, token in zip(seqs, tokens):
-            seq.append_token(token, now)
-            delta = StreamDelta(seq.request_id, token, seq.take_stream_text(), seq.finish_reason)
+        for chunk, tokens in zip(chunks, emitted):
+            seq = chunk.seq
+            appended = seq.append_tokens(tokens, now)
+            metrics = seq.metrics
+            metrics.num_forward_passes += 1
+            if chunk.draft_tokens:
+                accepted = len(tokens) - 1  # the last emitted token is the target's own
+                metrics.num_verify_steps += 1
+                metrics.spec_proposed += len(chunk.draft_tokens)
+                metrics.spec_accepted += accepted
+                if not seq.is_finished:  # rejected proposals: their K/V goes (a finished one frees all)
+                    self.scheduler.rollback(seq, chunk.start + 1 + accepted)
+                self.speculator.after_verify(seq)
+            new = tokens[:appended]
+            delta = StreamDelta(seq.request_id, new[-1], seq.take_stream_text(), seq.finish_reason, token_ids=new)
             if seq.is_finished:
                 del self.requests[seq.request_id]
                 delta.output = seq.to_output()

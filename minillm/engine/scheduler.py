@@ -36,19 +36,22 @@ class ScheduledChunk:
 
     ``samples``: the chunk reaches the end of the sequence, so a next token is sampled from
     its last position (a prefill chunk that stops mid-prompt does not). Fixed when scheduled:
-    the sequence grows once the token is appended. ``num_logits``: how many of the chunk's
-    last positions need logits — 1 when it samples; more for a speculative verifier.
+    the sequence grows once the token is appended. ``draft_tokens``: speculative proposals
+    run after the sequence's last token (a verify chunk: ``num_tokens`` counts them too).
+    ``num_logits``: how many of the chunk's last positions need logits — 1 when it samples,
+    ``1 + len(draft_tokens)`` when it verifies.
     """
 
     seq: Sequence
     start: int
     num_tokens: int
+    draft_tokens: list[int] = field(default_factory=list)
     samples: bool = field(init=False)
     num_logits: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.samples = self.start + self.num_tokens == len(self.seq)
-        self.num_logits = int(self.samples)
+        self.samples = self.start + self.num_tokens - len(self.draft_tokens) == len(self.seq)
+        self.num_logits = int(self.samples) + len(self.draft_tokens)
 
     @property
     def is_decode(self) -> bool:
@@ -131,8 +134,9 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step to make room for a sequence ahead of it
             n = self.tokens_to_run(seq, budget, out)
-            if n and self.reserve(seq, n, out):
-                budget -= n
+            drafts = self.drafts_that_fit(seq, n, budget)
+            if n and self.reserve(seq, n, out, drafts):
+                budget -= n + len(drafts)
         if self.policy == "continuous" and not out.preempted:  # no newcomers while evicting
             for seq in self.waiting_in_order():
                 if len(self.running) >= self.max_num_seqs or budget == 0:
@@ -163,18 +167,34 @@ class Scheduler:
         # Whole prompts only; a prompt larger than the whole budget may run alone in a step.
         return remaining if remaining <= budget or not out.chunks else 0
 
-    def reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
-        """Schedule ``n`` tokens of running ``seq``, allocating blocks for them. When the pool is
-        full, preempt the lowest-priority running sequence not yet scheduled this step — which
-        may be ``seq`` itself (then return False)."""
-        while (copies := self.block_manager.allocate_slots(seq, n)) is None:
+    def drafts_that_fit(self, seq: Sequence, n: int, budget: int) -> list[int]:
+        """The speculative proposals a decoding ``seq`` runs this step: as many as the budget
+        leaves room for, and none when the pool cannot take them without preempting anyone
+        (a plain decode then, the proposals are only a bet)."""
+        if n != 1 or not seq.draft_tokens or not seq.is_decoding:
+            return []
+        drafts = seq.draft_tokens[: budget - 1]
+        if drafts and not self.block_manager.can_allocate(seq, 1 + len(drafts)):
+            return []
+        return drafts
+
+    def rollback(self, seq: Sequence, num_tokens: int) -> None:
+        """Forget the K/V of ``seq`` past its first ``num_tokens`` tokens (rejected proposals)."""
+        self.block_manager.truncate(seq, num_tokens)
+
+    def reserve(self, seq: Sequence, n: int, out: SchedulerOutput, drafts: list[int] = ()) -> bool:
+        """Schedule ``n`` tokens of running ``seq`` (plus its speculative ``drafts``), allocating
+        blocks for them. When the pool is full, preempt the lowest-priority running sequence not
+        yet scheduled this step — which may be ``seq`` itself (then return False)."""
+        drafts = list(drafts)
+        while (copies := self.block_manager.allocate_slots(seq, n + len(drafts))) is None:
             scheduled = [c.seq for c in out.chunks]
             candidates = [s for s in self.running if s is not seq and s not in scheduled]
             victim = self.choose_victim(seq, candidates)
             self._preempt(victim, out)
             if victim is seq:
                 return False
-        out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+        out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n + len(drafts), drafts))
         out.copies.extend(copies)
         return True
 

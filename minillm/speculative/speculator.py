@@ -1,0 +1,110 @@
+"""Speculative decoding in the serving engine: propose, verify in one pass, roll back.
+
+Each engine step, before scheduling, the speculator gives every running sequence that is
+decoding up to ``k`` proposed tokens (``Sequence.draft_tokens``). The scheduler turns such a
+sequence's decode into a verify chunk of ``1 + k`` positions — its last token and the proposals
+— counted against the token budget and given pool slots like any chunk, and falls back to a
+plain decode when the budget or the pool is short. All chunks of the step, plain decodes and
+prefills included, run in the target's one forward pass. Then, per verify chunk,
+``verify`` applies the acceptance rule to the ``k + 1`` rows of logits (``acceptance.py``);
+the engine appends the emitted tokens (stopping at a stop token or ``max_tokens``), and the
+K/V of rejected positions is rolled back in the target's pool (``BlockManager.truncate``, via
+the scheduler) and in the draft's.
+
+Why it pays at small batch: a decode step is bound by reading the weights, not by arithmetic
+(chapter 01's roofline), so scoring ``k + 1`` positions costs about as much as scoring one;
+every accepted proposal is a step saved. At large batch the step is compute-bound and the
+rejected positions are wasted work, so the speed-up shrinks (``benchmarks/bench_spec.py``).
+
+Requests with a ``repetition_penalty`` are decoded plainly: the penalty at a proposed position
+depends on the proposals before it, which the one-pass verifier does not model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+
+from minillm.config import SpeculativeConfig
+from minillm.sampling import filtered_logits
+from minillm.sequence import Sequence
+from minillm.speculative.acceptance import accept_greedy, accept_sampled
+from minillm.speculative.ngram import propose_ngram
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft=None):
+        """``draft``: a ``DraftModelProposer`` for ``method="draft"`` (built by the engine's builder)."""
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.draft = draft
+        self._draft_dists: dict[Hashable, torch.Tensor | None] = {}
+
+    def eligible(self, seq: Sequence) -> int:
+        """How many tokens to propose for ``seq`` this step (0: decode it plainly)."""
+        if not seq.is_decoding or seq.params.repetition_penalty != 1.0:
+            return 0
+        left = seq.max_output - len(seq.output_token_ids)  # a step emits up to k + 1 tokens
+        room = self.max_model_len - len(seq)  # positions len(seq)-1 .. +k must exist
+        return max(0, min(self.k, left - 1, room))
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Set ``draft_tokens`` of every running sequence (empty for those not speculating)."""
+        seqs, ks = [], []
+        for seq in running:
+            seq.draft_tokens = []
+            k = self.eligible(seq)
+            if k:
+                seqs.append(seq)
+                ks.append(k)
+        self._draft_dists.clear()
+        if self.draft is not None:
+            for rid, (tokens, dists) in self.draft.propose(seqs, ks).items():
+                seq = next(s for s in seqs if s.request_id == rid)
+                seq.draft_tokens, self._draft_dists[rid] = tokens, dists
+            return
+        cfg = self.config
+        for seq, k in zip(seqs, ks):
+            seq.draft_tokens = propose_ngram(seq.token_ids, k, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+
+    def verify(self, seq: Sequence, drafts: list[int], logits: torch.Tensor) -> list[int]:
+        """``logits[len(drafts) + 1, V]`` of the target at the verify chunk's positions → the
+        tokens to emit (1 to ``len(drafts) + 1``), exactly as the target alone would choose."""
+        if seq.params.greedy:
+            return accept_greedy(logits.argmax(-1).tolist(), drafts)
+        target = filtered_logits(logits.float(), [seq.params] * len(logits)).softmax(-1)
+        dists = self._draft_dists.get(seq.request_id)
+        if dists is not None:
+            dists = dists[: len(drafts)]  # the scheduler may have kept fewer of them
+        return accept_sampled(target, dists, drafts, seq.generator)
+
+    def after_verify(self, seq: Sequence) -> None:
+        """The sequence has its new tokens: roll the draft back to where it still agrees."""
+        if self.draft is not None:
+            if seq.is_finished:
+                self.draft.release(seq.request_id)
+            else:
+                self.draft.rollback(seq)
+
+    def release(self, request_id: Hashable) -> None:
+        """A finished, aborted or preempted request: its draft state goes (rebuilt if it returns)."""
+        if self.draft is not None:
+            self.draft.release(request_id)
+
+
+class NoSpeculation:
+    """The engine without ``speculative_config``: proposes nothing, so no chunk verifies."""
+
+    def propose(self, running: list[Sequence]) -> None:
+        pass
+
+    def verify(self, seq: Sequence, drafts: list[int], logits: torch.Tensor) -> list[int]:
+        raise RuntimeError("a verify chunk without speculative decoding")
+
+    def after_verify(self, seq: Sequence) -> None:
+        pass
+
+    def release(self, request_id: Hashable) -> None:
+        pass
