@@ -97,6 +97,24 @@ class RunReport:
     mean_kv_waste: float | None = None  # paged: wasted / reserved slots, averaged over steps
     mean_contiguous_waste: float | None = None  # the same for a max-length contiguous reservation
     memory: dict[str, int | None] | None = None  # engine.memory_report(): weights, KV pool, (CUDA) peak
+    # Speculative decoding, over every request: proposals made and accepted, verify steps, and
+    # the target forward passes that produced output tokens.
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    verify_steps: int = 0
+    forward_passes: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.spec_accepted / self.spec_proposed if self.spec_proposed else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        return self.spec_accepted / self.verify_steps if self.verify_steps else None
+
+    @property
+    def forward_passes_per_token(self) -> float | None:
+        return self.forward_passes / self.output_tokens if self.output_tokens else None
 
     @property
     def output_throughput(self) -> float:
@@ -134,6 +152,9 @@ class RunReport:
             "prefix_cached_tokens": self.prefix_cached_tokens,
             "kv_waste_paged": self.mean_kv_waste,
             "kv_waste_contiguous": self.mean_contiguous_waste,
+            "spec_acceptance_rate": self.acceptance_rate,
+            "spec_mean_accepted_length": self.mean_accepted_length,
+            "forward_passes_per_token": self.forward_passes_per_token,
         } | {f"memory_{k}": v for k, v in (self.memory or {}).items()}
 
 
@@ -174,4 +195,8 @@ def run_report(
         mean_kv_waste=statistics.fmean(waste) if waste else None,
         mean_contiguous_waste=statistics.fmean(contiguous) if contiguous else None,
         memory=memory,
+        spec_proposed=sum(o.metrics.spec_proposed for o in outputs),
+        spec_accepted=sum(o.metrics.spec_accepted for o in outputs),
+        verify_steps=sum(o.metrics.num_verify_steps for o in outputs),
+        forward_passes=sum(o.metrics.num_forward_passes for o in outputs),
     )

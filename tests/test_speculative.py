@@ -257,3 +257,16 @@ def test_cli_speculative_config(capsys, reference):
     with pytest.raises(SystemExit):
         main([*args, "--speculative-config", "{not json"])
     assert "--speculative-config: not JSON" in capsys.readouterr().err
+
+
+def test_run_report_sums_the_speculation_metrics():
+    from minillm.metrics import run_report
+
+    llm = LLM(TARGET, dtype="fp32", speculative_config=NGRAM)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))
+    report = run_report(outs)
+    assert report.spec_proposed == sum(o.metrics.spec_proposed for o in outs) > 0
+    assert report.acceptance_rate == report.spec_accepted / report.spec_proposed
+    assert report.forward_passes_per_token < 1
+    plain = run_report(LLM(TARGET, dtype="fp32").generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True)))
+    assert plain.summary()["spec_acceptance_rate"] is None and plain.forward_passes_per_token == 1
