@@ -764,3 +764,157 @@ wrong(
     lambda *a: _online(*a, subtract=False, rescale_l=False, rescale_acc=False),
 )
 wrong("check_online_softmax", "should return (m, l, acc)", lambda *a: _online(*a)[1:])
+
+# ---- 07: quantization -------------------------------------------------------------------------
+
+
+def quantize_per_channel(weight):
+    w = weight.float()
+    scale = w.abs().amax(dim=1) / 127
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_rows_loop(weight):
+    """Independent: one row at a time, the magnitude as max(max, -min)."""
+    qs, scales = [], []
+    for row in weight.to(torch.float32):
+        s = torch.maximum(row.max(), -row.min()) / 127.0
+        qs.append(torch.clamp(torch.round(row / s), min=-127, max=127).to(torch.int8))
+        scales.append(s)
+    return torch.stack(qs), torch.stack(scales)
+
+
+def quantize_floor_half(weight):
+    """Independent: the infinity norm with keepdim, rounding as floor(x + 0.5)."""
+    w = weight.double()
+    s = torch.linalg.vector_norm(w, ord=float("inf"), dim=1, keepdim=True) / 127
+    q = torch.floor(w / s + 0.5).clamp(-127, 127).to(torch.int8)
+    return q, s.squeeze(1).float()
+
+
+def _int8_variant(weight, reduce=lambda w: w.abs().amax(dim=1), divisor=127, keepdim=False, rounding=torch.round,
+                  clamp=True, cast=True, transpose=False):  # fmt: skip
+    w = weight.float()
+    s = reduce(w) / divisor
+    expand = s if s.dim() == 0 else (s[None, :] if transpose else s[:, None])
+    q = rounding(w / expand)
+    if clamp:
+        q = q.clamp(-127, 127)
+    if cast:
+        q = q.to(torch.int8)
+    return q, (s[:, None] if keepdim else s)
+
+
+CH = "check_quantize_per_channel"
+right(CH, quantize_per_channel)
+right(CH, quantize_rows_loop)
+right(CH, quantize_floor_half)
+wrong(CH, "per-tensor", lambda w: _int8_variant(w, reduce=lambda w: w.abs().max()))
+wrong(CH, "every row has the same scale", lambda w: _int8_variant(w, reduce=lambda w: w.abs().max().expand(w.shape[0])))
+wrong(CH, "largest *value*", lambda w: _int8_variant(w, reduce=lambda w: w.amax(dim=1)))
+wrong(CH, "max|w| / 128", lambda w: _int8_variant(w, divisor=128))
+wrong(CH, "wrapped around", lambda w: _int8_variant(w, divisor=128, clamp=False))
+wrong(CH, "max|w| / 255", lambda w: _int8_variant(w, divisor=255))
+wrong(CH, "truncated toward zero", lambda w: _int8_variant(w, rounding=lambda t: t))
+wrong(CH, "one per input column", lambda w: _int8_variant(w, reduce=lambda w: w.abs().amax(dim=0), transpose=True))
+wrong(CH, "q is torch.float32", lambda w: _int8_variant(w, cast=False))
+wrong(CH, "shape (48, 1)", lambda w: _int8_variant(w, keepdim=True))
+
+
+def pack_int4(q):
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+
+
+def unpack_int4(packed):
+    low, high = packed & 0xF, packed >> 4
+    return torch.stack([low, high], dim=-1).reshape(packed.shape[0], -1)
+
+
+def pack_int4_arithmetic(q):
+    """Independent: pairs as a trailing axis, base-16 arithmetic in int64."""
+    pairs = q.reshape(q.shape[0], -1, 2).long()
+    return (pairs[..., 0] + 16 * pairs[..., 1]).to(torch.uint8)
+
+
+def unpack_int4_arithmetic(packed):
+    out = torch.empty(packed.shape[0], 2 * packed.shape[1], dtype=torch.uint8)
+    out[:, 0::2] = packed % 16
+    out[:, 1::2] = packed // 16
+    return out
+
+
+CP = "check_pack_int4"
+right(CP, pack_int4, unpack_int4)
+right(CP, pack_int4_arithmetic, unpack_int4_arithmetic)
+wrong(CP, "high nibble", lambda q: ((q[:, 0::2] << 4) | q[:, 1::2]).to(torch.uint8), unpack_int4)
+wrong(CP, "two halves of a row", lambda q: q[:, : q.shape[1] // 2] | (q[:, q.shape[1] // 2 :] << 4), unpack_int4)
+wrong(CP, "neighbouring *rows*", lambda q: (q[0::2] | (q[1::2] << 4)).to(torch.uint8), unpack_int4)
+wrong(CP, "only its low nibble", lambda q: (q[:, 0::2] | (q[:, 1::2] << 8)).to(torch.uint8), unpack_int4)
+wrong(CP, "pack_int4 returned torch.int64", lambda q: q[:, 0::2].long() | (q[:, 1::2].long() << 4), unpack_int4)
+wrong(
+    CP,
+    "needs a mask",
+    pack_int4,
+    lambda p: torch.stack([p, p >> 4], dim=-1).reshape(p.shape[0], -1),
+)
+wrong(CP, "swaps each pair", pack_int4, lambda p: torch.stack([p >> 4, p & 0xF], dim=-1).reshape(p.shape[0], -1))
+wrong(
+    CP,
+    "every odd column came back 0",
+    pack_int4,
+    lambda p: torch.stack([p & 0xF, p >> 8], dim=-1).reshape(p.shape[0], -1),
+)
+wrong(CP, "unpack_int4 returned torch.int64", pack_int4, lambda p: unpack_int4(p).long())
+wrong(CP, "all low nibbles first", pack_int4, lambda p: torch.cat([p & 0xF, p >> 4], dim=-1))
+
+
+def quantize_kv_on_write(x):
+    scale = x.float().abs().amax(dim=-1) / 127
+    q = torch.round(x.float() / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_kv_inf_norm(x):
+    """Independent: the infinity norm with keepdim, squeezed at the end."""
+    xf = x.to(torch.float32)
+    s = torch.linalg.vector_norm(xf, ord=float("inf"), dim=-1, keepdim=True) / 127.0
+    q = (xf / s).round().clamp(min=-127, max=127).to(torch.int8)
+    return q, s.squeeze(-1)
+
+
+def _kv_variant(x, reduce=lambda x: x.abs().amax(dim=-1), divisor=127, rounding=torch.round, cast=True,
+                upcast=True, keepdim=False, scale_as_float=False):  # fmt: skip
+    xf = x.float() if upcast else x
+    s = reduce(xf) / divisor
+    full = s.reshape(s.shape + (1,) * (3 - s.dim())) if s.dim() < 3 else s
+    if s.dim() == 1 and s.shape[0] == x.shape[1] and s.shape[0] != x.shape[0]:  # one per head: [1, heads, 1]
+        full = s[None, :, None]
+    q = rounding(xf / full).clamp(-127, 127)
+    if cast:
+        q = q.to(torch.int8)
+    if keepdim:
+        s = s[..., None]
+    return q, (s.float() if scale_as_float else s)
+
+
+CK = "check_quantize_kv"
+right(CK, quantize_kv_on_write)
+right(CK, quantize_kv_inf_norm)
+wrong(CK, "one scale per token", lambda x: _kv_variant(x, reduce=lambda x: x.abs().amax(dim=(1, 2))))
+wrong(
+    CK,
+    "one scale per token",
+    lambda x: _kv_variant(
+        x, reduce=lambda x: x.abs().amax(dim=(1, 2), keepdim=True).squeeze(-1).expand(-1, x.shape[1])
+    ),
+)
+wrong(CK, "per-tensor", lambda x: _kv_variant(x, reduce=lambda x: x.abs().max()))
+wrong(CK, "one scale per head over all the tokens", lambda x: _kv_variant(x, reduce=lambda x: x.abs().amax(dim=(0, 2))))
+wrong(CK, "max|x| / 255", lambda x: _kv_variant(x, divisor=255))
+wrong(CK, "truncated toward zero", lambda x: _kv_variant(x, rounding=lambda t: t))
+wrong(CK, "largest *value*", lambda x: _kv_variant(x, reduce=lambda x: x.amax(dim=-1)))
+wrong(CK, "q is torch.float32", lambda x: _kv_variant(x, cast=False))
+wrong(CK, "(6, 3, 1)", lambda x: _kv_variant(x, keepdim=True))
+wrong(CK, "the pool stores float32 scales", lambda x: _kv_variant(x, upcast=False))
+wrong(CK, "compute in float32", lambda x: _kv_variant(x, upcast=False, scale_as_float=True))

@@ -6,6 +6,7 @@ import re
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from minillm import LLM, SamplingParams
 from minillm.viz import (
@@ -475,6 +476,28 @@ def _course_figures():
     controls["T (queries)"].value, controls["S (keys)"].value, controls["BLOCK_M"].value = 2048, 4096, 16
     assert len(widget.figure.data[0].z) == 128 and widget.figure.layout.yaxis.dtick == 16
     yield "06 flash_tiling_widget, sliders at the far end", widget.figure, 0
+    from minillm.viz.quant import committed_result, layer_error_heatmap, quant_tradeoff
+
+    yield "07 layer_error_heatmap, 8 layers", layer_error_heatmap("tiny-shakespeare-8m", "int4"), MIN_ROW_PX
+    yield "07 layer_error_heatmap, 30 layers", layer_error_heatmap(_random_model(30), "int8", name="x" * 40), MIN_ROW_PX
+    for model in ("smollm2-135m", "tiny-shakespeare-8m"):
+        widget = quant_tradeoff(committed_result(model))
+        yield f"07 quant_tradeoff {model}", widget.figure, MIN_ROW_PX
+        widget.children[0].children[1].value = "prefill_tok_s_512"
+        yield f"07 quant_tradeoff {model}, coloured by prefill", widget.figure, MIN_ROW_PX
+
+
+def _random_model(layers: int):
+    """A Llama model of ``layers`` small layers with random weights (for figure sizes)."""
+    from minillm.models.llama import LlamaForCausalLM
+    from minillm.viz.attention_variants import synthetic_config
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(synthetic_config(hidden=64, heads=4, kv_heads=2, layers=layers, vocab=128))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+    return model
 
 
 def test_course_figures_fit_a_notebook_column():

@@ -18,6 +18,7 @@ from minillm.course.checks_attention import (
     check_online_softmax,
     check_window_release,
 )
+from minillm.course.checks_quant import check_pack_int4, check_quantize_kv, check_quantize_per_channel
 from minillm.course.checks_serving import (
     check_block_allocation,
     check_block_hash,
@@ -63,6 +64,9 @@ __all__ = [
     "check_kv_write",
     "check_next_token",
     "check_online_softmax",
+    "check_pack_int4",
+    "check_quantize_kv",
+    "check_quantize_per_channel",
     "check_slot_mapping",
     "forward_logits",
     "forward_step",

@@ -257,6 +257,49 @@ EXERCISES: list[Exercise] = [
             "`tl.exp`, `tl.max`, `tl.sum`.",
         ),
     ),
+    Exercise(
+        "07_quantization",
+        "check_quantize_per_channel",
+        "check_quantize_per_channel(quantize_per_channel)",
+        4,
+        1,
+        2,
+        (
+            "One scale per output row: the row's largest *magnitude* maps to 127. Divide, round to the nearest "
+            "integer, keep it inside [-127, 127], store as int8.",
+            "`scale = weight.float().abs().amax(dim=1) / 127`; "
+            "`q = torch.round(weight.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)`; `return q, scale`.",
+        ),
+    ),
+    Exercise(
+        "07_quantization",
+        "check_pack_int4",
+        "check_pack_int4(pack_int4, unpack_int4)",
+        4,
+        2,
+        2,
+        (
+            "Columns 2j and 2j+1 of a row share byte j: the even one in the low 4 bits, the odd one shifted "
+            "into the high 4. Unpacking masks and shifts, then interleaves the two halves again.",
+            "Pack: `(q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)`. Unpack: `low = packed & 0xF`, "
+            "`high = packed >> 4`, `torch.stack([low, high], dim=-1).reshape(packed.shape[0], -1)`.",
+        ),
+    ),
+    Exercise(
+        "07_quantization",
+        "check_quantize_kv",
+        "check_quantize_kv(quantize_kv_on_write)",
+        4,
+        2,
+        2,
+        (
+            "x is [tokens, kv_heads, head_dim]: each (token, head) vector gets its own scale, from that vector "
+            "alone, so reduce over the last dim only. Work in float32 whatever x's dtype.",
+            "`scale = x.float().abs().amax(dim=-1) / 127`; "
+            "`q = torch.round(x.float() / scale[..., None]).clamp(-127, 127).to(torch.int8)`; `return q, scale` "
+            "(scale stays float32).",
+        ),
+    ),
 ]
 
 BY_CHECK: dict[str, Exercise] = {e.check: e for e in EXERCISES}

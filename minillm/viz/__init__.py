@@ -6,6 +6,14 @@ notebook and work the same on CPU and CUDA.
 """
 
 from minillm.viz.kv_memory import KV_PRESETS, KVPreset, kv_cache_bytes, kv_memory_figure, kv_memory_widget
+from minillm.viz.quant import (
+    bits_per_weight,
+    fake_quantize,
+    layer_error_heatmap,
+    quant_tradeoff,
+    quant_tradeoff_figure,
+    quantized_weight_bytes,
+)
 from minillm.viz.roofline import MachinePeaks, RooflinePoint, measure_machine, measure_step_points, roofline_figure
 from minillm.viz.serving import (
     batching_segments,
@@ -23,14 +31,20 @@ __all__ = [
     "RooflinePoint",
     "batching_segments",
     "batching_timeline",
+    "bits_per_weight",
     "block_table_explorer",
     "compare_timelines",
+    "fake_quantize",
     "kv_cache_bytes",
     "kv_memory_figure",
     "kv_memory_widget",
     "latency_percentiles",
     "latency_timeline",
+    "layer_error_heatmap",
     "measure_machine",
     "measure_step_points",
+    "quant_tradeoff",
+    "quant_tradeoff_figure",
+    "quantized_weight_bytes",
     "roofline_figure",
 ]

@@ -1,0 +1,455 @@
+"""Checks for chapter 07 (quantization).
+
+Each check first tests the learner's function on a small tensor built to expose the typical
+mistakes (a loud output row, a row whose largest weight is negative, a loud K/V head), naming
+the mistake when it recognises one, then plugs it into the engine where the package's own
+function runs: the int8 weight quantizer every linear layer calls, the int4 checkpoint writer
+and reader, and the paged KV cache's quantize-on-write.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from minillm.course.checks import _compare_tokens, _patched
+from minillm.course.results import CheckFailed, check
+
+QUANT_MODEL = "tiny-shakespeare-8m"  # trained here in fp32: quantization error is its own, not inherited
+PROMPTS = ["KING.\nNow is the winter of our discontent", "ROMEO.\nBut soft, what light", "HAMLET.\nTo be, or not"]
+STEPS = 32
+
+
+def _tokens(llm, prompts=PROMPTS, steps: int = STEPS) -> list[list[int]]:
+    from minillm import SamplingParams
+
+    return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True))]
+
+
+def _pair(out, name: str, first: str = "q") -> tuple[torch.Tensor, torch.Tensor]:
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise CheckFailed(f"{name} should return a tuple ({first}, scale), got {type(out).__name__}")
+    for part, label in zip(out, (first, "scale")):
+        if not isinstance(part, torch.Tensor):
+            raise CheckFailed(f"{name}: {label} should be a torch.Tensor, got {type(part).__name__}")
+    return out
+
+
+def _near(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-4) -> bool:
+    return a.shape == b.shape and bool(torch.allclose(a.double(), b.double(), rtol=rtol, atol=1e-12))
+
+
+def _check_rounding(q: torch.Tensor, exact: torch.Tensor, where: str, low: int, high: int, extra: str = "") -> None:
+    """``q`` must be ``exact`` (= x / scale) rounded to the nearest integer within [low, high]."""
+    qf = q.double()
+    if bool((qf < low).any()) or bool((qf > high).any()):
+        bad = tuple(int(i) for i in torch.nonzero((qf < low) | (qf > high))[0])
+        raise CheckFailed(
+            f"{where}: q{list(bad)} = {int(qf[bad])} is outside [{low}, {high}]: clamp after rounding "
+            f"(torch.clamp(q, {low}, {high}))"
+        )
+    diff = qf - exact.clamp(low, high)
+    toward_zero = bool((diff * exact.sign() <= 1e-4).all()) and bool((diff.abs() < 1 + 1e-3).all())
+    if toward_zero and bool((diff.abs() > 0.5 + 1e-3).any()):
+        raise CheckFailed(
+            f"{where}: q is x / scale truncated toward zero (what .to(torch.int8) does to a float), so the "
+            "error reaches a whole step: round to the nearest integer first (torch.round)"
+        )
+    off = diff.abs()
+    if bool((off > 0.5 + 1e-3).any()):
+        bad = tuple(int(i) for i in torch.nonzero(off == off.max())[0])
+        raise CheckFailed(
+            f"{where}: q{list(bad)} = {int(qf[bad])} but x / scale = {float(exact[bad]):.3f} there: q must be "
+            "x / scale rounded to the nearest integer (torch.round), an error of at most half a step" + extra
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Exercise 1: per-output-channel symmetric int8
+# ---------------------------------------------------------------------------------------------
+
+
+def _int8_test_weight() -> torch.Tensor:
+    """48 output rows × 80 inputs (not square: a scale per column has the wrong length)."""
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(48, 80, generator=gen) * 0.05
+    w[5] *= 30  # a loud output row: one scale for the whole matrix would crush the others
+    w[11, 3] = -3 * float(w[11].abs().max())  # this row's largest magnitude is negative
+    return w
+
+
+def _diagnose_int8_scale(scale: torch.Tensor, w: torch.Tensor) -> None:
+    out, cols = w.shape
+    absmax = w.abs().amax(dim=1)
+    expected = absmax / 127
+    if scale.numel() == 1:
+        raise CheckFailed(
+            f"scale has shape {tuple(scale.shape)}: one scale for the whole matrix (per-tensor). Row 5 of the "
+            "test weight is 30× louder than the rest and would leave them a few levels each: return one scale "
+            f"per output row, shape ({out},)"
+        )
+    if tuple(scale.shape) == (cols,):
+        raise CheckFailed(
+            f"scale has shape ({cols},), one per input column: reduce over dim=1 (the input features) to get one "
+            f"scale per output row, shape ({out},) — w.abs().amax(dim=1)"
+        )
+    if tuple(scale.shape) == (out, 1):
+        raise CheckFailed(
+            f"scale has shape ({out}, 1): return it as a 1-D tensor of shape ({out},) (amax(dim=1) without "
+            "keepdim, or .squeeze(1)) — the engine's int8 kernel takes one scale per output row"
+        )
+    if tuple(scale.shape) != (out,):
+        raise CheckFailed(f"scale has shape {tuple(scale.shape)}, expected ({out},): one scale per output row")
+    if not scale.is_floating_point():
+        raise CheckFailed(f"scale is {scale.dtype}: it is a real number per row (float32)")
+    if _near(scale, torch.full_like(scale, float(w.abs().max()) / 127)):
+        raise CheckFailed(
+            "every row has the same scale, max|W| / 127 of the whole matrix (per-tensor): row 5 is 30× louder "
+            "than the rest and leaves them a few levels each. Take the max over each row: w.abs().amax(dim=1)"
+        )
+    if _near(scale, w.amax(dim=1) / 127) and not _near(scale, expected):
+        raise CheckFailed(
+            "scale is the largest *value* of each row / 127, not its largest *magnitude*: in row 11 the biggest "
+            "weight is negative and would be clipped. Use w.abs().amax(dim=1) / 127"
+        )
+    for divisor, why in (
+        (128, "the largest weight then maps to ±128, and +128 does not fit int8's [-127, 127]"),
+        (255, "255 is the top of an unsigned byte; the symmetric range is ±127, so half the levels go unused"),
+        (1, "then every weight maps into [-1, 1] and q holds only -1, 0, 1"),
+    ):
+        if _near(scale, absmax / divisor):
+            raise CheckFailed(f"scale is max|w| / {divisor} per row: {why}. Divide by 127")
+    if not _near(scale, expected):
+        r = int((scale.double() - expected.double()).abs().argmax())
+        raise CheckFailed(f"row {r}'s scale is {float(scale[r]):.6g}, expected max|w| / 127 = {float(expected[r]):.6g}")
+
+
+def _check_int8_values(fn, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scale = _pair(fn(w.clone()), "quantize_per_channel")
+    if q.is_floating_point():
+        raise CheckFailed(
+            f"q is {q.dtype}: store the rounded values as int8 (.to(torch.int8)) — a float q takes 4 bytes a "
+            "weight, so nothing is saved"
+        )
+    if q.dtype != torch.int8:
+        raise CheckFailed(f"q is {q.dtype}, expected torch.int8 (one byte per weight)")
+    if tuple(q.shape) != tuple(w.shape):
+        raise CheckFailed(f"q has shape {tuple(q.shape)}, expected {tuple(w.shape)} (the weight's)")
+    exact = w.double() / w.abs().amax(dim=1).double()[:, None] * 127
+    if tuple(scale.shape) == (w.shape[0],) and bool(((q.double() < 0) & (exact > 64)).any()):
+        r, c = (int(i) for i in torch.nonzero((q < 0) & (exact > 64))[0])
+        raise CheckFailed(
+            f"q[{r}, {c}] = {int(q[r, c])} for a large positive weight ({float(w[r, c]):.4g}): a value above 127 "
+            "wrapped around to a negative number when it was cast to int8. Divide by 127 and clamp to "
+            "[-127, 127] before the cast"
+        )
+    _diagnose_int8_scale(scale, w)
+    _check_rounding(q, w.double() / scale.double()[:, None], "quantize_per_channel", -127, 127)
+    return q, scale
+
+
+@check
+def check_quantize_per_channel(quantize_per_channel, model: str = QUANT_MODEL) -> str:
+    """``quantize_per_channel(weight[out, in]) -> (q int8 [out, in], scale [out])``, ``weight ≈ q * scale[:, None]``."""
+    from minillm import LLM
+    from minillm.assets import heldout_text
+    from minillm.evaluation import perplexity
+    from minillm.quantization import int8 as int8_module
+
+    _check_int8_values(quantize_per_channel, _int8_test_weight())
+    _check_int8_values(quantize_per_channel, torch.randn(64, 32, generator=torch.Generator().manual_seed(8)) * 0.02)
+
+    calls = []
+
+    def learner_quantize(weight):  # what Int8Method.process_weights calls for every layer
+        calls.append(tuple(weight.shape))
+        q, scale = quantize_per_channel(weight)
+        return q, scale.float()
+
+    with _patched(int8_module, "quantize_int8", learner_quantize):
+        learner = LLM(model, dtype="fp32", quantization="int8")
+    if not calls:
+        raise RuntimeError("the engine's int8 layers no longer call minillm.quantization.int8.quantize_int8")
+    reference = LLM(model, dtype="fp32", quantization="int8")
+    plain = LLM(model, dtype="fp32")
+    ids = plain.tokenizer.encode(heldout_text())[:1025]
+    ppl = {name: perplexity(llm.model, ids) for name, llm in (("yours", learner), ("int8", reference), ("fp32", plain))}
+    if abs(ppl["yours"] / ppl["int8"] - 1) > 0.005:
+        raise CheckFailed(
+            f"on your int8 weights the model's held-out perplexity is {ppl['yours']:.2f}, the package's int8 gives "
+            f"{ppl['int8']:.2f} (fp32: {ppl['fp32']:.2f}): more than 0.5% apart"
+        )
+    for n, (got, ref) in enumerate(zip(_tokens(learner), _tokens(reference))):
+        _compare_tokens(got, ref, f"prompt {n} on your int8 weights", "compare your q and scale with quantize_int8's")
+    fp32_mb, int8_mb = plain.model_config.num_params * 4 / 1e6, learner.model.weight_bytes() / 1e6
+    return (
+        f"your int8 quantizer ran on all {len(calls)} linear layers of the {model.split('-')[-1].upper()} model "
+        f"({int8_mb:.1f} MB of weights held, {fp32_mb:.1f} MB in fp32): held-out perplexity {ppl['yours']:.2f} "
+        f"(fp32 {ppl['fp32']:.2f}), {len(PROMPTS)}×{STEPS} greedy tokens identical to the package's int8 engine"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Exercise 2: two int4 values per byte
+# ---------------------------------------------------------------------------------------------
+
+
+def _reference_pack(q: torch.Tensor) -> torch.Tensor:
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).to(torch.uint8)
+
+
+def _reference_unpack(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def _check_pack(pack_int4, q: torch.Tensor) -> None:
+    out, cols = q.shape
+    expected = _reference_pack(q)
+    got = pack_int4(q.clone())
+    if not isinstance(got, torch.Tensor):
+        raise CheckFailed(f"pack_int4 should return a torch.Tensor, got {type(got).__name__}")
+    if tuple(got.shape) == (out // 2, cols):
+        raise CheckFailed(
+            f"pack_int4 returned shape {tuple(got.shape)}: it paired neighbouring *rows*. Two neighbouring input "
+            f"features (columns 2j and 2j+1 of a row) share a byte: [{out}, {cols}] → [{out}, {cols // 2}]"
+        )
+    if tuple(got.shape) != tuple(expected.shape):
+        raise CheckFailed(f"pack_int4 returned shape {tuple(got.shape)}, expected {tuple(expected.shape)}")
+    if got.dtype != torch.uint8:
+        raise CheckFailed(
+            f"pack_int4 returned {got.dtype}: a packed byte is a torch.uint8 (.to(torch.uint8)); in "
+            f"{got.dtype} each pair of values takes {got.element_size()} bytes and nothing is saved"
+        )
+    if torch.equal(got, expected):
+        return
+    g = got.long()
+    if torch.equal(g, (q[:, 0::2].long() << 4) | q[:, 1::2].long()):
+        raise CheckFailed(
+            "pack_int4 puts the even column in the high nibble: the layout (the package's and its checkpoints') "
+            "is low nibble first — byte j = q[:, 2j] | (q[:, 2j+1] << 4)"
+        )
+    if torch.equal(g, q[:, : cols // 2].long() | (q[:, cols // 2 :].long() << 4)):
+        raise CheckFailed(
+            f"pack_int4 pairs column j with column j + {cols // 2} (the two halves of a row): the layout pairs "
+            "neighbours — byte j holds columns 2j (low nibble) and 2j+1 (high nibble): q[:, 0::2], q[:, 1::2]"
+        )
+    if torch.equal(g, q[:, 0::2].long()):
+        raise CheckFailed(
+            "every byte holds only its low nibble: the odd column's value was lost. Shifting a uint8 left by 8 "
+            "pushes it out of the byte; a nibble is 4 bits: q[:, 1::2] << 4"
+        )
+    r, j = (int(i) for i in torch.nonzero(got != expected)[0])
+    raise CheckFailed(
+        f"packed byte [{r}, {j}] is {int(got[r, j])} (0b{int(got[r, j]):08b}), expected {int(expected[r, j])} "
+        f"(0b{int(expected[r, j]):08b}): q[{r}, {2 * j}] = {int(q[r, 2 * j])} in the low 4 bits, "
+        f"q[{r}, {2 * j + 1}] = {int(q[r, 2 * j + 1])} in the high 4"
+    )
+
+
+def _check_unpack(unpack_int4, q: torch.Tensor) -> None:
+    out, cols = q.shape
+    packed = _reference_pack(q)
+    got = unpack_int4(packed.clone())
+    if not isinstance(got, torch.Tensor):
+        raise CheckFailed(f"unpack_int4 should return a torch.Tensor, got {type(got).__name__}")
+    if tuple(got.shape) == (out * 2, cols // 2):
+        raise CheckFailed(
+            f"unpack_int4 returned shape {tuple(got.shape)}: the two values of a byte are neighbouring *columns* "
+            f"of the same row: [{out}, {cols // 2}] → [{out}, {cols}]"
+        )
+    if tuple(got.shape) != tuple(q.shape):
+        raise CheckFailed(f"unpack_int4 returned shape {tuple(got.shape)}, expected {tuple(q.shape)}")
+    if got.dtype != torch.uint8:
+        raise CheckFailed(
+            f"unpack_int4 returned {got.dtype}: return the values 0..15 as torch.uint8, like quantize_int4's q "
+            f"(a {got.dtype} copy of a large layer takes {got.element_size()}× the bytes)"
+        )
+    if torch.equal(got, q):
+        return
+    g = got.long()
+    even, odd = g[:, 0::2], g[:, 1::2]
+    if bool((g > 15).any()):
+        raise CheckFailed(
+            f"unpack_int4 returned values up to {int(g.max())}: the low nibble needs a mask — packed & 0xF — "
+            "or the high nibble comes along with it"
+        )
+    if torch.equal(even, q[:, 1::2].long()) and torch.equal(odd, q[:, 0::2].long()):
+        raise CheckFailed(
+            "unpack_int4 swaps each pair: the low nibble (packed & 0xF) is the even column 2j, the high nibble "
+            "(packed >> 4) the odd column 2j+1"
+        )
+    if torch.equal(even, q[:, 0::2].long()) and not bool(odd.any()):
+        raise CheckFailed("every odd column came back 0: the high nibble is packed >> 4 (shifting by 8 empties a byte)")
+    if torch.equal(g[:, : cols // 2], q[:, 0::2].long()) and torch.equal(g[:, cols // 2 :], q[:, 1::2].long()):
+        raise CheckFailed(
+            "unpack_int4 puts all low nibbles first and all high nibbles after them: interleave them — column 2j "
+            "from byte j's low nibble, column 2j+1 from its high nibble (torch.stack([low, high], dim=-1), then "
+            "reshape)"
+        )
+    r, c = (int(i) for i in torch.nonzero(got != q)[0])
+    raise CheckFailed(
+        f"unpack_int4 gives {int(got[r, c])} at [{r}, {c}], expected {int(q[r, c])} (from byte [{r}, {c // 2}] = "
+        f"{int(packed[r, c // 2])}, its {'low' if c % 2 == 0 else 'high'} nibble)"
+    )
+
+
+@check
+def check_pack_int4(pack_int4, unpack_int4, model: str = QUANT_MODEL) -> str:
+    """``pack_int4(q uint8 [out, in]) -> uint8 [out, in/2]`` (low nibble first) and its inverse."""
+    from minillm import LLM
+    from minillm.assets import resolve_model
+    from minillm.models import load_model
+    from minillm.quantization import checkpoint as ckpt
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (6, 10), dtype=torch.uint8, generator=gen)
+    q[0, :4] = torch.tensor([1, 2, 15, 0], dtype=torch.uint8)
+    q[1, :2] = torch.tensor([15, 15], dtype=torch.uint8)
+    _check_pack(pack_int4, q)
+    _check_unpack(unpack_int4, q)
+    big = torch.randint(0, 16, (32, 128), dtype=torch.uint8, generator=gen)
+    _check_pack(pack_int4, big)
+    round_trip = unpack_int4(pack_int4(big.clone()))
+    if not isinstance(round_trip, torch.Tensor) or not torch.equal(round_trip, big):
+        raise CheckFailed("unpack_int4(pack_int4(q)) is not q for a random 32×128 matrix")
+
+    folder = resolve_model(model)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "int4"
+        with _patched(ckpt, "pack_int4", pack_int4):  # write the checkpoint with your packing
+            ckpt.save_quantized(load_model(folder, torch.bfloat16), folder, out, "int4", dtype="bf16")
+        with _patched(ckpt, "unpack_int4", unpack_int4):  # and read it back with your unpacking
+            learner = LLM(str(out), dtype="bf16")
+        size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    reference = LLM(model, dtype="bf16", quantization="int4")
+    for n, (got, ref) in enumerate(zip(_tokens(learner), _tokens(reference))):
+        _compare_tokens(got, ref, f"prompt {n} on the checkpoint you packed", "compare pack/unpack with the layout")
+    full = (folder / "model.safetensors").stat().st_size
+    return (
+        f"an int4 checkpoint of the {model.split('-')[-1].upper()} model written with your pack_int4 and read back "
+        f"with your unpack_int4 ({size / 1e6:.1f} MB on disk, the bf16 original {full / 1e6:.1f} MB) generates "
+        f"{len(PROMPTS)}×{STEPS} greedy tokens identical to the package's int4 engine"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Exercise 3: the KV cache's quantize-on-write
+# ---------------------------------------------------------------------------------------------
+
+
+def _kv_test_input(dtype=torch.float32) -> torch.Tensor:
+    """[6 tokens, 3 K/V heads, 32 dims] with a loud (token, head) and negative extremes."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 3, 32, generator=gen)
+    x[2, 1] *= 40  # one loud head of one token
+    x[4, :, 0] = -9.0  # token 4's largest magnitude is negative in every head
+    x[0] *= 0.05  # a quiet token
+    return x.to(dtype)
+
+
+def _check_kv(fn, x: torch.Tensor, label: str) -> None:
+    from minillm.quantization.kv import quantize_kv
+
+    tokens, heads, dim = x.shape
+    q, scale = _pair(fn(x.clone()), "quantize_kv_on_write")
+    if q.is_floating_point():
+        raise CheckFailed(f"{label}: q is {q.dtype}: store int8 (.to(torch.int8)) — the pool holds one byte per value")
+    if q.dtype != torch.int8:
+        raise CheckFailed(f"{label}: q is {q.dtype}, expected torch.int8")
+    if tuple(q.shape) != tuple(x.shape):
+        raise CheckFailed(f"{label}: q has shape {tuple(q.shape)}, expected {tuple(x.shape)} (x's)")
+    absmax = x.float().abs().amax(dim=-1)
+    if scale.numel() == 1 or _near(scale, torch.full_like(absmax, float(absmax.max()) / 127)):
+        raise CheckFailed(
+            f"{label}: one scale for all of x (per-tensor): token 2's loud head would leave every other token and "
+            "head a few levels. One scale per (token, head): reduce over the last dim only"
+        )
+    if tuple(scale.shape) == (tokens,) or (
+        tuple(scale.shape) == (tokens, heads) and _near(scale, absmax.amax(dim=1, keepdim=True).expand(-1, heads) / 127)
+    ):
+        raise CheckFailed(
+            f"{label}: one scale per token, shared by its {heads} heads: token 2's loud head costs its other heads "
+            "their precision. One scale per (token, head): x.abs().amax(dim=-1), shape [tokens, heads]"
+        )
+    if tuple(scale.shape) == (heads,) or (
+        tuple(scale.shape) == (tokens, heads)
+        and _near(scale, absmax.amax(dim=0, keepdim=True).expand(tokens, -1) / 127)
+    ):
+        raise CheckFailed(
+            f"{label}: one scale per head over all the tokens written together: a token's scale must depend on it "
+            "alone — tokens arrive a few at a time, and a later, louder token cannot rescale what is already "
+            "stored. Reduce over the last dim only: shape [tokens, heads]"
+        )
+    if tuple(scale.shape) == (tokens, heads, 1):
+        raise CheckFailed(
+            f"{label}: scale has shape {tuple(scale.shape)}: the pool stores one number per (token, head), shape "
+            f"({tokens}, {heads}) — amax(dim=-1) without keepdim"
+        )
+    if tuple(scale.shape) != (tokens, heads):
+        raise CheckFailed(f"{label}: scale has shape {tuple(scale.shape)}, expected ({tokens}, {heads})")
+    if scale.dtype != torch.float32:
+        raise CheckFailed(
+            f"{label}: scale is {scale.dtype}: the pool stores float32 scales, whatever the model's dtype — compute "
+            "them from x.float()"
+        )
+    expected = quantize_kv(x, "int8")[1]
+    extra = ""
+    if x.dtype != torch.float32:
+        extra = f". With a {x.dtype} x, compute in float32 (x.float()): in {x.dtype} the arithmetic itself rounds"
+    if _near(scale, x.float().amax(dim=-1) / 127) and not _near(scale, expected):
+        raise CheckFailed(
+            f"{label}: scale is the largest *value* / 127, not the largest *magnitude*: token 4's extreme is "
+            "negative and would be clipped. Use x.abs().amax(dim=-1) / 127"
+        )
+    for divisor, why in (
+        (128, "the largest value then maps to ±128, which int8's symmetric [-127, 127] cannot hold"),
+        (255, "255 is the top of an unsigned byte; int8's symmetric range is ±127"),
+        (1, "then every value maps into [-1, 1]"),
+    ):
+        if _near(scale, absmax / divisor):
+            raise CheckFailed(f"{label}: scale is max|x| / {divisor}: {why}. Divide by 127")
+    if not _near(scale, expected):
+        t, h = (int(i) for i in torch.nonzero((scale - expected).abs() == (scale - expected).abs().max())[0])
+        raise CheckFailed(
+            f"{label}: the scale of token {t}, head {h} is {float(scale[t, h]):.6g}, expected max|x| / 127 = "
+            f"{float(expected[t, h]):.6g}{extra}"
+        )
+    _check_rounding(q, x.double() / scale.double()[..., None], label, -127, 127, extra)
+
+
+@check
+def check_quantize_kv(quantize_kv_on_write, model: str = QUANT_MODEL) -> str:
+    """``quantize_kv_on_write(x[tokens, kv_heads, head_dim]) -> (q int8, scale fp32 [tokens, kv_heads])``."""
+    from minillm import LLM
+    from minillm.attention import paged
+
+    _check_kv(quantize_kv_on_write, _kv_test_input(), "quantize_kv_on_write")
+    _check_kv(quantize_kv_on_write, _kv_test_input(torch.bfloat16), "with a bfloat16 x")
+
+    original, writes = paged.quantize_kv, []
+
+    def learner_write(x, kind="int8"):  # the name the paged write path looks up
+        if kind != "int8":
+            return original(x, kind)
+        writes.append(x.shape[0])
+        return quantize_kv_on_write(x)
+
+    memory = 2_000_000
+    args = dict(dtype="fp32", attention_backend="torch", kv_cache_memory=memory, block_size=16)
+    learner = LLM(model, kv_cache_dtype="int8", **args)
+    with _patched(paged, "quantize_kv", learner_write):
+        got = _tokens(learner)
+    if not writes:
+        raise RuntimeError("the paged KV write path no longer calls minillm.attention.paged.quantize_kv")
+    expected = _tokens(LLM(model, kv_cache_dtype="int8", **args))
+    for n, (a, b) in enumerate(zip(got, expected)):
+        _compare_tokens(a, b, f"prompt {n} on your int8 KV cache", "compare your q and scale with quantize_kv's")
+    blocks = learner.engine.memory_report()["kv_pool_blocks"]
+    plain_blocks = LLM(model, **args).engine.memory_report()["kv_pool_blocks"]
+    return (
+        f"your quantize-on-write stored every key and value of {len(PROMPTS)} requests ({len(writes)} writes): "
+        f"{len(PROMPTS)}×{STEPS} greedy tokens identical to the package's int8 KV cache, and the same "
+        f"{memory / 1e6:.0f} MB pool holds {blocks} blocks of 16 tokens instead of {plain_blocks} in fp32"
+    )
