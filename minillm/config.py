@@ -252,11 +252,12 @@ class SpeculativeConfig:
     method: str
     num_speculative_tokens: int
     model: str | None = None  # the draft model ("draft")
+    quantization: str | None = None  # the draft's weights ("draft"): e.g. "int8" — its LM head dominates a small draft
     prompt_lookup_max: int = 4  # the longest n-gram matched ("ngram")
     prompt_lookup_min: int = 1  # the shortest
 
     KEYS = {
-        "draft": {"method", "model", "num_speculative_tokens"},
+        "draft": {"method", "model", "num_speculative_tokens", "quantization"},
         "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
     }
 
@@ -283,6 +284,12 @@ class SpeculativeConfig:
             if not isinstance(raw.get("model"), (str, os.PathLike)) or not str(raw.get("model")):
                 raise ValueError("speculative_config method='draft' needs model=NAME_OR_PATH (the draft model)")
             config.model = str(raw["model"])
+            if raw.get("quantization") is not None:
+                try:
+                    check_quantization(raw["quantization"], None)
+                except ValueError as err:
+                    raise ValueError(f"speculative_config {err}") from None
+                config.quantization = raw["quantization"]
         else:
             for key in ("prompt_lookup_max", "prompt_lookup_min"):
                 if key in raw:

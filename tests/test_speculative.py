@@ -117,6 +117,14 @@ def test_greedy_speculation_reproduces_the_target_alone(spec, reference):
         assert llm.engine.speculator.draft.blocks.num_used_blocks == 0 and not llm.engine.speculator.draft.states
 
 
+def test_a_quantized_draft_changes_proposals_not_the_output(reference):
+    spec = {**DRAFT_CFG, "quantization": "int8"}
+    llm = LLM(TARGET, dtype="fp32", speculative_config=spec)
+    assert llm.engine.speculator.draft.model.lm_head.method.name == "int8"
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))
+    assert [o.token_ids for o in outs] == reference[40]
+
+
 def test_one_request_at_a_time_matches_too(reference):
     llm = LLM(TARGET, dtype="fp32", speculative_config=DRAFT_CFG)
     for prompt, expected in zip(PROMPTS, reference[24]):
@@ -229,6 +237,10 @@ def test_abort_frees_both_pools():
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "above"),
         ({"method": "draft", "model": "no-such-model", "num_speculative_tokens": 2}, "no-such-model"),
         ("ngram", "must be a dict"),
+        (
+            {"method": "draft", "model": DRAFT, "num_speculative_tokens": 2, "quantization": "int3"},
+            "quantization='int3'",
+        ),
     ],
 )
 def test_bad_speculative_configs_are_named(spec, message):
