@@ -172,6 +172,16 @@ def cmd_generate(args) -> int:
     outputs = llm.generate(prompts, params)
     for out in outputs:
         print(json.dumps(_output_record(out)) if args.json else out.text)
+    if args.speculative_config and not args.json:  # the figures of the run, apart from the text
+        from minillm.metrics import run_report
+
+        report = run_report(outputs)
+        rate = "–" if report.acceptance_rate is None else f"{report.acceptance_rate:.0%}"
+        print(
+            f"speculative: {report.spec_accepted}/{report.spec_proposed} proposals accepted ({rate}), "
+            f"{report.forward_passes_per_token:.2f} target forward passes per output token",
+            file=sys.stderr,
+        )
     return 0
 
 

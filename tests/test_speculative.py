@@ -266,6 +266,8 @@ def test_cli_speculative_config(capsys, reference):
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["token_ids"] == reference[24][0]
     assert record["metrics"]["acceptance_rate"] is not None
+    assert main([*args, "--ignore-eos", "--speculative-config", json.dumps(NGRAM)]) == 0
+    assert "target forward passes per output token" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([*args, "--speculative-config", "{not json"])
     assert "--speculative-config: not JSON" in capsys.readouterr().err
