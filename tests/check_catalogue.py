@@ -918,3 +918,175 @@ wrong(CK, "q is torch.float32", lambda x: _kv_variant(x, cast=False))
 wrong(CK, "(6, 3, 1)", lambda x: _kv_variant(x, keepdim=True))
 wrong(CK, "the pool stores float32 scales", lambda x: _kv_variant(x, upcast=False))
 wrong(CK, "compute in float32", lambda x: _kv_variant(x, upcast=False, scale_as_float=True))
+
+# ---- 08: speculative decoding ---------------------------------------------------------------------
+
+
+def accept_greedy(target_tokens, draft_tokens):
+    out = []
+    for i, d in enumerate(draft_tokens):
+        if d != target_tokens[i]:
+            return out + [target_tokens[i]]
+        out.append(d)
+    return out + [target_tokens[len(draft_tokens)]]
+
+
+def accept_greedy_zip(target_tokens, draft_tokens):
+    """Independent: count the agreeing prefix first, then slice."""
+    n = 0
+    while n < len(draft_tokens) and draft_tokens[n] == target_tokens[n]:
+        n += 1
+    return list(draft_tokens[:n]) + [int(target_tokens[n])]
+
+
+def _greedy_variant(target, drafts, on_mismatch="target", stop=True, bonus=0, shift=0, only_accepted=False):
+    out = []
+    for i, d in enumerate(drafts):
+        t = target[i + shift]
+        if d != t:
+            if only_accepted:
+                return out
+            out.append(t if on_mismatch == "target" else d)
+            if stop:
+                return out
+            continue
+        out.append(d)
+    if only_accepted:
+        return out
+    return out + ([] if bonus is None else [target[len(drafts) + bonus]])
+
+
+CG = "check_accept_greedy"
+right(CG, accept_greedy)
+right(CG, accept_greedy_zip)
+wrong(CG, "the bonus token", lambda t, d: _greedy_variant(t, d, bonus=None))
+wrong(CG, "kept the draft's token", lambda t, d: _greedy_variant(t, d, on_mismatch="draft"))
+wrong(CG, "went on after the first disagreement", lambda t, d: _greedy_variant(t, d, stop=False))
+wrong(CG, "not target_tokens[k - 1]", lambda t, d: _greedy_variant(t, d, bonus=-1))
+wrong(CG, "only the accepted proposals", lambda t, d: _greedy_variant(t, d, only_accepted=True))
+wrong(CG, "compared proposal i with target_tokens[i + 1]", lambda t, d: _greedy_variant(t, d, shift=1))
+wrong(CG, "list of Python ints", lambda t, d: torch.tensor(accept_greedy(t, d)))
+
+
+def accept_sampled(target_probs, draft_probs, draft_tokens, generator=None):
+    out = []
+    for i, d in enumerate(draft_tokens):
+        p = target_probs[i]
+        if draft_probs is None:
+            q = torch.zeros_like(p)
+            q[d] = 1.0
+        else:
+            q = draft_probs[i]
+        u = torch.rand((), generator=generator)
+        if u * q[d] < p[d]:
+            out.append(d)
+            continue
+        r = (p - q).clamp(min=0)
+        return out + [int(torch.multinomial(r / r.sum(), 1, generator=generator))]
+    return out + [int(torch.multinomial(target_probs[len(draft_tokens)], 1, generator=generator))]
+
+
+def accept_sampled_cdf(target_probs, draft_probs, draft_tokens, generator=None):
+    """Independent: all uniforms drawn up front, float64, inverse-CDF sampling, min(1, p/q)."""
+    k = len(draft_tokens)
+    p_all = target_probs.double()
+    us = torch.rand(k + 1, generator=generator, dtype=torch.float64)
+
+    def draw(weights, u):
+        cdf = torch.cumsum(weights / weights.sum(), 0)
+        return min(int(torch.searchsorted(cdf, u.reshape(1), right=True)), len(weights) - 1)
+
+    for i, d in enumerate(draft_tokens):
+        p = p_all[i]
+        q_d = 1.0 if draft_probs is None else float(draft_probs[i][d])
+        if q_d > 0 and float(us[i]) < min(1.0, float(p[d]) / q_d):
+            continue
+        if draft_probs is None:
+            residual = p.clone()
+            residual[d] = 0
+        else:
+            residual = torch.clamp(p - draft_probs[i].double(), min=0)
+        extra = torch.rand((), generator=generator, dtype=torch.float64)
+        return list(draft_tokens[:i]) + [draw(residual, extra)]
+    return list(draft_tokens) + [draw(p_all[k], us[k])]
+
+
+def _sampled_variant(target_probs, draft_probs, draft_tokens, generator=None, keep="ratio", replace="residual",
+                     bonus=True, normalize=True, seeded=True, none_ok=True):  # fmt: skip
+    gen = generator if seeded else None
+    out = []
+    for i, d in enumerate(draft_tokens):
+        p = target_probs[i]
+        if draft_probs is None and none_ok:
+            q = torch.zeros_like(p)
+            q[d] = 1.0
+        else:
+            q = draft_probs[i]
+        u = float(torch.rand((), generator=gen))
+        kept = {
+            "ratio": u * float(q[d]) < float(p[d]),
+            "inverse": u * float(p[d]) < float(q[d]),
+            "deterministic": float(p[d]) >= float(q[d]),
+        }[keep]
+        if kept:
+            out.append(d)
+            continue
+        if replace == "p":
+            return out + [int(torch.multinomial(p, 1, generator=gen))]
+        r = (p - q).clamp(min=0)
+        if normalize:
+            return out + [int(torch.multinomial(r / r.sum(), 1, generator=gen))]
+        v = float(torch.rand((), generator=gen))
+        return out + [int((r.cumsum(0) < v).sum())]  # an unnormalized cdf: can run past the vocabulary
+    if not bonus:
+        return out
+    return out + [int(torch.multinomial(target_probs[len(draft_tokens)], 1, generator=gen))]
+
+
+CS = "check_accept_sampled"
+right(CS, accept_sampled)
+right(CS, accept_sampled_cdf)
+wrong(CS, "replaced by a draw from p", lambda *a: _sampled_variant(*a, replace="p"))
+wrong(CS, "upside down", lambda *a: _sampled_variant(*a, keep="inverse"))
+wrong(CS, "with no random draw", lambda *a: _sampled_variant(*a, keep="deterministic"))
+wrong(CS, "normalize it", lambda *a: _sampled_variant(*a, normalize=False))
+wrong(CS, "sample the bonus from target_probs[k]", lambda *a: _sampled_variant(*a, bonus=False))
+wrong(CS, "with draft_probs=None your code raised TypeError", lambda *a: _sampled_variant(*a, none_ok=False))
+wrong(CS, "draw every random number from the generator", lambda *a: _sampled_variant(*a, seeded=False))
+
+
+def blocks_to_roll_back(table, num_tokens, block_size):
+    from minillm.kvcache.addressing import RELEASED
+
+    keep = -(-num_tokens // block_size)
+    return table[:keep], [b for b in reversed(table[keep:]) if b != RELEASED]
+
+
+def blocks_to_roll_back_loop(table, num_tokens, block_size):
+    """Independent: walk the table from the end, by the first position each block holds."""
+    kept, freed = list(table), []
+    while kept and (len(kept) - 1) * block_size >= num_tokens:
+        block = kept.pop()
+        if block >= 0:
+            freed.append(block)
+    return kept, freed
+
+
+def _rollback_variant(table, num_tokens, block_size, keep=None, order=-1, skip_released=True, free=True, overlap=False):
+    n = -(-num_tokens // block_size) if keep is None else keep(num_tokens, block_size)
+    tail = table[n - 1 :] if overlap and n else table[n:]
+    freed = [b for b in tail[::order] if b >= 0 or not skip_released]
+    return table[:n], (freed if free else [])
+
+
+CR = "check_rollback"
+right(CR, blocks_to_roll_back)
+right(CR, blocks_to_roll_back_loop)
+wrong(CR, "tail first", lambda *a: _rollback_variant(*a, order=1))
+wrong(CR, "last kept block is only partly filled", lambda *a: _rollback_variant(*a, keep=lambda n, b: n // b))
+wrong(CR, "holds only rejected positions", lambda *a: _rollback_variant(*a, keep=lambda n, b: n // b + 1))
+wrong(CR, "must be kept", lambda *a: _rollback_variant(*a, keep=lambda n, b: max(0, (n - 1) // b)))
+wrong(CR, "(RELEASED)", lambda *a: _rollback_variant(*a, skip_released=False))
+wrong(CR, "they would leak", lambda *a: _rollback_variant(*a, free=False))
+wrong(CR, "both kept and given back", lambda *a: _rollback_variant(*a, overlap=True))
+wrong(CR, "tuple (kept, freed)", lambda t, n, b: blocks_to_roll_back(t, n, b)[0])

@@ -485,6 +485,30 @@ def _course_figures():
         yield f"07 quant_tradeoff {model}", widget.figure, MIN_ROW_PX
         widget.children[0].children[1].value = "prefill_tok_s_512"
         yield f"07 quant_tradeoff {model}, coloured by prefill", widget.figure, MIN_ROW_PX
+    from test_viz_spec import _bench_rows, _fake_trace
+
+    from minillm.viz.spec import (
+        distill_figure,
+        spec_batch_figure,
+        spec_k_figure,
+        spec_steps_figure,
+        speculation_explorer,
+        speculation_figure,
+    )
+
+    yield "08 speculation_figure", speculation_figure(), MIN_ROW_PX
+    widget = speculation_explorer()
+    cost, alpha = widget.children[0].children
+    cost.value, alpha.value = cost.max, alpha.max  # the sliders' far end: the longest labels, a new curve
+    yield "08 speculation_explorer, sliders at the far end", widget.figure, MIN_ROW_PX
+    yield "08 spec_steps_figure", spec_steps_figure(_fake_trace()), MIN_ROW_PX
+    source = "smollm2-135m with draft smollm2-draft, benchmarks/bench_spec.py on AMD EPYC 7B13, 2 threads, 2026-12-31"
+    yield "08 spec_k_figure", spec_k_figure(_bench_rows(), source), MIN_ROW_PX
+    yield "08 spec_batch_figure", spec_batch_figure(_bench_rows(), source), MIN_ROW_PX
+    rows = {"initialisation (untrained)": {"acceptance_rate": 0.1, "top1_agreement": 0.3, "overlap": 0.5},
+            "data alone": {"acceptance_rate": 0.2, "top1_agreement": 0.35, "overlap": 0.55},
+            "distilled": {"acceptance_rate": 0.3, "top1_agreement": 0.45, "overlap": 0.6}}  # fmt: skip
+    yield "08 distill_figure", distill_figure(rows, "data/smollm2-draft/training.json, AMD EPYC 7B13, 2026-12-31"), 0
 
 
 def _random_model(layers: int):

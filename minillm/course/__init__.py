@@ -28,6 +28,7 @@ from minillm.course.checks_serving import (
     check_gather_kv,
     check_slot_mapping,
 )
+from minillm.course.checks_spec import check_accept_greedy, check_accept_sampled, check_rollback
 from minillm.course.exercises import EXERCISES, Exercise, chapters, hint
 from minillm.course.helpers import forward_logits, forward_step, new_cache
 from minillm.course.results import CheckFailed, CheckResult, require_pass
@@ -48,6 +49,8 @@ __all__ = [
     "CheckFailed",
     "CheckResult",
     "require_pass",
+    "check_accept_greedy",
+    "check_accept_sampled",
     "check_block_allocation",
     "check_block_hash",
     "check_causal_attention",
@@ -67,6 +70,7 @@ __all__ = [
     "check_pack_int4",
     "check_quantize_kv",
     "check_quantize_per_channel",
+    "check_rollback",
     "check_slot_mapping",
     "forward_logits",
     "forward_step",

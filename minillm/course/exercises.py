@@ -300,6 +300,52 @@ EXERCISES: list[Exercise] = [
             "(scale stays float32).",
         ),
     ),
+    Exercise(
+        "08_speculative_decoding",
+        "check_accept_greedy",
+        "check_accept_greedy(accept_greedy)",
+        6,
+        1,
+        2,
+        (
+            "Walk the proposals with their index i: draft i is right when it equals target_tokens[i]. At the first "
+            "one that is not, the target's own token replaces it and the step ends; if none fails, the last row "
+            "(target_tokens[k]) gives a bonus token.",
+            "`out = []`; `for i, d in enumerate(draft_tokens):` `if d != target_tokens[i]: return out + "
+            "[target_tokens[i]]`, else `out.append(d)`; after the loop `return out + [target_tokens[len(draft_tokens)]]`.",
+        ),
+    ),
+    Exercise(
+        "08_speculative_decoding",
+        "check_accept_sampled",
+        "check_accept_sampled(accept_sampled)",
+        14,
+        3,
+        3,
+        (
+            "For each proposal d at position i: p = target_probs[i], q = draft_probs[i] (or one-hot at d when "
+            "draft_probs is None). Keep d with probability min(1, p[d] / q[d]); otherwise draw the replacement from "
+            "normalize(max(0, p − q)) and stop. All kept: one more token from target_probs[k]. Every random number "
+            "comes from `generator`.",
+            "`u = torch.rand((), generator=generator)`; `if u * q[d] < p[d]: out.append(d); continue`; "
+            "`r = (p - q).clamp(min=0)`; `return out + [int(torch.multinomial(r / r.sum(), 1, generator=generator))]`; "
+            "after the loop `return out + [int(torch.multinomial(target_probs[k], 1, generator=generator))]`.",
+        ),
+    ),
+    Exercise(
+        "08_speculative_decoding",
+        "check_rollback",
+        "check_rollback(blocks_to_roll_back)",
+        3,
+        2,
+        2,
+        (
+            "num_tokens tokens need ceil(num_tokens / block_size) blocks — the last may be partly filled and stays. "
+            "Everything after them goes back, the last block first; entries equal to RELEASED (-1) are no blocks.",
+            "`keep = -(-num_tokens // block_size)`; `return table[:keep], [b for b in reversed(table[keep:]) if b != "
+            "RELEASED]`.",
+        ),
+    ),
 ]
 
 BY_CHECK: dict[str, Exercise] = {e.check: e for e in EXERCISES}

@@ -68,6 +68,18 @@ def blocks_behind_window(num_computed_tokens: int, window: int, block_size: int)
     return max(0, num_computed_tokens - window + 1) // block_size
 
 
+def blocks_to_roll_back(table: list[int], num_tokens: int, block_size: int) -> tuple[list[int], list[int]]:
+    """Split a block table for a rollback to its first ``num_tokens`` tokens (speculative tokens
+    the target rejected): ``(kept, freed)``.
+
+    ``kept`` is the first ``blocks_for(num_tokens)`` entries — the last of them possibly only
+    partly filled, and kept all the same. ``freed`` lists the blocks after them, **tail first**
+    (the order ``free`` gives blocks back in), without entries already released behind a
+    sliding window (``RELEASED``: no block to give back)."""
+    keep = blocks_for(num_tokens, block_size)
+    return table[:keep], [b for b in reversed(table[keep:]) if b != RELEASED]
+
+
 @dataclass
 class PoolStats:
     """The KV memory of running requests, for step records: counters, not walks over tables.
@@ -367,18 +379,17 @@ class BlockManager:
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 0 <= num_tokens <= reserved:
             raise ValueError(f"truncate: num_tokens={num_tokens!r} must be an int in [0, {reserved}]")
         table = self.tables[seq.request_id]
-        keep = self.blocks_for(num_tokens)
+        kept, freed = blocks_to_roll_back(list(table), num_tokens, self.block_size)  # the chapter-08 exercise
+        keep = len(kept)
         first_needed = 0 if window is None else max(0, num_tokens - window + 1) // self.block_size
-        if any(b == RELEASED for b in table[first_needed:keep]):
+        if any(b == RELEASED for b in kept[first_needed:]):
             raise ValueError(
                 f"truncate: request {seq.request_id!r} cannot roll back to {num_tokens} tokens: blocks its next "
                 "query would attend to were already released behind the sliding window"
             )
-        freed = table[keep:]
-        del table[keep:]
-        for block_id in reversed(freed):
-            if block_id != RELEASED:
-                self._release(block_id)
+        table[:] = kept
+        for block_id in freed:
+            self._release(block_id)
         partial = num_tokens - (keep - 1) * self.block_size
         if keep and partial < self.block_size and table[-1] != RELEASED:
             block = self.blocks[table[-1]]
@@ -391,7 +402,7 @@ class BlockManager:
         self.num_tokens[seq.request_id] = num_tokens
         self.num_reserved_tokens -= reserved - num_tokens
         seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
-        return sum(b != RELEASED for b in freed)
+        return len(freed)
 
     def release_behind_window(self, seq: PagedSequence, window: int) -> int:
         """Sliding-window attention: give back the blocks no future query of ``seq`` can see.

@@ -4,7 +4,8 @@ model checks them all in one forward pass, and the output is exactly the target'
 - ``acceptance.py`` — the greedy and the rejection-sampling acceptance rules;
 - ``ngram.py`` — prompt lookup: proposals copied from earlier in the same request;
 - ``draft_model.py`` — a small model with the same tokenizer, on its own paged pool;
-- ``speculator.py`` — the engine's side: propose before scheduling, verify after the pass.
+- ``speculator.py`` — the engine's side: propose before scheduling, verify after the pass;
+- ``distill.py`` — a draft trained on the target's distributions (chapter 08's experiment).
 
     LLM("smollm2-135m", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     LLM("tiny-shakespeare-8m", speculative_config={"method": "draft", "model": "tiny-shakespeare-1m",

@@ -22,6 +22,17 @@ from minillm.viz.serving import (
     compare_timelines,
     latency_percentiles,
 )
+from minillm.viz.spec import (
+    expected_tokens_per_pass,
+    modelled_speedup,
+    spec_batch_figure,
+    spec_k_figure,
+    spec_steps_figure,
+    spec_timeline,
+    speculation_explorer,
+    speculation_figure,
+    trace_speculation,
+)
 from minillm.viz.timeline import latency_timeline
 
 __all__ = [
@@ -34,6 +45,7 @@ __all__ = [
     "bits_per_weight",
     "block_table_explorer",
     "compare_timelines",
+    "expected_tokens_per_pass",
     "fake_quantize",
     "kv_cache_bytes",
     "kv_memory_figure",
@@ -43,8 +55,16 @@ __all__ = [
     "layer_error_heatmap",
     "measure_machine",
     "measure_step_points",
+    "modelled_speedup",
     "quant_tradeoff",
     "quant_tradeoff_figure",
     "quantized_weight_bytes",
     "roofline_figure",
+    "spec_batch_figure",
+    "spec_k_figure",
+    "spec_steps_figure",
+    "spec_timeline",
+    "speculation_explorer",
+    "speculation_figure",
+    "trace_speculation",
 ]

@@ -47,3 +47,22 @@ class FigureBox(widgets.VBox):
         bundle[PLOTLY_MIME] = static_figure(self.figure)
         bundle["text/plain"] = f"{self.summary} (an interactive widget: run the cell to use it)"
         return bundle
+
+
+class HTMLBox(widgets.VBox):
+    """Controls and ``ipywidgets.HTML`` views in a column (a text widget rather than a chart),
+    displayed with ``static_html`` — the whole view as HTML — next to the widget, for the same
+    reason ``FigureBox`` carries a static chart."""
+
+    def __init__(self, children, static_html: str, description: str = "interactive view", **kwargs):
+        super().__init__(children, **kwargs)
+        self.static_html = static_html
+        self.summary = description
+
+    def _repr_mimebundle_(self, **kwargs):
+        bundle = super()._repr_mimebundle_(**kwargs)
+        if bundle is None or WIDGET_MIME not in bundle:
+            return bundle
+        bundle["text/html"] = self.static_html
+        bundle["text/plain"] = f"{self.summary} (an interactive widget: run the cell to use it)"
+        return bundle

@@ -1,0 +1,583 @@
+"""Checks for chapter 08 (speculative decoding).
+
+Each check first tries the learner's function on hand-made cases built to expose the typical
+mistakes (naming the mistake when it recognises one), then plugs it into the engine where the
+package's own function runs — the speculator's acceptance rule (``minillm.speculative.speculator``)
+or the block manager's rollback (``minillm.kvcache.block_manager``) — and runs the 8M model with
+the 1M model as its draft. Greedy output must be the 8M model's own, token for token; sampled
+output must reproduce itself under the same seed; the pools must stay consistent after every
+step and be empty at the end.
+
+The rejection-sampling check is statistical: it draws a few thousand proposals at a fixed seed
+and compares the histogram of emitted tokens with the target's distribution (a χ² test whose
+threshold a correct rule fails with probability 1e-6, while the usual mistakes land hundreds
+of units above it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from minillm.course.checks import _compare_tokens, _patched
+from minillm.course.results import CheckFailed, _LearnerRaised, check
+
+TARGET, DRAFT = "tiny-shakespeare-8m", "tiny-shakespeare-1m"
+K = 4
+PROMPTS = ["KING.\nNow is the winter of our discontent", "ROMEO.\nBut soft, what light", "HAMLET.\nTo be, or not"]
+STEPS = 32
+
+
+def _engine(spec: dict | None = None, **options):
+    from minillm import LLM
+
+    return LLM(TARGET, dtype="fp32", speculative_config=spec, **options)
+
+
+def _draft_spec(k: int = K) -> dict:
+    return {"method": "draft", "model": DRAFT, "num_speculative_tokens": k}
+
+
+def _greedy(llm, prompts=PROMPTS, steps: int = STEPS):
+    from minillm import SamplingParams
+
+    return llm.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True))
+
+
+def _is_int_list(x) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _spec_summary(outs) -> tuple[int, int, int, int]:
+    tokens = sum(len(o.token_ids) for o in outs)
+    passes = sum(o.metrics.num_forward_passes for o in outs)
+    proposed = sum(o.metrics.spec_proposed for o in outs)
+    accepted = sum(o.metrics.spec_accepted for o in outs)
+    return tokens, passes, proposed, accepted
+
+
+# ---------------------------------------------------------------------------------------------
+# Exercise 1: greedy acceptance
+# ---------------------------------------------------------------------------------------------
+
+
+def _greedy_reference(target: list[int], drafts: list[int]) -> list[int]:
+    out = []
+    for i, d in enumerate(drafts):
+        if d != target[i]:
+            return out + [target[i]]
+        out.append(d)
+    return out + [target[len(drafts)]]
+
+
+def _greedy_shifted(target: list[int], drafts: list[int]) -> list[int]:
+    """The rule with draft i compared to (and replaced by) the target's token one row later."""
+    out = []
+    for i, d in enumerate(drafts):
+        if d != target[i + 1]:
+            return out + [target[i + 1]]
+        out.append(d)
+    return out + [target[-1]]
+
+
+def _diagnose_greedy(got, target: list[int], drafts: list[int]) -> None:
+    call = f"accept_greedy({target}, {drafts})"
+    if not _is_int_list(got):
+        raise CheckFailed(f"{call} should return a list of Python ints, got {type(got).__name__}: {got!r:.80}")
+    expected = _greedy_reference(target, drafts)
+    if got == expected:
+        return
+    accepted = len(expected) - 1
+    k = len(drafts)
+    head = f"{call} returned {got}, expected {expected}"
+    if accepted < k:  # a proposal was rejected
+        if got == drafts[: accepted + 1]:
+            raise CheckFailed(
+                f"{head}: at the first disagreement (proposal {accepted}) you kept the draft's token {drafts[accepted]}. "
+                f"The target's own token {target[accepted]} replaces it — that is the token the target alone would "
+                "have produced there"
+            )
+        if got == drafts[:accepted]:
+            raise CheckFailed(
+                f"{head}: you returned only the accepted proposals. After them comes the target's own token at the "
+                f"first disagreement ({target[accepted]}): every pass emits at least one token, so a step is never "
+                "worse than plain decoding"
+            )
+        if len(got) > len(expected) and got[: len(expected)] == expected:
+            raise CheckFailed(
+                f"{head}: you went on after the first disagreement. Proposals after a rejected one were guessed "
+                "following a token the target did not choose, and the target's rows after it were computed on that "
+                "wrong token too: stop at the first mismatch"
+            )
+    elif got == drafts:
+        raise CheckFailed(
+            f"{head}: every proposal was accepted, and then the target's last row (position k) gives one more token "
+            f"for free — the bonus token {target[k]}: return k + 1 tokens"
+        )
+    elif k and got == drafts + [target[k - 1]]:
+        raise CheckFailed(
+            f"{head}: the bonus token after all k accepted proposals is target_tokens[k] = {target[k]} (the last row: "
+            f"what follows the last proposal), not target_tokens[k - 1] = {target[k - 1]}"
+        )
+    if got == _greedy_shifted(target, drafts):
+        raise CheckFailed(
+            f"{head}: you compared proposal i with target_tokens[i + 1]. Row i of the verify pass is the target's "
+            "prediction *for the position proposal i fills* (it reads the tokens before it): compare drafts[i] "
+            "with target_tokens[i]"
+        )
+    raise CheckFailed(
+        f"{head}: keep proposals while they equal the target's token at the same position, then append the target's "
+        "token where they first differ (or its last token when all k agree)"
+    )
+
+
+GREEDY_CASES = [
+    ([5, 9, 7, 8], [5, 6, 7]),  # the second proposal is wrong (and the third happens to agree)
+    ([5, 6, 7, 8], [5, 6, 7]),  # all accepted: the bonus token
+    ([4, 6, 7, 8], [5, 6, 7]),  # the first is wrong: the target's token alone
+    ([3], []),  # nothing proposed: a plain decode step
+    ([1, 2, 3, 4, 9], [1, 2, 3, 5]),  # the last proposal is wrong
+    ([2, 2, 2], [2, 2]),  # repeated tokens
+]
+
+
+@check
+def check_accept_greedy(accept_greedy, model: str = TARGET) -> str:
+    """``accept_greedy(target_tokens[k+1], draft_tokens[k]) -> list[int]``: the longest agreeing
+    prefix of the proposals, then the target's own token."""
+    from minillm.speculative import speculator
+
+    for target, drafts in GREEDY_CASES:
+        _diagnose_greedy(accept_greedy(list(target), list(drafts)), target, drafts)
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(300):  # random cases over 3 tokens: agreements are frequent
+        k = int(torch.randint(0, 6, (), generator=gen))
+        target = torch.randint(0, 3, (k + 1,), generator=gen).tolist()
+        drafts = torch.randint(0, 3, (k,), generator=gen).tolist()
+        _diagnose_greedy(accept_greedy(list(target), list(drafts)), target, drafts)
+
+    calls = []
+
+    def learner(target_tokens, draft_tokens):  # what Speculator.verify calls for a greedy request
+        calls.append(len(draft_tokens))
+        got = accept_greedy(list(target_tokens), list(draft_tokens))
+        _diagnose_greedy(got, list(target_tokens), list(draft_tokens))
+        return got
+
+    reference = [o.token_ids for o in _greedy(_engine(None))]
+    llm = _engine(_draft_spec())
+    with _patched(speculator, "accept_greedy", learner):
+        outs = _greedy(llm)
+    if not calls:
+        raise RuntimeError("Speculator.verify no longer calls minillm.speculative.speculator.accept_greedy")
+    for n, (out, ref) in enumerate(zip(outs, reference)):
+        _compare_tokens(
+            out.token_ids, ref, f"prompt {n} with your acceptance rule", "the output must be the target's own"
+        )
+    tokens, passes, proposed, accepted = _spec_summary(outs)
+    return (
+        f"with your rule the engine verified {proposed} proposals of the 1M draft in {passes} passes of the 8M "
+        f"model and accepted {accepted} ({accepted / proposed:.0%}): {len(PROMPTS)}×{STEPS} tokens identical to "
+        f"the 8M model alone, in {passes / tokens:.2f} target passes per token instead of 1"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Exercise 2: rejection sampling
+# ---------------------------------------------------------------------------------------------
+
+# Three positions over a vocabulary of 5: the target's rows p0, p1, p2 (p2: the bonus row when
+# two proposals are made) and the draft's q0, q1.
+P = torch.tensor([[0.05, 0.40, 0.25, 0.20, 0.10], [0.30, 0.05, 0.15, 0.10, 0.40], [0.15, 0.15, 0.40, 0.20, 0.10]])
+Q = torch.tensor([[0.30, 0.10, 0.30, 0.05, 0.25], [0.10, 0.40, 0.10, 0.30, 0.10]])
+SAMPLES = 6000
+
+
+def _chi2_limit(dof: int, p_value: float = 1e-6) -> float:
+    """The χ² value a correct sampler exceeds with probability ``p_value``."""
+    lo, hi = 0.0, 500.0
+    a = torch.tensor(dof / 2, dtype=torch.float64)
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        if float(torch.special.gammaincc(a, torch.tensor(mid / 2, dtype=torch.float64))) > p_value:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs.double() * counts.sum()
+    keep = expected > 0
+    if bool((counts[~keep] > 0).any()):
+        return math.inf
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+def _fits(counts: torch.Tensor, probs: torch.Tensor) -> bool:
+    dof = int((probs > 0).sum()) - 1
+    return counts.sum() > 0 and _chi2(counts, probs) < _chi2_limit(max(dof, 1))
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    r = (p - q).clamp(min=0)
+    return r / r.sum()
+
+
+def _rule(p: torch.Tensor, q: torch.Tensor, keep: torch.Tensor, replacement: torch.Tensor) -> torch.Tensor:
+    """The distribution of the first emitted token when proposal x ~ q is kept with probability
+    ``keep[x]`` and otherwise replaced by a draw from ``replacement``."""
+    kept = q * keep
+    return kept + (1 - kept.sum()) * replacement
+
+
+def _mistakes(p: torch.Tensor, q: torch.Tensor) -> list[tuple[torch.Tensor, str]]:
+    """What the first emitted token would follow under the usual mistakes (p, q: one position)."""
+    ratio = torch.where(q > 0, p / q.clamp(min=1e-30), torch.ones_like(p)).clamp(max=1)
+    inverse = torch.where(p > 0, q / p.clamp(min=1e-30), torch.ones_like(p)).clamp(max=1)
+    return [
+        (
+            _rule(p, q, ratio, p),
+            "a rejected proposal is replaced by a draw from p, the target's distribution: draw it from the "
+            "residual normalize(max(0, p − q)) instead. Tokens the draft already proposes often were partly "
+            "emitted through acceptance; drawing from p adds them a second time",
+        ),
+        (
+            _rule(p, q, inverse, _residual(p, q)),
+            "proposals are kept with probability q(x) / p(x): the ratio is upside down. Keep proposal x with "
+            "probability min(1, p(x) / q(x)) — tokens the target likes more than the draft are always kept",
+        ),
+        (
+            _rule(p, q, (p >= q).float(), _residual(p, q)),
+            "a proposal is kept exactly when p(x) >= q(x), with no random draw: keep it with probability "
+            "min(1, p(x) / q(x)) — draw u uniform in [0, 1) and keep it if u < p(x) / q(x)",
+        ),
+        (
+            _rule(p, q, p, _residual(p, q)),
+            "a proposal is kept with probability p(x), forgetting the draft: the test is u < p(x) / q(x) (the "
+            "draft proposed x with probability q(x), so acceptance must undo that)",
+        ),
+    ]
+
+
+def _validate_emitted(got, drafts: list[int], vocab: int, call: str) -> list[int]:
+    if not _is_int_list(got):
+        raise CheckFailed(f"{call} should return a list of Python ints, got {type(got).__name__}: {got!r:.80}")
+    k = len(drafts)
+    if not 1 <= len(got) <= k + 1:
+        raise CheckFailed(f"{call} returned {len(got)} tokens {got}: a step emits between 1 and k + 1 = {k + 1}")
+    bad = [t for t in got if not 0 <= t < vocab]
+    if bad:
+        raise CheckFailed(
+            f"{call} returned token {bad[0]}, outside the vocabulary 0..{vocab - 1}: if you sample with a cumulative "
+            "sum, the residual max(0, p − q) sums to less than 1 — normalize it (divide by its sum) before sampling"
+        )
+    if got[:-1] != drafts[: len(got) - 1]:
+        raise CheckFailed(
+            f"{call} returned {got} for proposals {drafts}: every token before the last must be an accepted "
+            "proposal, in order — after the first rejected proposal comes one replacement, and then nothing"
+        )
+    return got
+
+
+def _call_sampled(fn, p: torch.Tensor, q: torch.Tensor | None, drafts: list[int], gen, what: str) -> list[int]:
+    call = f"accept_sampled({what})"
+    try:
+        got = fn(p.clone(), None if q is None else q.clone(), list(drafts), gen)
+    except _LearnerRaised as err:
+        if q is None and isinstance(err.__cause__, (TypeError, AttributeError, IndexError)):
+            raise CheckFailed(
+                f"with draft_probs=None your code raised {type(err.__cause__).__name__}: {err.__cause__}. None means "
+                "deterministic proposals (prompt lookup has no distribution): q is 1 at the proposed token and 0 "
+                "elsewhere — keep it with probability p(d), else draw from p without d"
+            ) from None
+        raise
+    return _validate_emitted(got, drafts, p.shape[-1], call)
+
+
+def _all_accepted_gives_a_bonus(fn) -> None:
+    """With q = p every proposal is kept (u · q < p for every u < 1): k + 1 tokens."""
+    gen = torch.Generator().manual_seed(3)
+    p = torch.stack([P[0], P[1], P[2]])
+    for _ in range(20):
+        drafts = [int(torch.multinomial(P[i], 1, generator=gen)) for i in range(2)]
+        got = _call_sampled(fn, p, p[:2], drafts, gen, "target_probs, draft_probs = target_probs[:2], 2 proposals")
+        if len(got) < 3:
+            if got == drafts:
+                raise CheckFailed(
+                    "when the draft's distribution equals the target's every proposal is kept — and then the target's "
+                    "last row gives one more token: sample the bonus from target_probs[k] and return k + 1 tokens"
+                )
+            raise CheckFailed(
+                f"with draft_probs equal to target_probs a proposal must always be kept (min(1, p/q) = 1), but "
+                f"accept_sampled returned {got} for proposals {drafts}"
+            )
+
+
+def _sampled_histograms(fn, q: torch.Tensor | None, fixed: list[int] | None, n: int, seed: int):
+    """Counts of the emitted tokens by position, each position counted where it was reached by
+    accepting every earlier proposal, and how often the first proposal was kept."""
+    vocab = P.shape[1]
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(3, vocab, dtype=torch.float64)
+    first_kept = 0
+    k = 2 if fixed is None else len(fixed)
+    what = "2 proposals drawn from draft_probs" if q is not None else f"draft_probs=None, proposals {fixed}"
+    for _ in range(n):
+        drafts = fixed if fixed is not None else [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(k)]
+        got = _call_sampled(fn, P[: k + 1], q, drafts, gen, what)
+        for i, token in enumerate(got):
+            counts[i, token] += 1
+        first_kept += len(got) > 1
+    return counts, first_kept / n
+
+
+@check
+def check_accept_sampled(accept_sampled, model: str = TARGET) -> str:
+    """``accept_sampled(target_probs[k+1, V], draft_probs[k, V] | None, draft_tokens, generator)``:
+    the emitted tokens follow the target's distribution exactly."""
+    from minillm import SamplingParams
+    from minillm.speculative import speculator
+
+    _all_accepted_gives_a_bonus(accept_sampled)
+    counts, kept = _sampled_histograms(accept_sampled, Q, None, SAMPLES, seed=0)
+    expected_kept = float(torch.minimum(P[0], Q[0]).sum())
+    if not _fits(counts[0], P[0]):
+        for distribution, why in _mistakes(P[0], Q[0]):
+            if _fits(counts[0], distribution):
+                raise CheckFailed(why)
+        freq = (counts[0] / counts[0].sum()).tolist()
+        extra = ""
+        if abs(kept - expected_kept) > 0.03:
+            extra = (
+                f"; and the first proposal was kept {kept:.1%} of the time, expected Σ min(p, q) = {expected_kept:.0%}"
+            )
+        raise CheckFailed(
+            f"over {SAMPLES:,} draws the first emitted token had frequencies {[round(f, 3) for f in freq]}, but it must "
+            f"follow the target's p = {[round(float(x), 2) for x in P[0]]}{extra}: keep a proposal x with probability "
+            "min(1, p(x)/q(x)), else draw from normalize(max(0, p − q))"
+        )
+    if abs(kept - expected_kept) > 0.03:
+        raise CheckFailed(
+            f"the first proposal was kept {kept:.1%} of the time, expected Σ min(p, q) = {expected_kept:.0%}; keep "
+            "proposal x with probability min(1, p(x) / q(x))"
+        )
+    for i, (row, name) in enumerate(((P[1], "the second position"), (P[2], "the bonus token"))):
+        if not _fits(counts[i + 1], row):
+            freq = (counts[i + 1] / counts[i + 1].sum()).tolist()
+            raise CheckFailed(
+                f"{name} (position {i + 1}, reached when every earlier proposal was kept) had frequencies "
+                f"{[round(f, 3) for f in freq]} over {int(counts[i + 1].sum()):,} draws, but must follow "
+                f"target_probs[{i + 1}] = {[round(float(x), 2) for x in row]}: position i uses target_probs[i] and "
+                "draft_probs[i], and the bonus comes from target_probs[k]"
+            )
+    counts, kept = _sampled_histograms(accept_sampled, None, [1, 0], SAMPLES // 2, seed=1)
+    if not _fits(counts[0], P[0]) or abs(kept - float(P[0, 1])) > 0.04:
+        freq = (counts[0] / counts[0].sum()).tolist()
+        raise CheckFailed(
+            f"with draft_probs=None (deterministic proposals, as prompt lookup makes) the proposal was kept "
+            f"{kept:.1%} of the time (expected p(d) = {float(P[0, 1]):.0%}) and the first token had frequencies "
+            f"{[round(f, 3) for f in freq]} instead of p: q is then 1 at the proposed token d and 0 elsewhere — keep "
+            "d with probability p(d), else draw from p with d removed (the residual of that q)"
+        )
+
+    calls = []
+
+    def learner(target_probs, draft_probs, draft_tokens, generator=None):  # what Speculator.verify calls
+        calls.append(draft_probs is None)
+        got = accept_sampled(target_probs, draft_probs, list(draft_tokens), generator)
+        return _validate_emitted(got, list(draft_tokens), target_probs.shape[-1], "accept_sampled in the engine")
+
+    params = SamplingParams(max_tokens=STEPS, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
+    runs = {}
+    for method, spec in (("draft", _draft_spec()), ("ngram", {"method": "ngram", "num_speculative_tokens": 3})):
+        llm = _engine(spec)
+        with _patched(speculator, "accept_sampled", learner):
+            runs[method] = [llm.generate(PROMPTS, params) for _ in range(2)]
+    if not calls or all(calls):
+        raise RuntimeError("Speculator.verify no longer calls minillm.speculative.speculator.accept_sampled")
+    for method, (first, again) in runs.items():
+        for n, (a, b) in enumerate(zip(first, again)):
+            if a.token_ids != b.token_ids:
+                raise CheckFailed(
+                    f"two runs of prompt {n} with seed=7 ({method} proposals) gave different tokens: draw every random "
+                    "number from the generator you are given (torch.rand(..., generator=generator), "
+                    "torch.multinomial(..., generator=generator)) — a request's seed must reproduce its output"
+                )
+    tokens, passes, proposed, accepted = _spec_summary(runs["draft"][0])
+    return (
+        f"over {SAMPLES:,} draws your rule emits exactly the target's distribution (χ² test, with and without the "
+        f"draft's probabilities); in the engine, sampling at temperature 0.8 with a seed, the 8M model kept "
+        f"{accepted} of the 1M draft's {proposed} proposals ({accepted / proposed:.0%}) — {passes / tokens:.2f} passes "
+        "per token — and each request reproduced itself under its seed, with draft and with prompt-lookup proposals"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Exercise 3: rolling back the KV of rejected tokens
+# ---------------------------------------------------------------------------------------------
+
+
+def _split_reference(table: list[int], num_tokens: int, block_size: int) -> tuple[list[int], list[int]]:
+    from minillm.kvcache.addressing import RELEASED, blocks_for
+
+    keep = blocks_for(num_tokens, block_size)
+    return table[:keep], [b for b in reversed(table[keep:]) if b != RELEASED]
+
+
+def _span(j: int, block_size: int, num_tokens: int) -> str:
+    first, last = j * block_size, min((j + 1) * block_size, num_tokens) - 1
+    return f"token {first}" if first == last else f"tokens {first}-{last}"
+
+
+def _diagnose_rollback(got, table: list[int], num_tokens: int, block_size: int) -> None:
+    from minillm.kvcache.addressing import RELEASED
+
+    call = f"blocks_to_roll_back({table}, num_tokens={num_tokens}, block_size={block_size})"
+    shape = f"{call} should return a tuple (kept, freed) of two lists of ints, got {got!r:.80}"
+    if not (isinstance(got, (tuple, list)) and len(got) == 2 and all(isinstance(x, (list, tuple)) for x in got)):
+        raise CheckFailed(shape)
+    kept, freed = list(got[0]), list(got[1])
+    if not (_is_int_list(kept) and _is_int_list(freed)):
+        raise CheckFailed(shape)
+    exp_kept, exp_freed = _split_reference(table, num_tokens, block_size)
+    if kept == exp_kept and freed == exp_freed:
+        return
+    head = f"{call} returned kept={kept}, freed={freed}; expected kept={exp_kept}, freed={exp_freed}"
+    both = [b for b in freed if b in kept and b != RELEASED]
+    if both:
+        j = kept.index(both[0])
+        raise CheckFailed(
+            f"{head}: block {both[0]} is both kept and given back. It holds {_span(j, block_size, num_tokens)}, which "
+            "stay: a block partly filled by kept tokens is kept whole (the next tokens are written after them)"
+        )
+    if RELEASED in freed:
+        raise CheckFailed(
+            f"{head}: you gave back the table entry {RELEASED} (RELEASED): that block was already returned behind a "
+            "sliding window — there is no block to free. Skip those entries"
+        )
+    if len(kept) < len(exp_kept):
+        lost = exp_kept[len(kept)]
+        j = len(kept)
+        partial = num_tokens % block_size and j == len(exp_kept) - 1
+        why = (
+            f"the last kept block is only partly filled ({_span(j, block_size, num_tokens)} of a block of "
+            f"{block_size}), and those tokens stay"
+            if partial
+            else f"it holds {_span(j, block_size, num_tokens)}, which stay"
+        )
+        raise CheckFailed(
+            f"{head}: block {lost} must be kept — {why}. Keep blocks_for(num_tokens) = ceil(num_tokens / block_size) "
+            f"= {len(exp_kept)} blocks"
+        )
+    if len(kept) > len(exp_kept):
+        extra = kept[len(exp_kept)]
+        raise CheckFailed(
+            f"{head}: {len(kept)} blocks kept for {num_tokens} tokens of {block_size} per block — block {extra} holds "
+            f"only rejected positions: keep ceil(num_tokens / block_size) = {len(exp_kept)} blocks and give the rest back"
+        )
+    if kept != exp_kept:
+        raise CheckFailed(f"{head}: kept must be the table's first {len(exp_kept)} entries, in order")
+    if not freed and exp_freed:
+        raise CheckFailed(
+            f"{head}: blocks {exp_freed} hold only rejected tokens and are neither kept nor given back — they would "
+            "leak from the pool: return them as freed"
+        )
+    if sorted(freed) == sorted(exp_freed):
+        raise CheckFailed(
+            f"{head}: give the blocks back tail first (the last block of the table first), as BlockManager.free does: "
+            "with prefix caching an unreferenced block stays cached and is evicted in the order it was given back, "
+            "and the end of a sequence should go before its beginning, which other requests may share"
+        )
+    raise CheckFailed(f"{head}: freed must be the table's entries after the kept ones, last first")
+
+
+ROLLBACK_CASES = [
+    # table, num_tokens, block_size: what each case is about
+    ([3, 8, 5, 9], 6, 4),  # the last kept block (8) is partly filled: tokens 4-5
+    ([3, 8, 5], 8, 4),  # exactly two full blocks stay
+    ([3, 8], 7, 4),  # nothing to give back
+    ([7, 2, 6], 0, 4),  # back to nothing: everything goes, tail first
+    ([10, 20, 30, 40], 17, 16),  # larger blocks: tokens 16-16 keep block 20
+    ([-1, -1, 4, 11, 12], 13, 4),  # a sliding window released the first two blocks
+    ([-1, -1, 4, 11], 0, 4),  # ... and a rollback past them frees only real blocks
+]
+
+
+def _pool_tables(llm) -> tuple[dict, dict]:
+    draft = llm.engine.speculator.draft
+    return (
+        {rid: list(t) for rid, t in llm.engine.block_manager.tables.items()},
+        {rid: list(t) for rid, t in draft.blocks.tables.items()},
+    )
+
+
+@check
+def check_rollback(blocks_to_roll_back, model: str = TARGET) -> str:
+    """``blocks_to_roll_back(table, num_tokens, block_size) -> (kept, freed)``: the blocks a
+    rollback keeps and those it gives back, tail first."""
+    from minillm import SamplingParams
+    from minillm.kvcache import block_manager as bm_module
+
+    for table, num_tokens, block_size in ROLLBACK_CASES:
+        _diagnose_rollback(blocks_to_roll_back(list(table), num_tokens, block_size), table, num_tokens, block_size)
+
+    calls = []
+
+    def learner(table, num_tokens, block_size):  # what BlockManager.truncate calls
+        got = blocks_to_roll_back(list(table), num_tokens, block_size)
+        _diagnose_rollback(got, list(table), num_tokens, block_size)
+        kept, freed = (list(x) for x in got)
+        calls.append(len(freed))
+        return kept, freed
+
+    options = dict(block_size=4, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = [o.token_ids for o in _greedy(_engine(None, **options), steps=40)]
+    mine, ref = _engine(_draft_spec(), **options), _engine(_draft_spec(), **options)
+    for n, prompt in enumerate(PROMPTS):
+        mine.engine.add_request(prompt, params, request_id=n)
+        ref.engine.add_request(prompt, params, request_id=n)
+    outputs, step = {}, 0
+    while mine.engine.has_unfinished_requests():
+        with _patched(bm_module, "blocks_to_roll_back", learner):
+            deltas = mine.engine.step()
+        ref.engine.step()
+        step += 1
+        for delta in deltas:
+            if delta.output is not None:
+                outputs[delta.request_id] = delta.output
+        for name, pool in (
+            ("the 8M model's", mine.engine.block_manager),
+            ("the draft's", mine.engine.speculator.draft.blocks),
+        ):
+            try:
+                pool.check_invariants()
+            except AssertionError as err:
+                raise CheckFailed(f"after step {step}, {name} KV pool is inconsistent: {err}") from None
+        for name, got, expected in zip(("the 8M model's", "the draft's"), _pool_tables(mine), _pool_tables(ref)):
+            if got != expected:
+                rid = next(r for r in expected.keys() | got.keys() if got.get(r) != expected.get(r))
+                raise CheckFailed(
+                    f"after step {step}, request {rid}'s block table in {name} pool is {got.get(rid)}, "
+                    f"the package's rollback gives {expected.get(rid)}"
+                )
+    if not calls:
+        raise RuntimeError("BlockManager.truncate no longer calls minillm.kvcache.block_manager.blocks_to_roll_back")
+    for n in range(len(PROMPTS)):
+        _compare_tokens(
+            outputs[n].token_ids, plain[n], f"prompt {n} with your rollback", "roll back only rejected tokens"
+        )
+    target_pool, draft_pool = mine.engine.block_manager, mine.engine.speculator.draft.blocks
+    if target_pool.num_used_blocks or draft_pool.num_used_blocks:
+        raise CheckFailed(
+            f"every request finished, but {target_pool.num_used_blocks} blocks of the 8M model's pool and "
+            f"{draft_pool.num_used_blocks} of the draft's are still in use: blocks leaked"
+        )
+    freed = sum(calls)
+    return (
+        f"your rollback ran {len(calls)} times over {step} steps ({freed} blocks of 4 tokens given back, in the 8M "
+        f"model's pool and the draft's): both pools consistent after every step and empty at the end, block tables "
+        f"identical to the package's, {len(PROMPTS)}×40 tokens identical to the 8M model alone"
+    )
