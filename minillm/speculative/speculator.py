@@ -61,9 +61,9 @@ class Speculator:
                 ks.append(k)
         self._draft_dists.clear()
         if self.draft is not None:
+            by_id = {s.request_id: s for s in seqs}
             for rid, (tokens, dists) in self.draft.propose(seqs, ks).items():
-                seq = next(s for s in seqs if s.request_id == rid)
-                seq.draft_tokens, self._draft_dists[rid] = tokens, dists
+                by_id[rid].draft_tokens, self._draft_dists[rid] = tokens, dists
             return
         cfg = self.config
         for seq, k in zip(seqs, ks):
