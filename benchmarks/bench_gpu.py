@@ -289,12 +289,18 @@ def bench_end_to_end(model: str, batches, prompt_len: int, new_tokens: int, repe
     return rows
 
 
+def _rows(result: dict, section: str) -> list:
+    """A section's rows, or none where it failed (its error is in the JSON)."""
+    rows = result.get(section)
+    return rows if isinstance(rows, list) else []
+
+
 def format_tables(result: dict) -> str:
     lines = [
         "| prefill tokens | triton ms | TFLOP/s | SDPA ms | TFLOP/s | reference ms | max error |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in result["prefill"]:
+    for r in _rows(result, "prefill"):
         ref = r.get("reference", {}).get("ms")
         lines.append(
             f"| {r['tokens']} | {r['triton']['ms']:.3f} | {r['triton']['tflops']:.1f} | {r['sdpa']['ms']:.3f} | "
@@ -305,7 +311,7 @@ def format_tables(result: dict) -> str:
         "| decode batch | context | triton ms | GB/s | % of peak | reference ms |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in result["decode"]:
+    for r in _rows(result, "decode"):
         t = r["triton"]
         lines.append(
             f"| {r['batch']} | {r['context']} | {t['ms']:.3f} | {t['gbs']:.0f} | {t['pct_peak_bandwidth']:.0f}% | {r['reference']['ms']:.3f} |"
@@ -315,7 +321,7 @@ def format_tables(result: dict) -> str:
         "| rows | layers | weight MB | eager ms | × bf16 | graph ms | × bf16 | weight GB/s (graph) | % of peak |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in result.get("quant_linears", []):
+    for r in _rows(result, "quant_linears"):
         for name, t in r.items():
             if isinstance(t, dict) and "graph_ms" in t:
                 lines.append(
@@ -328,7 +334,7 @@ def format_tables(result: dict) -> str:
         "| batch | minillm + graphs tok/s | minillm eager tok/s | HF tok/s | graphs / HF |",
         "|---:|---:|---:|---:|---:|",
     ]
-    for r in result["end_to_end"]:
+    for r in _rows(result, "end_to_end"):
         if "batch" in r:
             lines.append(
                 f"| {r['batch']} | {r['minillm (CUDA graphs)']['decode_tok_s']:.0f} | {r['minillm (no graphs)']['decode_tok_s']:.0f} | "
@@ -369,20 +375,34 @@ def main(argv=None) -> int:
         "peaks": {"bandwidth_gbs": peaks.bandwidth_gbs, "bf16_tflops": peaks.flops_tflops},
         "args": vars(args),
     }
-    result["prefill"] = bench_prefill(args.prefill_lengths)
-    result["decode"] = bench_decode(args.decode_batches, args.decode_contexts, peaks.bandwidth_gbs)
-    result["quant_linears"] = bench_quant_linears(args.quant_rows, peaks.bandwidth_gbs)
-    result["end_to_end"] = bench_end_to_end(
-        args.model, args.e2e_batches, args.prompt_len, args.new_tokens, args.repeats
-    )
-    print()
-    print(format_tables(result))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"gpu-{result['date'][:10]}-{torch.cuda.get_device_name().replace(' ', '_')}.json"
-    path.write_text(json.dumps(result, indent=2))
+    sections = {
+        "prefill": lambda: bench_prefill(args.prefill_lengths),
+        "decode": lambda: bench_decode(args.decode_batches, args.decode_contexts, peaks.bandwidth_gbs),
+        "quant_linears": lambda: bench_quant_linears(args.quant_rows, peaks.bandwidth_gbs),
+        "end_to_end": lambda: bench_end_to_end(
+            args.model, args.e2e_batches, args.prompt_len, args.new_tokens, args.repeats
+        ),
+    }
+    failed = []
+    for name, section in sections.items():
+        # A lent GPU is scarce: one failing section must not cost the others' figures, so each
+        # is recorded as it finishes and a failure is written down rather than raised.
+        try:
+            result[name] = section()
+        except Exception as exc:  # noqa: BLE001
+            import traceback
+
+            traceback.print_exc()
+            result[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            failed.append(name)
+        path.write_text(json.dumps(result, indent=2))
+    print()
+    print(format_tables(result))
     print(f"\nwrote {path}")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
