@@ -117,7 +117,8 @@ def evaluate(model: str, method: str, reference_tokens: list[list[int]] | None, 
         row["greedy_agreement"] = sum(same) / sum(len(t) for t in reference_tokens)
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     answer = llm.generate([chat], SamplingParams(max_tokens=24))[0].text
-    row["chat_answer"], row["chat_right"] = answer, "Paris" in answer
+    # Right only if the first sentence names Paris: a derailed answer can still end on "Paris,".
+    row["chat_answer"], row["chat_right"] = answer, "Paris" in answer.split(".")[0]
     hf_model = None
     if hf:
         from transformers import AutoModelForCausalLM

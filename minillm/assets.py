@@ -9,10 +9,15 @@ Conversion writes an ordinary HF folder (``config.json``, ``model.safetensors``,
 ``tokenizer.json``, ``tokenizer_config.json`` with the chat template,
 ``generation_config.json``) so that both ``minillm`` and ``transformers`` load the very same
 weights — the reference for every parity test is HF running *this* folder.
+
+Draft models for speculative decoding (``smollm2-draft``) are committed without what they
+share with their target (its embedding, tokenizer): ``resolve_model`` assembles them once into
+the cache from the committed weights and the target's folder.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -52,6 +57,15 @@ LOCAL_MODELS = {
     "tiny-shakespeare-1m": "tiny-shakespeare-1m",
     "tiny-shakespeare-8m": "tiny-shakespeare-8m",
     "tiny-shakespeare-mha": "tiny-shakespeare-mha",
+}
+
+#: Draft models for speculative decoding committed *without* what they share with their target
+#: (trained by ``data/recipes/distill_smollm2_draft.py``): ``data/<name>/`` holds only the new
+#: weights (decoder layers, final norm) and ``config.json``; the embedding — also the tied LM
+#: head — and the tokenizer come from the target named here, assembled once into the cache.
+DRAFT_MODELS = {
+    "smollm2-draft": "smollm2-135m",  # distilled from SmolLM2's distributions
+    "smollm2-draft-data": "smollm2-135m",  # the same draft trained on the text alone
 }
 
 
@@ -104,10 +118,12 @@ def resolve_model(name_or_path: str | os.PathLike, convert: bool = True, progres
         if not (folder / "config.json").is_file():
             raise ModelNotFoundError(f"{key!r} is not in {folder}; run data/recipes/train_tiny_shakespeare.py")
         return folder
+    if key in DRAFT_MODELS:
+        return _resolve_draft(key, convert, progress)
     path = Path(key).expanduser()
     if path.is_dir():
         return path
-    known = ", ".join(sorted(REGISTRY) + sorted(LOCAL_MODELS))
+    known = ", ".join(sorted(REGISTRY) + sorted(LOCAL_MODELS) + sorted(DRAFT_MODELS))
     raise ModelNotFoundError(f"model {key!r} is neither a known name ({known}) nor an existing folder")
 
 
@@ -119,6 +135,96 @@ def _is_converted(folder: Path) -> bool:
         return json.loads(stamp.read_text()).get("converter_version") == CONVERTER_VERSION
     except json.JSONDecodeError:
         return False
+
+
+# --------------------------------------------------------------------------------------------
+# Drafts: committed new weights + the target's shared embedding and tokenizer
+# --------------------------------------------------------------------------------------------
+
+#: What a draft borrows from its target's folder besides the embedding.
+_SHARED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def _resolve_draft(name: str, convert: bool, progress: bool) -> Path:
+    src = data_dir() / name
+    if not (src / "config.json").is_file() or not (src / "model.safetensors").is_file():
+        raise ModelNotFoundError(f"{name!r} is not in {src}; run data/recipes/distill_smollm2_draft.py")
+    base = resolve_model(DRAFT_MODELS[name], convert=convert, progress=progress)
+    target = cache_dir() / name
+    stamp = _draft_stamp(src, base)
+    if not _stamp_matches(target, stamp):
+        if not convert:
+            raise ModelNotFoundError(f"{name!r} is not assembled yet; run `minillm assets --model {name}`")
+        assemble_draft(src, base, target)
+    return target
+
+
+def _draft_stamp(src: Path, base: Path) -> dict:
+    """Identifies an assembled draft: the committed files' digest and the base's own stamp, so
+    a retrained draft or a re-converted target rebuilds it."""
+    digest = hashlib.sha256()
+    for name in ("config.json", "model.safetensors"):
+        digest.update((src / name).read_bytes())
+    base_stamp = base / "minillm_asset.json"
+    return {
+        "converter_version": CONVERTER_VERSION,
+        "source": src.name,
+        "sha256": digest.hexdigest(),
+        "base": json.loads(base_stamp.read_text()) if base_stamp.is_file() else str(base),
+    }
+
+
+def _stamp_matches(folder: Path, stamp: dict) -> bool:
+    path = folder / "minillm_asset.json"
+    if not path.is_file() or not (folder / "model.safetensors").is_file():
+        return False
+    try:
+        return json.loads(path.read_text()) == stamp
+    except json.JSONDecodeError:
+        return False
+
+
+def assemble_draft(src: Path, base: Path, dst: Path) -> Path:
+    """A complete HF folder ``dst`` from a draft's committed files ``src`` (``config.json``,
+    ``model.safetensors`` without the embedding) and its target's folder ``base`` (the
+    embedding ``model.embed_tokens.weight``, tokenizer and generation config)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    src, base, dst = Path(src), Path(base), Path(dst)
+    config = json.loads((src / "config.json").read_text())
+    base_config = json.loads((base / "config.json").read_text())
+    if config.get("vocab_size") != base_config.get("vocab_size") or not config.get("tie_word_embeddings"):
+        raise ValueError(f"{src}: a draft must tie its head to the embedding it shares with {base}")
+    tensors = load_file(str(src / "model.safetensors"))
+    with safe_open(str(base / "model.safetensors"), framework="pt") as f:
+        embedding = f.get_tensor("model.embed_tokens.weight")
+    if embedding.shape[1] != config.get("hidden_size"):
+        raise ValueError(
+            f"{src}: hidden_size {config.get('hidden_size')} cannot share {base}'s embedding {tuple(embedding.shape)}"
+        )
+    tensors["model.embed_tokens.weight"] = embedding.to(next(iter(tensors.values())).dtype)
+
+    tmp = Path(tempfile.mkdtemp(prefix=".assembling-", dir=_ensure_parent(dst)))
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        shutil.copyfile(src / "config.json", tmp / "config.json")
+        for name in _SHARED_FILES:
+            if (base / name).is_file():
+                shutil.copyfile(base / name, tmp / name)
+        stamp = _draft_stamp(src, base)
+        (tmp / "minillm_asset.json").write_text(json.dumps(stamp, indent=2))
+        if dst.exists():
+            shutil.rmtree(dst, ignore_errors=True)
+        try:
+            tmp.rename(dst)  # atomic, as for conversion
+        except OSError:
+            if not _stamp_matches(dst, stamp):  # unless another process just assembled the same
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return dst
 
 
 # --------------------------------------------------------------------------------------------
