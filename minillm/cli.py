@@ -1,8 +1,10 @@
-"""The ``minillm`` command line: generate, chat, assets, bench.
+"""The ``minillm`` command line: generate, chat, serve, batch, assets, quantize, bench, course.
 
 minillm generate --prompt "The capital of France is" --max-tokens 16
 minillm generate --chat --stream --prompt "Write a haiku about caches"
 minillm chat
+minillm serve --model smollm2-135m --port 8000          # OpenAI-compatible HTTP API
+minillm batch requests.jsonl results.jsonl              # an OpenAI batch file, offline
 minillm assets
 minillm bench --quick
 """
@@ -16,9 +18,16 @@ import os
 import sys
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
+def _add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default="smollm2-135m", help="short name or HF-format folder (default: smollm2-135m)")
+    if several_models:
+        g.add_argument(
+            "--model",
+            action="append",
+            help="short name or HF-format folder; repeat to serve several (default: smollm2-135m)",
+        )
+    else:
+        g.add_argument("--model", default="smollm2-135m", help="short name or HF-format folder (default: smollm2-135m)")
     g.add_argument("--dtype", default="auto", help="fp32 | bf16 | fp16 | auto (default: auto)")
     g.add_argument("--device", default="auto", help="cpu | cuda | auto (default: auto)")
     g.add_argument(
@@ -123,11 +132,8 @@ def _sampling_params(args):
     )
 
 
-def _llm(args):
-    from minillm.engine import LLM
-
-    return LLM(
-        args.model,
+def _engine_kwargs(args) -> dict:
+    return dict(
         dtype=args.dtype,
         device=args.device,
         mode=args.mode,
@@ -145,6 +151,36 @@ def _llm(args):
         kv_cache_dtype=args.kv_cache_dtype,
         speculative_config=args.speculative_config,
     )
+
+
+def _llm(args):
+    from minillm.engine import LLM
+
+    return LLM(args.model, **_engine_kwargs(args))
+
+
+def cmd_serve(args) -> int:
+    from minillm.server.launch import serve
+
+    serve(
+        args.model or ["smollm2-135m"],
+        host=args.host,
+        port=args.port,
+        response_cache=args.response_cache,
+        max_waiting=args.max_waiting,
+        max_body_bytes=args.max_body_bytes,
+        log_level=args.log_level,
+        **_engine_kwargs(args),
+    )
+    return 0
+
+
+def cmd_batch(args) -> int:
+    from minillm.server.batch import run_batch_file
+
+    summary = run_batch_file(args.input, args.output, args.model, _engine_kwargs(args), progress=not args.quiet)
+    print(json.dumps(summary), file=sys.stderr)
+    return 0 if summary["failed"] == 0 else 1
 
 
 def cmd_generate(args) -> int:
@@ -408,6 +444,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(p)
     _add_sampling_args(p)
     p.set_defaults(func=cmd_chat, temperature=0.0, max_tokens=256)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--response-cache", type=int, default=0, help="cache this many greedy responses (default: off)")
+    p.add_argument("--max-waiting", type=int, default=256, help="requests allowed to wait for a seat; more get 429")
+    p.add_argument("--max-body-bytes", type=int, default=2 << 20, help="largest request body accepted (413 above)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _add_engine_args(p, several_models=True)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("batch", help="run an OpenAI batch file (JSONL of requests) offline, writing JSONL results")
+    p.add_argument("input", help="JSONL: one {custom_id, method, url, body} per line")
+    p.add_argument("output", help="JSONL results, one per input line, in input order")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_engine_args(p, several_models=True)
+    p.set_defaults(func=cmd_batch)
 
     p = sub.add_parser("assets", help="convert the bundled model(s) into HF folders (idempotent)")
     p.add_argument("--model", action="append", help="asset name (default: all)")

@@ -11,6 +11,7 @@ An answer is the tuple of arguments the check is called with (most exercises hav
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import struct
 
@@ -1090,3 +1091,44 @@ wrong(CR, "(RELEASED)", lambda *a: _rollback_variant(*a, skip_released=False))
 wrong(CR, "they would leak", lambda *a: _rollback_variant(*a, free=False))
 wrong(CR, "both kept and given back", lambda *a: _rollback_variant(*a, overlap=True))
 wrong(CR, "tuple (kept, freed)", lambda t, n, b: blocks_to_roll_back(t, n, b)[0])
+
+# ---- 10: the response cache's key -------------------------------------------------------------------
+
+
+def cache_key_canonical(endpoint, body):
+    """The reference: canonical JSON of the fields that change the answer."""
+    if body.get("temperature", 1.0) != 0 or body.get("stream"):
+        return None
+    kept = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "user", "metadata")}
+    return endpoint + " " + json.dumps(kept, sort_keys=True)
+
+
+def cache_key_sorted_items(endpoint, body):
+    """Independent: a sorted tuple of (field, value) pairs, written with repr."""
+    temperature = body["temperature"] if "temperature" in body else 1
+    if temperature != 0 or body.get("stream", False):
+        return None
+    return repr((endpoint, sorted((k, repr(v)) for k, v in body.items() if k not in {"user", "stream_options"})))
+
+
+def _key_variant(endpoint, body, default_t=1.0, stream=True, sort=True, drop=("stream", "stream_options", "user"),
+                 with_endpoint=True, only=None):  # fmt: skip
+    if body.get("temperature", default_t) != 0 or (stream and body.get("stream")):
+        return None
+    kept = {k: v for k, v in body.items() if k not in drop and (only is None or k in only)}
+    return (endpoint if with_endpoint else "") + json.dumps(kept, sort_keys=sort)
+
+
+CK = "check_cache_key"
+right(CK, cache_key_canonical)
+right(CK, cache_key_sorted_items)
+wrong(CK, "a sampled request", lambda e, b: json.dumps(b, sort_keys=True))
+wrong(CK, "default temperature is 1", lambda e, b: _key_variant(e, b, default_t=0))
+wrong(CK, "a streamed request", lambda e, b: _key_variant(e, b, stream=False))
+wrong(CK, "fields in another order", lambda e, b: _key_variant(e, b, sort=False))
+wrong(CK, "leave it out of the key", lambda e, b: _key_variant(e, b, drop=("stream",)))
+wrong(CK, "differ only in max_tokens", lambda e, b: _key_variant(e, b, only=("model", "prompt", "temperature")))
+wrong(CK, "differ only in endpoint", lambda e, b: _key_variant(e, b, with_endpoint=False))
+wrong(CK, "differ only in model", lambda e, b: _key_variant(e, b, drop=("stream", "stream_options", "user", "model")))
+wrong(CK, "return a string", lambda e, b: None if _key_variant(e, b) is None else hash(_key_variant(e, b)))
+wrong(CK, "KeyError", lambda e, b: None if b["temperature"] else e + json.dumps(b, sort_keys=True))

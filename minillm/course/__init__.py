@@ -19,6 +19,7 @@ from minillm.course.checks_attention import (
     check_window_release,
 )
 from minillm.course.checks_quant import check_pack_int4, check_quantize_kv, check_quantize_per_channel
+from minillm.course.checks_server import check_cache_key
 from minillm.course.checks_serving import (
     check_block_allocation,
     check_block_hash,
@@ -53,6 +54,7 @@ __all__ = [
     "check_accept_sampled",
     "check_block_allocation",
     "check_block_hash",
+    "check_cache_key",
     "check_causal_attention",
     "check_choose_victim",
     "check_chunk_tokens",

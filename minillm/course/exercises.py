@@ -346,6 +346,21 @@ EXERCISES: list[Exercise] = [
             "RELEASED]`.",
         ),
     ),
+    Exercise(
+        "10_serving",
+        "check_cache_key",
+        "check_cache_key(cache_key)",
+        6,
+        1,
+        2,
+        (
+            "Only a greedy request (temperature given as 0 — the API's default is 1) that is not streamed may "
+            "be cached; the key must be the same for the same request written in any field order.",
+            "Return None unless `body.get('temperature', 1) == 0` and not `body.get('stream')`; else "
+            "`endpoint + json.dumps({k: v for k, v in body.items() if k not in ('stream', 'stream_options', "
+            "'user')}, sort_keys=True)`.",
+        ),
+    ),
 ]
 
 BY_CHECK: dict[str, Exercise] = {e.check: e for e in EXERCISES}

@@ -1,0 +1,255 @@
+"""The OpenAI-compatible HTTP API: FastAPI routes over one :class:`AsyncEngine` per model.
+
+    POST /v1/completions        text in, text out (``prompt``: a string, token ids, or a batch)
+    POST /v1/chat/completions   messages in, the model's chat template applied
+    GET  /v1/models             the models this process serves (``--model`` may be repeated)
+    GET  /health                200 while every engine thread is alive, else 503
+    GET  /metrics               Prometheus text format
+
+Both POST routes stream with ``"stream": true`` (server-sent events, ending ``data: [DONE]``).
+Every error is a JSON body in OpenAI's shape with the HTTP status that fits: 400 for a bad
+value (naming the field in ``param``), 404 for an unknown model or route, 413 for a body over
+the limit, 429 when too many requests wait (with ``Retry-After``), 503 if an engine has died.
+A request's failure never touches the others: validation happens before anything is queued,
+and a client that leaves aborts only its own request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from minillm.server.async_engine import AsyncEngine, EngineDead, QueueFull
+from minillm.server.body_limit import BodyLimit
+from minillm.server.metrics import ServerMetrics
+from minillm.server.plan import choose_engine, parse, plan, response_of
+from minillm.server.protocol import APIError, error_body
+from minillm.server.response_cache import ResponseCache
+from minillm.server.responses import DONE, Formatter, sse, usage
+
+log = logging.getLogger("minillm.server")
+
+
+def build_app(
+    engines: dict[str, AsyncEngine],
+    response_cache: ResponseCache | None = None,
+    max_body_bytes: int = 2 << 20,
+    disconnect_poll_s: float = 0.25,
+) -> FastAPI:
+    """An app serving ``engines`` (model name → engine). Starts and stops their threads."""
+    if not engines:
+        raise ValueError("serve at least one model")
+    metrics = ServerMetrics(engines, response_cache)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        for engine in engines.values():
+            if not engine._thread.is_alive() and engine.error is None:
+                engine.start()
+        yield
+        for engine in engines.values():
+            engine.stop()
+
+    app = FastAPI(title="minillm", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.state.engines, app.state.metrics, app.state.response_cache = engines, metrics, response_cache
+
+    # -- errors --------------------------------------------------------------------------------
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        metrics.requests.labels(_model_of(request), request.url.path, str(exc.status)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
+
+    # -- small routes --------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health():
+        dead = {name: repr(e.error) for name, e in engines.items() if not e.alive}
+        if dead:
+            return JSONResponse({"status": "engine stopped", "engines": dead}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        now = int(time.time())
+        return {
+            "object": "list",
+            "data": [
+                {"id": name, "object": "model", "created": now, "owned_by": "minillm",
+                 "max_model_len": e.engine.max_model_len}
+                for name, e in engines.items()
+            ],
+        }  # fmt: skip
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # -- the two generation routes -------------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _generate(request, "/v1/chat/completions")
+
+    async def _generate(request: Request, endpoint: str):
+        body = await _json_body(request)
+        req = parse(endpoint, body)
+        request.state.model = req.model
+        engine = choose_engine(req, engines)
+        cache_key = response_cache.key(endpoint, body) if response_cache is not None else None
+        if cache_key is not None:
+            hit = response_cache.get(cache_key)
+            if hit is not None:
+                metrics.requests.labels(req.model, endpoint, "200").inc()
+                return JSONResponse(hit)
+        try:
+            engine.admit()
+        except QueueFull as exc:
+            metrics.rejected.labels("queue_full").inc()
+            raise APIError(429, f"server busy: {exc}; retry later", None, "rate_limit_error", "queue_full",
+                           {"Retry-After": str(exc.retry_after)}) from None  # fmt: skip
+        except EngineDead as exc:
+            raise APIError(503, str(exc), None, "server_error") from None
+        chat = endpoint == "/v1/chat/completions"
+        p = plan(req, engine, engine.engine, engine.new_request_id("chatcmpl" if chat else "cmpl"))
+        seqs, fmt, prompt_tokens = p.seqs, p.formatter, p.prompt_tokens
+        streams = [engine.open(seq) for seq in seqs]  # queued now: no await since admit()
+        metrics.prompt_tokens.labels(req.model).inc(prompt_tokens)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if req.stream:
+            metrics.requests.labels(req.model, endpoint, "200").inc()
+            return StreamingResponse(
+                _stream(engine, seqs, streams, fmt, include_usage, req.model, prompt_tokens),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        response = response_of(p, await _collect(request, engine, seqs, streams, req.model))
+        if cache_key is not None:
+            response_cache.put(cache_key, response)
+        metrics.requests.labels(req.model, endpoint, "200").inc()
+        return JSONResponse(response)
+
+    async def _collect(request: Request, engine: AsyncEngine, seqs, streams, model: str):
+        """Run every sequence to the end; abort them all if the client hangs up first."""
+
+        async def last(deltas):
+            async for delta in deltas:
+                if delta.output is not None:
+                    metrics.observe_finished(model, delta.output)
+                    return delta.output
+            raise EngineDead("stream ended without a result")
+
+        tasks = [asyncio.ensure_future(last(d)) for d in streams]
+        try:
+            while True:
+                done, _ = await asyncio.wait(tasks, timeout=disconnect_poll_s)
+                if len(done) == len(tasks):
+                    break
+                if await request.is_disconnected():
+                    metrics.aborted.labels(model).inc(sum(not t.done() for t in tasks))
+                    raise APIError(499, "client disconnected", None)
+            return [t.result() for t in tasks]
+        except EngineDead as exc:
+            raise APIError(503, str(exc), None, "server_error") from None
+        finally:
+            for t, seq in zip(tasks, seqs):
+                if not t.done():
+                    t.cancel()
+                    engine.abort(seq.request_id)
+
+    async def _stream(
+        engine: AsyncEngine, seqs, streams, fmt: Formatter, include_usage: bool, model: str, prompt_tokens: int
+    ) -> AsyncIterator[bytes]:
+        """Merge the samples' deltas into one event stream, in the order they are produced."""
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, deltas):
+            try:
+                async for delta in deltas:
+                    await merged.put((index, delta))
+            except BaseException as exc:  # noqa: BLE001 (reported in-band; cancellation ends the task)
+                await merged.put((index, exc))
+                raise
+
+        tasks = [asyncio.ensure_future(pump(k, d)) for k, d in enumerate(streams)]
+        offsets = [0] * len(seqs)
+        first = [True] * len(seqs)
+        remaining, completion_tokens = len(seqs), 0
+        try:
+            if fmt.chat:  # the role comes first, in a chunk of its own, as OpenAI sends it
+                yield sse(fmt.chunk([fmt.delta_choice(k, "", None, None, True) for k in range(len(seqs))]))
+                first = [False] * len(seqs)
+            while remaining:
+                index, item = await merged.get()
+                if isinstance(item, BaseException):
+                    message = str(item) if isinstance(item, EngineDead) else f"{type(item).__name__}: {item}"
+                    yield sse(error_body(message, "server_error"))
+                    return
+                delta = item
+                # One chunk per engine step, even when the detokenizer holds the text back (an
+                # incomplete UTF-8 character, a possible stop string): clients see every token's
+                # timing, and the text arrives once it is certain.
+                records = getattr(delta, "logprobs", None)
+                choice = fmt.delta_choice(index, delta.text, delta.finish_reason, records, first[index], offsets[index])
+                offsets[index] += len(delta.text)
+                yield sse(fmt.chunk([choice]))
+                if delta.output is not None:
+                    remaining -= 1
+                    completion_tokens += len(delta.output.token_ids)
+                    metrics.observe_finished(model, delta.output)
+            if include_usage:
+                yield sse(fmt.chunk([], usage(prompt_tokens, completion_tokens)))
+            yield DONE
+        finally:
+            unfinished = [seq for t, seq in zip(tasks, seqs) if not t.done()]
+            if unfinished:  # the client left (or an error ended the stream): abort the rest
+                metrics.aborted.labels(model).inc(len(unfinished))
+            for t in tasks:
+                t.cancel()
+            for seq in unfinished:  # a task cancelled before it started never runs its own abort
+                engine.abort(seq.request_id)
+
+    return app
+
+
+def _model_of(request: Request) -> str:
+    return getattr(request.state, "model", "") or ""
+
+
+async def _json_body(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"the request body is not valid UTF-8 (byte {exc.start})", None) from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
+                       None) from None  # fmt: skip
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", None)
+    return body

@@ -1,0 +1,221 @@
+"""One engine, one thread: how an asyncio web server drives a synchronous step loop.
+
+``LLMEngine.step()`` runs the model and may take from milliseconds to seconds; running it in
+the event loop would freeze every other connection for that long. So one background thread
+owns the engine and calls ``step()`` while there is work, and the HTTP handlers talk to it
+through two thread-safe hand-offs:
+
+- an **inbox** (``queue.SimpleQueue``) of "add this sequence" / "abort that request" orders,
+  which the engine thread applies between steps — the handlers never touch the scheduler;
+- one ``asyncio.Queue`` per request, which the engine thread fills with that request's
+  ``StreamDelta`` objects through ``loop.call_soon_threadsafe`` (asyncio queues are not
+  thread-safe; that call hands the ``put`` to the loop's own thread).
+
+A handler validates and tokenizes its request itself (``LLMEngine.make_sequence`` is a pure
+check plus tokenization), so a bad request is answered at once and never reaches the engine.
+When a client goes away, the handler's generator is closed and its ``finally`` posts an abort:
+the engine frees the request's blocks before its next step.
+
+Backpressure: at most ``max_waiting`` requests may wait for a seat (not yet running); past
+that, :class:`QueueFull` — the server's 429 — instead of an unbounded queue whose last entry
+would time out anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Hashable
+from dataclasses import dataclass
+
+from minillm.engine import LLMEngine
+from minillm.outputs import StreamDelta
+from minillm.sequence import Sequence
+
+log = logging.getLogger("minillm.server")
+
+
+class QueueFull(Exception):
+    """More requests are waiting than the server admits; retry after ``retry_after`` seconds."""
+
+    def __init__(self, waiting: int, retry_after: int):
+        super().__init__(f"{waiting} requests are already waiting for this model")
+        self.retry_after = retry_after
+
+
+class EngineDead(Exception):
+    """The engine thread failed; the message says why."""
+
+
+@dataclass
+class _Sink:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+class AsyncEngine:
+    """Runs one :class:`LLMEngine` in a background thread and streams its deltas to asyncio."""
+
+    def __init__(self, engine: LLMEngine, name: str, max_waiting: int = 256):
+        if max_waiting < 1:
+            raise ValueError(f"max_waiting={max_waiting} must be >= 1")
+        self.engine, self.name, self.max_waiting = engine, name, max_waiting
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending = 0  # orders posted but not yet applied by the engine thread
+        self._pending_lock = threading.Lock()
+        self._sinks: dict[Hashable, _Sink] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name=f"minillm-engine-{name}", daemon=True)
+        self.error: BaseException | None = None
+        self.num_steps_failed = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    # -- what handlers call --------------------------------------------------------------------
+
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}-{time.monotonic_ns() % 10**9}"
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running: posted to the inbox or queued in the scheduler."""
+        return self._pending + len(self.engine.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    def admit(self) -> None:
+        """Raise :class:`QueueFull` if no more requests may wait (checked before tokenizing)."""
+        if not self.alive:
+            raise EngineDead(f"the engine for {self.name!r} has stopped: {self.error!r}")
+        waiting = self.num_waiting
+        if waiting >= self.max_waiting:
+            # A rough hint: a waiting request starts within about one batch's decode time.
+            raise QueueFull(waiting, retry_after=1 + waiting // max(1, self.engine.engine_config.max_num_seqs))
+
+    def open(self, seq: Sequence) -> AsyncIterator[StreamDelta]:
+        """Queue ``seq`` (already validated) now, and return the stream of its deltas.
+
+        Posting happens here, synchronously, so that :meth:`admit` and the post happen without
+        an ``await`` between them: no other handler can be admitted in between and overshoot
+        ``max_waiting``. Closing the stream early (the client left) aborts the request; a
+        handler that never iterates it must call :meth:`abort` itself.
+        """
+        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
+        self._post(("add", seq, sink))
+        return self._deltas(seq.request_id, sink)
+
+    def abort(self, request_id: Hashable) -> None:
+        """Abort a request (no-op if it has finished): the engine frees its blocks before its next step."""
+        self._post(("abort", request_id, None))
+
+    async def _deltas(self, request_id: Hashable, sink: _Sink) -> AsyncIterator[StreamDelta]:
+        finished = False
+        try:
+            while True:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    raise EngineDead(f"the engine for {self.name!r} failed: {item!r}") from item
+                yield item
+                if item.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    # -- the engine thread ---------------------------------------------------------------------
+
+    def _post(self, order) -> None:
+        with self._pending_lock:
+            self._pending += 1
+        self._inbox.put(order)
+        self._wake.set()
+
+    def _apply_orders(self) -> None:
+        while True:
+            try:
+                kind, item, sink = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            with self._pending_lock:
+                self._pending -= 1
+            if kind == "add":
+                try:
+                    self.engine.enqueue(item)
+                    self._sinks[item.request_id] = sink
+                except Exception as exc:  # noqa: BLE001 (an id clash: answer this request, keep serving)
+                    sink.put(exc)
+            elif item in self._sinks:  # abort: the request may have finished meanwhile
+                self._sinks.pop(item)
+                if item in self.engine.requests:
+                    self.engine.abort(item)
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop.is_set():
+                if not engine.has_unfinished_requests() and self._inbox.empty():
+                    self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                self._apply_orders()
+                if not engine.has_unfinished_requests():
+                    continue
+                try:
+                    deltas = engine.step()
+                except Exception as exc:  # noqa: BLE001
+                    self._fail_all(exc)
+                    continue
+                if not deltas:  # a dynamic batch still filling: don't spin at full speed
+                    time.sleep(0.001)
+                for delta in deltas:
+                    sink = self._sinks.get(delta.request_id)
+                    if sink is not None:
+                        sink.put(delta)
+                        if delta.finish_reason is not None:
+                            del self._sinks[delta.request_id]
+        except BaseException as exc:  # noqa: BLE001 (the thread must not die silently)
+            self.error = exc
+            log.exception("engine thread for %s stopped", self.name)
+            for sink in self._sinks.values():
+                sink.put(exc)
+            self._sinks.clear()
+
+    def _fail_all(self, exc: Exception) -> None:
+        """A step raised: fail the requests it was running, abort them, keep serving the rest."""
+        self.num_steps_failed += 1
+        log.error("engine step failed for %s: %r; aborting its %d requests", self.name, exc, len(self.engine.requests))
+        for rid in list(self.engine.requests):
+            try:
+                self.engine.abort(rid)
+            except Exception:  # noqa: BLE001
+                log.exception("abort of %r after a failed step", rid)
+            sink = self._sinks.pop(rid, None)
+            if sink is not None:
+                sink.put(exc)

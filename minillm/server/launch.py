@@ -1,0 +1,152 @@
+"""Starting the server: engines for each model, then uvicorn — blocking, or in a thread.
+
+``ServerThread`` runs a real uvicorn server on a loopback port in a background thread of this
+process; tests and notebooks use it to talk HTTP to the engine without a second process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import uvicorn
+
+from minillm.server.app import build_app
+from minillm.server.async_engine import AsyncEngine
+from minillm.server.response_cache import ResponseCache
+
+
+def build_engines(models: list[str], max_waiting: int = 256, **engine_args) -> dict[str, AsyncEngine]:
+    """One engine per model name (the name clients put in ``model``), all with ``engine_args``."""
+    from minillm.engine import LLMEngine
+
+    if len(set(models)) != len(models):
+        raise ValueError(f"a model is named twice in {models}")
+    return {
+        _served_name(name): AsyncEngine(LLMEngine(name, **engine_args), _served_name(name), max_waiting)
+        for name in models
+    }
+
+
+def _served_name(name: str) -> str:
+    return os.path.basename(os.path.normpath(name)) if os.sep in name else name
+
+
+def serve(
+    models: list[str],
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    response_cache: int = 0,
+    max_waiting: int = 256,
+    max_body_bytes: int = 2 << 20,
+    log_level: str = "info",
+    **engine_args,
+) -> None:
+    """Build the engines and serve until interrupted (what ``minillm serve`` runs)."""
+    engines = build_engines(models, max_waiting, **engine_args)
+    cache = ResponseCache(response_cache) if response_cache else None
+    app = build_app(engines, cache, max_body_bytes=max_body_bytes)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+class ServerThread:
+    """A real uvicorn server on ``host`` and a free port, in a daemon thread of this process.
+
+    with ServerThread(build_app(engines)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        self.app = app
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="minillm-uvicorn", daemon=True)
+        self.host, self.port = host, port
+
+    def start(self, timeout: float = 60.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class ServerProcess:
+    """``minillm serve`` in a child process: a separate interpreter, as in deployment (chapter 10
+    and ``benchmarks/bench_server.py``). ``args`` are extra CLI arguments (``--dtype fp32``...).
+
+        with ServerProcess(["tiny-shakespeare-8m"], ["--dtype", "fp32"]) as server:
+            httpx.get(server.url + "/health")
+    """
+
+    def __init__(self, models: list[str], args: list[str] = (), port: int | None = None, log_level: str = "warning"):
+        import socket
+
+        if port is None:
+            with socket.socket() as s:  # a free port now; the child binds it a moment later
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        self.port = port
+        self.cmd = [sys.executable, "-m", "minillm", "serve", "--port", str(port), "--log-level", log_level]
+        for m in models:
+            self.cmd += ["--model", m]
+        self.cmd += list(args)
+        self.proc = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 300.0) -> ServerProcess:
+        import httpx
+
+        self.proc = subprocess.Popen(self.cmd, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with code {self.proc.returncode}: {' '.join(self.cmd)}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"the server did not become healthy within {timeout:.0f} s")
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """Ask it to shut down (SIGTERM: uvicorn finishes open responses), then insist."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.terminate()
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

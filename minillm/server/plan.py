@@ -1,0 +1,115 @@
+"""From a request body to the engine sequences that answer it — shared by the HTTP routes and
+the offline batch runner, so both accept and refuse exactly the same requests.
+
+Every check happens here, before anything is queued: the body's shape (pydantic), the values
+the engine refuses (``SamplingParams.validate``), the model's name, and each prompt's length and
+fit in the KV pool (``LLMEngine.make_sequence``, which also tokenizes). A request that passes
+cannot fail later for a reason the client could have fixed.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from minillm.errors import PromptTooLongError
+from minillm.sequence import Sequence
+from minillm.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from minillm.server.responses import Formatter
+
+#: OpenAI's default ``max_tokens`` for /v1/completions. Chat defaults to the rest of the context.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+ENDPOINTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+
+
+@dataclass
+class Plan:
+    request: CompletionRequest | ChatCompletionRequest
+    engine: object  # the AsyncEngine (server) or LLMEngine (batch) that will run it
+    seqs: list[Sequence]  # prompt-major: prompt i's samples are seqs[i * n : (i + 1) * n]
+    formatter: Formatter
+    prompt_tokens: int  # each prompt counted once, whatever n
+
+    @property
+    def chat(self) -> bool:
+        return self.formatter.chat
+
+
+def parse(endpoint: str, body: dict) -> CompletionRequest | ChatCompletionRequest:
+    """Validate a body against the endpoint's schema; errors name the offending field."""
+    schema = ENDPOINTS.get(endpoint)
+    if schema is None:
+        raise APIError(404, f"unknown endpoint {endpoint!r}; use one of {sorted(ENDPOINTS)}", "url")
+    try:
+        req = schema.model_validate(body)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    req.check_supported()
+    return req
+
+
+_TYPE_TAG = re.compile(r"^(int|float|str|bool|none|list|dict|.*\[.*\]|function-.*|constrained-.*|[A-Z]\w*)$")
+
+
+def _validation_error(exc: ValidationError) -> APIError:
+    """One 400 naming the field: pydantic reports a union's failure once per member type, with
+    the member's tag in the location (``temperature.int``, ``temperature.float``)."""
+    errors = exc.errors()
+    first = errors[0]
+    path = [p for p in first["loc"] if isinstance(p, int) or not _TYPE_TAG.match(str(p))]
+    param = ".".join(str(p) for p in path) or None
+    same = [e for e in errors if [p for p in e["loc"] if isinstance(p, int) or not _TYPE_TAG.match(str(p))] == path]
+    if first["type"] == "missing":
+        return APIError(400, f"{param} is required", param)
+    value = repr(first.get("input"))[:80]
+    reasons = "; ".join(dict.fromkeys(e["msg"] for e in same))
+    return APIError(400, f"{param}: invalid value {value} ({reasons})", param)
+
+
+def choose_engine(req, engines: dict):
+    engine = engines.get(req.model)
+    if engine is None:
+        raise APIError(404, f"model {req.model!r} is not served here; try {sorted(engines)}", "model",
+                       "invalid_request_error", "model_not_found")  # fmt: skip
+    return engine
+
+
+def plan(req, engine, llm_engine, request_id: str) -> Plan:
+    """Build (not queue) the sequences for ``req`` on ``llm_engine`` (an ``LLMEngine``)."""
+    chat = isinstance(req, ChatCompletionRequest)
+    if chat:
+        params = req.sampling_params(req.requested_max_tokens(), llm_engine.max_model_len, req.logprobs_count())
+        prompts = [req.conversation()]
+    else:
+        params = req.sampling_params(req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs)
+        prompts = req.prompts()
+    seqs = []
+    for i, prompt in enumerate(prompts):
+        for j in range(req.n):
+            sample_params = params
+            if req.n > 1:  # each sample its own sequence; a given seed still reproduces them all
+                sample_params = _with_seed(params, None if params.seed is None else params.seed + j)
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            try:
+                seqs.append(llm_engine.make_sequence(prompt, sample_params, where, request_id=f"{request_id}-{i}-{j}"))
+            except (ValueError, TypeError, PromptTooLongError) as exc:
+                raise APIError(400, str(exc), "messages" if chat else "prompt") from None
+    prompt_tokens = sum(len(s.prompt_token_ids) for s in seqs[:: req.n])
+    return Plan(req, engine, seqs, Formatter(chat, request_id, req.model, llm_engine.tokenizer), prompt_tokens)
+
+
+def _with_seed(params, seed):
+    out = copy.copy(params)
+    out.stop, out.stop_token_ids = list(params.stop), list(params.stop_token_ids)
+    out.seed = seed
+    return out
+
+
+def response_of(plan_: Plan, outputs) -> dict:
+    """The whole (non-streamed) response for finished ``outputs`` (one per sequence, in order)."""
+    fmt = plan_.formatter
+    choices = [fmt.choice(k, o.text, o.finish_reason, getattr(o, "logprobs", None)) for k, o in enumerate(outputs)]
+    return fmt.response(choices, plan_.prompt_tokens, sum(len(o.token_ids) for o in outputs))

@@ -1,0 +1,365 @@
+"""The OpenAI-compatible server, over real HTTP: a uvicorn server on a free loopback port, driven
+by the official ``openai`` client and by raw ``httpx`` for what a client library would never
+send. Answers are compared with ``LLM.generate`` on the same engine settings."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+
+from minillm import LLM, SamplingParams
+from minillm.server import ServerThread, build_app, build_engines
+from minillm.server.response_cache import ResponseCache
+
+MODEL, OTHER = "tiny-shakespeare-8m", "tiny-shakespeare-1m"
+ENGINE = dict(dtype="fp32", kv_cache_memory=16_000_000, max_num_seqs=16)
+PROMPT = "KING.\nNow is the winter"
+
+
+@pytest.fixture(scope="module")
+def server():
+    engines = build_engines([MODEL, OTHER], **ENGINE)
+    with ServerThread(build_app(engines, ResponseCache(16))) as srv:
+        srv.engines = engines
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {MODEL: LLM(MODEL, **ENGINE), OTHER: LLM(OTHER, **ENGINE)}
+
+
+def expected(reference, prompt, model=MODEL, **params):
+    return reference[model].generate(prompt, SamplingParams(**params))[0]
+
+
+def assert_idle(server, timeout=10.0):
+    """Every request finished or aborted, every block back in the pool (cached blocks are free)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        busy = {
+            n: (len(e.engine.requests), e.engine.block_manager.num_used_blocks, len(e._sinks), e._pending)
+            for n, e in server.engines.items()
+        }
+        if all(v == (0, 0, 0, 0) for v in busy.values()):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server not idle: (requests, used blocks, sinks, pending) = {busy}")
+        time.sleep(0.05)
+
+
+# ---- answers equal the engine's --------------------------------------------------------------
+
+
+def test_completion_equals_llm_generate(client, reference, server):
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    want = expected(reference, PROMPT, max_tokens=16, temperature=0)
+    assert got.choices[0].text == want.text
+    assert got.choices[0].finish_reason == want.finish_reason == "length"
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert got.usage.completion_tokens == len(want.token_ids) == 16
+    assert got.object == "text_completion" and got.model == MODEL
+    assert_idle(server)
+
+
+def test_token_id_prompts_and_a_batch_of_prompts(client, reference):
+    ids = reference[MODEL].tokenizer.encode(PROMPT)
+    got = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert got.choices[0].text == expected(reference, ids, max_tokens=8, temperature=0).text
+    got = client.completions.create(model=MODEL, prompt=[PROMPT, "ROMEO.\n"], max_tokens=8, temperature=0)
+    assert [c.index for c in got.choices] == [0, 1]
+    assert got.choices[0].text == expected(reference, PROMPT, max_tokens=8, temperature=0).text
+    assert got.choices[1].text == expected(reference, "ROMEO.\n", max_tokens=8, temperature=0).text
+    got = client.completions.create(model=MODEL, prompt=[ids, ids[:3]], max_tokens=4, temperature=0)
+    assert got.choices[1].text == expected(reference, ids[:3], max_tokens=4, temperature=0).text
+
+
+def test_chat_completion_uses_the_chat_template(client, reference):
+    messages = [{"role": "system", "content": "Speak verse."}, {"role": "user", "content": "Who art thou?"}]
+    got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    want = expected(reference, messages, max_tokens=12, temperature=0)
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == want.text
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+
+
+def test_streamed_completion_and_chat_concatenate_to_the_whole_answer(client):
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0)
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    messages = [{"role": "user", "content": "Speak."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True))  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+
+
+def test_the_event_stream_is_framed_as_server_sent_events(server):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = "".join(r.iter_text())
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    assert all(e.startswith("data: {") for e in events[:-2])
+
+
+def test_seeded_sampling_is_reproducible(client, reference):
+    args = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=1.0, top_p=0.95)
+    a = client.completions.create(seed=7, **args).choices[0].text
+    b = client.completions.create(seed=7, **args).choices[0].text
+    c = client.completions.create(seed=8, **args).choices[0].text
+    assert a == b != c
+    assert a == expected(reference, PROMPT, max_tokens=16, temperature=1.0, top_p=0.95, seed=7).text
+
+
+def test_stop_strings_end_the_answer_before_the_stop(client, reference):
+    full = expected(reference, PROMPT, max_tokens=24, temperature=0).text
+    stop = full[6:9]
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop])
+    assert got.choices[0].finish_reason == "stop"
+    assert got.choices[0].text == full[: full.index(stop)]
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop,
+                                         stream=True)  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == got.choices[0].text
+
+
+def test_routing_by_model_name(client, reference):
+    for name in (MODEL, OTHER):
+        got = client.completions.create(model=name, prompt=PROMPT, max_tokens=8, temperature=0)
+        assert got.choices[0].text == expected(reference, PROMPT, model=name, max_tokens=8, temperature=0).text
+        assert got.model == name
+    assert {m.id for m in client.models.list()} == {MODEL, OTHER}
+
+
+# ---- bad input: the right status, the field named, the server unharmed -------------------------
+
+BAD = [
+    # (body or raw bytes, status, param)
+    (b"{not json", 400, None),
+    (b"\xff\xfe\x00", 400, None),
+    (b"[1, 2]", 400, None),
+    ({"prompt": "x"}, 400, "model"),
+    ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    ({"model": MODEL}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": "12"}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+    ({"model": MODEL, "prompt": "x", "n": 1000}, 400, "n"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 99}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "x", "stop": [""]}, 400, "stop"),
+    ({"model": MODEL, "prompt": "x", "seed": -1}, 400, "seed"),
+    ({"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
+    ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"model": MODEL, "prompt": []}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "x " * 5000}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD, ids=range(len(BAD)))
+def test_bad_requests_get_a_json_error_naming_the_field(server, body, status, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server.url + "/v1/completions", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"]
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [([], "messages"), ([{"role": "bot", "content": "x"}], "messages.0.role"),
+     ([{"role": "user", "content": 5}], "messages.0.content"), ("hello", "messages")],
+)  # fmt: skip
+def test_bad_chat_requests(server, messages, param):
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": messages})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_oversized_bodies_and_unknown_routes(server):
+    big = b'{"model": "x", "prompt": "' + b"a" * (10 << 20) + b'"}'
+    r = httpx.post(server.url + "/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/nothing", json={})
+    assert r.status_code == 404 and "error" in r.json()
+    r = httpx.get(server.url + "/v1/completions")
+    assert r.status_code == 405 and "error" in r.json()
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_the_openai_client_raises_its_own_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="x")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=-3)
+    assert info.value.body["param"] == "max_tokens"
+
+
+# ---- cancellation, many clients, backpressure --------------------------------------------------
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_blocks(server):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 500, "temperature": 0, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        events = r.iter_lines()
+        got = [next(events) for _ in range(6)]
+        assert any(line.startswith("data: {") for line in got)
+        engine = server.engines[MODEL].engine
+        assert engine.requests and engine.block_manager.num_used_blocks > 0
+    assert_idle(server)
+
+
+def test_fifty_streams_of_which_a_third_leave(server, reference):
+    prompts = [f"{name}.\n" for name in ("KING", "ROMEO", "JULIET", "HAMLET", "FIRST CITIZEN")]
+    want = {p: expected(reference, p, max_tokens=24, temperature=0, ignore_eos=True).text for p in prompts}
+    threads_before = threading.active_count()
+
+    async def one(i: int, http: httpx.AsyncClient):
+        prompt = prompts[i % len(prompts)]
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        text = ""
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+                    if i % 3 == 0 and len(text) > 5:
+                        return None  # leave mid-stream: the context manager closes the connection
+        return prompt, text
+
+    async def main():
+        limits = httpx.Limits(max_connections=60)
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as http:
+            return await asyncio.gather(*(one(i, http) for i in range(50)))
+
+    results = asyncio.run(main())
+    finished = [r for r in results if r is not None]
+    assert len(finished) == 50 - len(range(0, 50, 3))
+    assert all(text == want[prompt] for prompt, text in finished)
+    assert_idle(server)
+    assert threading.active_count() <= threads_before
+
+
+def test_a_full_queue_answers_429_then_recovers():
+    engines = build_engines([MODEL], max_waiting=2, **(ENGINE | {"max_num_seqs": 1}))
+    with ServerThread(build_app(engines)) as srv:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+
+        async def main():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as http:
+                return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(12)))
+
+        answers = asyncio.run(main())
+        codes = sorted(r.status_code for r in answers)
+        assert 200 in codes and 429 in codes and set(codes) <= {200, 429}, codes
+        refused = next(r for r in answers if r.status_code == 429)
+        assert int(refused.headers["retry-after"]) >= 1 and refused.json()["error"]["code"] == "queue_full"
+        assert httpx.post(srv.url + "/v1/completions", json=body, timeout=120).status_code == 200
+        assert "minillm_requests_rejected_total" in httpx.get(srv.url + "/metrics").text
+
+
+def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(server, client, monkeypatch):
+    engine = server.engines[OTHER].engine
+    real = engine.step
+    calls = {"n": 0}
+
+    def broken():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated kernel failure")
+        return real()
+
+    monkeypatch.setattr(engine, "step", broken)
+    r = httpx.post(server.url + "/v1/completions", json={"model": OTHER, "prompt": PROMPT, "max_tokens": 4}, timeout=60)
+    assert r.status_code == 503 and "simulated" in r.json()["error"]["message"]
+    assert client.completions.create(model=OTHER, prompt=PROMPT, max_tokens=4, temperature=0).choices[0].text
+    assert_idle(server)
+
+
+# ---- cache and metrics ---------------------------------------------------------------------------
+
+
+def test_greedy_responses_are_cached_and_sampled_ones_are_not(server, client):
+    def hits():
+        text = httpx.get(server.url + "/metrics").text
+        return float(
+            next(line.split()[-1] for line in text.splitlines() if line.startswith("minillm_response_cache_hits"))
+        )
+
+    before = hits()
+    a = client.completions.create(model=MODEL, prompt="To be", max_tokens=6, temperature=0)
+    b = client.completions.create(model=MODEL, prompt="To be", max_tokens=6, temperature=0)
+    assert a.choices[0].text == b.choices[0].text and hits() == before + 1
+    client.completions.create(model=MODEL, prompt="To be", max_tokens=6, temperature=0.8, seed=1)
+    client.completions.create(model=MODEL, prompt="To be", max_tokens=6, temperature=0.8, seed=1)
+    assert hits() == before + 1
+
+
+def test_metrics_in_prometheus_text_format(server, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, user="metrics-test")
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
+    for name in ("minillm_requests", "minillm_generation_tokens", "minillm_prompt_tokens",
+                 "minillm_time_to_first_token_seconds", "minillm_time_per_output_token_seconds",
+                 "minillm_num_requests_running", "minillm_num_requests_waiting", "minillm_kv_blocks_used",
+                 "minillm_kv_blocks_total", "minillm_response_cache_hits"):  # fmt: skip
+        assert name in families, name
+    total = {s.labels["model"]: s.value for s in families["minillm_kv_blocks_total"].samples}
+    assert total[MODEL] == server.engines[MODEL].engine.block_manager.num_blocks
+    generated = {s.labels["model"]: s.value for s in families["minillm_generation_tokens"].samples
+                 if s.name.endswith("_total")}  # fmt: skip
+    assert generated[MODEL] >= 5
+
+
+# ---- the batch runner ----------------------------------------------------------------------------
+
+
+def test_batch_file_runs_offline_in_input_order(tmp_path, reference):
+    from minillm.cli import main
+
+    lines = [
+        {"custom_id": "a", "method": "POST", "url": "/v1/completions",
+         "body": {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}},
+        {"custom_id": "bad", "method": "POST", "url": "/v1/completions",
+         "body": {"model": MODEL, "prompt": PROMPT, "max_tokens": 0}},
+        {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": MODEL, "messages": [{"role": "user", "content": "Speak."}], "max_tokens": 5,
+                  "temperature": 0}},
+    ]  # fmt: skip
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(json.dumps(x) for x in lines) + "\n{broken\n")
+    rc = main(["batch", str(src), str(dst), "--model", MODEL, "--dtype", "fp32", "--kv-cache-memory", "16000000",
+               "--quiet"])  # fmt: skip
+    out = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert rc == 1  # two lines failed
+    assert [o["custom_id"] for o in out] == ["a", "bad", "c", None]
+    assert [o["response"]["status_code"] for o in out] == [200, 400, 200, 400]
+    assert out[0]["response"]["body"]["choices"][0]["text"] == expected(reference, PROMPT, max_tokens=6,
+                                                                        temperature=0).text  # fmt: skip
+    assert out[1]["error"]["param"] == "max_tokens"
+    assert out[2]["response"]["body"]["choices"][0]["message"]["content"]
