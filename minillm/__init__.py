@@ -20,7 +20,7 @@ if not _torch.cuda.is_available():
 from minillm.config import EngineConfig, ModelConfig  # noqa: E402
 from minillm.engine import LLM, LLMEngine  # noqa: E402
 from minillm.errors import ModelLoadError, ModelNotFoundError, PromptTooLongError  # noqa: E402
-from minillm.outputs import RequestMetrics, RequestOutput, StreamDelta  # noqa: E402
+from minillm.outputs import RequestMetrics, RequestOutput, StreamDelta, TokenLogprob  # noqa: E402
 from minillm.sampling import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
@@ -37,4 +37,5 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "StreamDelta",
+    "TokenLogprob",
 ]

@@ -86,7 +86,45 @@ class RequestMetrics:
 
 
 @dataclass
+class TokenLogprob:
+    """One output token's log-probability and (``SamplingParams.logprobs = k``) the ``k`` most
+    likely tokens at its position, ``(token_id, logprob)`` sorted by logprob descending.
+
+    Log-probabilities are ``log_softmax`` of the model's raw logits in fp32 — before repetition
+    penalty, temperature, top-k/top-p/min-p — as vLLM returns by default and OpenAI clients
+    expect: they describe the model, not the sampler's reshaped distribution.
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SampleId:
+    """The engine's internal key of sample ``index >= 1`` of a request with ``n > 1``.
+
+    Sample 0 keeps the request's own id. A dedicated type (not a tuple) cannot clash with an id a
+    caller chose. Callers never need it: outputs and deltas carry the request's id and ``index``;
+    it shows up only in scheduler/step-record internals (block tables, ``StepRecord.chunks``).
+    """
+
+    request_id: Hashable
+    index: int
+
+
+@dataclass
 class RequestOutput:
+    """One sample of a request, or (``LLM.generate``) the request.
+
+    ``index`` is the sample's number, 0..n-1 (``SamplingParams.n``); every sample of a request
+    has the request's ``request_id``. ``samples``: filled by ``LLM.generate`` (and
+    ``LLMEngine.request_output``) for ``n > 1`` only — all n samples in index order, each a
+    plain ``RequestOutput`` with empty ``samples``; this output's own fields are sample 0's
+    (``samples[0]`` repeats them). ``logprobs``: one ``TokenLogprob`` per entry of
+    ``token_ids`` when ``SamplingParams.logprobs`` is set, else None.
+    """
+
     request_id: Hashable
     prompt: str
     prompt_token_ids: list[int]
@@ -96,6 +134,9 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     num_preemptions: int = 0
+    index: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    samples: list[RequestOutput] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -110,6 +151,12 @@ class StreamDelta:
     ``text`` may be empty (half a UTF-8 character, or text held back because it could be the
     start of a stop string) and is released by a later delta. The last delta has
     ``finish_reason`` set.
+
+    With ``SamplingParams.n > 1`` the deltas of all n samples share ``request_id`` and differ
+    by ``index``; each sample's last delta has ``finish_reason`` (and its own ``output``), and
+    the request is over at the delta with ``request_finished`` — exactly one per request, the
+    last (for ``n = 1`` the one with ``finish_reason``). ``logprobs`` is aligned with
+    ``token_ids`` when the request asked for them.
     """
 
     request_id: Hashable
@@ -118,3 +165,6 @@ class StreamDelta:
     finish_reason: str | None = None
     output: RequestOutput | None = None  # the complete result, on the last delta of a request
     token_ids: list[int] = field(default_factory=list)  # every token of this delta (several after a verify step)
+    index: int = 0  # which sample of the request (SamplingParams.n)
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, if requested
+    request_finished: bool = False  # the request's last delta: every sample has finished

@@ -19,6 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minillm.outputs import TokenLogprob
+
+MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+MAX_N = 16  # parallel samples per request
+
 
 @dataclass
 class SamplingParams:
@@ -28,6 +33,13 @@ class SamplingParams:
     ``repetition_penalty=1`` disable those filters. ``stop`` strings end generation and are
     cut from the text; ``stop_token_ids`` (and the model's EOS unless ``ignore_eos``) end it
     and are kept in ``token_ids`` but not in ``text``.
+
+    ``logprobs``: None returns none; ``k`` in 0..20 returns, per output token, its
+    log-probability and the ``k`` most likely alternatives (OpenAI's ``top_logprobs``, vLLM's
+    ``logprobs``; see ``TokenLogprob``). ``n``: parallel samples of the prompt, which is
+    prefilled once and shared copy-on-write (paged engine only). Sample ``i`` draws from a
+    generator seeded with ``seed + i``, so with a seed it is exactly the completion a request
+    with ``n=1, seed=seed + i`` gets; greedy samples are all the same.
     """
 
     temperature: float = 0.0
@@ -40,6 +52,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -83,6 +97,11 @@ class SamplingParams:
             raise ValueError(f"seed={self.seed} must fit in 64 bits: 0 <= seed < 2**64")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos={self.ignore_eos!r} must be True or False")
+        k = self.logprobs
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs={k!r} must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n={self.n!r} must be an integer in [1, {MAX_N}]")
 
     @property
     def greedy(self) -> bool:
@@ -184,3 +203,19 @@ def sample(
             noise = torch.empty_like(probs[j]).exponential_(generator=generators[i])
             tokens[i] = int((probs[j] / noise).argmax())
     return tokens
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprob]:
+    """Row ``i`` of raw ``logits[R, V]``: the log-probability of ``token_ids[i]`` and the
+    ``num_top[i]`` most likely tokens. ``log_softmax`` in fp32 of the model's own logits (no
+    penalty, temperature or filter: see ``TokenLogprob``); the caller passes only the rows of
+    requests that asked, so the others cost nothing."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(-1, torch.tensor(token_ids, device=logp.device).unsqueeze(-1)).squeeze(-1).tolist()
+    k = min(max(num_top, default=0), logp.shape[-1])
+    top_values, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0])
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    return [
+        TokenLogprob(t, lp, [(int(i), v) for i, v in zip(top_ids[r][:m], top_values[r][:m])])
+        for r, (t, lp, m) in enumerate(zip(token_ids, chosen, num_top))
+    ]

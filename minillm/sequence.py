@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Hashable
 
 import torch
 
-from minillm.outputs import RequestMetrics, RequestOutput
+from minillm.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -25,6 +26,16 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
+    """One request, or one sample of a request with ``SamplingParams.n > 1``.
+
+    Such a request starts as one sequence (sample 0, holding the request's id) that prefills the
+    prompt once. When its first logits come, the engine draws all n first tokens from them and
+    forks samples ``1..n-1`` (``request_id = SampleId(id, i)``, ``group_id = id``), sharing the
+    prompt's KV blocks copy-on-write; from then on every sample is an ordinary sequence that
+    decodes, is preempted and finishes on its own. Sample 0 keeps the group: ``samples`` (all of
+    them, index order) and, until the fork, ``pending_generators`` (the others' generators).
+    """
+
     _counter = 0  # creation order, the last tie-breaker between equal priority and arrival
 
     def __init__(
@@ -39,7 +50,11 @@ class Sequence:
         arrival_time: float | None = None,
         priority: int = 0,
     ):
-        self.request_id = request_id
+        self.request_id = request_id  # the engine's key for this sequence (blocks, runner, speculator)
+        self.group_id: Hashable = request_id  # the request's id, what callers see (differs for samples >= 1)
+        self.index = 0  # sample number within the request
+        self.samples: list[Sequence] = [self]  # sample 0: every sample of the request, once forked
+        self.pending_generators: list[torch.Generator] = []  # sample 0 before its fork: samples 1..n-1's
         self.priority = priority  # lower runs first; ties go to the earlier arrival (FCFS)
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache (paged engine)
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache when first scheduled
@@ -56,6 +71,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.metrics = RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
         self.text = ""
+        self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
         self._emitted = 0  # characters of `text` already handed to a stream
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stop_ids = set(params.stop_token_ids)
@@ -88,6 +104,17 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def request_finished(self) -> bool:
+        """(Sample 0) every sample of the request has finished. The fork happens in the step
+        of sample 0's first token, so a finished sample 0 without its siblings was aborted."""
+        return all(s.is_finished for s in self.samples)
+
+    @property
+    def fan_out(self) -> int:
+        """Running sequences this one becomes: n before its first token (it will fork), else 1."""
+        return 1 if self.output_token_ids else self.params.n
 
     def append_token(self, token_id: int, now: float | None = None) -> None:
         """Record a generated token, update the text, and decide whether the request is done."""
@@ -150,7 +177,7 @@ class Sequence:
 
     def to_output(self) -> RequestOutput:
         return RequestOutput(
-            request_id=self.request_id,
+            request_id=self.group_id,
             prompt=self.prompt,
             prompt_token_ids=list(self.prompt_token_ids),
             text=self.text,
@@ -159,4 +186,6 @@ class Sequence:
             metrics=self.metrics,
             num_cached_tokens=self.num_cached_tokens,
             num_preemptions=self.num_preemptions,
+            index=self.index,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
         )

@@ -363,3 +363,59 @@ def test_batch_file_runs_offline_in_input_order(tmp_path, reference):
                                                                         temperature=0).text  # fmt: skip
     assert out[1]["error"]["param"] == "max_tokens"
     assert out[2]["response"]["body"]["choices"][0]["message"]["content"]
+
+
+# ---- n samples and logprobs ----------------------------------------------------------------------
+
+
+def test_n_samples_are_reproducible_per_index(client, reference):
+    args = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=11, n=3)
+    got = client.completions.create(**args)
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    for j, choice in enumerate(got.choices):  # sample j is what a single request seeded seed + j gets
+        assert choice.text == expected(reference, PROMPT, max_tokens=12, temperature=1.0, seed=11 + j).text
+    assert len({c.text for c in got.choices}) > 1
+    assert got.usage.prompt_tokens == len(reference[MODEL].tokenizer.encode(PROMPT))  # the prompt counted once
+    assert got.usage.completion_tokens == 36
+    greedy = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, n=2)
+    assert greedy.choices[0].text == greedy.choices[1].text
+
+
+def test_streamed_n_samples_interleave_by_index(client):
+    args = dict(model=MODEL, prompt=[PROMPT, "ROMEO.\n"], max_tokens=10, temperature=0.9, seed=5, n=2)
+    whole = client.completions.create(**args)
+    texts = {}
+    for chunk in client.completions.create(stream=True, **args):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert [texts[k] for k in range(4)] == [c.text for c in whole.choices]
+
+
+def test_logprobs_on_completions_and_chat(client, reference):
+    import math
+
+    got = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3, extra_body={"ignore_eos": True}
+    )
+    lp = got.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == got.choices[0].text
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and math.isclose(chosen, max(top.values()), rel_tol=1e-6)  # greedy = the top token
+    want = expected(reference, PROMPT, max_tokens=6, temperature=0, logprobs=3, ignore_eos=True)
+    assert [round(r.logprob, 5) for r in want.logprobs] == [round(x, 5) for x in lp.token_logprobs]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Speak."}],
+                                          max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices[0].logprobs is None
+
+
+def test_a_request_that_can_never_fit_the_pool_is_refused():
+    engines = build_engines([MODEL], dtype="fp32", kv_cache_memory=200_000)
+    with ServerThread(build_app(engines)) as srv:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 900, "temperature": 0}
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400 and "can never fit" in r.json()["error"]["message"]
+        ok = httpx.post(srv.url + "/v1/completions", json=body | {"max_tokens": 4}, timeout=60)
+        assert ok.status_code == 200

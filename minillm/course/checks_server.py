@@ -65,7 +65,7 @@ def check_cache_key(cache_key, model: str = MODEL) -> str:
         cache_key, endpoint, GREEDY, "a greedy request"
     ):
         raise CheckFailed(
-            "adding \"user\": \"alice\" changed the key: user only identifies the caller and cannot change the "
+            'adding "user": "alice" changed the key: user only identifies the caller and cannot change the '
             "answer, so leave it out of the key (the same goes for stream_options)"
         )
     _differs(cache_key, {"prompt": "ROMEO.\n"}, "prompt")

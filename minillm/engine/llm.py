@@ -78,7 +78,11 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs keep prompt order.
+        """Generate for every prompt; outputs keep prompt order, one ``RequestOutput`` per prompt.
+
+        For ``SamplingParams(n > 1)`` that output is sample 0's, and ``output.samples`` holds all
+        n samples (index order; sample ``i`` of a seeded request equals the ``n=1`` request
+        seeded with ``seed + i``).
 
         All requests are queued at once; the engine's scheduler decides how they are batched
         (at most ``max_num_seqs`` run together) — with the requests of any other ``generate`` or
@@ -93,7 +97,8 @@ class LLM:
         self._submit(seqs, streaming=False)
         try:
             for seq in seqs:  # each call steps the engine until this request's last delta arrives
-                self._next_delta(seq)
+                while not self._next_delta(seq).request_finished:
+                    pass  # another of its samples is still running
                 if progress is not None:
                     progress.update(1)
         except BaseException:  # interrupted (Ctrl-C in a notebook) or failed: leave the engine clean
@@ -102,11 +107,14 @@ class LLM:
         finally:
             if progress is not None:
                 progress.close()
-        return [s.to_output() for s in seqs]
+        return [self.engine.request_output(s) for s in seqs]
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Yield a ``StreamDelta`` per generated token as soon as it is sampled; the last one has
-        ``finish_reason`` and ``output`` set. Several streams (and ``generate`` calls) may run at
+        ``finish_reason``, ``output`` and ``request_finished`` set. With ``n > 1`` the samples'
+        deltas interleave (told apart by ``index``), each sample's last has its
+        ``finish_reason`` and ``output``, and the stream ends after the one with
+        ``request_finished``. Several streams (and ``generate`` calls) may run at
         once, interleaved in one thread or from several: each gets exactly its own deltas."""
         (seq,) = self._make_sequences([prompt], sampling_params)
         self._submit([seq], streaming=True)
@@ -114,7 +122,7 @@ class LLM:
             while True:
                 delta = self._next_delta(seq)
                 yield delta
-                if delta.finish_reason is not None:
+                if delta.request_finished:
                     return
         finally:
             self._cancel([seq])  # the caller stopped iterating: free the request's resources
@@ -143,12 +151,15 @@ class LLM:
                 box = self._mailboxes[seq.request_id]
                 if box.deltas:
                     delta = box.deltas.popleft()
-                    if delta.finish_reason is not None:
+                    if delta.request_finished:
                         del self._mailboxes[seq.request_id]
                     return delta
-                if seq.is_finished:  # aborted from elsewhere (llm.engine.abort): its last word
+                if seq.request_finished:  # aborted from elsewhere (llm.engine.abort): its last word
                     del self._mailboxes[seq.request_id]
-                    return StreamDelta(seq.request_id, None, seq.take_stream_text(), seq.finish_reason, seq.to_output())
+                    text = seq.take_stream_text()
+                    return StreamDelta(
+                        seq.request_id, None, text, seq.finish_reason, seq.to_output(), request_finished=True
+                    )
                 deltas = self.engine.step()
                 for delta in deltas:
                     other = self._mailboxes.get(delta.request_id)
@@ -168,5 +179,5 @@ class LLM:
 @dataclass
 class _Mailbox:
     seq: Sequence
-    streaming: bool  # every delta is kept; otherwise only the last (generate)
+    streaming: bool  # every delta is kept; otherwise only each sample's last (generate)
     deltas: deque[StreamDelta] = field(default_factory=deque)

@@ -8,8 +8,12 @@
 
 Each ``step()`` is one iteration of the serving loop:
 
-    schedule → step inputs (plain data) → runner: logits → sample → append → commit blocks
-    → free finished requests → report what was produced
+    schedule → step inputs (plain data) → runner: logits → sample (+ logprobs) → append
+    → commit blocks → free finished requests → report what was produced
+
+A request with ``SamplingParams.n > 1`` is one sequence until its prompt's logits come; then
+its n first tokens are drawn from that row and n - 1 more sequences are forked off it, sharing
+its KV blocks copy-on-write (``_fork``); from then on they are independent sequences.
 
 ``LLM.generate`` and ``LLM.stream`` are thin loops over this class. The loop is the same for
 every mode; ``engine/builder.py`` decides which scheduler and runner do the work: in
@@ -38,8 +42,8 @@ from minillm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from minillm.errors import PromptTooLongError
 from minillm.metrics import StepRecord
 from minillm.models import load_model
-from minillm.outputs import StreamDelta
-from minillm.sampling import SamplingParams, sample
+from minillm.outputs import RequestOutput, SampleId, StreamDelta, TokenLogprob
+from minillm.sampling import SamplingParams, sample, token_logprobs
 from minillm.sequence import Sequence
 from minillm.tokenizer import ChatMessages, Tokenizer
 
@@ -76,7 +80,9 @@ class LLMEngine:
         self.speculator = parts.speculator  # proposes and verifies; does nothing without speculative_config
         self._rng = random.Random(config.seed)
         self._next_id = 0
-        self.requests: dict[Hashable, Sequence] = {}  # every unfinished request, by id
+        # Every unfinished request, by the id add_request returned: its sequence, or for n > 1 its
+        # sample 0 (whose `.samples` lists them all), kept until the last sample has finished.
+        self.requests: dict[Hashable, Sequence] = {}
         # add_request / abort / step may come from several threads (a server's handlers and its
         # engine loop): each holds this lock, so they never see the engine half-updated.
         self._lock = threading.RLock()
@@ -156,11 +162,27 @@ class LLMEngine:
         priority: int = 0,
         request_id: Hashable | None = None,
     ) -> Sequence:
-        """Validate one request and build its ``Sequence`` (not yet queued)."""
+        """Validate one request and build its ``Sequence`` (not yet queued).
+
+        ``params.n > 1`` needs the paged engine (the samples share the prompt's blocks copy-on-write;
+        the naive and contiguous runners have no blocks to share) and at most ``max_num_seqs``
+        samples (they run together). Speculation of either kind works: a draft model rebuilds
+        each forked sample's draft state from its tokens, as after a preemption.
+        """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params for {where} must be SamplingParams, got {type(params).__name__}")
         params.validate()  # fields may have been changed after construction
+        if params.n > 1 and self.block_manager is None:
+            raise ValueError(
+                f"n={params.n} for {where}: parallel samples share the prompt's KV blocks copy-on-write, "
+                f"which needs mode='paged' (this engine has mode={self.mode!r})"
+            )
+        if params.n > self.engine_config.max_num_seqs:
+            raise ValueError(
+                f"n={params.n} for {where} exceeds max_num_seqs={self.engine_config.max_num_seqs}: "
+                "a request's samples run together"
+            )
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority for {where} must be an int, got {priority!r}")
         if arrival_time is not None and (
@@ -196,6 +218,12 @@ class LLMEngine:
         seq = Sequence(
             request_id, text, ids, params, self.tokenizer, generator, self.max_model_len, arrival_time, priority
         )
+        # Samples 1..n-1 draw from seed + i: each is exactly the request with n=1 and that seed.
+        seeds = [
+            (params.seed + i) % 2**64 if params.seed is not None else self._rng.getrandbits(63)
+            for i in range(1, params.n)
+        ]
+        seq.pending_generators = [torch.Generator(device=self.device).manual_seed(s) for s in seeds]
         if self.block_manager is not None:
             need = self.block_manager.blocks_for(len(ids) + seq.max_output)
             if need > self.block_manager.num_blocks:
@@ -217,6 +245,9 @@ class LLMEngine:
     ) -> Hashable:
         """Queue a request; returns its id. Raises (and queues nothing) if the request is invalid.
 
+        With ``params.n > 1`` the prompt is prefilled once and its n samples decode separately;
+        their deltas and outputs carry this id and their ``index`` (see ``StreamDelta``).
+
         ``arrival_time`` (``time.perf_counter()`` seconds) defaults to now; a workload driver
         passes the scheduled arrival so queueing delay counts in TTFT. Lower ``priority`` runs first.
         """
@@ -234,23 +265,37 @@ class LLMEngine:
             self.requests[seq.request_id] = seq
             self.scheduler.add(seq)
 
-    def abort(self, request_id: Hashable):
-        """Stop a request now and free its blocks; returns its ``RequestOutput`` (finish_reason "abort")."""
+    def abort(self, request_id: Hashable) -> RequestOutput:
+        """Stop a request now — every sample still running, for ``n > 1`` — and free their
+        blocks; returns ``request_output`` (finish_reason "abort" where a sample was cut)."""
         with self._lock:
-            seq = self.requests.pop(request_id, None)
-            if seq is None:
+            first = self.requests.pop(request_id, None)
+            if first is None:
                 raise ValueError(f"abort: no unfinished request with id {request_id!r}")
-            self.scheduler.finish(seq)
-            self.runner.release(request_id)
-            self.speculator.release(request_id)
-            seq.abort(self.clock())
-            return seq.to_output()
+            now = self.clock()
+            for seq in first.samples:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq)
+                    self.runner.release(seq.request_id)
+                    self.speculator.release(seq.request_id)
+                    seq.abort(now)
+            return self.request_output(first)
+
+    @staticmethod
+    def request_output(seq: Sequence) -> RequestOutput:
+        """The output of the request whose (first) sequence is ``seq``: its own, and for
+        ``n > 1`` every sample's in ``samples`` (index order)."""
+        out = seq.to_output()
+        if seq.params.n > 1:
+            out.samples = [s.to_output() for s in seq.samples]
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     @property
     def num_unfinished_requests(self) -> int:
+        """Requests (not samples: a request with n > 1 counts once) with a sample still running."""
         return len(self.requests)
 
     # ----------------------------------------------------------------------------------------
@@ -260,7 +305,9 @@ class LLMEngine:
     def step(self) -> list[StreamDelta]:
         """Run one scheduler step; return a delta for every request that produced a token.
 
-        The last delta of a request carries ``finish_reason`` and the complete ``output``.
+        The last delta of a request carries ``finish_reason``, the complete ``output`` and
+        ``request_finished``. With ``n > 1``, one delta per sample (``index``), each sample's last
+        with its ``finish_reason`` and ``output``; ``request_finished`` only on the very last.
         A step with nothing to run (all queued requests waiting for a dynamic batch to fill)
         returns an empty list without touching the model.
         """
@@ -280,8 +327,9 @@ class LLMEngine:
         try:
             for chunk in scheduled.chunks:
                 chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
-            emitted = self._choose_tokens(sampling, logits)
-            deltas = self._append(sampling, emitted)
+            emitted, forks = self._choose_tokens(sampling, logits)
+            logprobs = self._logprobs(sampling, logits, emitted, forks)
+            deltas = self._append(sampling, emitted, forks, logprobs)
         except BaseException:  # interrupted (Ctrl-C) before every token was appended: let the
             for c in sampling:  # sequences without their token run this step again, or they would wait forever
                 if len(c.seq) == c.start + c.num_tokens - len(c.draft_tokens):
@@ -312,39 +360,124 @@ class LLMEngine:
         ]
         return StepInputs(chunks, scheduled.copies)
 
-    def _choose_tokens(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[list[int]]:
-        """The tokens each sampling chunk emits: one sampled token, or — for a verify chunk —
-        the proposals the target accepts and its own next token."""
-        emitted: list[list[int]] = [[] for _ in chunks]
+    @staticmethod
+    def _logit_ends(chunks: list[ScheduledChunk]) -> list[int]:
+        """``ends[i]:ends[i + 1]`` are chunk ``i``'s rows of the step's logits."""
         ends = [0]
         for c in chunks:
             ends.append(ends[-1] + c.num_logits)
+        return ends
+
+    def _choose_tokens(
+        self, chunks: list[ScheduledChunk], logits: torch.Tensor
+    ) -> tuple[list[list[int]], dict[int, list[int]]]:
+        """The tokens each sampling chunk emits: one sampled token, or — for a verify chunk —
+        the proposals the target accepts and its own next token. And ``forks``: for a chunk
+        giving the first logits of a request with ``n > 1``, the first tokens of samples
+        1..n-1, drawn from the same row with their own generators."""
+        emitted: list[list[int]] = [[] for _ in chunks]
+        forks: dict[int, list[int]] = {}
+        ends = self._logit_ends(chunks)
         plain = [i for i, c in enumerate(chunks) if not c.draft_tokens]
         if plain:
-            seqs = [chunks[i].seq for i in plain]
+            rows_of, seqs, generators = [], [], []
+            for i in plain:
+                seq = chunks[i].seq
+                for generator in [seq.generator, *seq.pending_generators]:
+                    rows_of.append(ends[i + 1] - 1)
+                    seqs.append(seq)
+                    generators.append(generator)
             rows = (
                 logits
-                if len(plain) == len(logits)
-                else logits[torch.tensor([ends[i + 1] - 1 for i in plain], device=logits.device)]
+                if len(rows_of) == len(plain) == len(logits)
+                else logits[torch.tensor(rows_of, device=logits.device)]
             )
             needs_history = any(s.params.repetition_penalty != 1.0 for s in seqs)
             tokens = sample(
                 rows,
                 [s.params for s in seqs],
-                [s.generator for s in seqs],
+                generators,
                 seen=[s.token_ids for s in seqs] if needs_history else None,
             )
-            for i, token in zip(plain, tokens):
-                emitted[i] = [token]
+            at = 0
+            for i in plain:
+                fan = 1 + len(chunks[i].seq.pending_generators)
+                emitted[i] = tokens[at : at + 1]
+                if fan > 1:
+                    forks[i] = tokens[at + 1 : at + fan]
+                at += fan
         for i, chunk in enumerate(chunks):
             if chunk.draft_tokens:  # verify: the k + 1 rows of this chunk decide
                 emitted[i] = self.speculator.verify(chunk.seq, chunk.draft_tokens, logits[ends[i] : ends[i + 1]])
-        return emitted
+        return emitted, forks
 
-    def _append(self, chunks: list[ScheduledChunk], emitted: list[list[int]]) -> list[StreamDelta]:
+    def _logprobs(
+        self, chunks: list[ScheduledChunk], logits: torch.Tensor, emitted: list[list[int]], forks: dict[int, list[int]]
+    ) -> list[list[TokenLogprob] | None]:
+        """For chunks whose request asked for logprobs: a record per token of
+        ``emitted[i] + forks[i]`` (None for the others, which cost nothing). Emitted token ``j``
+        of a chunk is predicted by its row ``j`` (a verify chunk's rows are consecutive
+        positions); forked first tokens all come from the one row of the prefill's end."""
+        out: list[list[TokenLogprob] | None] = [None] * len(chunks)
+        wanted = [i for i, c in enumerate(chunks) if c.seq.params.logprobs is not None]
+        if not wanted:
+            return out
+        ends = self._logit_ends(chunks)
+        rows, tokens, num_top = [], [], []
+        for i in wanted:
+            k = chunks[i].seq.params.logprobs
+            for j, token in enumerate(emitted[i]):
+                rows.append(ends[i] + j)
+                tokens.append(token)
+                num_top.append(k)
+            for token in forks.get(i, []):
+                rows.append(ends[i])
+                tokens.append(token)
+                num_top.append(k)
+        records = token_logprobs(logits[torch.tensor(rows, device=logits.device)], tokens, num_top)
+        at = 0
+        for i in wanted:
+            count = len(emitted[i]) + len(forks.get(i, []))
+            out[i] = records[at : at + count]
+            at += count
+        return out
+
+    def _fork(self, first: Sequence, index: int, token: int, now: float) -> Sequence:
+        """Sample ``index`` of ``first``'s request, whose first token is ``token``: it shares
+        ``first``'s blocks (the prompt's K/V; a write into a shared block is copied first, by
+        ``BlockManager.allocate_slots``) and runs from the next step on, on its own."""
+        child = Sequence(
+            SampleId(first.request_id, index),
+            first.prompt,
+            first.prompt_token_ids,
+            first.params,
+            self.tokenizer,
+            first.pending_generators[index - 1],
+            self.max_model_len,
+            first.metrics.arrival_time,
+            first.priority,
+        )
+        child.group_id, child.index = first.group_id, index
+        child.metrics.first_scheduled_time = first.metrics.first_scheduled_time
+        child.metrics.num_forward_passes = 1  # the prefill's, which produced its first token
+        child.num_cached_tokens = first.num_cached_tokens
+        first.samples.append(child)
+        child.append_token(token, now)
+        if not child.is_finished:  # one that ends at its first token needs no blocks
+            self.block_manager.fork(first, child)
+            self.scheduler.adopt(child)
+        return child
+
+    def _append(
+        self,
+        chunks: list[ScheduledChunk],
+        emitted: list[list[int]],
+        forks: dict[int, list[int]],
+        logprobs: list[list[TokenLogprob] | None],
+    ) -> list[StreamDelta]:
         now = self.clock()
         deltas = []
-        for chunk, tokens in zip(chunks, emitted):
+        for i, (chunk, tokens, records) in enumerate(zip(chunks, emitted, logprobs)):
             seq = chunk.seq
             appended = seq.append_tokens(tokens, now)
             metrics = seq.metrics
@@ -357,13 +490,40 @@ class LLMEngine:
                 if not seq.is_finished:  # rejected proposals: their K/V goes (a finished one frees all)
                     self.scheduler.rollback(seq, chunk.start + 1 + accepted)
                 self.speculator.after_verify(seq)
-            new = tokens[:appended]
-            delta = StreamDelta(seq.request_id, new[-1], seq.take_stream_text(), seq.finish_reason, token_ids=new)
-            if seq.is_finished:
-                del self.requests[seq.request_id]
-                delta.output = seq.to_output()
-            deltas.append(delta)
+            deltas.append(self._delta(seq, tokens[:appended], None if records is None else records[:appended]))
+            if i in forks:
+                for j, token in enumerate(forks[i], start=1):
+                    child = self._fork(seq, j, token, now)
+                    deltas.append(
+                        self._delta(child, [token], None if records is None else [records[len(tokens) + j - 1]])
+                    )
+                seq.pending_generators = []
+        # A request is over with its last sample: that sample's delta (the last of the request
+        # in this step) says so, and the request leaves `requests`.
+        last = {d.request_id: d for d in deltas if d.finish_reason is not None}
+        for request_id, delta in last.items():
+            if self.requests[request_id].request_finished:
+                delta.request_finished = True
+                del self.requests[request_id]
         return deltas
+
+    @staticmethod
+    def _delta(seq: Sequence, new: list[int], records: list[TokenLogprob] | None) -> StreamDelta:
+        """The delta of ``seq``'s appended tokens ``new`` (and their logprob ``records``)."""
+        if records is not None:
+            seq.logprobs.extend(records)
+        delta = StreamDelta(
+            seq.group_id,
+            new[-1],
+            seq.take_stream_text(),
+            seq.finish_reason,
+            token_ids=new,
+            index=seq.index,
+            logprobs=records,
+        )
+        if seq.is_finished:
+            delta.output = seq.to_output()
+        return delta
 
     def _record(self, started: float, scheduled: SchedulerOutput) -> None:
         record = StepRecord(

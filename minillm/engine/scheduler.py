@@ -98,6 +98,12 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
+    def adopt(self, seq: Sequence) -> None:
+        """A sample just forked from a running sequence (``BlockManager.fork`` gave it its
+        blocks, its first token is appended): it runs from the next step on, like any other."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def finish(self, seq: Sequence) -> None:
         """Forget a finished (or aborted) sequence and give its blocks back."""
         if seq in self.running:
@@ -139,7 +145,8 @@ class Scheduler:
                 budget -= n + len(drafts)
         if self.policy == "continuous" and not out.preempted:  # no newcomers while evicting
             for seq in self.waiting_in_order():
-                if len(self.running) >= self.max_num_seqs or budget == 0:
+                # a request with n samples will fork into n running sequences: room for all of them
+                if len(self.running) + seq.fan_out > self.max_num_seqs or budget == 0:
                     break
                 n = self.try_admit(seq, budget, out)
                 if n == 0:
@@ -232,11 +239,13 @@ class Scheduler:
     def _start_batch(self, out: SchedulerOutput) -> None:
         """Static/dynamic: the batch is fixed now, as many as fit (prompts' blocks) up to ``max_num_seqs``."""
         free = self.block_manager.num_free_blocks
-        for seq in self.waiting_in_order()[: self.max_num_seqs]:
+        seats = self.max_num_seqs  # a request with n samples takes n (it forks after its prefill)
+        for seq in self.waiting_in_order():
             need = self.block_manager.blocks_for(len(seq))
-            if self.running and need > free:
+            if seq.fan_out > seats or (self.running and need > free):
                 break
             free -= need
+            seats -= seq.fan_out
             self.block_manager.match_prefix(seq)
             self.waiting.remove(seq)
             self._start(seq, out)

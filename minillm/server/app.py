@@ -156,10 +156,13 @@ def build_app(
         """Run every sequence to the end; abort them all if the client hangs up first."""
 
         async def last(deltas):
+            done = []
             async for delta in deltas:
-                if delta.output is not None:
+                if delta.output is not None:  # a sample finished
                     metrics.observe_finished(model, delta.output)
-                    return delta.output
+                    done.append(delta.output)
+                if delta.request_finished:
+                    return sorted(done, key=lambda o: o.index)
             raise EngineDead("stream ended without a result")
 
         tasks = [asyncio.ensure_future(last(d)) for d in streams]
@@ -171,7 +174,7 @@ def build_app(
                 if await request.is_disconnected():
                     metrics.aborted.labels(model).inc(sum(not t.done() for t in tasks))
                     raise APIError(499, "client disconnected", None)
-            return [t.result() for t in tasks]
+            return [sample for t in tasks for sample in t.result()]
         except EngineDead as exc:
             raise APIError(503, str(exc), None, "server_error") from None
         finally:
@@ -195,31 +198,33 @@ def build_app(
                 raise
 
         tasks = [asyncio.ensure_future(pump(k, d)) for k, d in enumerate(streams)]
-        offsets = [0] * len(seqs)
-        first = [True] * len(seqs)
+        n = len(seqs) and seqs[0].params.n
+        choices = len(seqs) * n
+        offsets, first = [0] * choices, [True] * choices
         remaining, completion_tokens = len(seqs), 0
         try:
             if fmt.chat:  # the role comes first, in a chunk of its own, as OpenAI sends it
-                yield sse(fmt.chunk([fmt.delta_choice(k, "", None, None, True) for k in range(len(seqs))]))
-                first = [False] * len(seqs)
+                yield sse(fmt.chunk([fmt.delta_choice(k, "", None, None, True) for k in range(choices)]))
+                first = [False] * choices
             while remaining:
-                index, item = await merged.get()
+                prompt_index, item = await merged.get()
                 if isinstance(item, BaseException):
                     message = str(item) if isinstance(item, EngineDead) else f"{type(item).__name__}: {item}"
                     yield sse(error_body(message, "server_error"))
                     return
                 delta = item
+                k = prompt_index * n + delta.index
                 # One chunk per engine step, even when the detokenizer holds the text back (an
                 # incomplete UTF-8 character, a possible stop string): clients see every token's
                 # timing, and the text arrives once it is certain.
-                records = getattr(delta, "logprobs", None)
-                choice = fmt.delta_choice(index, delta.text, delta.finish_reason, records, first[index], offsets[index])
-                offsets[index] += len(delta.text)
-                yield sse(fmt.chunk([choice]))
+                yield sse(fmt.chunk([fmt.delta_choice(k, delta.text, delta.finish_reason, delta.logprobs, first[k],
+                                                      offsets[k])]))  # fmt: skip
+                offsets[k] += len(delta.text)
                 if delta.output is not None:
-                    remaining -= 1
                     completion_tokens += len(delta.output.token_ids)
                     metrics.observe_finished(model, delta.output)
+                if delta.request_finished:
+                    remaining -= 1
             if include_usage:
                 yield sse(fmt.chunk([], usage(prompt_tokens, completion_tokens)))
             yield DONE

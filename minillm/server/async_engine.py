@@ -39,6 +39,11 @@ from minillm.sequence import Sequence
 log = logging.getLogger("minillm.server")
 
 
+def _put_all(items) -> None:
+    for queue_, item in items:
+        queue_.put_nowait(item)
+
+
 class QueueFull(Exception):
     """More requests are waiting than the server admits; retry after ``retry_after`` seconds."""
 
@@ -143,7 +148,7 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise EngineDead(f"the engine for {self.name!r} failed: {item!r}") from item
                 yield item
-                if item.finish_reason is not None:
+                if item.request_finished:  # with n > 1, every sample has finished
                     finished = True
                     return
         finally:
@@ -194,18 +199,30 @@ class AsyncEngine:
                     continue
                 if not deltas:  # a dynamic batch still filling: don't spin at full speed
                     time.sleep(0.001)
-                for delta in deltas:
-                    sink = self._sinks.get(delta.request_id)
-                    if sink is not None:
-                        sink.put(delta)
-                        if delta.finish_reason is not None:
-                            del self._sinks[delta.request_id]
+                self._dispatch(deltas)
         except BaseException as exc:  # noqa: BLE001 (the thread must not die silently)
             self.error = exc
             log.exception("engine thread for %s stopped", self.name)
             for sink in self._sinks.values():
                 sink.put(exc)
             self._sinks.clear()
+
+    def _dispatch(self, deltas: list[StreamDelta]) -> None:
+        """Hand one step's deltas to their requests' queues: one wake-up of each event loop per
+        step (``call_soon_threadsafe`` writes to the loop's wake-up pipe), not one per request."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StreamDelta]]] = {}
+        for delta in deltas:
+            sink = self._sinks.get(delta.request_id)
+            if sink is None:
+                continue
+            batches.setdefault(sink.loop, []).append((sink.queue, delta))
+            if delta.request_finished:
+                del self._sinks[delta.request_id]
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that loop is closed: nobody is listening any more
+                pass
 
     def _fail_all(self, exc: Exception) -> None:
         """A step raised: fail the requests it was running, abort them, keep serving the rest."""

@@ -60,7 +60,8 @@ def run_batch_file(
             p.engine.enqueue(seq)
     outputs = _run(engines, sum(len(p.seqs) for _, p in plans.values()), progress)
     for number, (custom_id, p) in plans.items():
-        results[number] = _line(number, custom_id, 200, response_of(p, [outputs[s.request_id] for s in p.seqs]))
+        samples = [sample for s in p.seqs for sample in outputs[s.request_id]]
+        results[number] = _line(number, custom_id, 200, response_of(p, samples))
     with open(output_path, "w", encoding="utf-8") as out:
         for result in results:
             if result is not None:
@@ -71,7 +72,7 @@ def run_batch_file(
 
 
 def _run(engines: dict, total: int, progress: bool) -> dict:
-    """Step every engine until all of its requests finish; outputs by request id."""
+    """Step every engine until all of its requests finish; each request's samples by its id."""
     from tqdm import tqdm
 
     outputs = {}
@@ -80,8 +81,10 @@ def _run(engines: dict, total: int, progress: bool) -> dict:
             for engine in engines.values():
                 if engine.has_unfinished_requests():
                     for delta in engine.step():
-                        if delta.output is not None:
-                            outputs[delta.request_id] = delta.output
+                        if delta.output is not None:  # one sample finished (n > 1 has several)
+                            outputs.setdefault(delta.request_id, []).append(delta.output)
+                        if delta.request_finished:
+                            outputs[delta.request_id].sort(key=lambda o: o.index)
                             bar.update(1)
     return outputs
 

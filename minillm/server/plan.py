@@ -9,7 +9,6 @@ cannot fail later for a reason the client could have fixed.
 
 from __future__ import annotations
 
-import copy
 import re
 from dataclasses import dataclass
 
@@ -29,7 +28,7 @@ ENDPOINTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatC
 class Plan:
     request: CompletionRequest | ChatCompletionRequest
     engine: object  # the AsyncEngine (server) or LLMEngine (batch) that will run it
-    seqs: list[Sequence]  # prompt-major: prompt i's samples are seqs[i * n : (i + 1) * n]
+    seqs: list[Sequence]  # one per prompt; each holds the request's n samples (choice i * n + sample index)
     formatter: Formatter
     prompt_tokens: int  # each prompt counted once, whatever n
 
@@ -88,28 +87,18 @@ def plan(req, engine, llm_engine, request_id: str) -> Plan:
         prompts = req.prompts()
     seqs = []
     for i, prompt in enumerate(prompts):
-        for j in range(req.n):
-            sample_params = params
-            if req.n > 1:  # each sample its own sequence; a given seed still reproduces them all
-                sample_params = _with_seed(params, None if params.seed is None else params.seed + j)
-            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-            try:
-                seqs.append(llm_engine.make_sequence(prompt, sample_params, where, request_id=f"{request_id}-{i}-{j}"))
-            except (ValueError, TypeError, PromptTooLongError) as exc:
-                raise APIError(400, str(exc), "messages" if chat else "prompt") from None
-    prompt_tokens = sum(len(s.prompt_token_ids) for s in seqs[:: req.n])
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        try:  # n samples live inside one request: the prompt is prefilled once, then forked
+            seqs.append(llm_engine.make_sequence(prompt, params, where, request_id=f"{request_id}-{i}"))
+        except (ValueError, TypeError, PromptTooLongError) as exc:
+            raise APIError(400, str(exc), "messages" if chat else "prompt") from None
+    prompt_tokens = sum(len(s.prompt_token_ids) for s in seqs)
     return Plan(req, engine, seqs, Formatter(chat, request_id, req.model, llm_engine.tokenizer), prompt_tokens)
 
 
-def _with_seed(params, seed):
-    out = copy.copy(params)
-    out.stop, out.stop_token_ids = list(params.stop), list(params.stop_token_ids)
-    out.seed = seed
-    return out
-
-
 def response_of(plan_: Plan, outputs) -> dict:
-    """The whole (non-streamed) response for finished ``outputs`` (one per sequence, in order)."""
+    """The whole (non-streamed) response for finished ``outputs``: every sample of every
+    prompt, prompt-major (choice ``i * n + j``)."""
     fmt = plan_.formatter
-    choices = [fmt.choice(k, o.text, o.finish_reason, getattr(o, "logprobs", None)) for k, o in enumerate(outputs)]
+    choices = [fmt.choice(k, o.text, o.finish_reason, o.logprobs) for k, o in enumerate(outputs)]
     return fmt.response(choices, plan_.prompt_tokens, sum(len(o.token_ids) for o in outputs))

@@ -18,13 +18,11 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from minillm.sampling import SamplingParams
+from minillm.sampling import MAX_LOGPROBS as MAX_TOP_LOGPROBS
+from minillm.sampling import MAX_N, SamplingParams
 
-#: The most parallel samples one request may ask for (each is a running sequence).
-MAX_N = 16
-#: OpenAI's limits: ``logprobs`` 0..5 on completions, ``top_logprobs`` 0..20 on chat.
+#: OpenAI's limit for ``logprobs`` on /v1/completions (chat's ``top_logprobs`` goes to 20).
 MAX_COMPLETION_LOGPROBS = 5
-MAX_TOP_LOGPROBS = 20
 
 Number = StrictInt | StrictFloat
 
@@ -102,6 +100,8 @@ class _Common(BaseModel):
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             seed=self.seed,
             ignore_eos=self.ignore_eos,
+            n=self.n,
+            logprobs=logprobs,
         )
         if self.top_k is not None and self.top_k < -1:
             raise APIError(400, f"top_k={self.top_k} must be -1 or 0 (off) or a positive integer", "top_k")
@@ -111,17 +111,6 @@ class _Common(BaseModel):
             params = SamplingParams(**values)
         except ValueError as exc:
             raise APIError(400, str(exc), _field_of(str(exc), values)) from None
-        extra = {"n": self.n} if self.n != 1 else {}
-        if logprobs is not None:
-            extra["logprobs"] = logprobs
-        for name, value in extra.items():  # fields an older engine may lack are refused clearly
-            if not hasattr(params, name):
-                raise APIError(400, f"{name} is not supported by this engine", name)
-            setattr(params, name, value)
-        try:
-            params.validate()
-        except ValueError as exc:
-            raise APIError(400, str(exc), _field_of(str(exc), extra)) from None
         return params
 
 

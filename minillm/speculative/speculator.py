@@ -43,8 +43,12 @@ class Speculator:
         self._draft_dists: dict[Hashable, torch.Tensor | None] = {}
 
     def eligible(self, seq: Sequence) -> int:
-        """How many tokens to propose for ``seq`` this step (0: decode it plainly)."""
-        if not seq.is_decoding or seq.params.repetition_penalty != 1.0:
+        """How many tokens to propose for ``seq`` this step (0: decode it plainly).
+
+        Not for the first token of a request with ``n > 1`` (a prompt chunked down to its last
+        token also "decodes"): that token's row is where the engine draws all n samples' first
+        tokens and forks them, which a verify step does not do."""
+        if not seq.is_decoding or seq.params.repetition_penalty != 1.0 or seq.pending_generators:
             return 0
         left = seq.max_output - len(seq.output_token_ids)  # a step emits up to k + 1 tokens
         room = self.max_model_len - len(seq)  # positions len(seq)-1 .. +k must exist
