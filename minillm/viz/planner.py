@@ -1,0 +1,62 @@
+"""The parallelism planner as a widget (chapter 09): pick a model, a device, TP and PP degrees
+and dtypes; see what each device holds and how fast a bandwidth-bound decode could be."""
+
+from __future__ import annotations
+
+from minillm.parallel.planner import DEVICES, DTYPE_BYTES, MODELS, plan
+
+
+def planner_figure(model: str, device: str, weight_dtype: str = "bf16", kv_dtype: str = "bf16", context: int = 4096,
+                   degrees=((1, 1), (2, 1), (4, 1), (8, 1), (4, 2), (8, 2))):  # fmt: skip
+    """Memory per device (weights, KV for the largest batch) and the batch-1 bound per layout."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    plans = []
+    for tp, pp in degrees:
+        try:
+            plans.append(plan(model, device, tp, pp, weight_dtype, kv_dtype, context))
+        except ValueError:
+            continue  # a layout this model cannot take (heads or layers do not divide)
+    names = [f"TP{p.tp}×PP{p.pp}" for p in plans]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("GB per device", "batch-1 decode bound, tok/s"))
+    fig.add_trace(go.Bar(x=names, y=[p.weights_per_device_gb for p in plans], name="weights"), row=1, col=1)
+    kv = [p.max_batch * p.kv_per_token_per_device_bytes * context / 1e9 for p in plans]
+    fig.add_trace(go.Bar(x=names, y=kv, name=f"KV of the largest batch at {context} tokens",
+                         text=[f"batch {p.max_batch}" if p.fits else "no fit" for p in plans]), row=1, col=1)  # fmt: skip
+    fig.add_trace(go.Bar(x=names, y=[p.tok_s_batch1 if p.fits else 0 for p in plans], name="bound tok/s",
+                         showlegend=False), row=1, col=2)  # fmt: skip
+    memory = DEVICES[device].memory_gb
+    fig.add_hline(y=memory, line_dash="dash", annotation_text=f"{device}: {memory:.0f} GB", row=1, col=1)
+    fig.update_layout(barmode="stack", height=380, margin=dict(t=50, b=10, l=40, r=10),
+                      title=f"{model} on {device}, weights {weight_dtype}, KV {kv_dtype}")  # fmt: skip
+    return fig, plans
+
+
+def planner_widget():
+    """Dropdowns for model / device / dtypes / context; redraws the figure and a table."""
+    import ipywidgets as w
+    from IPython.display import display
+
+    from minillm.parallel.planner import table
+
+    controls = dict(
+        model=w.Dropdown(options=list(MODELS), value="Llama-2-70B", description="model"),
+        device=w.Dropdown(options=list(DEVICES), value="H100 SXM 80GB", description="device"),
+        weight_dtype=w.Dropdown(options=list(DTYPE_BYTES), value="bf16", description="weights"),
+        kv_dtype=w.Dropdown(options=list(DTYPE_BYTES), value="bf16", description="KV cache"),
+        context=w.Dropdown(options=[2048, 4096, 8192, 32768, 131072], value=4096, description="context"),
+    )
+    out = w.Output()
+
+    def redraw(_=None):
+        fig, plans = planner_figure(**{k: c.value for k, c in controls.items()})
+        out.clear_output(wait=True)
+        with out:
+            display(fig)
+            print(table(plans))
+
+    for c in controls.values():
+        c.observe(redraw, names="value")
+    redraw()
+    return w.VBox([w.HBox(list(controls.values())[:3]), w.HBox(list(controls.values())[3:]), out])
