@@ -176,6 +176,13 @@ BAD = [
     ({"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
     ({"model": MODEL, "prompt": "x " * 5000}, 400, "prompt"),
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"50": 100}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"model": MODEL, "prompt": "x", "best_of": 3}, 400, "best_of"),
+    ({"model": MODEL, "prompt": ["x"] * 300}, 400, "prompt"),
+    (b'{"model": "m", "prompt": "a", "max_tokens": ' + b"1" * 5000 + b"}", 400, None),
+    (b'{"model": "m", "prompt": ' + b"[" * 50000 + b"]" * 50000 + b"}", 400, None),
 ]
 
 
@@ -352,13 +359,16 @@ def test_batch_file_runs_offline_in_input_order(tmp_path, reference):
                   "temperature": 0}},
     ]  # fmt: skip
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    src.write_text("\n".join(json.dumps(x) for x in lines) + "\n{broken\n")
+    odd = '{"custom_id": "huge", "url": "/v1/completions", "body": {"model": "M", "prompt": "a", "max_tokens": N}}'
+    odd = odd.replace("M", MODEL).replace("N", "9" * 5000)
+    src.write_text("\n".join(json.dumps(x) for x in lines) + "\n{broken\n" + odd + "\n"
+                   + json.dumps({"custom_id": "url", "url": ["x"], "body": {}}) + "\n")  # fmt: skip
     rc = main(["batch", str(src), str(dst), "--model", MODEL, "--dtype", "fp32", "--kv-cache-memory", "16000000",
                "--quiet"])  # fmt: skip
     out = [json.loads(line) for line in dst.read_text().splitlines()]
-    assert rc == 1  # two lines failed
-    assert [o["custom_id"] for o in out] == ["a", "bad", "c", None]
-    assert [o["response"]["status_code"] for o in out] == [200, 400, 200, 400]
+    assert rc == 1  # four lines failed, the others were answered
+    assert [o["custom_id"] for o in out] == ["a", "bad", "c", None, None, "url"]
+    assert [o["response"]["status_code"] for o in out] == [200, 400, 200, 400, 400, 400]
     assert out[0]["response"]["body"]["choices"][0]["text"] == expected(reference, PROMPT, max_tokens=6,
                                                                         temperature=0).text  # fmt: skip
     assert out[1]["error"]["param"] == "max_tokens"
@@ -419,3 +429,51 @@ def test_a_request_that_can_never_fit_the_pool_is_refused():
         assert r.status_code == 400 and "can never fit" in r.json()["error"]["message"]
         ok = httpx.post(srv.url + "/v1/completions", json=body | {"max_tokens": 4}, timeout=60)
         assert ok.status_code == 200
+
+
+def test_hostile_model_names_neither_break_nor_bloat_the_metrics(server):
+    for name in ("\ud800", "bogus-1", "bogus-2"):
+        body = json.dumps({"model": name, "prompt": "a"}).encode()
+        r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 404
+    metrics = httpx.get(server.url + "/metrics")
+    assert metrics.status_code == 200 and "bogus" not in metrics.text
+
+
+def test_a_chat_template_that_refuses_a_conversation_is_a_400():
+    engines = build_engines([MODEL], **ENGINE)
+    tok = engines[MODEL].engine.tokenizer
+    tok.hf.chat_template = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}x"
+    with ServerThread(build_app(engines)) as srv:
+        body = {"model": MODEL, "messages": [{"role": "system", "content": "hi"}], "max_tokens": 2}
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400 and "no system role" in r.json()["error"]["message"]
+
+
+def test_many_prompts_count_against_the_queue_limit():
+    engines = build_engines([MODEL], max_waiting=4, **ENGINE)
+    with ServerThread(build_app(engines)) as srv:
+        r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": ["To be"] * 24, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "To be", "max_tokens": 2, "n": 5})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+        ok = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": ["To be"] * 4, "max_tokens": 2})
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 4
+
+
+def test_a_step_that_fails_after_finishing_a_request_answers_it_and_frees_its_seat(server, monkeypatch):
+    engine = server.engines[OTHER].engine
+    real = engine.scheduler.commit
+    calls = {"n": 0}
+
+    def broken(chunks):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated failure after the tokens were appended")
+        return real(chunks)
+
+    monkeypatch.setattr(engine.scheduler, "commit", broken)
+    r = httpx.post(server.url + "/v1/completions", json={"model": OTHER, "prompt": PROMPT, "max_tokens": 1}, timeout=30)
+    assert r.status_code == 503 and "simulated" in r.json()["error"]["message"]
+    assert_idle(server)
+    assert not engine.scheduler.running

@@ -335,11 +335,13 @@ class LLMEngine:
                 if len(c.seq) == c.start + c.num_tokens - len(c.draft_tokens):
                     c.seq.num_computed_tokens = c.start
             raise
-        self.scheduler.commit(scheduled.chunks)
-        for seq in [c.seq for c in sampling if c.seq.is_finished]:
-            self.scheduler.finish(seq)
-            self.runner.release(seq.request_id)
-            self.speculator.release(seq.request_id)
+        try:
+            self.scheduler.commit(scheduled.chunks)
+        finally:  # finished sequences were already handed out: free them even if committing failed
+            for seq in [c.seq for c in sampling if c.seq.is_finished]:
+                self.scheduler.finish(seq)
+                self.runner.release(seq.request_id)
+                self.speculator.release(seq.request_id)
         self.num_steps += 1
         if self.step_records.maxlen != 0:
             self._record(started, scheduled)

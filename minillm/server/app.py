@@ -117,23 +117,27 @@ def build_app(
     async def _generate(request: Request, endpoint: str):
         body = await _json_body(request)
         req = parse(endpoint, body)
-        request.state.model = req.model
         engine = choose_engine(req, engines)
+        request.state.model = req.model  # a metrics label only once it names a served model
         cache_key = response_cache.key(endpoint, body) if response_cache is not None else None
         if cache_key is not None:
             hit = response_cache.get(cache_key)
             if hit is not None:
                 metrics.requests.labels(req.model, endpoint, "200").inc()
                 return JSONResponse(hit)
+        chat = endpoint == "/v1/chat/completions"
+        count = req.n * (1 if chat else len(req.prompts()))  # sequences this request will queue
+        if count > engine.max_waiting:
+            raise APIError(400, f"this request asks for {count} sequences (prompts × n); the server queues at most "
+                                f"{engine.max_waiting}", "n" if req.n > 1 else "prompt")  # fmt: skip
         try:
-            engine.admit()
+            engine.admit(count)
         except QueueFull as exc:
             metrics.rejected.labels("queue_full").inc()
             raise APIError(429, f"server busy: {exc}; retry later", None, "rate_limit_error", "queue_full",
                            {"Retry-After": str(exc.retry_after)}) from None  # fmt: skip
         except EngineDead as exc:
             raise APIError(503, str(exc), None, "server_error") from None
-        chat = endpoint == "/v1/chat/completions"
         p = plan(req, engine, engine.engine, engine.new_request_id("chatcmpl" if chat else "cmpl"))
         seqs, fmt, prompt_tokens = p.seqs, p.formatter, p.prompt_tokens
         streams = [engine.open(seq) for seq in seqs]  # queued now: no await since admit()
@@ -255,6 +259,8 @@ async def _json_body(request: Request) -> dict:
     except json.JSONDecodeError as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
                        None) from None  # fmt: skip
+    except (ValueError, RecursionError) as exc:  # a 5000-digit number, brackets nested 50,000 deep
+        raise APIError(400, f"the request body cannot be parsed: {type(exc).__name__}", None) from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", None)
     return body

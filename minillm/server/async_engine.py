@@ -77,6 +77,7 @@ class AsyncEngine:
         self.engine, self.name, self.max_waiting = engine, name, max_waiting
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = 0  # orders posted but not yet applied by the engine thread
+        self._pending_adds = 0  # of which new requests (what counts as waiting)
         self._pending_lock = threading.Lock()
         self._sinks: dict[Hashable, _Sink] = {}
         self._wake = threading.Event()
@@ -109,18 +110,19 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Requests not yet running: posted to the inbox or queued in the scheduler."""
-        return self._pending + len(self.engine.scheduler.waiting)
+        return self._pending_adds + len(self.engine.scheduler.waiting)
 
     @property
     def num_running(self) -> int:
         return len(self.engine.scheduler.running)
 
-    def admit(self) -> None:
-        """Raise :class:`QueueFull` if no more requests may wait (checked before tokenizing)."""
+    def admit(self, count: int = 1) -> None:
+        """Raise :class:`QueueFull` if ``count`` more sequences may not wait (checked before
+        tokenizing; the caller posts them with no ``await`` in between)."""
         if not self.alive:
             raise EngineDead(f"the engine for {self.name!r} has stopped: {self.error!r}")
         waiting = self.num_waiting
-        if waiting >= self.max_waiting:
+        if waiting + count > self.max_waiting:
             # A rough hint: a waiting request starts within about one batch's decode time.
             raise QueueFull(waiting, retry_after=1 + waiting // max(1, self.engine.engine_config.max_num_seqs))
 
@@ -160,6 +162,7 @@ class AsyncEngine:
     def _post(self, order) -> None:
         with self._pending_lock:
             self._pending += 1
+            self._pending_adds += order[0] == "add"
         self._inbox.put(order)
         self._wake.set()
 
@@ -171,6 +174,7 @@ class AsyncEngine:
                 return
             with self._pending_lock:
                 self._pending -= 1
+                self._pending_adds -= kind == "add"
             if kind == "add":
                 try:
                     self.engine.enqueue(item)
@@ -203,9 +207,15 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001 (the thread must not die silently)
             self.error = exc
             log.exception("engine thread for %s stopped", self.name)
-            for sink in self._sinks.values():
-                sink.put(exc)
-            self._sinks.clear()
+            self._fail_sinks(exc)
+            return
+        self._apply_orders()  # stopped: answer whoever is still waiting rather than leave them hanging
+        self._fail_sinks(EngineDead(f"the engine for {self.name!r} was stopped"))
+
+    def _fail_sinks(self, exc: BaseException) -> None:
+        for sink in self._sinks.values():
+            sink.put(exc)
+        self._sinks.clear()
 
     def _dispatch(self, deltas: list[StreamDelta]) -> None:
         """Hand one step's deltas to their requests' queues: one wake-up of each event loop per
@@ -225,14 +235,14 @@ class AsyncEngine:
                 pass
 
     def _fail_all(self, exc: Exception) -> None:
-        """A step raised: fail the requests it was running, abort them, keep serving the rest."""
+        """A step raised: fail every open request (a request that finished inside the failed
+        step is no longer in ``engine.requests`` but its client still waits), abort what is
+        left in the engine, and keep serving new requests."""
         self.num_steps_failed += 1
-        log.error("engine step failed for %s: %r; aborting its %d requests", self.name, exc, len(self.engine.requests))
+        log.error("engine step failed for %s: %r; failing its %d open requests", self.name, exc, len(self._sinks))
         for rid in list(self.engine.requests):
             try:
                 self.engine.abort(rid)
             except Exception:  # noqa: BLE001
                 log.exception("abort of %r after a failed step", rid)
-            sink = self._sinks.pop(rid, None)
-            if sink is not None:
-                sink.put(exc)
+        self._fail_sinks(exc)

@@ -55,6 +55,9 @@ def run_batch_file(
             plans[number] = (custom_id, plan(req, engine, engine, f"batch-{number}"))
         except APIError as exc:
             results[number] = _line(number, custom_id, exc.status, exc.body())
+        except (Exception, RecursionError) as exc:  # noqa: BLE001 (one odd line must not sink the batch)
+            body = error_body(f"line {number + 1} cannot be used: {type(exc).__name__}: {exc}"[:300])
+            results[number] = _line(number, custom_id, 400, body)
     for _, p in plans.values():
         for seq in p.seqs:
             p.engine.enqueue(seq)

@@ -65,6 +65,8 @@ class ServerMetrics:
         if output.finish_reason == "abort":
             self.aborted.labels(model).inc()
             return
+        if getattr(output, "index", 0):  # latencies once per request: sample 0 stands for its n samples
+            return
         for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.e2e, m.e2e_latency)):
             if value is not None:
                 hist.labels(model).observe(value)

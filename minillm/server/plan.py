@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from jinja2.exceptions import TemplateError
 from pydantic import ValidationError
 
 from minillm.errors import PromptTooLongError
@@ -90,8 +91,10 @@ def plan(req, engine, llm_engine, request_id: str) -> Plan:
         where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         try:  # n samples live inside one request: the prompt is prefilled once, then forked
             seqs.append(llm_engine.make_sequence(prompt, params, where, request_id=f"{request_id}-{i}"))
-        except (ValueError, TypeError, PromptTooLongError) as exc:
-            raise APIError(400, str(exc), "messages" if chat else "prompt") from None
+        except (ValueError, TypeError, PromptTooLongError, TemplateError) as exc:
+            # A chat template may refuse a conversation itself ("roles must alternate").
+            param = "n" if str(exc).startswith("n=") else "messages" if chat else "prompt"
+            raise APIError(400, str(exc), param) from None
     prompt_tokens = sum(len(s.prompt_token_ids) for s in seqs)
     return Plan(req, engine, seqs, Formatter(chat, request_id, req.model, llm_engine.tokenizer), prompt_tokens)
 

@@ -14,7 +14,7 @@ which accepts the same extensions (``top_k``, ``min_p``, ``repetition_penalty``,
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
@@ -23,6 +23,8 @@ from minillm.sampling import MAX_N, SamplingParams
 
 #: OpenAI's limit for ``logprobs`` on /v1/completions (chat's ``top_logprobs`` goes to 20).
 MAX_COMPLETION_LOGPROBS = 5
+#: Prompts in one /v1/completions request: each is tokenized on the event loop before queueing.
+MAX_PROMPTS = 256
 
 Number = StrictInt | StrictFloat
 
@@ -73,6 +75,13 @@ class _Common(BaseModel):
     seed: StrictInt | None = None
     presence_penalty: Number = 0
     frequency_penalty: Number = 0
+    # Accepted so that they can be refused by name: this server cannot honour them.
+    response_format: Any = None
+    logit_bias: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    best_of: Any = None
     # Extensions (vLLM's names).
     top_k: StrictInt | None = None
     min_p: Number | None = None
@@ -80,6 +89,12 @@ class _Common(BaseModel):
     ignore_eos: StrictBool = False
 
     def check_supported(self) -> None:
+        for name in ("response_format", "logit_bias", "tools", "tool_choice", "functions"):
+            value = getattr(self, name)
+            if value not in (None, {}, [], {"type": "text"}, "none"):
+                raise APIError(400, f"{name} is not supported by this server", name)
+        if self.best_of not in (None, 1, self.n):
+            raise APIError(400, "best_of is not supported by this server (use n)", "best_of")
         if self.presence_penalty or self.frequency_penalty:
             name = "presence_penalty" if self.presence_penalty else "frequency_penalty"
             raise APIError(400, f"{name} is not supported by this server (use repetition_penalty)", name)
@@ -139,6 +154,10 @@ class CompletionRequest(_Common):
             raise APIError(400, f"logprobs={self.logprobs} must be between 0 and {MAX_COMPLETION_LOGPROBS}", "logprobs")
         if isinstance(self.prompt, list) and not self.prompt:
             raise APIError(400, "prompt must not be empty", "prompt")
+        if len(self.prompts()) > MAX_PROMPTS:
+            raise APIError(
+                400, f"a request may hold at most {MAX_PROMPTS} prompts, got {len(self.prompts())}", "prompt"
+            )
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt or a batch of them (a list of strings, or a list of token-id lists)."""
