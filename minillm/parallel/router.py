@@ -1,0 +1,101 @@
+"""Data parallelism's front door: which replica serves a request.
+
+Replicas are whole copies of the engine (one per device or process); a router spreads requests
+over them. Three rules:
+
+- **round robin** — the next replica in turn: fair in counts, blind to load and to caches;
+- **least loaded** — the replica with the fewest outstanding requests;
+- **prefix aware** — the replica that most likely holds this prompt's prefix in its prefix
+  cache (chapter 03): the router remembers the block hashes (``block_hash``, the same chained
+  names the block manager uses) of the prompts it sent to each replica, and picks the one
+  matching the most leading blocks. Sending a shared system prompt to one replica turns every
+  later request's prefill of it into a cache hit; sending it everywhere computes it once per
+  replica. Load still matters: a replica more than ``max_imbalance`` requests busier than the
+  least loaded one is passed over, so one hot prefix cannot pile everything onto one replica.
+
+Each decision is recorded (``Router.decisions``), so a run can be explained afterwards.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from minillm.kvcache.block_manager import block_hash
+
+POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+
+
+def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    """The chained hashes of the prompt's full blocks, as the engine's prefix cache names them."""
+    hashes, parent = [], None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = block_hash(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass
+class Decision:
+    request_id: object
+    replica: int
+    policy: str
+    matched_blocks: int  # leading prompt blocks the chosen replica was believed to hold
+    load: list[int]  # outstanding requests per replica when the choice was made
+
+
+@dataclass
+class Router:
+    num_replicas: int
+    policy: str = "prefix_aware"
+    block_size: int = 16
+    max_imbalance: int = 4
+    remembered_blocks: int = 4096  # per replica, least recently used forgotten first
+    load: list[int] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_replicas, bool) or not isinstance(self.num_replicas, int) or self.num_replicas < 1:
+            raise ValueError(f"num_replicas={self.num_replicas!r} must be a positive integer")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy={self.policy!r} must be one of {POLICIES}")
+        self.load = [0] * self.num_replicas
+        self._next = 0
+        self._cached: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(self.num_replicas)]
+
+    def route(self, request_id, token_ids: list[int]) -> int:
+        """Choose a replica for a request and count it as outstanding there."""
+        hashes = prompt_block_hashes(token_ids, self.block_size)  # every policy records what it would reuse
+        matched = [self._matched(r, hashes) for r in range(self.num_replicas)]
+        if self.policy == "round_robin":
+            choice = self._next
+            self._next = (self._next + 1) % self.num_replicas
+        elif self.policy == "least_loaded":
+            choice = min(range(self.num_replicas), key=lambda r: (self.load[r], r))
+        else:
+            lightest = min(self.load)
+            eligible = [r for r in range(self.num_replicas) if self.load[r] - lightest <= self.max_imbalance]
+            choice = max(eligible, key=lambda r: (matched[r], -self.load[r], -r))
+        self.decisions.append(Decision(request_id, choice, self.policy, matched[choice], list(self.load)))
+        self.load[choice] += 1
+        cache = self._cached[choice]
+        for h in hashes:  # the replica will hold these blocks once it has prefilled the prompt
+            cache[h] = None
+            cache.move_to_end(h)
+        while len(cache) > self.remembered_blocks:
+            cache.popitem(last=False)
+        return choice
+
+    def finished(self, replica: int) -> None:
+        """A request routed to ``replica`` is done."""
+        if self.load[replica] <= 0:
+            raise ValueError(f"replica {replica} has no outstanding request to finish")
+        self.load[replica] -= 1
+
+    def _matched(self, replica: int, hashes: list[int]) -> int:
+        cache, n = self._cached[replica], 0
+        for h in hashes:
+            if h not in cache:
+                break
+            n += 1
+        return n
