@@ -130,9 +130,15 @@ def main(argv=None) -> dict:
         device = engine.device
     finally:
         server.stop()
-    keys = [k for k, v in runs["direct"][0].items() if isinstance(v, (int, float)) and v is not None]
-    medians = {p: {k: statistics.median(r[k] for r in rs if r.get(k) is not None) for k in keys if all(
-        r.get(k) is not None for r in rs)} for p, rs in runs.items()}  # fmt: skip
+
+    def median_summary(summaries: list[dict]) -> dict:
+        """Each numeric figure's median over the repeats (figures some repeat lacks are left out)."""
+        keys = [k for k, v in summaries[0].items() if isinstance(v, (int, float))]
+        return {
+            k: statistics.median(s[k] for s in summaries) for k in keys if all(s.get(k) is not None for s in summaries)
+        }
+
+    medians = {path: median_summary(summaries) for path, summaries in runs.items()}
     d, h = medians["direct"], medians["http"]
     overhead = {
         "throughput_loss_pct": 100 * (1 - h["output_tok_per_s"] / d["output_tok_per_s"]),

@@ -112,7 +112,7 @@ class Plan:
     fits: bool
 
 
-def _check(name: str, value: int, model: ModelShape | None = None) -> None:
+def _check(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive integer")
 

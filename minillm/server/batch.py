@@ -28,10 +28,10 @@ def run_batch_file(
 ) -> dict:
     """Run every line of ``input_path``; write ``output_path``; return counts."""
     from minillm.engine import LLMEngine
-    from minillm.server.launch import _served_name
+    from minillm.server.launch import served_name
 
     lines = Path(input_path).read_text(encoding="utf-8").splitlines()
-    engines = {_served_name(m): LLMEngine(m, **engine_args) for m in (models or ["smollm2-135m"])}
+    engines = {served_name(m): LLMEngine(m, **engine_args) for m in (models or ["smollm2-135m"])}
     results: list[dict | None] = [None] * len(lines)
     plans = {}  # line number → Plan
     for number, line in enumerate(lines):

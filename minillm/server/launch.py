@@ -26,12 +26,13 @@ def build_engines(models: list[str], max_waiting: int = 256, **engine_args) -> d
     if len(set(models)) != len(models):
         raise ValueError(f"a model is named twice in {models}")
     return {
-        _served_name(name): AsyncEngine(LLMEngine(name, **engine_args), _served_name(name), max_waiting)
+        served_name(name): AsyncEngine(LLMEngine(name, **engine_args), served_name(name), max_waiting)
         for name in models
     }
 
 
-def _served_name(name: str) -> str:
+def served_name(name: str) -> str:
+    """The name clients put in ``model``: a short name as given, a folder by its last component."""
     return os.path.basename(os.path.normpath(name)) if os.sep in name else name
 
 
