@@ -385,6 +385,12 @@ class EngineConfig:
     # "num_speculative_tokens": k} or {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_max": n}. Checked into a SpeculativeConfig (``speculative`` below).
     speculative_config: dict | None = None
+    # Parallelism (chapter 09): the model split over tensor_parallel_size x pipeline_parallel_size
+    # worker processes (gloo on CPU, NCCL on CUDA); the scheduler stays in this process. A pipeline
+    # cuts each step into pipeline_microbatches micro-batches (default: one per stage).
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    pipeline_microbatches: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode in DEPRECATED_MODES:
@@ -400,8 +406,12 @@ class EngineConfig:
             ("max_step_records", 0),
             ("max_num_seqs", 1),
             ("block_size", 1),
+            ("tensor_parallel_size", 1),
+            ("pipeline_parallel_size", 1),
+            ("pipeline_microbatches", 1),
         ):
-            _check_int(name, getattr(self, name), low, optional=name not in ("max_num_seqs", "block_size"))
+            required = ("max_num_seqs", "block_size", "tensor_parallel_size", "pipeline_parallel_size")
+            _check_int(name, getattr(self, name), low, optional=name not in required)
         _check_int("seed", self.seed, 0)
         if self.seed >= 2**64:
             raise ValueError(f"seed={self.seed} must fit in 64 bits: 0 <= seed < 2**64")
@@ -459,6 +469,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} needs mode='paged' (got mode={self.mode!r})")
         if self.quantization is not None and self.compile:
             raise ValueError(f"quantization={self.quantization!r} cannot be combined with compile=True")
+        if self.world_size > 1:
+            self._check_parallel()
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r}; expected one of {ATTENTION_BACKENDS}")
         if self.attention_backend == "triton":
@@ -466,6 +478,23 @@ class EngineConfig:
                 raise ValueError(f"attention_backend='triton' needs mode='paged' (got mode={self.mode!r})")
             if not triton_available():
                 raise ValueError("attention_backend='triton' needs the triton package: pip install triton")
+
+    @property
+    def world_size(self) -> int:
+        """Worker processes holding the model: ``tensor_parallel_size × pipeline_parallel_size``."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _check_parallel(self) -> None:
+        sizes = f"tensor_parallel_size={self.tensor_parallel_size}, pipeline_parallel_size={self.pipeline_parallel_size}"
+        if self.mode != "paged":
+            raise ValueError(f"{sizes} needs mode='paged' (got mode={self.mode!r})")
+        for name in ("speculative_config", "quantization", "sparsity"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}={getattr(self, name)!r} cannot be combined with {sizes} yet")
+        if self.cuda_graphs:
+            raise ValueError(f"cuda_graphs=True cannot be combined with {sizes} yet")
+        if self.world_size > 64:
+            raise ValueError(f"{sizes} asks for {self.world_size} worker processes; at most 64")
 
     @property
     def token_budget(self) -> int:

@@ -7,12 +7,13 @@ once, so the engine's step loop never asks what mode it is in:
     naive       Scheduler(static) + NoBlockPool  + NaiveRunner
     contiguous  Scheduler(static) + NoBlockPool  + ContiguousRunner   (+ compile)
     paged       Scheduler(policy) + BlockManager + PagedRunner + PagedKVCache (+ CUDA graphs)
+    parallel    Scheduler(policy) + BlockManager + DistributedRunner (shards and pools in workers)
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -106,6 +107,57 @@ def build_engine_parts(
     runner = PagedRunner(model, kv_cache, window, graphs)
     speculator = build_speculator(config, model_config, tokenizer, device, dtype, max_model_len, num_blocks, backend)
     return EngineParts(scheduler, runner, backend, block_manager, kv_cache, graphs, speculator)
+
+
+def build_parallel_parts(
+    config: EngineConfig, model_config: ModelConfig, model_dir, max_model_len: int, window: int | None
+) -> EngineParts:
+    """The scheduler and block manager here; the model, split ``tensor_parallel_size`` ×
+    ``pipeline_parallel_size`` ways, in worker processes (``minillm.parallel``). Every rank's
+    pool has the same number of blocks — as many as the fullest rank's share of ``kv_cache_memory``
+    holds — so a block id means the same slot on every rank."""
+    from minillm.parallel.executor import DistributedRunner
+    from minillm.parallel.tensor import heads_of_rank, stage_layers
+    from minillm.parallel.worker import ShardSpec
+
+    device = config.resolve_device()
+    dtype = config.resolve_dtype(model_config, device)
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    kv_heads = max(len(heads_of_rank(model_config.num_heads, model_config.num_kv_heads, r, tp)[1]) for r in range(tp))
+    layers = max(len(stage_layers(model_config.num_layers, pp, s)) for s in range(pp))
+    if device.type == "cuda" and torch.cuda.device_count() < config.world_size:
+        raise ValueError(f"{config.world_size} workers need as many GPUs; this machine has {torch.cuda.device_count()}")
+    shard_config = replace(model_config, num_kv_heads=kv_heads, num_layers=layers)
+    num_blocks = num_kv_blocks(config, shard_config, max_model_len, device, dtype)
+    block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    scheduler = Scheduler(
+        block_manager,
+        policy=config.scheduling_policy,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.token_budget,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+        batch_timeout=config.batch_timeout,
+        window=window,
+    )
+    backend = resolve_backend(config, device)
+    spec = ShardSpec(
+        model_dir=str(model_dir),
+        dtype=str(dtype).removeprefix("torch."),
+        device=str(device),
+        max_model_len=max_model_len,
+        window=window,
+        attention_backend=backend,
+        cpu_prepack=config.cpu_prepack,
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        kv_cache_dtype=config.kv_cache_dtype,
+        tp_size=tp,
+        pp_size=pp,
+        num_microbatches=config.pipeline_microbatches or pp,
+        threads=config.num_threads or max(1, (os.cpu_count() or 1) // config.world_size),
+    )
+    runner = DistributedRunner(spec, backend="nccl" if device.type == "cuda" else "gloo")
+    return EngineParts(scheduler, runner, backend, block_manager)
 
 
 def build_speculator(config: EngineConfig, model_config: ModelConfig, tokenizer, device, dtype, max_model_len: int,

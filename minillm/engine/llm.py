@@ -40,6 +40,16 @@ class LLM:
         self.engine = LLMEngine(model, **engine_args)
         self._mailboxes: dict[Hashable, _Mailbox] = {}  # deltas waiting for their caller, by request
 
+    def close(self) -> None:
+        """Stop a parallel engine's worker processes (``with LLM(...) as llm:`` does it too)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # The engine's parts, for notebooks and tools.
     engine_config = property(lambda self: self.engine.engine_config)
     model = property(lambda self: self.engine.model)

@@ -36,7 +36,7 @@ import torch
 
 from minillm.assets import resolve_model
 from minillm.config import EngineConfig, ModelConfig
-from minillm.engine.builder import build_engine_parts
+from minillm.engine.builder import build_engine_parts, build_parallel_parts
 from minillm.engine.runner import ChunkInput, StepInputs
 from minillm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from minillm.errors import PromptTooLongError
@@ -65,12 +65,18 @@ class LLMEngine:
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}")
         self.tokenizer = Tokenizer(self.model_dir)
-        self.model = load_model(self.model_dir, self.dtype, self.device, max_positions=self.max_model_len)
         # Sliding-window attention: the engine's option, else the checkpoint's (Mistral).
         self.sliding_window = config.sliding_window or self.model_config.sliding_window
-        parts = build_engine_parts(
-            config, self.model, self.model_config, self.max_model_len, self.sliding_window, self.tokenizer
-        )
+        if config.world_size > 1:  # the model lives in worker processes, one shard each
+            self.model = None
+            parts = build_parallel_parts(
+                config, self.model_config, self.model_dir, self.max_model_len, self.sliding_window
+            )
+        else:
+            self.model = load_model(self.model_dir, self.dtype, self.device, max_positions=self.max_model_len)
+            parts = build_engine_parts(
+                config, self.model, self.model_config, self.max_model_len, self.sliding_window, self.tokenizer
+            )
         self.scheduler = parts.scheduler
         self.runner = parts.runner
         self.attention_backend = parts.attention_backend
@@ -106,19 +112,30 @@ class LLMEngine:
     def memory_report(self) -> dict[str, int | None]:
         """Bytes of weights (every tensor the layers actually hold) and KV pool, and (on CUDA)
         the allocator's current and peak use."""
-        weights = self.model.weight_bytes()
-        report: dict[str, int | None] = {
-            "weights_bytes": weights,
-            "kv_pool_bytes": self.kv_cache.nbytes if self.kv_cache is not None else None,
+        ranks = getattr(self.runner, "ranks", None)  # a parallel engine's workers: what each holds
+        weights = self.model.weight_bytes() if ranks is None else sum(r["weights_bytes"] for r in ranks)
+        pool = self.kv_cache.nbytes if self.kv_cache is not None else None
+        report: dict = {
+            "weights_bytes": weights,  # across every rank of a parallel engine (see "ranks")
+            "kv_pool_bytes": pool if ranks is None else sum(r["kv_pool_bytes"] for r in ranks),
             # How many blocks those bytes hold: an int8 pool (kv_cache_dtype="int8") holds ~2x.
-            "kv_pool_blocks": self.kv_cache.num_blocks if self.kv_cache is not None else None,
+            "kv_pool_blocks": self.block_manager.num_blocks if self.block_manager is not None else None,
             "allocated_bytes": None,
             "peak_allocated_bytes": None,
         }
+        if ranks is not None:
+            report["ranks"] = ranks
         if self.device.type == "cuda":
             report["allocated_bytes"] = torch.cuda.memory_allocated(self.device)
             report["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return report
+
+    def close(self) -> None:
+        """Stop the worker processes of a parallel engine (nothing to do for one process). An
+        engine dropped without ``close()`` stops them when it is garbage-collected."""
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     def _warm_up(self) -> None:
         """One tiny request through the whole path, so one-time costs (kernel selection, oneDNN

@@ -64,7 +64,9 @@ class Linear(nn.Module):
     ``shards``: the named row blocks of a fused matrix, in order (``{"q": 576, "k": 192, "v":
     192}``), sizes before any tensor-parallel split. ``tp_dim``: 0 splits the output rows
     across ``tp_size`` ranks (column parallel), 1 the input columns (row parallel); this layer
-    then holds only rank ``tp_rank``'s part.
+    then holds only rank ``tp_rank``'s part — an even split, or the ranges ``tp_slices`` names
+    (per shard for column parallel, ``{None: columns}`` for row parallel), as attention needs
+    when heads do not divide evenly or K/V heads are replicated.
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class Linear(nn.Module):
         tp_dim: int | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
+        tp_slices: dict[str | None, range] | None = None,
     ):
         super().__init__()
         self.shards = shards or {None: out_features}  # full sizes, in row order
@@ -83,13 +86,16 @@ class Linear(nn.Module):
             raise ValueError(f"shards {shards} add up to {sum(self.shards.values())}, not out_features={out_features}")
         if tp_dim not in (None, 0, 1) or not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_dim={tp_dim!r} must be None, 0 or 1 and tp_rank={tp_rank} in [0, tp_size={tp_size})")
-        split = list(self.shards.values()) if tp_dim == 0 else [in_features] if tp_dim == 1 else []
-        if any(size % tp_size for size in split):
-            raise ValueError(f"sizes {split} do not split into tp_size={tp_size} parts")
+        if tp_slices is None:  # an even split: this rank's part of every shard (or of the input)
+            split = dict(self.shards) if tp_dim == 0 else {None: in_features} if tp_dim == 1 else {}
+            if any(size % tp_size for size in split.values()):
+                raise ValueError(f"sizes {list(split.values())} do not split into tp_size={tp_size} parts")
+            tp_slices = {k: range(tp_rank * n // tp_size, (tp_rank + 1) * n // tp_size) for k, n in split.items()}
         self.tp_dim, self.tp_rank, self.tp_size = tp_dim, tp_rank, tp_size
+        self.tp_slices = tp_slices  # column parallel: rows kept of each shard; row parallel: input columns kept
         self.full_in = in_features
-        self.in_features = in_features // tp_size if tp_dim == 1 else in_features
-        self.out_features = out_features // tp_size if tp_dim == 0 else out_features
+        self.in_features = len(tp_slices[None]) if tp_dim == 1 else in_features
+        self.out_features = sum(len(tp_slices[k]) for k in self.shards) if tp_dim == 0 else out_features
         self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features))
         self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
         self.method: LinearMethod = PLAIN
@@ -105,24 +111,32 @@ class Linear(nn.Module):
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, method={self.method.name}"
 
-    def weight_loader(self, param: str, loaded: torch.Tensor, shard: str | None = None) -> None:
+    def weight_loader(self, param: str, loaded, shard: str | None = None) -> None:
         """Copy checkpoint tensor ``loaded`` (``param`` = "weight" or "bias") into this layer:
         the rows of ``shard`` if given, and only this rank's slice under tensor parallelism.
-        Raises ``ValueError`` naming both shapes when ``loaded`` does not fit."""
+        ``loaded`` may be a lazy checkpoint slice (``.shape``, ``.narrow``, ``.load()``): then
+        only this rank's part is ever read. Raises ``ValueError`` naming both shapes when
+        ``loaded`` does not fit."""
         if shard not in self.shards:
             raise ValueError(f"has no shard {shard!r} to go into (this layer's shards: {list(self.shards)})")
-        div = self.tp_size if self.tp_dim == 0 else 1
         names = list(self.shards)
-        start = sum(self.shards[n] for n in names[: names.index(shard)]) // div
+        local = (lambda n: len(self.tp_slices[n])) if self.tp_dim == 0 else self.shards.__getitem__
+        start = sum(local(n) for n in names[: names.index(shard)])
         rows = self.shards[shard]
         expected = (rows,) if param == "bias" else (rows, self.full_in)
         if tuple(loaded.shape) != expected:
             raise ValueError(f"has shape {tuple(loaded.shape)}, expected {expected}")
-        if self.tp_dim == 0 or (self.tp_dim == 1 and param == "weight"):  # this rank's slice
-            part = loaded.shape[self.tp_dim] // self.tp_size
-            loaded = loaded.narrow(self.tp_dim, self.tp_rank * part, part)
-        elif self.tp_dim == 1 and self.tp_rank != 0:
-            loaded = torch.zeros_like(loaded)  # row parallel: partial sums are added, so add b once
         target = self.weight if param == "weight" else self.bias
+        if self.tp_dim == 0:  # column parallel: this rank's rows of the shard
+            keep = self.tp_slices[shard]
+            loaded = loaded.narrow(0, keep.start, len(keep))
+        elif self.tp_dim == 1 and param == "weight":  # row parallel: this rank's input columns
+            keep = self.tp_slices[None]
+            loaded = loaded.narrow(1, keep.start, len(keep))
+        elif self.tp_dim == 1 and self.tp_rank != 0:  # row parallel: partial sums are added, so add b once
+            with torch.no_grad():
+                target.zero_()
+            return
+        tensor = loaded if isinstance(loaded, torch.Tensor) else loaded.load()
         with torch.no_grad():
-            target[start : start + loaded.shape[0]].copy_(loaded)
+            target[start : start + tensor.shape[0]].copy_(tensor)

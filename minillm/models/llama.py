@@ -7,6 +7,12 @@ Differences between the checkpoints are configuration, not code: the number of K
 (MHA/GQA/MQA), a bias on the q/k/v projections (Qwen2), a tied or separate LM head, an
 explicit ``head_dim``, and the RoPE variant.
 
+The same code builds one **shard** of the model for tensor / pipeline parallelism (chapter 09):
+given a ``ParallelContext``, each projection holds only its rank's heads or columns, the
+output projections all-reduce, and a pipeline stage holds only its layers (the first the
+embedding, the last the final norm and LM head). With the default ``SINGLE`` context nothing
+is split and nothing is communicated.
+
 For speed the q/k/v projections are fused into one matrix (one matmul instead of three), and
 so are the MLP's gate and up projections. The loader fills the fused matrices from the
 checkpoint's separate tensors.
@@ -23,6 +29,7 @@ from minillm.attention.contiguous import AttentionMask, ForwardBatch
 from minillm.config import ModelConfig
 from minillm.layers import Linear, LinearMethod
 from minillm.models.rope import RotaryEmbedding, apply_rope
+from minillm.parallel.tensor import SINGLE, ParallelContext, VocabParallelEmbedding, heads_of_rank, split_evenly
 
 __all__ = ["AttentionMask", "ForwardBatch", "LlamaForCausalLM"]
 
@@ -41,18 +48,27 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int):
+    def __init__(self, config: ModelConfig, layer_index: int, parallel: ParallelContext = SINGLE):
+        """``layer_index``: this layer's place in the KV cache (within its pipeline stage)."""
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = config.head_dim**-0.5
-        shards = {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, shards)
-        self.o_proj = Linear(self.q_size, config.hidden_size)
+        self.parallel = parallel
+        d = self.head_dim = config.head_dim
+        q_heads, kv_heads = heads_of_rank(config.num_heads, config.num_kv_heads, parallel.tp_rank, parallel.tp_size)
+        self.num_heads, self.num_kv_heads = len(q_heads), len(kv_heads)  # this rank's
+        self.q_size = self.num_heads * d
+        self.scale = d**-0.5
+        full_q, full_kv = config.num_heads * d, config.num_kv_heads * d
+        shards = {"q": full_q, "k": full_kv, "v": full_kv}
+        tp = {}
+        if parallel.tp_size > 1:  # column-parallel q/k/v by head, row-parallel o over the same q heads
+            q_rows, kv_rows = range(q_heads.start * d, q_heads.stop * d), range(kv_heads.start * d, kv_heads.stop * d)
+            tp = dict(tp_dim=0, tp_rank=parallel.tp_rank, tp_size=parallel.tp_size)
+            tp["tp_slices"] = {"q": q_rows, "k": kv_rows, "v": kv_rows}
+        self.qkv_proj = Linear(config.hidden_size, full_q + 2 * full_kv, config.attention_bias, shards, **tp)
+        if tp:
+            tp.update(tp_dim=1, tp_slices={None: q_rows})
+        self.o_proj = Linear(full_q, config.hidden_size, **tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step) -> torch.Tensor:
         """``step``: this forward pass's attention (``ContiguousStep`` or a backend's paged step),
@@ -62,31 +78,41 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(b, t, h + 2 * kv, self.head_dim)
         qk = apply_rope(qkv[:, :, : h + kv], cos, sin)  # q and k heads rotated in one go
         out = step.attend(self.layer_index, qk[:, :, :h], qk[:, :, h:], qkv[:, :, h + kv :], self.scale)
-        return self.o_proj(out.reshape(b, t, self.q_size))
+        return self.parallel.all_reduce(self.o_proj(out.reshape(b, t, self.q_size)))
 
 
 class SwiGLU(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul. Under TP gate/up
+    are column parallel and down row parallel over the same slice of the intermediate size:
+    SiLU × up is element-wise, so it needs nothing from the other ranks."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, parallel: ParallelContext = SINGLE):
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        shards = {"gate": config.intermediate_size, "up": config.intermediate_size}
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, shards=shards)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.parallel = parallel
+        full = config.intermediate_size
+        shards = {"gate": full, "up": full}
+        tp = {}
+        if parallel.tp_size > 1:
+            keep = split_evenly(full, parallel.tp_size, parallel.tp_rank)
+            tp = dict(tp_dim=0, tp_rank=parallel.tp_rank, tp_size=parallel.tp_size, tp_slices={"gate": keep, "up": keep})
+        self.gate_up_proj = Linear(config.hidden_size, 2 * full, shards=shards, **tp)
+        self.intermediate_size = self.gate_up_proj.out_features // 2  # this rank's
+        if tp:
+            tp.update(tp_dim=1, tp_slices={None: keep})
+        self.down_proj = Linear(full, config.hidden_size, **tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.parallel.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int):
+    def __init__(self, config: ModelConfig, layer_index: int, parallel: ParallelContext = SINGLE):
         super().__init__()
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config, layer_index)
+        self.attn = Attention(config, layer_index, parallel)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLU(config)
+        self.mlp = SwiGLU(config, parallel)
 
     def forward(self, x, cos, sin, step):
         x = x + self.attn(self.input_norm(x), cos, sin, step)
@@ -94,13 +120,30 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, parallel: ParallelContext = SINGLE):
+        """``parallel``: build only this rank's shard (see the module docstring)."""
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.parallel = parallel
+        cfg, tp = config, parallel
+        self.layer_range = tp.layers(cfg.num_layers)  # this pipeline stage's layers (all of them at PP = 1)
+        self.embed_tokens: nn.Module | None = None
+        if tp.is_first_stage:
+            self.embed_tokens = (
+                nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+                if tp.tp_size == 1
+                else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+            )
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(len(self.layer_range)))
+        self.norm = self.lm_head = None
+        self.vocab_sizes = [len(split_evenly(cfg.vocab_size, tp.tp_size, r)) for r in range(tp.tp_size)]
+        if tp.is_last_stage:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            head = {}
+            if tp.tp_size > 1:  # column parallel by vocabulary: this rank's logits, gathered after
+                rows = split_evenly(cfg.vocab_size, tp.tp_size, tp.tp_rank)
+                head = dict(tp_dim=0, tp_rank=tp.tp_rank, tp_size=tp.tp_size, tp_slices={None: rows})
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, **head)
         self.tie_weights()
         self.rope: RotaryEmbedding | None = None
         self.attention_backend: AttentionBackend = get_backend("sdpa")
@@ -110,31 +153,35 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        """Where the weights live (the final norm's weight is always a plain tensor, whatever
-        storage the embedding or the linear layers use)."""
-        return self.norm.weight.device
+        """Where the weights live (a norm's weight is always a plain tensor, whatever storage
+        the embedding or the linear layers use; every shard has its layers' norms)."""
+        return self.layers[0].input_norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
         """The activations' dtype: the model's floating-point dtype."""
-        return self.norm.weight.dtype
+        return self.layers[0].input_norm.weight.dtype
 
     def tie_weights(self) -> None:
-        """Tied checkpoints use the embedding matrix as the LM head: one tensor, two uses."""
-        if self.config.tie_word_embeddings:
+        """Tied checkpoints use the embedding matrix as the LM head: one tensor, two uses (when
+        one shard holds both; a last pipeline stage alone loads the matrix into its head)."""
+        if self.config.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
             self.lm_head.weight = self.embed_tokens.weight
 
     def checkpoint_targets(self) -> dict[str, tuple[nn.Module, str, str | None]]:
         """HF checkpoint name → (module, parameter, shard of a fused matrix). The loader hands
         each tensor to ``module.weight_loader`` (linear layers) or copies it (the rest)."""
         cfg = self.config
-        out: dict[str, tuple[nn.Module, str, str | None]] = {
-            "model.embed_tokens.weight": (self.embed_tokens, "weight", None),
-            "model.norm.weight": (self.norm, "weight", None),
-        }
-        if not cfg.tie_word_embeddings:
-            out["lm_head.weight"] = (self.lm_head, "weight", None)
-        for i, layer in enumerate(self.layers):
+        out: dict[str, tuple[nn.Module, str, str | None]] = {}
+        if self.embed_tokens is not None:
+            out["model.embed_tokens.weight"] = (self.embed_tokens, "weight", None)
+        if self.lm_head is not None:
+            out["model.norm.weight"] = (self.norm, "weight", None)
+            if not cfg.tie_word_embeddings:
+                out["lm_head.weight"] = (self.lm_head, "weight", None)
+            elif self.embed_tokens is None:  # a last stage without the embedding: its head reads the matrix
+                out["model.embed_tokens.weight"] = (self.lm_head, "weight", None)
+        for i, layer in zip(self.layer_range, self.layers):
             p = f"model.layers.{i}."
             for name in ("q", "k", "v"):
                 out[f"{p}self_attn.{name}_proj.weight"] = (layer.attn.qkv_proj, "weight", name)
@@ -200,24 +247,28 @@ class LlamaForCausalLM(nn.Module):
         with torch.no_grad():  # compiled graphs cannot run under inference_mode
             return self._compiled_step(batch)
 
-    def forward(self, batch) -> torch.Tensor:
+    def forward(self, batch, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for ``batch`` — a padded ``ForwardBatch`` or a paged ``StepLayout``; the batch
         binds its own attention (``batch.bind(self)``), so the model never asks which it is.
 
         Returns ``[R, V]`` for the rows ``batch.logit_rows`` selects, or ``[B, T, V]`` when it
-        selects none."""
+        selects none. A pipeline stage after the first takes the previous stage's ``hidden``
+        states instead of embedding the ids; a stage before the last returns its hidden states."""
         with torch.inference_mode():
-            return self._forward(batch)
+            return self._forward(batch, hidden)
 
-    def _forward(self, batch) -> torch.Tensor:
+    def _forward(self, batch, hidden: torch.Tensor | None = None) -> torch.Tensor:
         if self.rope is None:
             raise RuntimeError("call init_rope(max_positions) before running the model")
         step = batch.bind(self)  # built once, shared by every layer
-        x = self.embed_tokens(batch.input_ids)
+        x = self.embed_tokens(batch.input_ids) if hidden is None else hidden
         cos, sin = self.rope.lookup(batch.positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, step)
+        if self.lm_head is None:
+            return x  # the next pipeline stage carries on
         rows = batch.logit_rows
         if rows is not None:
             x = x.flatten(0, 1)[rows]  # [R, hidden]
-        return self.lm_head(self.norm(x)).float()
+        logits = self.lm_head(self.norm(x))
+        return self.parallel.gather_columns(logits, self.vocab_sizes).float()

@@ -4,6 +4,10 @@ The loader maps checkpoint names onto our modules and fills the fused projection
 slice, checking every shape. Anything missing, surplus, misshapen or unreadable is reported
 with the tensor and file it concerns — a half-loaded model that silently generates garbage
 is the worst possible failure for a learner.
+
+A **shard** (tensor / pipeline parallelism, ``parallel=``) reads only its part: its layers'
+tensors, and of each split matrix only its rows or columns — safetensors reads a slice
+without the rest (``CheckpointSlice``), so no rank ever holds a full matrix it does not need.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from minillm.config import ModelConfig
 from minillm.errors import ModelLoadError
 from minillm.layers import Linear
 from minillm.models.llama import LlamaForCausalLM
+from minillm.parallel.tensor import SINGLE, ParallelContext
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -45,16 +50,52 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _copy_into(module, param: str, shard: str | None, tensor: torch.Tensor) -> None:
+class NonFiniteTensor(ValueError):
+    pass
+
+
+class CheckpointSlice:
+    """A checkpoint tensor not read yet: ``.shape``, ``.narrow(dim, start, length)`` (still
+    unread) and ``.load()`` (reads just that part, checked for NaN/inf)."""
+
+    def __init__(self, source, shape: tuple[int, ...], index: tuple[slice, ...] = ()):
+        self.source, self.shape, self.index = source, tuple(shape), index
+
+    def narrow(self, dim: int, start: int, length: int) -> CheckpointSlice:
+        index = list(self.index) + [slice(None)] * (len(self.shape) - len(self.index))
+        base = index[dim].start or 0
+        index[dim] = slice(base + start, base + start + length)
+        shape = list(self.shape)
+        shape[dim] = length
+        return CheckpointSlice(self.source, tuple(shape), tuple(index))
+
+    def load(self) -> torch.Tensor:
+        tensor = self.source[self.index] if self.index else self.source[:]
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise NonFiniteTensor(f"holds {int((~torch.isfinite(tensor)).sum())} NaN/inf value(s): a corrupt checkpoint")
+        return tensor
+
+
+def _copy_into(module, param: str, shard: str | None, tensor: CheckpointSlice) -> None:
     """One checkpoint tensor into its place; ``ValueError`` (naming the shapes) if it does not fit."""
-    if isinstance(module, Linear):
+    if isinstance(module, Linear) or hasattr(module, "weight_loader"):
         module.weight_loader(param, tensor, shard)
         return
     dest = getattr(module, param)
     if tuple(tensor.shape) != tuple(dest.shape):
         raise ValueError(f"has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
     with torch.no_grad():
-        dest.copy_(tensor)
+        dest.copy_(tensor.load())
+
+
+def _elsewhere(name: str, model: LlamaForCausalLM) -> bool:
+    """Does tensor ``name`` belong to another pipeline stage than ``model``'s?"""
+    if model.parallel.pp_size == 1:
+        return False
+    match = _LAYER.match(name)
+    if match:
+        return int(match.group(1)) not in model.layer_range
+    return name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 
 
 def load_model(
@@ -62,13 +103,15 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     max_positions: int | None = None,
+    parallel: ParallelContext = SINGLE,
 ) -> LlamaForCausalLM:
-    """Build the decoder for ``folder/config.json`` and fill it from the folder's safetensors."""
+    """Build the decoder for ``folder/config.json`` (only ``parallel``'s shard of it) and fill
+    it from the folder's safetensors."""
     folder = Path(folder)
     config = ModelConfig.from_folder(folder)
     device = torch.device(device)
     with torch.device("meta"):  # no time wasted on random init of weights we overwrite
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, parallel)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()  # to_empty gives each module its own tensor: share the head again
 
@@ -76,6 +119,8 @@ def load_model(
     from minillm.quantization.checkpoint import install_quantized, quantization_config
 
     qc = quantization_config(folder)
+    if qc is not None and parallel != SINGLE:
+        raise ModelLoadError(f"{folder}: a quantized checkpoint cannot be loaded as a tensor/pipeline-parallel shard yet")
     quantized: dict[str, torch.Tensor] = {}  # a quantized checkpoint's linear layers, by our names
     if qc is not None:
         linears = set(model.linear_layers())
@@ -94,16 +139,15 @@ def load_model(
                     if target is None and qc is not None:
                         quantized[name] = f.get_tensor(name)
                         continue
+                    if target is None and _elsewhere(name, model):
+                        continue  # another pipeline stage's
                     if target is None:
                         raise ModelLoadError(f"{path}: unexpected tensor {name!r} for a {config.model_type} model")
-                    tensor = f.get_tensor(name)
-                    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                        bad = int((~torch.isfinite(tensor)).sum())
-                        raise ModelLoadError(
-                            f"{path}: tensor {name!r} holds {bad} NaN/inf value(s): a corrupt checkpoint"
-                        )
+                    lazy = f.get_slice(name)
                     try:
-                        _copy_into(*target, tensor)
+                        _copy_into(*target, CheckpointSlice(lazy, lazy.get_shape()))
+                    except NonFiniteTensor as err:
+                        raise ModelLoadError(f"{path}: tensor {name!r} {err}") from None
                     except ValueError as err:
                         raise ModelLoadError(f"{path}: tensor {name!r} {err} from config.json") from None
         except SafetensorError as err:

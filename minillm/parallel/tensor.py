@@ -1,145 +1,161 @@
-"""Tensor parallelism for one SwiGLU block: the pattern every TP layer follows (Megatron-LM,
-Shoeybi et al., 2019).
+"""Tensor and pipeline parallelism: who holds which part of the model (Megatron-LM, Shoeybi et
+al., 2019, arXiv:1909.08053; GPipe, Huang et al., 2019, arXiv:1811.06965).
 
-``gate_up`` is **column parallel**: each rank holds a slice of the output rows (of the gate and
-of the up projection alike, so each rank's slice pairs up), computes its part of the
-intermediate activation, and applies SiLU × up *locally* — no communication, because the
-element-wise product never mixes columns. ``down`` is **row parallel**: each rank holds the
-matching slice of the input columns, so its output is a partial sum over its slice; one
-**all-reduce** adds the partial sums, and every rank ends with the full output. One
-all-reduce per MLP (and one per attention block, after its output projection) is the whole
-communication cost of TP in a decoder layer.
+Tensor parallelism (TP) splits every layer's matrices over ``tp_size`` ranks:
 
-The slices are loaded through ``Linear.weight_loader`` (``tp_dim``/``tp_rank``/``tp_size``), so a
-rank never holds more of a weight than its share.
+- **column parallel** (q/k/v, gate/up, the LM head): each rank holds a slice of the *output*
+  rows and computes its part of the activation. SiLU × up and attention are per-column /
+  per-head, so nothing is exchanged inside the block;
+- **row parallel** (o, down): each rank holds the matching slice of the *input* columns, so
+  its output is a partial sum; one **all-reduce** adds the partial sums and every rank ends
+  with the full hidden state. Two all-reduces per decoder layer are the whole cost of TP;
+- the **vocabulary** is split too: a rank embeds only the ids in its range (zeros elsewhere;
+  an all-reduce sums), and as the LM head it scores only its range (the logits are gathered).
+
+Attention is split **by head**. A rank's query heads must find their K/V head on the same
+rank (``heads_of_rank``), which decides how the K/V heads spread — and when there are fewer
+K/V heads than ranks, some are **replicated**.
+
+Pipeline parallelism (PP) splits the layers into ``pp_size`` consecutive stages
+(``stage_layers``); activations go from stage to stage (``minillm.parallel.worker``).
+
+``ParallelContext`` is what a model shard is told about its place; the single-process model
+gets ``SINGLE`` and runs exactly as before (no communication at all).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from minillm.layers.linear import Linear
+
+def split_evenly(n: int, parts: int, index: int) -> range:
+    """Part ``index`` of ``range(n)`` cut into ``parts`` contiguous pieces whose sizes differ by
+    at most one (the first ``n % parts`` pieces get the extra one)."""
+    if not 0 <= index < parts or parts > n:
+        raise ValueError(f"cannot cut {n} items into {parts} non-empty parts (asked for part {index})")
+    base, extra = divmod(n, parts)
+    start = index * base + min(index, extra)
+    return range(start, start + base + (index < extra))
 
 
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum ``x`` over the ranks, in place (a no-op outside a process group of size > 1)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(x)
-    return x
+def heads_of_rank(num_heads: int, num_kv_heads: int, rank: int, tp_size: int) -> tuple[range, range]:
+    """The query heads and the K/V heads rank ``rank`` holds under ``tp_size``-way TP.
 
+    Query head ``h`` reads K/V head ``h // group`` (``group = num_heads / num_kv_heads``), so a
+    rank must hold the K/V heads its query heads read, and within a rank every K/V head must
+    serve the same number of query heads (the attention kernels assume one group size):
 
-class ParallelSwiGLU(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate/up column-parallel and down row-parallel."""
-
-    def __init__(self, hidden: int, intermediate: int, rank: int, world_size: int):
-        super().__init__()
-        if intermediate % world_size:
-            raise ValueError(f"intermediate size {intermediate} does not split over {world_size} ranks")
-        self.local = intermediate // world_size
-        shards = {"gate": intermediate, "up": intermediate}
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, shards=shards, tp_dim=0, tp_rank=rank, tp_size=world_size)
-        self.down_proj = Linear(intermediate, hidden, tp_dim=1, tp_rank=rank, tp_size=world_size)
-
-    def load(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> ParallelSwiGLU:
-        """Take this rank's slices of full checkpoint matrices."""
-        self.gate_up_proj.weight_loader("weight", gate, "gate")
-        self.gate_up_proj.weight_loader("weight", up, "up")
-        self.down_proj.weight_loader("weight", down)
-        return self
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.local, dim=-1)
-        return all_reduce(self.down_proj(F.silu(gate) * up))
-
-
-def kv_heads_of_rank(num_heads: int, num_kv_heads: int, rank: int, world_size: int) -> list[int]:
-    """The K/V heads rank ``rank`` holds under tensor parallelism.
-
-    With at least as many K/V heads as ranks, each rank holds its own ``kv / tp`` of them. With
-    fewer (SmolLM2: 3 K/V heads; TP = 6), each rank holds one, **replicated** on ``tp / kv``
-    ranks: a rank's query heads all read the same K/V head, so it needs that head's full K/V —
-    memory for K/V stops shrinking once every rank holds a single head.
+    - ``num_kv_heads >= tp_size``: whole **groups** are dealt out, as evenly as possible. When
+      they do not divide (SmolLM2: 3 K/V heads on 2 ranks), one rank gets one group more — 6
+      query heads and 2 K/V heads against 3 and 1: correct, but that rank does more attention
+      work (the MLP and the vocabulary still split evenly);
+    - ``num_kv_heads < tp_size``: each K/V head is **replicated** on ``tp_size / num_kv_heads``
+      ranks, each taking an equal share of its group's query heads (SmolLM2 at TP = 9: one
+      query head per rank, every K/V head held by three ranks). K/V memory per rank stops
+      shrinking once every rank holds a single K/V head.
     """
-    if num_heads % world_size:
-        raise ValueError(f"{num_heads} query heads do not split over {world_size} ranks")
-    if num_kv_heads >= world_size:
-        if num_kv_heads % world_size:
-            raise ValueError(f"{num_kv_heads} K/V heads do not split over {world_size} ranks")
-        per = num_kv_heads // world_size
-        return list(range(rank * per, (rank + 1) * per))
-    if world_size % num_kv_heads:
-        raise ValueError(f"{world_size} ranks are not a multiple of {num_kv_heads} K/V heads (for replication)")
-    return [rank // (world_size // num_kv_heads)]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} K/V heads")
+    group = num_heads // num_kv_heads
+    if num_kv_heads >= tp_size:
+        kv = split_evenly(num_kv_heads, tp_size, rank)
+        return range(kv.start * group, kv.stop * group), kv
+    replicas = tp_size // num_kv_heads
+    if tp_size % num_kv_heads or group % replicas:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} does not fit {num_kv_heads} K/V heads of {group} query heads each: "
+            f"with fewer K/V heads than ranks, the ranks must be a multiple of the K/V heads and share each "
+            f"group's query heads equally"
+        )
+    kv_head, part = divmod(rank, replicas)
+    per = group // replicas
+    first = kv_head * group + part * per
+    return range(first, first + per), range(kv_head, kv_head + 1)
 
 
-class ParallelAttention(nn.Module):
-    """Causal self-attention (GQA) with the query heads split across ranks and the K/V heads
-    split or replicated (``kv_heads_of_rank``); row-parallel output projection + all-reduce.
-    No KV cache: the head bookkeeping of TP, on a whole sequence."""
+def kv_heads_of_rank(num_heads: int, num_kv_heads: int, rank: int, tp_size: int) -> list[int]:
+    """The K/V heads rank ``rank`` holds (see ``heads_of_rank``)."""
+    return list(heads_of_rank(num_heads, num_kv_heads, rank, tp_size)[1])
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, rank: int, world_size: int):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.local_heads = heads // world_size
-        self.q_heads = list(range(rank * self.local_heads, (rank + 1) * self.local_heads))
-        self.kv = kv_heads_of_rank(heads, kv_heads, rank, world_size)
-        self.q_proj = nn.Linear(hidden, self.local_heads * head_dim, bias=False)
-        self.kv_proj = nn.Linear(hidden, 2 * len(self.kv) * head_dim, bias=False)
-        self.o_proj = nn.Linear(self.local_heads * head_dim, hidden, bias=False)
 
-    def load(self, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, wo: torch.Tensor) -> ParallelAttention:
-        """This rank's rows of q/k/v (by head) and columns of o from full checkpoint matrices."""
-        d = self.head_dim
+def stage_layers(num_layers: int, pp_size: int, stage: int) -> range:
+    """The decoder layers of pipeline stage ``stage``: consecutive, as even as possible."""
+    if pp_size > num_layers:
+        raise ValueError(f"pipeline_parallel_size={pp_size} exceeds the model's {num_layers} layers")
+    return split_evenly(num_layers, pp_size, stage)
 
-        def rows(w, heads):
-            return torch.cat([w[h * d : (h + 1) * d] for h in heads])
 
-        with torch.no_grad():
-            self.q_proj.weight.copy_(rows(wq, self.q_heads))
-            self.kv_proj.weight.copy_(torch.cat([rows(wk, self.kv), rows(wv, self.kv)]))
-            self.o_proj.weight.copy_(torch.cat([wo[:, h * d : (h + 1) * d] for h in self.q_heads], dim=1))
-        return self
+@dataclass(frozen=True)
+class ParallelContext:
+    """Where one model shard sits: its tensor-parallel rank among ``tp_size`` (talking over
+    ``tp_group``) and its pipeline stage among ``pp_size``."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t, d = x.shape[0], self.head_dim
-        q = self.q_proj(x).view(t, self.local_heads, d).transpose(0, 1)
-        k, v = self.kv_proj(x).view(t, 2 * len(self.kv), d).transpose(0, 1).split(len(self.kv))
-        group = self.heads // self.kv_heads  # query heads per K/V head, in the whole model
-        index = torch.tensor([self.kv.index(h // group) for h in self.q_heads])  # each local q head's K/V
-        out = F.scaled_dot_product_attention(q, k[index], v[index], is_causal=True)
-        return all_reduce(self.o_proj(out.transpose(0, 1).reshape(t, self.local_heads * d)))
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    tp_group: Any = None  # a torch.distributed process group; None: the default group
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def layers(self, num_layers: int) -> range:
+        return stage_layers(num_layers, self.pp_size, self.pp_rank)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the tensor-parallel ranks, in place (nothing to do at TP = 1)."""
+        if self.tp_size > 1:
+            dist.all_reduce(x, group=self.tp_group)
+        return x
+
+    def gather_columns(self, local: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Concatenate every TP rank's ``[..., sizes[r]]`` along the last dim (an all-gather;
+        the parts are padded to one size because the collective wants equal shapes)."""
+        if self.tp_size == 1:
+            return local
+        width = max(sizes)
+        padded = F.pad(local, (0, width - local.shape[-1])).contiguous()
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded, group=self.tp_group)
+        return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
+
+
+SINGLE = ParallelContext()
 
 
 class VocabParallelEmbedding(nn.Module):
-    """The embedding table split by vocabulary rows: each rank looks up the ids in its range,
-    zeros the rest, and an all-reduce sums the ranks' rows. As the LM head (tied or not) the
-    same shard gives this rank's slice of the logits, gathered across ranks."""
+    """The embedding table split by vocabulary rows: this rank holds rows ``vocab_range`` only,
+    looks up the ids that fall in it, zeros the rest, and an all-reduce sums the ranks' rows
+    (exactly one rank contributes each id)."""
 
-    def __init__(self, vocab: int, hidden: int, rank: int, world_size: int):
+    def __init__(self, vocab_size: int, hidden: int, parallel: ParallelContext):
         super().__init__()
-        if vocab % world_size:
-            raise ValueError(f"vocabulary {vocab} does not split over {world_size} ranks")
-        self.per, self.start, self.world_size = vocab // world_size, rank * (vocab // world_size), world_size
-        self.weight = nn.Parameter(torch.empty(self.per, hidden), requires_grad=False)
+        self.parallel = parallel
+        self.vocab_range = split_evenly(vocab_size, parallel.tp_size, parallel.tp_rank)
+        self.vocab_size = vocab_size
+        self.weight = nn.Parameter(torch.empty(len(self.vocab_range), hidden), requires_grad=False)
 
-    def load(self, full: torch.Tensor) -> VocabParallelEmbedding:
+    def weight_loader(self, param: str, loaded, shard: str | None = None) -> None:
+        """This rank's rows of the full ``[vocab, hidden]`` checkpoint matrix (read as a slice)."""
+        if tuple(loaded.shape) != (self.vocab_size, self.weight.shape[1]):
+            raise ValueError(f"has shape {tuple(loaded.shape)}, expected {(self.vocab_size, self.weight.shape[1])}")
+        part = loaded.narrow(0, self.vocab_range.start, len(self.vocab_range))
         with torch.no_grad():
-            self.weight.copy_(full[self.start : self.start + self.per])
-        return self
+            self.weight.copy_(part if isinstance(part, torch.Tensor) else part.load())
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        local = ids - self.start
-        mine = (local >= 0) & (local < self.per)
-        out = F.embedding(local.clamp(0, self.per - 1), self.weight) * mine.unsqueeze(-1)
-        return all_reduce(out)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight)
-        if self.world_size == 1 or not dist.is_initialized():
-            return local
-        parts = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(parts, local.contiguous())
-        return torch.cat(parts, dim=-1)
+        local = ids - self.vocab_range.start
+        mine = (local >= 0) & (local < len(self.vocab_range))
+        out = F.embedding(local.clamp(0, len(self.vocab_range) - 1), self.weight) * mine.unsqueeze(-1)
+        return self.parallel.all_reduce(out)
