@@ -388,6 +388,7 @@ class EngineConfig:
     # Parallelism (chapter 09): the model split over tensor_parallel_size x pipeline_parallel_size
     # worker processes (gloo on CPU, NCCL on CUDA); the scheduler stays in this process. A pipeline
     # cuts each step into pipeline_microbatches micro-batches (default: one per stage).
+    # kv_cache_memory is then per worker: each holds its K/V heads of its stage's layers.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     pipeline_microbatches: int | None = None

@@ -90,8 +90,9 @@ TINY_VARIANTS = {
 }
 
 
-def build_tiny_model(folder: Path, variant: str, seed: int = 0) -> Path:
-    """Random-weight HF model of a given variant, saved as safetensors with our tokenizer."""
+def build_tiny_model(folder: Path, variant: str, seed: int = 0, **extra) -> Path:
+    """Random-weight HF model of a given variant (``extra``: more config overrides), saved as
+    safetensors with our tokenizer."""
     import transformers
 
     cls_name, overrides = TINY_VARIANTS[variant]
@@ -109,7 +110,7 @@ def build_tiny_model(folder: Path, variant: str, seed: int = 0) -> Path:
         eos_token_id=2,
         pad_token_id=0,
     )
-    kwargs.update(overrides)
+    kwargs.update(overrides, **extra)
     config = getattr(transformers, cls_name)(**kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

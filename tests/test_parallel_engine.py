@@ -1,0 +1,223 @@
+"""Tensor and pipeline parallelism in the engine, on 2-4 worker processes (gloo on CPU): greedy
+tokens identical to the single-process engine and fp32 logits within 1e-4, with prefix caching,
+preemption and sliding windows; shards hold only their part; a dead rank or an interrupt stops
+every worker and says so."""
+
+from __future__ import annotations
+
+import _thread
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import build_tiny_model
+from minillm import LLM, SamplingParams
+from minillm.parallel.launch import RankFailed
+from minillm.parallel.tensor import heads_of_rank, split_evenly
+from minillm.parallel.worker import split_microbatches
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+PROMPTS = [[5, 9, 14, 3, 22, 7], [8, 8, 31, 2, 17], list(range(3, 40)), [11]]
+
+
+@pytest.fixture(scope="module")
+def nine_head_model(tmp_path_factory):
+    """SmolLM2's head layout in miniature: 9 query heads over 3 K/V heads."""
+    folder = tmp_path_factory.mktemp("nine_heads") / "m"
+    return build_tiny_model(
+        folder, "llama_gqa", num_attention_heads=9, num_key_value_heads=3, head_dim=16, hidden_size=72,
+        intermediate_size=96, num_hidden_layers=3,
+    )  # fmt: skip
+
+
+def _recording(llm: LLM) -> list[torch.Tensor]:
+    """Keep every step's logits (the runner's output) as the engine runs."""
+    seen: list[torch.Tensor] = []
+    execute = llm.engine.runner.execute
+
+    def wrapped(inputs):
+        logits = execute(inputs)
+        seen.append(logits.clone())
+        return logits
+
+    llm.engine.runner.execute = wrapped
+    return seen
+
+
+def _run(folder, prompts=PROMPTS, params=GREEDY, **engine):
+    with LLM(folder, dtype="float32", num_threads=1, max_num_seqs=4, **engine) as llm:
+        logits = _recording(llm)
+        outs = llm.generate(prompts, params)
+        report = llm.engine.memory_report()
+        prefix_hits = llm.engine.block_manager.prefix_hits
+    return outs, logits, report, prefix_hits
+
+
+def _assert_same(want, got, rtol=0.0):
+    (outs_a, logits_a, *_), (outs_b, logits_b, *_) = want, got
+    assert [o.token_ids for o in outs_b] == [o.token_ids for o in outs_a]
+    assert len(logits_b) == len(logits_a)  # the same schedule, step for step
+    for a, b in zip(logits_a, logits_b):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=rtol)
+
+
+@pytest.mark.parametrize(
+    "variant, sizes",
+    [
+        ("llama_gqa", dict(tensor_parallel_size=2)),
+        ("llama_mqa", dict(tensor_parallel_size=2)),  # one K/V head, replicated on both ranks
+        ("llama_untied", dict(tensor_parallel_size=2)),  # its own LM head, column parallel
+        ("qwen2_bias", dict(tensor_parallel_size=2)),  # q/k/v biases sliced with their rows
+        ("mistral_window", dict(tensor_parallel_size=2)),  # sliding window
+        ("llama_gqa", dict(pipeline_parallel_size=2)),  # tied: the last stage loads the embedding as its head
+        ("llama_untied", dict(pipeline_parallel_size=2, pipeline_microbatches=3)),
+    ],
+)
+def test_parallel_engine_reproduces_the_single_process_engine(tiny_models, variant, sizes):
+    folder = tiny_models[variant]
+    want = _run(folder)
+    got = _run(folder, **sizes)
+    _assert_same(want, got)
+    ranks = got[2]["ranks"]
+    assert len(ranks) == sizes.get("tensor_parallel_size", 1) * sizes.get("pipeline_parallel_size", 1)
+    assert all(r["weights_bytes"] < want[2]["weights_bytes"] for r in ranks)  # a shard, never the whole model
+
+
+def test_tp3_and_tp2_with_three_kv_heads(nine_head_model):
+    """SmolLM2's case: 3 K/V heads on 3 ranks (one each) and on 2 (whole groups, 6 + 3 query heads)."""
+    want = _run(nine_head_model)
+    for tp, heads in ((3, [(3, 1)] * 3), (2, [(6, 2), (3, 1)])):
+        got = _run(nine_head_model, tensor_parallel_size=tp)
+        _assert_same(want, got)
+        assert [(r["q_heads"], r["kv_heads"]) for r in got[2]["ranks"]] == heads
+
+
+def test_tp2_by_pp2_on_four_processes(nine_head_model):
+    want = _run(nine_head_model)
+    got = _run(nine_head_model, tensor_parallel_size=2, pipeline_parallel_size=2)
+    _assert_same(want, got)
+    assert [(r["stage"], r["layers"]) for r in got[2]["ranks"]] == [(0, [0, 2]), (0, [0, 2]), (1, [2, 3]), (1, [2, 3])]
+
+
+def test_prefix_caching_and_preemption_under_tp_and_pp(tiny_model):
+    """A shared prefix (cached blocks reused) and a pool too small for every sequence
+    (preemption): the driver's scheduler decides, every rank's pool follows."""
+    shared = list(range(3, 35))
+    prompts = [shared + [40 + i, 50 + i] for i in range(4)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine = dict(block_size=4, kv_cache_memory=2 * 4 * 2 * 64 * 4 * 26)  # 26 blocks of 4 tokens, fp32
+    want = _run(tiny_model, prompts, params, **engine)
+    assert sum(o.num_preemptions for o in want[0]) > 0 and want[3] > 0
+    for sizes in (dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)):
+        # kv_cache_memory is per rank, and each rank keeps half the K/V: half the bytes, the same 26 blocks.
+        got = _run(tiny_model, prompts, params, **sizes, block_size=4, kv_cache_memory=engine["kv_cache_memory"] // 2)
+        assert got[2]["kv_pool_blocks"] == want[2]["kv_pool_blocks"]
+        _assert_same(want, got)
+        assert sum(o.num_preemptions for o in got[0]) > 0 and got[3] == want[3]
+
+
+def test_parallel_samples_share_blocks_copy_on_write(tiny_model):
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=3, n=3)
+    want = _run(tiny_model, [[4, 5, 6, 7, 8]], params)
+    got = _run(tiny_model, [[4, 5, 6, 7, 8]], params, tensor_parallel_size=2)
+    assert [s.token_ids for s in got[0][0].samples] == [s.token_ids for s in want[0][0].samples]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes", [dict(tensor_parallel_size=2), dict(tensor_parallel_size=3), dict(pipeline_parallel_size=2)])
+def test_smollm2_parallel_greedy_tokens(smollm2_dir, sizes):
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    # 30 layers of sums in another order: |diff| <= 1e-4 + 1e-5 |logit| (logits reach ~20; measured max 1.0e-4)
+    _assert_same(_run(smollm2_dir, prompts, params), _run(smollm2_dir, prompts, params, **sizes), rtol=1e-5)
+
+
+def _alive(pids):
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split()[2] != "Z":
+                    alive.append(pid)
+        except (ProcessLookupError, FileNotFoundError):
+            pass
+    return alive
+
+
+def test_a_dead_rank_is_named_and_every_worker_stops(tiny_model):
+    llm = LLM(tiny_model, dtype="float32", num_threads=1, tensor_parallel_size=2)
+    pids = [p.pid for p in llm.engine.runner.procs]
+    os.kill(pids[1], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match="rank 1 failed: exited with code -9") as err:
+        llm.generate([[4, 5, 6]], GREEDY)
+    assert err.value.rank == 1 and time.monotonic() - start < 30  # no hang
+    assert _alive(pids) == []
+    with pytest.raises(RuntimeError, match=r"stopped \(rank 1 failed\); create a new engine"):
+        llm.generate([[4, 5, 6]], GREEDY)
+
+
+def test_an_interrupt_stops_the_workers(tiny_model):
+    """The notebook's stop button: KeyboardInterrupt in the driver mid-generation."""
+    llm = LLM(tiny_model, dtype="float32", num_threads=1, tensor_parallel_size=2)
+    pids = [p.pid for p in llm.engine.runner.procs]
+    timer = threading.Timer(1.0, _thread.interrupt_main)
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[4, 5, 6]] * 4, SamplingParams(max_tokens=200, ignore_eos=True))
+    timer.cancel()
+    assert _alive(pids) == []
+    with pytest.raises(RuntimeError, match="stopped"):
+        llm.generate([[4, 5, 6]], GREEDY)
+
+
+def test_close_stops_the_workers(tiny_model):
+    llm = LLM(tiny_model, dtype="float32", num_threads=1, pipeline_parallel_size=2)
+    pids = [p.pid for p in llm.engine.runner.procs]
+    llm.close()
+    llm.close()  # twice is fine
+    assert _alive(pids) == []
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (dict(tensor_parallel_size=3), "tensor_parallel_size=3 does not fit 2 K/V heads"),
+        (dict(pipeline_parallel_size=3), "pipeline_parallel_size=3 exceeds the model's 2 layers"),
+        (dict(tensor_parallel_size=0), "tensor_parallel_size=0 must be >= 1"),
+        (dict(tensor_parallel_size=2, mode="contiguous"), "needs mode='paged'"),
+        (dict(tensor_parallel_size=2, quantization="int8"), "quantization='int8' cannot be combined"),
+        (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+         "speculative_config=.* cannot be combined"),
+    ],
+)  # fmt: skip
+def test_bad_parallel_settings_are_refused_before_any_worker_starts(tiny_model, args, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_model, dtype="float32", **args)
+
+
+def test_head_assignment_rules():
+    assert heads_of_rank(9, 3, 0, 2) == (range(0, 6), range(0, 2))  # whole groups, uneven
+    assert heads_of_rank(9, 3, 1, 2) == (range(6, 9), range(2, 3))
+    assert [heads_of_rank(8, 2, r, 4) for r in range(4)] == [
+        (range(0, 2), range(0, 1)), (range(2, 4), range(0, 1)), (range(4, 6), range(1, 2)), (range(6, 8), range(1, 2))
+    ]  # fmt: skip
+    assert [heads_of_rank(9, 3, r, 9)[1] for r in range(9)] == [range(k, k + 1) for k in (0, 0, 0, 1, 1, 1, 2, 2, 2)]
+    with pytest.raises(ValueError, match="does not fit 3 K/V heads"):
+        heads_of_rank(9, 3, 0, 6)  # 3 query heads per group cannot be shared by 2 ranks
+    assert [len(split_evenly(10, 3, i)) for i in range(3)] == [4, 3, 3]
+
+
+def test_microbatches_keep_order_and_balance_tokens():
+    from minillm.engine.runner import ChunkInput
+
+    chunks = [ChunkInput(i, [0] * n, 0) for i, n in enumerate([30, 1, 1, 1, 1, 30])]
+    groups = split_microbatches(chunks, 2)
+    assert [c for g in groups for c in g] == chunks and len(groups) == 2
+    assert [sum(c.num_tokens for c in g) for g in groups] == [34, 30]
+    assert len(split_microbatches(chunks[:1], 4)) == 1
