@@ -1,3 +1,4 @@
 from minillm.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # not when a spawned worker process imports this module
+    raise SystemExit(main())

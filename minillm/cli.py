@@ -84,6 +84,14 @@ def _add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) -
     )
 
 
+    g.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="split every layer over this many worker processes"
+    )
+    g.add_argument(
+        "--pipeline-parallel-size", type=int, default=1, help="split the layers into this many stages (processes)"
+    )
+
+
 def _json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -150,6 +158,8 @@ def _engine_kwargs(args) -> dict:
         sparsity=args.sparsity,
         kv_cache_dtype=args.kv_cache_dtype,
         speculative_config=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
     )
 
 

@@ -221,3 +221,29 @@ def test_microbatches_keep_order_and_balance_tokens():
     assert [c for g in groups for c in g] == chunks and len(groups) == 2
     assert [sum(c.num_tokens for c in g) for g in groups] == [34, 30]
     assert len(split_microbatches(chunks[:1], 4)) == 1
+
+
+def _cli_tokens(command: list[str]) -> list[int]:
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, done.stdout  # one record: only rank 0 prints
+    return lines[0]["token_ids"]
+
+
+def test_torchrun_launch_matches_one_process(tiny_model):
+    """Every rank runs the same command; rank 0 keeps the engine and broadcasts each step, the
+    other ranks serve inside the engine's constructor and exit when rank 0 is done."""
+    import sys
+
+    args = ["generate", "--model", str(tiny_model), "--dtype", "float32", "--threads", "1", "--max-tokens", "8",
+            "--ignore-eos", "--prompt", "hello there", "--json"]  # fmt: skip
+    want = _cli_tokens([sys.executable, "-m", "minillm", *args])
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "minillm"]
+    assert _cli_tokens([*torchrun, *args, "--tensor-parallel-size", "2"]) == want
+    assert _cli_tokens([sys.executable, "-m", "minillm", *args, "--pipeline-parallel-size", "2"]) == want  # spawned

@@ -1,5 +1,5 @@
-"""Two processes on gloo: a tensor-parallel SwiGLU equals the single-process block, and the
-launcher ends every rank — and names the culprit — when one raises, dies or hangs."""
+"""Two processes on gloo: the model's SwiGLU and the vocabulary-parallel embedding, sharded, equal
+the single-process blocks, and the launcher ends every rank — and names the culprit — when one raises, dies or hangs."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from minillm.parallel.launch import RankFailed, run_ranks
-from minillm.parallel.tensor import ParallelAttention, ParallelSwiGLU, VocabParallelEmbedding, kv_heads_of_rank
+from minillm.config import ModelConfig
+from minillm.layers import Linear
+from minillm.models.llama import SwiGLU
+from minillm.parallel.tensor import ParallelContext, VocabParallelEmbedding, split_evenly
 
 HIDDEN, INTERMEDIATE = 32, 64
 
@@ -27,7 +30,11 @@ def _weights():
 
 def _tp_swiglu(rank, world_size):
     gate, up, down, x = _weights()
-    mlp = ParallelSwiGLU(HIDDEN, INTERMEDIATE, rank, world_size).load(gate, up, down)
+    config = ModelConfig("llama", 10, HIDDEN, INTERMEDIATE, 1, 2, 2, 16, 1e-6, 8, True, False, 1e4)
+    mlp = SwiGLU(config, ParallelContext(tp_rank=rank, tp_size=world_size))  # the model's own block, sharded
+    mlp.gate_up_proj.weight_loader("weight", gate, "gate")
+    mlp.gate_up_proj.weight_loader("weight", up, "up")
+    mlp.down_proj.weight_loader("weight", down)
     held = sum(p.numel() for p in mlp.parameters())
     with torch.no_grad():
         return mlp(x), held
@@ -87,57 +94,30 @@ def test_bad_world_size_is_refused():
         run_ranks(_tp_swiglu, 0)
 
 
-HEADS, KV_HEADS, HEAD_DIM, VOCAB = 4, 2, 8, 48
+VOCAB = 47  # does not divide by 2 or 4: the vocabulary split is uneven and the gather pads
 
 
-def _attention_weights():
+def _tp_vocab(rank, world_size):
     gen = torch.Generator().manual_seed(1)
-    hidden = HEADS * HEAD_DIM
-    wq = torch.randn(HEADS * HEAD_DIM, hidden, generator=gen) / hidden**0.5
-    wk = torch.randn(KV_HEADS * HEAD_DIM, hidden, generator=gen) / hidden**0.5
-    wv = torch.randn(KV_HEADS * HEAD_DIM, hidden, generator=gen) / hidden**0.5
-    wo = torch.randn(hidden, HEADS * HEAD_DIM, generator=gen) / hidden**0.5
-    emb = torch.randn(VOCAB, hidden, generator=gen)
-    ids = torch.tensor([3, 47, 0, 25, 24, 11])
-    return wq, wk, wv, wo, emb, ids
-
-
-def _reference_attention(x, wq, wk, wv, wo):
-    t = x.shape[0]
-    q = F.linear(x, wq).view(t, HEADS, HEAD_DIM).transpose(0, 1)
-    k = F.linear(x, wk).view(t, KV_HEADS, HEAD_DIM).transpose(0, 1).repeat_interleave(HEADS // KV_HEADS, 0)
-    v = F.linear(x, wv).view(t, KV_HEADS, HEAD_DIM).transpose(0, 1).repeat_interleave(HEADS // KV_HEADS, 0)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return F.linear(out.transpose(0, 1).reshape(t, -1), wo)
-
-
-def _tp_attention_and_vocab(rank, world_size):
-    wq, wk, wv, wo, emb, ids = _attention_weights()
-    embed = VocabParallelEmbedding(VOCAB, HEADS * HEAD_DIM, rank, world_size).load(emb)
-    attn = ParallelAttention(HEADS * HEAD_DIM, HEADS, KV_HEADS, HEAD_DIM, rank, world_size).load(wq, wk, wv, wo)
+    emb, ids = torch.randn(VOCAB, HIDDEN, generator=gen), torch.tensor([3, 46, 0, 25, 24, 11])
+    ctx = ParallelContext(tp_rank=rank, tp_size=world_size)
+    embed = VocabParallelEmbedding(VOCAB, HIDDEN, ctx)
+    embed.weight_loader("weight", emb)
+    head = Linear(HIDDEN, VOCAB, tp_dim=0, tp_rank=rank, tp_size=world_size, tp_slices={None: embed.vocab_range})
+    head.weight = embed.weight  # tied: the head is the embedding shard
+    sizes = [len(split_evenly(VOCAB, world_size, r)) for r in range(world_size)]
     with torch.no_grad():
         x = embed(ids)
-        return x, attn(x), embed.logits(x), attn.kv
+        return x, ctx.gather_columns(head(x), sizes), embed.weight.shape[0]
 
 
-@pytest.mark.parametrize("world_size", [2, 4])  # 4 ranks > 2 K/V heads: each head on two ranks
-def test_tensor_parallel_attention_and_vocabulary_parallel_embedding(world_size):
-    wq, wk, wv, wo, emb, ids = _attention_weights()
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_vocabulary_parallel_embedding_and_tied_head(world_size):
+    gen = torch.Generator().manual_seed(1)
+    emb, ids = torch.randn(VOCAB, HIDDEN, generator=gen), torch.tensor([3, 46, 0, 25, 24, 11])
     x = F.embedding(ids, emb)
-    want_attn, want_logits = _reference_attention(x, wq, wk, wv, wo), F.linear(x, emb)
-    results = run_ranks(_tp_attention_and_vocab, world_size, timeout=120)
-    for rank, (got_x, got_attn, got_logits, kv) in enumerate(results):
-        torch.testing.assert_close(got_x, x)
-        torch.testing.assert_close(got_attn, want_attn, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(got_logits, want_logits, atol=1e-5, rtol=1e-5)
-        assert kv == kv_heads_of_rank(HEADS, KV_HEADS, rank, world_size)
-    assert [r[3] for r in results] == ([[0], [1]] if world_size == 2 else [[0], [0], [1], [1]])
-
-
-def test_kv_heads_split_or_replicated_like_smollm2():
-    assert [kv_heads_of_rank(9, 3, r, 3) for r in range(3)] == [[0], [1], [2]]  # TP=3: one head each
-    assert [kv_heads_of_rank(9, 3, r, 9) for r in range(9)] == [[0]] * 3 + [[1]] * 3 + [[2]] * 3  # replicated
-    with pytest.raises(ValueError, match="query heads"):
-        kv_heads_of_rank(9, 3, 0, 2)  # TP=2: 9 query heads do not split evenly
-    with pytest.raises(ValueError, match="multiple"):
-        kv_heads_of_rank(8, 3, 0, 4)
+    results = run_ranks(_tp_vocab, world_size, timeout=120)
+    for got_x, got_logits, rows in results:
+        torch.testing.assert_close(got_x, x)  # exactly one rank contributes each id
+        torch.testing.assert_close(got_logits, F.linear(x, emb), atol=1e-5, rtol=1e-5)
+    assert sum(r[2] for r in results) == VOCAB  # each row held once

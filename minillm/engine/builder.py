@@ -156,8 +156,44 @@ def build_parallel_parts(
         num_microbatches=config.pipeline_microbatches or pp,
         threads=config.num_threads or max(1, (os.cpu_count() or 1) // config.world_size),
     )
-    runner = DistributedRunner(spec, backend="nccl" if device.type == "cuda" else "gloo")
+    comm = "nccl" if device.type == "cuda" else "gloo"
+    if launched_by_torchrun():
+        runner = _join_torchrun(spec, comm)
+    else:
+        runner = DistributedRunner(spec, backend=comm)
     return EngineParts(scheduler, runner, backend, block_manager)
+
+
+def launched_by_torchrun() -> bool:
+    """``torchrun`` (torch.distributed.run) started this process as one of several ranks."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def _join_torchrun(spec, comm: str):
+    """Every rank runs the same program; here they part ways. Rank 0 keeps the engine (driver
+    and rank 0 in one process); every other rank serves steps inside this call and, when rank
+    0 closes its engine, exits — so a script's later lines run on rank 0 only."""
+    import sys
+
+    import torch.distributed as dist
+
+    from minillm.parallel.executor import InProcessRunner
+    from minillm.parallel.worker import ShardWorker
+
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    if world != spec.world_size:
+        raise ValueError(
+            f"torchrun started {world} processes but tensor_parallel_size x pipeline_parallel_size = {spec.world_size}"
+        )
+    if not dist.is_initialized():
+        dist.init_process_group(comm)  # address, port, rank and size from torchrun's environment
+    worker = ShardWorker(spec, rank)
+    if rank == 0:
+        return InProcessRunner(worker)
+    worker.gather_descriptions()
+    worker.serve()
+    dist.destroy_process_group()
+    sys.exit(0)
 
 
 def build_speculator(config: EngineConfig, model_config: ModelConfig, tokenizer, device, dtype, max_model_len: int,

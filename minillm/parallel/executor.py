@@ -52,7 +52,7 @@ class DistributedRunner:
         self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns)
         self._step_id = 0
         self.record_timings = False  # ask every rank for its compute intervals each step
-        self.last_timings: list[tuple] | None = None
+        self.last_timings: list[dict] | None = None  # every rank's spans of the last step (record_timings)
         self.closed_because: str | None = None
         self.ranks: list[dict] = [None] * spec.world_size
         try:
@@ -121,6 +121,32 @@ class DistributedRunner:
     def _fail(self, rank: int, why: str):
         self.shutdown(f"rank {rank} failed")
         raise RankFailed(rank, why)
+
+
+class InProcessRunner:
+    """Rank 0 of a ``torchrun`` launch: this process is the driver *and* rank 0 — it broadcasts
+    each step to the other ranks (started by torchrun, waiting in ``ShardWorker.serve``) and
+    runs its own part in place. torchrun, not the engine, owns the processes here."""
+
+    def __init__(self, worker: ShardWorker):
+        self.worker = worker
+        self.ranks = worker.gather_descriptions()
+        self.record_timings = False
+        self.last_timings: list[dict] | None = None  # every rank's spans of the last step (record_timings)
+        # Release the other ranks when this engine is closed, collected, or the program ends.
+        self._finalizer = weakref.finalize(self, worker.broadcast_stop)
+
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        if not self._finalizer.alive:
+            raise RuntimeError("this engine's ranks were stopped; create a new engine")
+        logits, self.last_timings = self.worker.broadcast_and_step(inputs, self.record_timings)
+        return logits
+
+    def release(self, request_id: Hashable) -> None:
+        pass
+
+    def shutdown(self, reason: str = "shut down") -> None:
+        self._finalizer()
 
 
 def _stop_workers(procs, conns) -> None:

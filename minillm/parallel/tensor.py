@@ -25,6 +25,7 @@ gets ``SINGLE`` and runs exactly as before (no communication at all).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +92,20 @@ def stage_layers(num_layers: int, pp_size: int, stage: int) -> range:
     return split_evenly(num_layers, pp_size, stage)
 
 
+@dataclass
+class CommStats:
+    """What this process's collectives cost so far: calls, bytes each rank put in, seconds
+    spent waiting in them (read and reset by the worker around each step)."""
+
+    calls: int = 0
+    all_reduce_bytes: int = 0
+    all_gather_bytes: int = 0
+    seconds: float = 0.0
+
+
+COMM = CommStats()
+
+
 @dataclass(frozen=True)
 class ParallelContext:
     """Where one model shard sits: its tensor-parallel rank among ``tp_size`` (talking over
@@ -116,7 +131,11 @@ class ParallelContext:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the tensor-parallel ranks, in place (nothing to do at TP = 1)."""
         if self.tp_size > 1:
+            start = time.perf_counter()
             dist.all_reduce(x, group=self.tp_group)
+            COMM.seconds += time.perf_counter() - start
+            COMM.calls += 1
+            COMM.all_reduce_bytes += x.numel() * x.element_size()
         return x
 
     def gather_columns(self, local: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -127,7 +146,11 @@ class ParallelContext:
         width = max(sizes)
         padded = F.pad(local, (0, width - local.shape[-1])).contiguous()
         parts = [torch.empty_like(padded) for _ in sizes]
+        start = time.perf_counter()
         dist.all_gather(parts, padded, group=self.tp_group)
+        COMM.seconds += time.perf_counter() - start
+        COMM.calls += 1
+        COMM.all_gather_bytes += padded.numel() * padded.element_size()
         return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
 
 

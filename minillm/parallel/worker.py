@@ -18,7 +18,9 @@ Rank ``r`` is tensor-parallel rank ``r % tp_size`` of stage ``r // tp_size``.
 
 from __future__ import annotations
 
+import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -28,7 +30,7 @@ from minillm.config import EngineConfig, ModelConfig
 from minillm.engine.paged_runner import PagedRunner
 from minillm.engine.runner import ChunkInput, StepInputs
 from minillm.kvcache.paged import PagedKVCache
-from minillm.parallel.tensor import ParallelContext
+from minillm.parallel.tensor import COMM, ParallelContext
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,9 @@ class ShardWorker:
         stage = rank // tp
         self.parallel = ParallelContext(rank % tp, tp, stage, pp, groups[stage])
         dtype, device = getattr(torch, spec.dtype), torch.device(spec.device)
+        if device.type == "cuda":  # one GPU per rank (on its node)
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+            torch.cuda.set_device(device)
         self.model = load_model(spec.model_dir, dtype, device, spec.max_model_len, parallel=self.parallel)
         self.model.set_attention_backend(spec.attention_backend)
         self.model.sliding_window = spec.window
@@ -117,6 +122,12 @@ class ShardWorker:
             "kv_pool_bytes": self.cache.nbytes,
         }
 
+    def gather_descriptions(self) -> list[dict] | None:
+        """Every rank's ``describe()``, on rank 0 (a collective: every rank calls it)."""
+        gathered = [None] * self.spec.world_size if self.rank == 0 else None
+        dist.gather_object(self.describe(), gathered, dst=0)
+        return gathered
+
     # ---------------------------------------------------------------------------------------
 
     def serve(self, conn=None) -> None:
@@ -131,7 +142,7 @@ class ShardWorker:
             step_id, inputs, timed = rest
             logits, timings = self.step(inputs, timed)
             if self.rank == 0:
-                conn.send(("logits", step_id, logits.numpy(), timings))
+                conn.send(("logits", step_id, logits.cpu().numpy(), timings))
 
     def broadcast_and_step(self, inputs: StepInputs, timed: bool = False):
         """Rank 0 driving in-process (a ``torchrun`` launch): broadcast, then run its part."""
@@ -143,31 +154,42 @@ class ShardWorker:
 
     def step(self, inputs: StepInputs, timed: bool = False) -> tuple[torch.Tensor | None, list | None]:
         """Run this rank's part of one step. Returns (logits on rank 0 else None, and when
-        ``timed`` every rank's compute intervals ``(rank, stage, micro-batch, start, end)`` on
-        rank 0)."""
-        spans: list[tuple] = []
+        ``timed``, on rank 0, every rank's spans: each micro-batch's compute interval and
+        what its collectives cost inside it)."""
+        spans: list[dict] = []
         if self.spec.pp_size == 1:
-            start = time.perf_counter()
-            logits = self.runner.execute(inputs)
-            spans.append((self.rank, 0, 0, start, time.perf_counter()))
+            with self._span(spans, 0):
+                logits = self.runner.execute(inputs)
         else:
             logits = self._pipeline_step(inputs, spans)
         if self.spec.pp_size > 1 and inputs.num_logits:  # the last stage hands the logits to rank 0
             if self.rank == self.output_rank:
                 dist.send(logits.contiguous(), dst=0)
             elif self.rank == 0:
-                logits = torch.empty(inputs.num_logits, self.vocab_size)
+                logits = torch.empty(inputs.num_logits, self.vocab_size, device=self.model.device)
                 dist.recv(logits, src=self.output_rank)
         if self.rank != 0:
             logits = None
         elif logits is None:  # a step that wants no logits (a middle chunk of a long prompt)
-            logits = torch.empty(0, self.vocab_size)
+            logits = torch.empty(0, self.vocab_size, device=self.model.device)
         timings = None
         if timed:
             gathered = [None] * self.spec.world_size if self.rank == 0 else None
             dist.gather_object(spans, gathered, dst=0)
             timings = [span for part in gathered for span in part] if self.rank == 0 else None
         return logits, timings
+
+    @contextmanager
+    def _span(self, spans: list[dict], microbatch: int):
+        """Record one piece of work: when it ran, and the time and bytes of its collectives."""
+        seconds, reduced, gathered = COMM.seconds, COMM.all_reduce_bytes, COMM.all_gather_bytes
+        start = time.perf_counter()
+        yield
+        spans.append({
+            "rank": self.rank, "stage": self.parallel.pp_rank, "microbatch": microbatch,
+            "start": start, "end": time.perf_counter(), "comm_s": COMM.seconds - seconds,
+            "all_reduce_bytes": COMM.all_reduce_bytes - reduced, "all_gather_bytes": COMM.all_gather_bytes - gathered,
+        })  # fmt: skip
 
     def _pipeline_step(self, inputs: StepInputs, spans: list) -> torch.Tensor | None:
         """GPipe's forward schedule over this step's micro-batches: receive (stage > 0), run this
@@ -184,9 +206,8 @@ class ShardWorker:
                 tokens = sum(c.num_tokens for c in chunks)
                 hidden = torch.empty(1, tokens, self.hidden_size, dtype=self.model.dtype, device=self.model.device)
                 dist.recv(hidden, src=self.rank - tp)
-            start = time.perf_counter()
-            out = self.model(layout, hidden)
-            spans.append((self.rank, self.parallel.pp_rank, m, start, time.perf_counter()))
+            with self._span(spans, m):
+                out = self.model(layout, hidden)
             if last:
                 outputs.append(out)
             else:
