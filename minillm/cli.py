@@ -172,6 +172,16 @@ def _llm(args):
 def cmd_serve(args) -> int:
     from minillm.server.launch import serve
 
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size={args.data_parallel_size} must be >= 1")
+    if args.data_parallel_size > 1:  # replicas behind a router: minillm/parallel/data.py
+        from minillm.parallel.data import serve_data_parallel
+
+        serve_data_parallel(
+            args.model or ["smollm2-135m"], args.data_parallel_size, _replica_argv(args.argv), args.router_policy,
+            host=args.host, port=args.port, log_level=args.log_level, block_size=args.block_size,
+        )  # fmt: skip
+        return 0
     serve(
         args.model or ["smollm2-135m"],
         host=args.host,
@@ -183,6 +193,20 @@ def cmd_serve(args) -> int:
         **_engine_kwargs(args),
     )
     return 0
+
+
+def _replica_argv(argv: list[str]) -> list[str]:
+    """``minillm serve`` arguments for each replica: all but those the router itself uses."""
+    own = {"--host", "--port", "--data-parallel-size", "--router-policy", "--model", "--log-level"}
+    out, skip = [], False
+    for arg in argv[1:]:  # after "serve"
+        if skip:
+            skip = False
+        elif arg.split("=", 1)[0] in own:
+            skip = "=" not in arg
+        else:
+            out.append(arg)
+    return out
 
 
 def cmd_batch(args) -> int:
@@ -462,6 +486,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=int, default=256, help="requests allowed to wait for a seat; more get 429")
     p.add_argument("--max-body-bytes", type=int, default=2 << 20, help="largest request body accepted (413 above)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument(
+        "--data-parallel-size", type=int, default=1, help="serve from this many engine replicas (processes) behind a router"
+    )
+    p.add_argument(
+        "--router-policy",
+        default="prefix_aware",
+        choices=["round_robin", "least_loaded", "prefix_aware"],
+        help="how the router picks a replica (default: where the prompt's prefix is cached)",
+    )
     _add_engine_args(p, several_models=True)
     p.set_defaults(func=cmd_serve)
 
@@ -536,6 +569,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.func(args)
     except (ValueError, TypeError, FileNotFoundError) as err:

@@ -92,6 +92,18 @@ class ServerThread:
         self.stop()
 
 
+def _terminate_with_parent() -> None:
+    """In the child, before it runs: on Linux, ask the kernel for SIGTERM when the parent dies,
+    so a server never outlives a killed notebook kernel or router."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the parent's stop() is the only way
+
+
 class ServerProcess:
     """``minillm serve`` in a child process: a separate interpreter, as in deployment (chapter 10
     and ``benchmarks/bench_server.py``). ``args`` are extra CLI arguments (``--dtype fp32``...).
@@ -121,7 +133,9 @@ class ServerProcess:
     def start(self, timeout: float = 300.0) -> ServerProcess:
         import httpx
 
-        self.proc = subprocess.Popen(self.cmd, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(
+            self.cmd, env=os.environ | {"PYTHONUNBUFFERED": "1"}, preexec_fn=_terminate_with_parent
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

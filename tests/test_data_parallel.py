@@ -1,0 +1,88 @@
+"""Data parallelism: ``minillm serve --data-parallel-size 2`` — two replica processes behind the
+router — answers exactly as one engine does, routes by policy (a shared prefix goes where it is
+cached), records every choice, passes a replica's 4xx through, streams, and survives a replica
+that dies (503 naming it, the other keeps serving)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import httpx
+import pytest
+
+from minillm import LLM, SamplingParams
+from minillm.parallel.data import prompt_ids_for_routing
+from minillm.server.launch import ServerProcess
+from minillm.tokenizer import Tokenizer
+
+SHARED = "You are a terse assistant. Answer in one word, and never explain the answer you give. "
+
+
+@pytest.fixture(scope="module")
+def dp_server(tiny_model):
+    args = ["--dtype", "fp32", "--threads", "1", "--data-parallel-size", "2", "--router-policy", "prefix_aware",
+            "--block-size", "4"]  # fmt: skip
+    with ServerProcess([str(tiny_model)], args) as server:
+        yield server
+
+
+def _complete(server, prompt, **extra):
+    body = {"model": "llama_gqa", "prompt": prompt, "max_tokens": 6, "temperature": 0, **extra}
+    return httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+
+
+def test_answers_equal_one_engine_and_shared_prefixes_go_to_one_replica(dp_server, tiny_model):
+    prompts = [SHARED + q for q in ("cats?", "dogs?", "owls?")] + ["Something else entirely, unrelated."]
+    replies = [_complete(dp_server, p) for p in prompts]
+    assert [r.status_code for r in replies] == [200] * 4, replies[0].text
+    with LLM(tiny_model, dtype="float32") as llm:
+        want = [o.text for o in llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0))]
+    assert [r.json()["choices"][0]["text"] for r in replies] == want
+    replicas = [int(r.headers["x-minillm-replica"]) for r in replies]
+    assert replicas[0] == replicas[1] == replicas[2]  # the shared prefix stays where it is cached
+    state = httpx.get(dp_server.url + "/router").json()
+    assert state["policy"] == "prefix_aware" and state["outstanding"] == [0, 0]
+    recorded = state["decisions"][-4:]
+    assert [d["replica"] for d in recorded] == replicas
+    assert recorded[1]["matched_blocks"] > 0 and recorded[0]["matched_blocks"] == 0
+
+
+def test_streaming_and_errors_pass_through(dp_server):
+    with httpx.stream("POST", dp_server.url + "/v1/completions", json={
+        "model": "llama_gqa", "prompt": "hello", "max_tokens": 4, "stream": True, "temperature": 0,
+    }, timeout=60) as response:  # fmt: skip
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and len(lines) >= 3
+    bad = _complete(dp_server, "hello", max_tokens=-3)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"  # the replica's own answer
+    garbage = httpx.post(dp_server.url + "/v1/completions", content=b"{not json", timeout=30)
+    assert garbage.status_code == 400
+    assert httpx.get(dp_server.url + "/health").json() == {"replicas": [True, True]}
+
+
+def test_prompt_ids_for_routing(tiny_model):
+    tokenizers = {"m": Tokenizer(tiny_model)}
+    assert prompt_ids_for_routing(b'{"prompt": [5, 6, 7]}', tokenizers) == [5, 6, 7]
+    assert prompt_ids_for_routing(b'{"prompt": ["ab", "cd"]}', tokenizers) == tokenizers["m"].encode("ab")
+    assert prompt_ids_for_routing(b"\xff\xfe", tokenizers) == []
+    assert prompt_ids_for_routing(json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(), tokenizers)
+
+
+def test_a_dead_replica_gives_503_and_the_other_serves(tiny_model):
+    import psutil
+
+    args = ["--dtype", "fp32", "--threads", "1", "--data-parallel-size", "2", "--router-policy", "round_robin"]
+    with ServerProcess([str(tiny_model)], args) as server:
+        children = psutil.Process(server.proc.pid).children()
+        replica_pids = [c.pid for c in children if "serve" in " ".join(c.cmdline())]
+        assert len(replica_pids) == 2
+        os.kill(replica_pids[1], signal.SIGKILL)
+        codes = [_complete(server, "hello").status_code for _ in range(4)]  # round robin: both replicas asked
+        assert sorted(codes) == [200, 200, 503, 503]
+        reply = _complete(server, "hello")
+        if reply.status_code == 503:
+            assert "replica 1" in reply.json()["error"]["message"]
+    assert not psutil.pid_exists(replica_pids[0]) or psutil.Process(replica_pids[0]).status() == "zombie"
