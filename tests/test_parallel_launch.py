@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minillm.parallel.launch import RankFailed, run_ranks
 from minillm.config import ModelConfig
 from minillm.layers import Linear
 from minillm.models.llama import SwiGLU
+from minillm.parallel.launch import RankFailed, run_ranks
 from minillm.parallel.tensor import ParallelContext, VocabParallelEmbedding, split_evenly
 
 HIDDEN, INTERMEDIATE = 32, 64
@@ -117,7 +117,7 @@ def test_vocabulary_parallel_embedding_and_tied_head(world_size):
     emb, ids = torch.randn(VOCAB, HIDDEN, generator=gen), torch.tensor([3, 46, 0, 25, 24, 11])
     x = F.embedding(ids, emb)
     results = run_ranks(_tp_vocab, world_size, timeout=120)
-    for got_x, got_logits, rows in results:
+    for got_x, got_logits, _ in results:
         torch.testing.assert_close(got_x, x)  # exactly one rank contributes each id
         torch.testing.assert_close(got_logits, F.linear(x, emb), atol=1e-5, rtol=1e-5)
     assert sum(r[2] for r in results) == VOCAB  # each row held once

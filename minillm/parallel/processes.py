@@ -1,0 +1,168 @@
+"""Worker processes owned by a driver: spawned, joined into one process group, watched, stopped.
+
+Every multi-process engine here (tensor / pipeline parallel, disaggregated prefill/decode) has
+the same shape: the driver — a notebook kernel, a server, a script — spawns ``world_size``
+workers joined by ``torch.distributed`` (gloo on CPU, NCCL on CUDA) and talks to them over
+pipes; the driver itself never joins the process group, so it can create and drop engines
+freely. ``WorkerGroup`` owns them:
+
+- while the driver waits for a message it also watches every worker: one that raises reports
+  its traceback and exits, one that dies is seen through its process sentinel — either way
+  every worker is stopped and ``RankFailed`` names the rank and why;
+- a KeyboardInterrupt (a notebook's stop button) stops them too (the caller's ``except``);
+- workers ignore Ctrl-C (the driver's to handle) and end themselves when the driver's process
+  disappears (a kernel restart kills it without any clean-up), so none is left behind.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import signal
+import threading
+import time
+import traceback
+import weakref
+from multiprocessing.connection import wait
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from minillm.parallel.launch import RankFailed, free_port
+
+START_TIMEOUT = 600.0  # seconds for every worker to load its part of the model
+STEP_TIMEOUT = 600.0
+
+
+class WorkerGroup:
+    """``target(spec, rank, conn)`` on ``world_size`` spawned processes (``target`` must be a
+    module-level function). ``stop_ranks``: who is told ``("stop",)`` at shutdown (the others
+    are told by them, e.g. rank 0's broadcast)."""
+
+    def __init__(self, target, spec, world_size: int, backend: str = "gloo", threads: int = 1, stop_ranks=(0,)):
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self.conns, self.procs = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            args = (target, spec, rank, world_size, port, backend, threads, child, os.getpid())
+            proc = ctx.Process(target=_bootstrap, args=args, daemon=True, name=f"minillm-rank{rank}")
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, tuple(stop_ranks))
+        self.closed_because: str | None = None
+
+    def check_open(self) -> None:
+        if self.closed_because is not None:
+            raise RuntimeError(
+                f"this engine's worker processes were stopped ({self.closed_because}); create a new engine"
+            )
+
+    def send(self, rank: int, message) -> None:
+        self.conns[rank].send(message)
+
+    def receive(self, ranks, timeout: float, doing: str) -> tuple[int, tuple]:
+        """The next message from one of ``ranks`` — watching every worker meanwhile."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.shutdown("timed out")
+                raise TimeoutError(
+                    f"ranks {sorted(ranks)} did not {doing} within {timeout:.0f} s; every worker was stopped"
+                )
+            ready = wait(self.conns + [p.sentinel for p in self.procs], timeout=min(left, 1.0))
+            for rank, conn in enumerate(self.conns):
+                if conn in ready:
+                    try:
+                        message = conn.recv()
+                    except (EOFError, OSError):
+                        message = ("error", f"exited with code {self.procs[rank].exitcode} (its pipe closed)")
+                    if message[0] == "error":
+                        self._fail(rank, message[1])
+                    if rank in ranks:
+                        return rank, message
+            for rank, proc in enumerate(self.procs):
+                if proc.sentinel in ready and not self.conns[rank].poll():
+                    proc.join(1.0)
+                    hint = ""
+                    if doing.startswith("load"):
+                        hint = (" (the workers are spawned: a script must create a parallel engine under "
+                                "`if __name__ == '__main__':`, or each worker re-runs the script)")  # fmt: skip
+                    self._fail(rank, f"exited with code {proc.exitcode} without a word{hint}")
+
+    def gather_ready(self, doing: str = "load its part of the model") -> list:
+        """Each worker's first message ``("ready", info)``, in rank order."""
+        infos = [None] * len(self.procs)
+        pending = set(range(len(self.procs)))
+        try:
+            while pending:
+                rank, (_, info) = self.receive(pending, START_TIMEOUT, doing)
+                infos[rank] = info
+                pending.discard(rank)
+        except BaseException:
+            self.shutdown("failed to start")
+            raise
+        return infos
+
+    def shutdown(self, reason: str = "shut down") -> None:
+        """Stop every worker (idempotent)."""
+        if self.closed_because is None:
+            self.closed_because = reason
+        self._finalizer()
+
+    def _fail(self, rank: int, why: str):
+        self.shutdown(f"rank {rank} failed")
+        raise RankFailed(rank, why)
+
+
+def _stop(procs, conns, stop_ranks) -> None:
+    for rank in stop_ranks:
+        try:
+            if procs[rank].is_alive():
+                conns[rank].send(("stop",))
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + 5
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    for conn in conns:
+        conn.close()
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """End this worker when the driver is gone: its parent changes from the driver to init."""
+
+    def watch():
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _bootstrap(target, spec, rank, world_size, port, backend, threads, conn, parent_pid) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+    _exit_with_parent(parent_pid)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=dt.timedelta(seconds=STEP_TIMEOUT))
+        target(spec, rank, conn)
+    except BaseException:  # noqa: BLE001 (reported to the driver, which stops every rank)
+        tb = traceback.format_exc(limit=8)
+        try:
+            conn.send(("error", tb.strip().splitlines()[-1] + "\n" + tb))
+        except OSError:
+            pass
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
