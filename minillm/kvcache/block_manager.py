@@ -419,6 +419,42 @@ class BlockManager:
                 released += 1
         return released
 
+    def reserve_imported(self, token_ids: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
+        """Room for the K/V of ``token_ids``'s full blocks, computed by another engine
+        (disaggregated prefill): each block is named by its hash as ``commit`` would name it, so
+        the request's ``match_prefix`` finds it like any cached prefix. Returns (every block
+        held — release with ``release_imported`` once their K/V is written — and the
+        ``(block index, block id)`` pairs whose K/V must be written; blocks already cached here
+        need none). Stops early, keeping what it has, when no block is free."""
+        held: list[int] = []
+        to_fill: list[tuple[int, int]] = []
+        if not self.enable_prefix_caching:
+            return held, to_fill
+        parent = None
+        for j, start in enumerate(range(0, len(token_ids) - self.block_size + 1, self.block_size)):
+            chunk = tuple(token_ids[start : start + self.block_size])
+            h = block_hash(parent, chunk)
+            block_id = self.cached.get(h)
+            if block_id is not None and self.blocks[block_id].token_ids == chunk:
+                self._attach(block_id)  # held, so importing the next block cannot evict it
+            elif block_id is None and self.num_free_blocks > 0:
+                block_id = self._take()
+                self._set_fill(block_id, self.block_size)
+                block = self.blocks[block_id]
+                block.hash, block.parent_hash, block.token_ids = h, parent, chunk
+                self.cached[h] = block_id
+                to_fill.append((j, block_id))
+            else:
+                break
+            held.append(block_id)
+            parent = h
+        return held, to_fill
+
+    def release_imported(self, held: list[int]) -> None:
+        """The imported blocks' K/V is written: unreferenced and cached, waiting for their request."""
+        for block_id in held:
+            self._release(block_id)
+
     def block_table_of(self, seq: PagedSequence) -> list[int]:
         return self.tables[seq.request_id]
 
