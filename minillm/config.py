@@ -392,6 +392,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     pipeline_microbatches: int | None = None
+    # The last resort when the weights do not fit (minillm/parallel/offload.py): "host" keeps each
+    # decoder layer's weights in host memory and copies them in per layer; "disk" maps them from a
+    # file (CPU), read in by the OS as each layer runs. None: weights resident (the default).
+    weight_offload: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode in DEPRECATED_MODES:
@@ -472,6 +476,13 @@ class EngineConfig:
             raise ValueError(f"quantization={self.quantization!r} cannot be combined with compile=True")
         if self.world_size > 1:
             self._check_parallel()
+        if self.weight_offload is not None:
+            if self.weight_offload not in ("host", "disk"):
+                raise ValueError(f"weight_offload={self.weight_offload!r}: expected 'host', 'disk' or None")
+            clash = [n for n in ("quantization", "sparsity", "speculative_config") if getattr(self, n) is not None]
+            if clash or self.compile or self.world_size > 1:
+                what = clash[0] if clash else "compile" if self.compile else "tensor/pipeline parallelism"
+                raise ValueError(f"weight_offload={self.weight_offload!r} cannot be combined with {what}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r}; expected one of {ATTENTION_BACKENDS}")
         if self.attention_backend == "triton":

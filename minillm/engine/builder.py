@@ -255,6 +255,9 @@ def apply_weight_methods(
             if layer.method is PLAIN and layer is not model.lm_head and SemiStructuredMethod.supported(layer):
                 layer.set_method(SemiStructuredMethod())
     prepack = config.cpu_prepack and device.type == "cpu" and prepack_available(dtype)
+    if config.weight_offload is not None:  # offloading moves plain tensors; packed copies would stay resident
+        _offload(config, model, device)
+        prepack = False
     if config.compile and dtype != torch.float32:
         prepack = False  # packed half-precision kernels are opaque to the compiler
     if prepack:
@@ -265,6 +268,22 @@ def apply_weight_methods(
         # Measured on CPU: fp32 runs batched steps fastest on prepacked weights and
         # single-sequence steps fastest compiled; half precision fastest compiled throughout.
         model.compile_decode(single_row_only=prepack)
+
+
+def _offload(config: EngineConfig, model: LlamaForCausalLM, device: torch.device) -> None:
+    from minillm.assets import cache_dir
+    from minillm.parallel.offload import memory_map_weights, stream_layers
+
+    if config.weight_offload == "host":
+        stream_layers(model, device)
+        return
+    if device.type != "cpu":
+        raise ValueError("weight_offload='disk' maps the weights for the CPU to read; use 'host' on a GPU")
+    folder = cache_dir() / "offload"
+    folder.mkdir(parents=True, exist_ok=True)
+    model.offload_path = folder / f"weights-{os.getpid()}-{id(model)}.pt"
+    memory_map_weights(model, model.offload_path)
+    os.unlink(model.offload_path)  # the mapping keeps the file alive; nothing is left on disk after the process
 
 
 def num_kv_blocks(
