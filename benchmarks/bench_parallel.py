@@ -1,15 +1,25 @@
-"""Tensor parallelism on this machine, measured: compute vs communication of one decoder layer's
-TP blocks (attention + SwiGLU at SmolLM2-135M's shapes, TP over gloo processes), and the bytes
-all-reduced per token — counted at the call, next to the formula ``2 × hidden × bytes`` per layer.
+"""Parallelism on this machine, measured with the engine itself (SmolLM2-135M by default):
 
-    python benchmarks/bench_parallel.py                 # TP = 1 and 3 (SmolLM2: 9 heads, 3 K/V heads)
+1. **Tensor / pipeline parallel decode** — batch-1 and batch-8 decode tok/s for one process and
+   for TP = 2, TP = 3, PP = 2 (the same total threads), each step split into compute and
+   communication from every rank's recorded spans, and the bytes all-reduced per token counted
+   at the call next to the formula ``(2 x layers + 1) x hidden x bytes`` (two all-reduces per
+   layer and one for the vocabulary-parallel embedding).
+2. **The pipeline bubble** — PP = 2 at batch 8 with 1, 2 and 4 micro-batches: the fraction of
+   stage-time left idle, ``1 - busy / (stages x step span)``.
+3. **Disaggregated vs colocated** — short chat requests decoding while long prompts arrive: one
+   engine (2 threads) against a prefill worker + a decode worker (1 thread each): TTFT and the
+   decodes' TPOT (the interference of long prefills on decodes).
+4. **Offload** — batch-1 decode with weights resident, memory-mapped from a file (warm), and
+   memory-mapped with the pages dropped before every step (cold: every step reads the weights
+   from disk, what offloading costs when memory cannot hold them).
 
-For each TP degree and a few token counts (1 = a decode step, 64 = a prefill chunk), every rank
-runs the layer ``--repeats`` times; the time of the all-reduces is measured separately (the
-same calls on tensors of the same size) and subtracted. On a 2-core CPU the honest result is
-that splitting cannot speed anything up — the ranks share the same two cores and the gloo
-all-reduce adds a fixed cost per call — which is what the table shows; on a multi-GPU node
-the same code runs with NCCL. Prints a table; writes JSON to benchmarks/results/.
+    python benchmarks/bench_parallel.py                  # all parts, ~5 minutes on 2 cores
+    python benchmarks/bench_parallel.py --parts tp bubble
+
+On a 2-core CPU the honest result is that splitting cannot speed anything up: the ranks share the
+same two cores and every collective adds a fixed cost. Prints tables; writes JSON to
+benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -18,117 +28,244 @@ import argparse
 import datetime as dt
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from minillm import LLM, SamplingParams
 from minillm.bench import machine_description
-from minillm.parallel.launch import run_ranks
-from minillm.parallel.planner import MODELS
-from minillm.parallel.tensor import ParallelAttention, ParallelSwiGLU
+from minillm.config import ModelConfig
+from minillm.workloads import WorkloadRequest, replay
 
 RESULTS = Path(__file__).parent / "results"
-SHAPE = MODELS["SmolLM2-135M"]
 
 
-def _weights(seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    h, d = SHAPE.hidden, SHAPE.head_dim
-
-    def w(rows, cols):
-        return torch.randn(rows, cols, generator=gen) / cols**0.5
-
-    return dict(
-        wq=w(SHAPE.heads * d, h), wk=w(SHAPE.kv_heads * d, h), wv=w(SHAPE.kv_heads * d, h), wo=w(h, SHAPE.heads * d),
-        gate=w(SHAPE.intermediate, h), up=w(SHAPE.intermediate, h), down=w(h, SHAPE.intermediate),
-    )  # fmt: skip
-
-
-def _rank(rank: int, world_size: int, tokens_list: list[int], repeats: int) -> dict:
-    w = _weights()
-    attn = ParallelAttention(SHAPE.hidden, SHAPE.heads, SHAPE.kv_heads, SHAPE.head_dim, rank, world_size)
-    attn.load(w["wq"], w["wk"], w["wv"], w["wo"])
-    mlp = ParallelSwiGLU(SHAPE.hidden, SHAPE.intermediate, rank, world_size).load(w["gate"], w["up"], w["down"])
-    sent = []  # bytes of every all-reduce this rank makes, counted at the call
-    real_all_reduce = dist.all_reduce
-
-    def counting_all_reduce(t, *args, **kwargs):
-        sent.append(t.numel() * t.element_size())
-        return real_all_reduce(t, *args, **kwargs)
-
-    dist.all_reduce = counting_all_reduce
-    out = {}
-    try:
-        for tokens in tokens_list:
-            x = torch.randn(tokens, SHAPE.hidden)
-            with torch.no_grad():
-                for _ in range(3):
-                    mlp(attn(x))
-                sent.clear()
-                layer, comm = [], []
-                for _ in range(repeats):
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    mlp(attn(x))
-                    layer.append(time.perf_counter() - t0)
-                per_layer_bytes = sum(sent) / repeats
-                probe = torch.zeros(tokens, SHAPE.hidden)
-                for _ in range(repeats):
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    if world_size > 1:
-                        real_all_reduce(probe)
-                        real_all_reduce(probe)
-                    comm.append(time.perf_counter() - t0)
-            out[tokens] = {
-                "layer_ms": 1e3 * statistics.median(layer),
-                "allreduce_ms": 1e3 * statistics.median(comm),
-                "allreduced_bytes_per_layer": per_layer_bytes,
-            }
-    finally:
-        dist.all_reduce = real_all_reduce
+def _decode_run(llm: LLM, batch: int, tokens: int, prompt_len: int = 16) -> dict:
+    """Decode ``tokens`` tokens for ``batch`` prompts; tok/s over the decode steps only, and the
+    median per-step spans of a parallel engine."""
+    engine = llm.engine
+    runner = engine.runner
+    timed = hasattr(runner, "record_timings")
+    if timed:
+        runner.record_timings = True
+    for i in range(batch):
+        engine.add_request([100 + i] * prompt_len, SamplingParams(max_tokens=tokens, ignore_eos=True))
+    steps = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        wall = time.perf_counter() - start
+        if engine.num_steps > 1 and timed and runner.last_timings:  # decode steps (the first is the prefill)
+            steps.append((wall, runner.last_timings))
+        elif engine.num_steps > 1:
+            steps.append((wall, None))
+    if timed:
+        runner.record_timings = False
+    walls = [w for w, _ in steps]
+    out = {"batch": batch, "tok_s": batch / statistics.median(walls), "step_ms": 1e3 * statistics.median(walls)}
+    if timed:
+        spans = [s for _, t in steps for s in t]
+        rank0 = [s for s in spans if s["rank"] == 0]
+        out["comm_ms"] = 1e3 * statistics.median(s["comm_s"] for s in rank0)
+        out["compute_ms"] = 1e3 * statistics.median(s["end"] - s["start"] - s["comm_s"] for s in rank0)
+        out["all_reduce_bytes_per_token"] = statistics.median(s["all_reduce_bytes"] for s in rank0) / batch
+        out["all_gather_bytes_per_token"] = statistics.median(s["all_gather_bytes"] for s in rank0) / batch
+        out["bubble"] = statistics.median(_bubble(t) for _, t in steps)
     return out
+
+
+def _bubble(spans: list[dict]) -> float:
+    stages = {s["stage"] for s in spans}
+    if len(stages) < 2:
+        return 0.0
+    busy = sum(s["end"] - s["start"] for s in spans if _first_of_stage(s, spans))
+    span = max(s["end"] for s in spans) - min(s["start"] for s in spans)
+    return 1 - busy / (len(stages) * span)
+
+
+def _first_of_stage(span: dict, spans: list[dict]) -> bool:
+    """One rank per stage counts (with TP inside a stage its ranks work at the same time)."""
+    return span["rank"] == min(s["rank"] for s in spans if s["stage"] == span["stage"])
+
+
+def part_tp(model: str, dtype: str, tokens: int) -> list[dict]:
+    config = ModelConfig.from_folder(_folder(model))
+    bytes_per = torch.finfo(getattr(torch, dtype)).bits // 8
+    rows = []
+    for name, kwargs in [
+        ("1 process, 2 threads", dict(num_threads=2)),
+        ("TP=2", dict(tensor_parallel_size=2, num_threads=1)),
+        ("TP=3", dict(tensor_parallel_size=3, num_threads=1)),
+        ("PP=2", dict(pipeline_parallel_size=2, num_threads=1)),
+    ]:
+        with LLM(model, dtype=dtype, max_num_seqs=8, **kwargs) as llm:
+            for batch in (1, 8):
+                row = {"setup": name, **_decode_run(llm, batch, tokens)}
+                if "TP" in name:
+                    row["formula_all_reduce_bytes_per_token"] = (
+                        (2 * config.num_layers + 1) * config.hidden_size * bytes_per
+                    )
+                rows.append(row)
+                print(row, flush=True)
+    return rows
+
+
+def part_bubble(model: str, dtype: str, tokens: int) -> list[dict]:
+    rows = []
+    for micro in (1, 2, 4):
+        with LLM(model, dtype=dtype, max_num_seqs=8, pipeline_parallel_size=2, pipeline_microbatches=micro,
+                 num_threads=1) as llm:  # fmt: skip
+            row = {"microbatches": micro, **_decode_run(llm, 8, tokens)}
+            llm.engine.runner.record_timings = True
+            llm.generate([[7] * 16] * 8, SamplingParams(max_tokens=3, ignore_eos=True))
+            row["example_spans"] = llm.engine.runner.last_timings  # one decode step, for a Gantt chart
+            rows.append(row)
+            print({k: v for k, v in row.items() if k != "example_spans"}, flush=True)
+    return rows
+
+
+def _interference_workload(short: int, long: int, short_tokens: int) -> list[WorkloadRequest]:
+    """Short chats arriving early and decoding long, and long prompts arriving while they decode."""
+    reqs = [WorkloadRequest(f"chat{i}", 0.05 * i, [200 + i] * 24, short_tokens) for i in range(short)]
+    reqs += [
+        WorkloadRequest(f"long{i}", 0.8 + 0.6 * i, [(300 + i + j) % 4000 for j in range(448)], 8) for i in range(long)
+    ]
+    return reqs
+
+
+def part_disagg(model: str, dtype: str, short_tokens: int) -> dict:
+    from minillm.parallel.disagg import DisaggregatedLLM
+
+    work = _interference_workload(6, 3, short_tokens)
+    result = {}
+    with LLM(model, dtype=dtype, num_threads=2) as llm:
+        outs = replay(llm.engine, work)
+        result["colocated"] = _latencies(
+            work, [o.metrics.ttft for o in outs], [o.metrics.tpot for o in outs], [o.metrics.token_times for o in outs]
+        )
+    with DisaggregatedLLM(model, prefill_threads=1, decode_threads=1, dtype=dtype) as llm:
+        outs = llm.generate(
+            [r.prompt_token_ids for r in work], [r.sampling_params() for r in work], [r.arrival_time for r in work]
+        )
+        result["disaggregated"] = _latencies(
+            work, [o.ttft for o in outs], [o.tpot for o in outs], [o.token_times for o in outs]
+        )
+        longs = [o for r, o in zip(work, outs) if r.request_id.startswith("long")]
+        result["disaggregated"]["transfer_mb_long"] = statistics.median(o.transfer_bytes / 1e6 for o in longs)
+        result["disaggregated"]["transfer_ms_long"] = statistics.median(1e3 * o.transfer_seconds for o in longs)
+    print(json.dumps(result, indent=1), flush=True)
+    return result
+
+
+def _latencies(work, ttfts, tpots, token_times) -> dict:
+    chat = [i for i, r in enumerate(work) if r.request_id.startswith("chat")]
+    longs = [i for i, r in enumerate(work) if r.request_id.startswith("long")]
+    gaps = [b - a for i in chat for a, b in zip(token_times[i], token_times[i][1:])]
+    gaps.sort()
+    return {
+        "chat_ttft_p50_ms": 1e3 * statistics.median(ttfts[i] for i in chat),
+        "chat_tpot_p50_ms": 1e3 * statistics.median(tpots[i] for i in chat),
+        "chat_token_gap_p99_ms": 1e3 * gaps[int(0.99 * (len(gaps) - 1))],
+        "chat_token_gap_max_ms": 1e3 * gaps[-1],
+        "long_ttft_p50_ms": 1e3 * statistics.median(ttfts[i] for i in longs),
+    }
+
+
+def part_offload(model: str, dtype: str, tokens: int) -> list[dict]:
+    from minillm.parallel.offload import evict_page_cache, memory_map_weights
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("resident", "memory-mapped, warm", "memory-mapped, evicted every step"):
+            with LLM(model, dtype=dtype, num_threads=2, cpu_prepack=False, max_num_seqs=1) as llm:
+                path = Path(tmp) / "weights.pt"
+                if name != "resident":
+                    mapped = memory_map_weights(llm.engine.model, path)
+                if name.endswith("every step"):
+                    execute = llm.engine.runner.execute
+
+                    def cold(inputs, execute=execute, model=llm.engine.model, path=path):
+                        evict_page_cache(model, path)
+                        return execute(inputs)
+
+                    llm.engine.runner.execute = cold
+                row = {"weights": name, **_decode_run(llm, 1, tokens)}
+                if name != "resident":
+                    row["mapped_mb"] = mapped / 1e6
+                rows.append(row)
+                print(row, flush=True)
+    return rows
+
+
+def _folder(model: str):
+    from minillm.assets import resolve_model
+
+    return resolve_model(model)
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tp", type=int, nargs="+", default=[1, 3])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--tokens", type=int, default=32, help="decode tokens per measurement")
+    parser.add_argument("--parts", nargs="+", default=["tp", "bubble", "disagg", "offload"])
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
-    rows = []
-    for tp in args.tp:
-        per_rank = run_ranks(_rank, tp, args.tokens, args.repeats, timeout=600)
-        for tokens in args.tokens:
-            r0 = per_rank[0][tokens]
-            formula = 2 * SHAPE.hidden * 4 * tokens if tp > 1 else 0  # fp32 activations: 2 all-reduces per layer
-            rows.append({
-                "tp": tp, "tokens": tokens, "layer_ms": r0["layer_ms"], "allreduce_ms": r0["allreduce_ms"],
-                "compute_ms": max(0.0, r0["layer_ms"] - r0["allreduce_ms"]),
-                "allreduced_bytes_per_layer": r0["allreduced_bytes_per_layer"], "formula_bytes_per_layer": formula,
-            })  # fmt: skip
     result = {
         "benchmark": "parallel",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "shape": SHAPE.name,
+        "model": args.model,
+        "dtype": args.dtype,
         "machine": machine_description(torch.device("cpu")),
         "args": vars(args),
-        "rows": rows,
     }
-    print("| TP | tokens | layer ms | of which all-reduce ms | compute ms | all-reduced bytes / layer (formula) |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['tp']} | {r['tokens']} | {r['layer_ms']:.3f} | {r['allreduce_ms']:.3f} | {r['compute_ms']:.3f} | "
-              f"{r['allreduced_bytes_per_layer']:.0f} ({r['formula_bytes_per_layer']}) |")  # fmt: skip
+    if "tp" in args.parts:
+        result["tp"] = part_tp(args.model, args.dtype, args.tokens)
+    if "bubble" in args.parts:
+        result["bubble"] = part_bubble(args.model, args.dtype, args.tokens)
+    if "disagg" in args.parts:
+        result["disagg"] = part_disagg(args.model, args.dtype, 48)
+    if "offload" in args.parts:
+        result["offload"] = part_offload(args.model, args.dtype, args.tokens)
+    _print_tables(result)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"parallel-{result['date'][:10]}-cpu.json"
-    path.write_text(json.dumps(result, indent=2))
+    path.write_text(json.dumps(result, indent=1))
     print(f"\nwrote {path}")
     return result
+
+
+def _print_tables(result: dict) -> None:
+    if "tp" in result:
+        print("\n| setup | batch | decode tok/s | step ms | compute ms | comm ms | all-reduced B/token (formula) |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for r in result["tp"]:
+            formula = r.get("formula_all_reduce_bytes_per_token", "–")
+            measured = f"{r['all_reduce_bytes_per_token']:.0f}" if "all_reduce_bytes_per_token" in r else "–"
+            print(f"| {r['setup']} | {r['batch']} | {r['tok_s']:.1f} | {r['step_ms']:.1f} | "
+                  f"{r.get('compute_ms', float('nan')):.1f} | {r.get('comm_ms', float('nan')):.1f} | {measured} ({formula}) |")  # fmt: skip
+    if "bubble" in result:
+        print("\n| PP=2 micro-batches | batch-8 tok/s | bubble |")
+        print("|---:|---:|---:|")
+        for r in result["bubble"]:
+            print(f"| {r['microbatches']} | {r['tok_s']:.1f} | {r['bubble']:.0%} |")
+    if "disagg" in result:
+        print(
+            "\n| serving | chat TTFT p50 ms | chat TPOT p50 ms | chat token gap p99 ms | max gap ms | long TTFT p50 ms |"
+        )
+        print("|---|---:|---:|---:|---:|---:|")
+        for name in ("colocated", "disaggregated"):
+            r = result["disagg"][name]
+            print(f"| {name} | {r['chat_ttft_p50_ms']:.0f} | {r['chat_tpot_p50_ms']:.0f} | "
+                  f"{r['chat_token_gap_p99_ms']:.0f} | {r['chat_token_gap_max_ms']:.0f} | {r['long_ttft_p50_ms']:.0f} |")  # fmt: skip
+    if "offload" in result:
+        print("\n| weights | batch-1 decode tok/s | step ms |")
+        print("|---|---:|---:|")
+        for r in result["offload"]:
+            print(f"| {r['weights']} | {r['tok_s']:.1f} | {r['step_ms']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -119,9 +119,14 @@ class DisaggregatedLLM:
         self.workers.send(PREFILL, ("request", rid, ids, params, arrival))
         return rid
 
-    def generate(self, prompts: list, params: SamplingParams, arrivals: list[float] | None = None) -> list[DisaggregatedOutput]:  # fmt: skip
-        """Run ``prompts``; ``arrivals``: each prompt's arrival in seconds after the start (a
-        workload replayed in real time), else all at once. Outputs in prompt order."""
+    def generate(self, prompts: list, params: SamplingParams | list[SamplingParams], arrivals: list[float] | None = None) -> list[DisaggregatedOutput]:  # fmt: skip
+        """Run ``prompts`` (with one ``params`` or one per prompt); ``arrivals``: each prompt's
+        arrival in seconds after the start (a workload replayed in real time), else all at
+        once. Outputs in prompt order."""
+        if not isinstance(params, list):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt")
         start = time.perf_counter()
         arrivals = arrivals or [0.0] * len(prompts)
         order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
@@ -132,7 +137,7 @@ class DisaggregatedLLM:
                 now = time.perf_counter() - start
                 while order and arrivals[order[0]] <= now:
                     i = order.pop(0)
-                    ids[self.submit(prompts[i], params, start + arrivals[i])] = i
+                    ids[self.submit(prompts[i], params[i], start + arrivals[i])] = i
                 wait = STEP_TIMEOUT if not order else max(0.0, arrivals[order[0]] - now)
                 if wait > 0 and not any(conn.poll() for conn in self.workers.conns):
                     if order:

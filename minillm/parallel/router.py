@@ -13,12 +13,14 @@ over them. Three rules:
   replica. Load still matters: a replica more than ``max_imbalance`` requests busier than the
   least loaded one is passed over, so one hot prefix cannot pile everything onto one replica.
 
-Each decision is recorded (``Router.decisions``), so a run can be explained afterwards.
+Each decision is recorded (``Router.decisions``), so a run can be explained afterwards. A rule
+of one's own (``rule=``, chapter 09's exercise) gets the same facts the built-in policies use.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from minillm.kvcache.block_manager import block_hash
@@ -53,6 +55,8 @@ class Router:
     remembered_blocks: int = 4096  # per replica, least recently used forgotten first
     load: list[int] = field(default_factory=list)
     decisions: list[Decision] = field(default_factory=list)
+    # rule(matched_blocks, load, max_imbalance) -> replica: replaces the policy when given.
+    rule: Callable[[list[int], list[int], int], int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.num_replicas, bool) or not isinstance(self.num_replicas, int) or self.num_replicas < 1:
@@ -67,7 +71,13 @@ class Router:
         """Choose a replica for a request and count it as outstanding there."""
         hashes = prompt_block_hashes(token_ids, self.block_size)  # every policy records what it would reuse
         matched = [self._matched(r, hashes) for r in range(self.num_replicas)]
-        if self.policy == "round_robin":
+        if self.rule is not None:
+            choice = self.rule(list(matched), list(self.load), self.max_imbalance)
+            if isinstance(choice, bool) or not isinstance(choice, int) or not 0 <= choice < self.num_replicas:
+                raise ValueError(
+                    f"the routing rule returned {choice!r}; expected a replica index in [0, {self.num_replicas})"
+                )
+        elif self.policy == "round_robin":
             choice = self._next
             self._next = (self._next + 1) % self.num_replicas
         elif self.policy == "least_loaded":
@@ -76,7 +86,8 @@ class Router:
             lightest = min(self.load)
             eligible = [r for r in range(self.num_replicas) if self.load[r] - lightest <= self.max_imbalance]
             choice = max(eligible, key=lambda r: (matched[r], -self.load[r], -r))
-        self.decisions.append(Decision(request_id, choice, self.policy, matched[choice], list(self.load)))
+        policy = "custom" if self.rule is not None else self.policy
+        self.decisions.append(Decision(request_id, choice, policy, matched[choice], list(self.load)))
         self.load[choice] += 1
         cache = self._cached[choice]
         for h in hashes:  # the replica will hold these blocks once it has prefilled the prompt
