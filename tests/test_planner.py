@@ -58,7 +58,7 @@ def test_allreduce_bytes_follow_the_ring_formula():
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [(dict(tp=3), "divide"), (dict(pp=3), "layers"), (dict(tp=0), "positive"), (dict(weight_dtype="int3"), "int3"),
+    [(dict(tp=12), "does not fit 8 K/V heads"), (dict(pp=81), "exceeds the model's 80 layers"), (dict(tp=0), "positive"), (dict(weight_dtype="int3"), "int3"),
      (dict(context=0), "context")],
 )  # fmt: skip
 def test_bad_plans_are_refused_by_name(kwargs, message):
@@ -72,6 +72,6 @@ def test_the_planner_widget_draws_every_layout_the_model_can_take():
     fig, plans = planner_figure("Llama-2-70B", "H200 SXM 141GB")
     assert [(p.tp, p.pp) for p in plans] == [(1, 1), (2, 1), (4, 1), (8, 1), (4, 2), (8, 2)]
     assert len(fig.data) == 3 and not plans[0].fits and plans[1].fits
-    _, smol = planner_figure("SmolLM2-135M", "H100 SXM 80GB")  # 9 query heads: TP 2/4/8 do not divide
-    assert [(p.tp, p.pp) for p in smol] == [(1, 1)]
+    _, smol = planner_figure("SmolLM2-135M", "H100 SXM 80GB")  # 3 K/V heads of 3 query heads: TP 4 and 8 do not fit
+    assert [(p.tp, p.pp) for p in smol] == [(1, 1), (2, 1)]  # TP 2: whole groups, 2 + 1
     assert planner_widget().children

@@ -31,6 +31,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from minillm.parallel.tensor import heads_of_rank, stage_layers
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -132,23 +134,18 @@ def plan(
     d = DEVICES[device] if isinstance(device, str) else device
     for name, value in (("tp", tp), ("pp", pp), ("context", context)):
         _check(name, value)
-    if m.heads % tp:
-        raise ValueError(f"tp={tp} must divide {m.name}'s {m.heads} query heads")
-    if m.layers % pp:
-        raise ValueError(f"pp={pp} must divide {m.name}'s {m.layers} layers")
-    if tp > m.kv_heads and tp % m.kv_heads:
-        raise ValueError(f"tp={tp} above {m.kv_heads} K/V heads must be a multiple of them (each head replicated)")
+    # The engine's own rules (ValueError for a layout it cannot take); the fullest rank and stage count.
+    kv_heads_per_rank = max(len(heads_of_rank(m.heads, m.kv_heads, r, tp)[1]) for r in range(tp))
+    layers_per_stage = max(len(stage_layers(m.layers, pp, s)) for s in range(pp))
     for name, value in (("weight_dtype", weight_dtype), ("kv_dtype", kv_dtype)):
         if value not in DTYPE_BYTES:
             raise ValueError(f"{name}={value!r} is not one of {sorted(DTYPE_BYTES)}")
     wb, kb = DTYPE_BYTES[weight_dtype], DTYPE_BYTES[kv_dtype]
-    layers_per_stage = m.layers // pp
     # The largest stage: its decoder layers plus the (vocabulary-split) embedding or LM head.
     stage_params = layers_per_stage * m.params_per_layer / tp + m.vocab * m.hidden / tp
     if pp == 1:
         stage_params += (m.embedding_params - m.vocab * m.hidden) / tp
     weights = stage_params * wb
-    kv_heads_per_rank = max(1, m.kv_heads // tp)
     replication = max(1, tp // m.kv_heads)
     kv_per_token = 2 * layers_per_stage * kv_heads_per_rank * m.head_dim * kb
     usable = d.memory_gb * 1e9 * memory_utilization
