@@ -37,6 +37,7 @@ import torch
 from minillm import LLM, SamplingParams
 from minillm.bench import machine_description
 from minillm.config import ModelConfig
+from minillm.viz.parallel_results import parallel_tables
 from minillm.workloads import WorkloadRequest, replay
 
 RESULTS = Path(__file__).parent / "results"
@@ -229,43 +230,13 @@ def main(argv=None) -> dict:
         result["disagg"] = part_disagg(args.model, args.dtype, 48)
     if "offload" in args.parts:
         result["offload"] = part_offload(args.model, args.dtype, args.tokens)
-    _print_tables(result)
+    print(parallel_tables(result))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"parallel-{result['date'][:10]}-cpu.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"\nwrote {path}")
     return result
-
-
-def _print_tables(result: dict) -> None:
-    if "tp" in result:
-        print("\n| setup | batch | decode tok/s | step ms | compute ms | comm ms | all-reduced B/token (formula) |")
-        print("|---|---:|---:|---:|---:|---:|---:|")
-        for r in result["tp"]:
-            formula = r.get("formula_all_reduce_bytes_per_token", "–")
-            measured = f"{r['all_reduce_bytes_per_token']:.0f}" if "all_reduce_bytes_per_token" in r else "–"
-            print(f"| {r['setup']} | {r['batch']} | {r['tok_s']:.1f} | {r['step_ms']:.1f} | "
-                  f"{r.get('compute_ms', float('nan')):.1f} | {r.get('comm_ms', float('nan')):.1f} | {measured} ({formula}) |")  # fmt: skip
-    if "bubble" in result:
-        print("\n| PP=2 micro-batches | batch-8 tok/s | bubble |")
-        print("|---:|---:|---:|")
-        for r in result["bubble"]:
-            print(f"| {r['microbatches']} | {r['tok_s']:.1f} | {r['bubble']:.0%} |")
-    if "disagg" in result:
-        print(
-            "\n| serving | chat TTFT p50 ms | chat TPOT p50 ms | chat token gap p99 ms | max gap ms | long TTFT p50 ms |"
-        )
-        print("|---|---:|---:|---:|---:|---:|")
-        for name in ("colocated", "disaggregated"):
-            r = result["disagg"][name]
-            print(f"| {name} | {r['chat_ttft_p50_ms']:.0f} | {r['chat_tpot_p50_ms']:.0f} | "
-                  f"{r['chat_token_gap_p99_ms']:.0f} | {r['chat_token_gap_max_ms']:.0f} | {r['long_ttft_p50_ms']:.0f} |")  # fmt: skip
-    if "offload" in result:
-        print("\n| weights | batch-1 decode tok/s | step ms |")
-        print("|---|---:|---:|")
-        for r in result["offload"]:
-            print(f"| {r['weights']} | {r['tok_s']:.1f} | {r['step_ms']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from minillm.course.checks_attention import (
     check_online_softmax,
     check_window_release,
 )
+from minillm.course.checks_parallel import check_kv_heads, check_prefix_rule, check_tp_mlp
 from minillm.course.checks_quant import check_pack_int4, check_quantize_kv, check_quantize_per_channel
 from minillm.course.checks_server import check_cache_key
 from minillm.course.checks_serving import (
@@ -65,15 +66,18 @@ __all__ = [
     "check_gqa_attention",
     "check_generate_cached",
     "check_generate_naive",
+    "check_kv_heads",
     "check_kv_read",
     "check_kv_write",
     "check_next_token",
     "check_online_softmax",
     "check_pack_int4",
+    "check_prefix_rule",
     "check_quantize_kv",
     "check_quantize_per_channel",
     "check_rollback",
     "check_slot_mapping",
+    "check_tp_mlp",
     "forward_logits",
     "forward_step",
     "new_cache",

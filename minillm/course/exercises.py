@@ -347,6 +347,51 @@ EXERCISES: list[Exercise] = [
         ),
     ),
     Exercise(
+        "09_parallelism",
+        "check_tp_mlp",
+        "check_tp_mlp(tp_mlp)",
+        8,
+        2,
+        3,
+        (
+            "Keep rows rank*I/ws … (rank+1)*I/ws of gate AND of up (the same rows, so they pair up), and the same "
+            "range of down's columns; the product with down is only a partial sum until the ranks add it up.",
+            "`rows = slice(rank * part, (rank + 1) * part)`; `h = F.silu(x @ gate[rows].T) * (x @ up[rows].T)`; "
+            "`out = h @ down[:, rows].T`; `dist.all_reduce(out)`; `return out` (one all-reduce, after down).",
+        ),
+    ),
+    Exercise(
+        "09_parallelism",
+        "check_kv_heads",
+        "check_kv_heads(heads_of_rank)",
+        10,
+        2,
+        3,
+        (
+            "Query head h reads K/V head h // group. With num_kv_heads >= tp_size deal out whole K/V heads (groups) "
+            "as evenly as possible; with fewer, rank r holds K/V head r // (tp_size // num_kv_heads) and a share of "
+            "its group's query heads.",
+            "`base, extra = divmod(num_kv_heads, tp_size)`; `first = rank * base + min(rank, extra)`; "
+            "`kv = range(first, first + base + (rank < extra))`; q heads `range(kv.start * group, kv.stop * group)`. "
+            "Replicated: `kv_head, part = divmod(rank, replicas)`; `per = group // replicas`; raise ValueError if "
+            "tp_size % num_kv_heads or group % replicas.",
+        ),
+    ),
+    Exercise(
+        "09_parallelism",
+        "check_prefix_rule",
+        "check_prefix_rule(prefix_rule)",
+        5,
+        1,
+        2,
+        (
+            "First keep the replicas whose load is at most max_imbalance above the lightest one; among them, the "
+            "most matched blocks wins, then the lower load, then the lower index.",
+            "`lightest = min(load)`; `eligible = [i for i in range(len(load)) if load[i] - lightest <= "
+            "max_imbalance]`; `return max(eligible, key=lambda i: (matched_blocks[i], -load[i], -i))`.",
+        ),
+    ),
+    Exercise(
         "10_serving",
         "check_cache_key",
         "check_cache_key(cache_key)",

@@ -1,0 +1,455 @@
+"""Checks for chapter 09 (parallelism): a tensor-parallel MLP, the K/V-head split, a routing rule.
+
+The first two run the learner's function on real ranks: processes joined by ``torch.distributed``
+(``run_ranks``), because an all-reduce placed wrong or a head split that strands a query head
+only shows up when the ranks really hold different shards. A function defined in a notebook
+cannot be pickled into a spawned process, so its *source* travels instead and each rank
+``exec``s it with ``torch``, ``F``, ``dist`` and ``math`` in scope. A rank reports an error in
+the learner's code as ``_InLearner`` (so the parent blames the learner, not the check) and the
+parent stops every rank on the first error, so a wrong collective never hangs the notebook.
+
+The routing rule needs no processes: the real ``Router`` calls it on a shared-prefix workload
+whose replicas remember only a few prompts, so where a request goes decides its cache hits.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import random
+import textwrap
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from minillm.course.results import CheckFailed, _LearnerRaised, check
+
+TIMEOUT_S = 120.0  # per run of the ranks: spawning and loading take seconds, a hang is cut off
+
+
+class _InLearner(Exception):
+    """Raised on a rank when the learner's code raised there; its message is the learner's error."""
+
+
+def _source(fn, what: str) -> str:
+    """The learner's function as text, to be run on the ranks (they cannot unpickle a notebook's function)."""
+    name = getattr(fn, "__name__", "")
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        source = ""
+    if not source or name == "<lambda>" or not name.isidentifier():
+        raise CheckFailed(
+            f"the ranks run your {what} from its source code, and there is none for {fn!r:.60}: define it with "
+            f"`def {what}(...):` in a notebook cell (not a lambda, not built by another function)"
+        )
+    return source
+
+
+def _learner_fn(source: str, name: str):
+    """On a rank: define the learner's function again from its source (with the usual imports)."""
+    space = {"torch": torch, "F": F, "dist": dist, "math": math}
+    exec(compile(source, f"<your {name}>", "exec"), space)  # the learner's own code, in a namespace of its own
+    return space[name]
+
+
+def _as_learner(call, *args):
+    """On a rank: run learner code; what it raises is reported as the learner's."""
+    try:
+        return call(*args)
+    except Exception as err:
+        raise _InLearner(f"{type(err).__name__}: {err}") from None
+
+
+def _ranks(child, world: int, *args, hints: dict[str, str] | None = None) -> list:
+    """``run_ranks`` with its failures turned into verdicts: the learner's error as a CheckFailed
+    (with the rank, and a hint chosen by what the error says), a collective that not every rank
+    joined as just that."""
+    from minillm.parallel.launch import RankFailed, run_ranks
+
+    collective = (
+        "every rank must make the same collective calls in the same order: call all_reduce on every rank, "
+        "not only on some"
+    )
+    try:
+        return run_ranks(child, world, *args, timeout=TIMEOUT_S)
+    except RankFailed as err:
+        first = str(err).split("\n", 1)[0]
+        if "_InLearner: " not in first:
+            raise
+        message = first.split("_InLearner: ", 1)[1]
+        if "Connection closed by peer" in message:  # gloo: the other ranks returned while this one waited
+            raise CheckFailed(
+                f"rank {err.rank} waited in a collective the other ranks never joined: {collective}"
+            ) from None
+        hints = {"NameError": NAME_HINT, **(hints or {})}
+        hint = next((h for key, h in hints.items() if key in message), "")
+        raise CheckFailed(
+            f"on rank {err.rank} your code raised {message}" + (f". Hint: {hint}" if hint else "")
+        ) from None
+    except TimeoutError as err:
+        raise CheckFailed(f"{err}: {collective}") from None
+
+
+NAME_HINT = (
+    "only the function's own source runs on the ranks, with torch, F, dist and math imported: "
+    "define helpers and imports inside it"
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Exercise 1: a tensor-parallel MLP
+# ---------------------------------------------------------------------------------------------
+
+HIDDEN, INTER, TOKENS, WORLD = 32, 96, 5, 2  # I/ws = 48 differs from H, so a row/column mix-up cannot slip through
+
+
+def _mlp(x, gate, up, down) -> torch.Tensor:
+    return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+
+def _tp_mlp_rank(rank, world, source, name, x, gate, up, down) -> dict:
+    """One rank: count the all-reduces (wrapped in ``torch.distributed`` itself, so every spelling
+    of the call is seen) and return what the learner's function returned."""
+    real, shapes = dist.all_reduce, []
+
+    def all_reduce(tensor, *args, **kwargs):
+        shapes.append(tuple(tensor.shape))
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = all_reduce
+    fn = _as_learner(_learner_fn, source, name)
+    out = _as_learner(fn, x.clone(), gate.clone(), up.clone(), down.clone(), rank, world)
+    tensor = out.detach().clone() if isinstance(out, torch.Tensor) else None
+    return {"out": tensor, "type": type(out).__name__, "all_reduces": shapes}
+
+
+def _diagnose_mlp(results: list[dict], ref: torch.Tensor, partial: list[torch.Tensor]) -> None:
+    per = INTER // WORLD
+    slices = (
+        f"rank r keeps gate[r*{per}:(r+1)*{per}], the same rows of up and the same columns down[:, r*{per}:(r+1)*{per}]"
+    )
+    for r, res in enumerate(results):
+        if res["out"] is None:
+            raise CheckFailed(
+                f"rank {r} returned {'None' if res['type'] == 'NoneType' else 'a ' + res['type']}: every rank must return the full [T, H] output — after the "
+                "all-reduce every rank holds it, and the next layer runs on all of them, not only on rank 0"
+            )
+        if tuple(res["out"].shape) != tuple(ref.shape):
+            raise CheckFailed(
+                f"rank {r} returned shape {tuple(res['out'].shape)}, expected {tuple(ref.shape)} ([T, H])"
+            )
+
+    def close(a, b):
+        return torch.allclose(a.float(), b.float(), atol=1e-5, rtol=1e-4)
+
+    outs, counts = [res["out"] for res in results], [len(res["all_reduces"]) for res in results]
+    if all(close(o, ref) for o in outs):
+        if max(counts) == 0:
+            raise CheckFailed(
+                "each rank computed the whole MLP: no communication, but every rank holds all the weights — shard "
+                f"them ({slices}) and add the partial results with one all-reduce"
+            )
+        if counts != [1] * WORLD:
+            raise CheckFailed(
+                f"the output is right, but the ranks called all_reduce {counts} times: one all-reduce "
+                "per MLP, after the row-parallel down projection, is all tensor parallelism needs"
+            )
+        return
+    if max(counts) == 0:
+        if all(close(o, p) for o, p in zip(outs, partial)):
+            raise CheckFailed(
+                "rank outputs are partial sums: each rank's down[:, slice] @ its activations is only its slice's "
+                "share of the output — the row-parallel down projection needs an all-reduce (dist.all_reduce(out)) "
+                "to add them"
+            )
+        raise CheckFailed(
+            f"without any all-reduce the ranks' outputs are neither the MLP's nor their slice's partial sum: {slices}"
+        )
+    odd = [s for res in results for s in res["all_reduces"] if s != tuple(ref.shape)]
+    if odd:
+        raise CheckFailed(
+            f"you all-reduced a {list(odd[0])} tensor — the intermediate activation, before the down projection. "
+            "All-reduce adds element by element, and the ranks' intermediate columns are different neurons (a sum "
+            "of SiLU products is not the product of sums): the all-reduce goes after the row-parallel down "
+            "projection, on its [T, H] partial sums"
+        )
+    if max(counts) > 1:
+        raise CheckFailed(
+            f"the ranks called all_reduce {counts} times: after the first one every rank already holds the full "
+            "output, and a second one adds those complete copies again — one all-reduce per MLP"
+        )
+    if all(close(o, WORLD * ref) for o in outs):
+        raise CheckFailed(
+            f"the output is {WORLD}× the MLP's: every rank computed the whole MLP and the all-reduce added {WORLD} "
+            f"copies — each rank must use only its slice: {slices}"
+        )
+    error = max(float((o - ref).abs().max()) for o in outs)
+    raise CheckFailed(
+        f"after the all-reduce the output differs from the MLP's by up to {error:.3g}: the slices do not pair — "
+        f"a rank must keep the same intermediate neurons in all three matrices: {slices}"
+    )
+
+
+@check
+def check_tp_mlp(tp_mlp) -> str:
+    """``tp_mlp(x, gate, up, down, rank, world_size) -> Tensor``: one rank's share of a SwiGLU MLP
+    (column-parallel gate/up, row-parallel down) and the one all-reduce that completes it."""
+    source = _source(tp_mlp, "tp_mlp")
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(TOKENS, HIDDEN, generator=g)
+    gate, up = (torch.randn(INTER, HIDDEN, generator=g) / HIDDEN**0.5 for _ in range(2))
+    down = torch.randn(HIDDEN, INTER, generator=g) / INTER**0.5
+    ref = _mlp(x, gate, up, down)
+    cut = [slice(r * INTER // WORLD, (r + 1) * INTER // WORLD) for r in range(WORLD)]
+    partial = [_mlp(x, gate[s], up[s], down[:, s]) for s in cut]
+    hint = (
+        "gate and up are [I, H]: a rank keeps rows lo:hi of both; down is [H, I]: it keeps the matching "
+        "columns down[:, lo:hi] (its input dimension)"
+    )
+    results = _ranks(_tp_mlp_rank, WORLD, source, tp_mlp.__name__, x, gate, up, down, hints={"shapes": hint})
+    _diagnose_mlp(results, ref, partial)
+    nbytes = TOKENS * HIDDEN * 4
+    return (
+        f"both ranks returned the full MLP output from half of the weights each and one all-reduce of the "
+        f"[{TOKENS}, {HIDDEN}] output ({nbytes} bytes per rank) — all that TP costs an MLP"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Exercise 2: which heads a rank holds
+# ---------------------------------------------------------------------------------------------
+
+#: (num_heads, num_kv_heads, tp_size, what): layouts every correct split must place.
+HEAD_CASES = [
+    (9, 3, 1, "SmolLM2 on one rank"),
+    (9, 3, 3, "SmolLM2, one group per rank"),
+    (9, 3, 2, "SmolLM2 on 2 ranks, the groups do not divide"),
+    (8, 2, 4, "8 heads, 2 K/V heads, 4 ranks"),
+    (9, 3, 9, "SmolLM2 on 9 ranks"),
+    (32, 8, 3, "32 heads, 8 K/V heads, 3 ranks"),
+    (32, 8, 8, "32 heads, 8 K/V heads, 8 ranks"),
+    (32, 8, 16, "32 heads, 8 K/V heads, 16 ranks"),
+    (4, 1, 2, "multi-query attention on 2 ranks"),
+]
+IMPOSSIBLE = [(9, 3, 6), (8, 2, 3)]  # replication whose ranks cannot share a group's query heads equally
+#: (model, tp_size): TP 4 gives the 8M model one K/V head per rank and replicates the 1M model's two.
+TOKEN_RUNS = [("tiny-shakespeare-8m", 4), ("tiny-shakespeare-1m", 4)]
+PROMPT_IDS = [72, 1187, 15, 9, 301, 44, 1045, 12]
+NEW_TOKENS = 6
+
+
+def _heads(out, call: str) -> tuple[list[int], list[int]]:
+    def ints(seq):
+        if isinstance(seq, range) or (isinstance(seq, (list, tuple)) and all(type(h) is int for h in seq)):
+            return list(seq)
+        return None
+
+    pair = list(out) if isinstance(out, (tuple, list)) and len(out) == 2 else None
+    lists = [ints(s) for s in pair] if pair else [None]
+    if None in lists:
+        raise CheckFailed(
+            f"{call} returned {out!r:.80}: return two ranges (or lists of ints) — that rank's query "
+            "heads and its K/V heads"
+        )
+    return lists[0], lists[1]
+
+
+def _check_layout(heads_of_rank, nh: int, nkv: int, tp: int, what: str) -> None:
+    group, where = nh // nkv, f"(heads_of_rank({nh}, {nkv}, rank, {tp}): {what})"
+    q_of = []
+    for r in range(tp):
+        q, kv = _heads(heads_of_rank(nh, nkv, r, tp), f"heads_of_rank({nh}, {nkv}, {r}, {tp})")
+        if not set(q) <= set(range(nh)) or not set(kv) <= set(range(nkv)):
+            raise CheckFailed(
+                f"rank {r} got query heads {q} and K/V heads {kv} {where}: there are query heads 0..{nh - 1} and "
+                f"K/V heads 0..{nkv - 1}"
+            )
+        if not q or not kv:
+            missing = "no K/V head" if not kv else "no query head"
+            raise CheckFailed(
+                f"rank {r} holds {missing} {where}: with fewer K/V heads ({nkv}) than ranks ({tp}), each K/V head is "
+                f"replicated on {tp // nkv} ranks, which share its {group} query heads"
+                if nkv < tp
+                else f"rank {r} holds {missing} {where}: deal the {nkv} groups (a K/V head and its {group} query "
+                f"heads) over all {tp} ranks"
+            )
+        for name, heads in (("query", q), ("K/V", kv)):
+            if heads != list(range(heads[0], heads[0] + len(heads))):
+                raise CheckFailed(
+                    f"rank {r}'s {name} heads {heads} are not consecutive {where}: a rank's shard is one "
+                    "slice of the weight rows"
+                )
+        for h in q:
+            if h // group not in kv:
+                raise CheckFailed(
+                    f"query head {h} reads K/V head {h // group}, which rank {r} does not hold {where}: it was given "
+                    f"query heads {q} and K/V heads {kv} (query head h reads K/V head h // {group})"
+                )
+        served = [sum(h // group == k for h in q) for k in kv]
+        if len(set(served)) > 1:
+            raise CheckFailed(
+                f"on rank {r} the K/V heads {kv} serve {served} query heads {where}: every K/V head on a rank must "
+                "serve the same number (the attention kernel has one group size) — deal whole groups"
+            )
+        q_of.append(q)
+    for h in range(nh):
+        owners = [r for r in range(tp) if h in q_of[r]]
+        if len(owners) != 1:
+            raise CheckFailed(
+                f"query head {h} is on {'no rank' if not owners else f'ranks {owners}'} {where}: every query head must "
+                "be computed exactly once (the row-parallel o projection adds the ranks' outputs)"
+            )
+    sizes = [len(q) for q in q_of]
+    uneven = max(sizes) - min(sizes) > (group if nkv >= tp else 0)
+    if uneven:
+        a, b = sizes.index(max(sizes)), sizes.index(min(sizes))
+        rule = (
+            "deal whole groups as evenly as possible"
+            if nkv >= tp
+            else "the ranks sharing a K/V head take equal shares of its query heads"
+        )
+        raise CheckFailed(f"rank {a} holds {sizes[a]} query heads and rank {b} {sizes[b]} {where}: {rule}")
+
+
+def _check_impossible(heads_of_rank, nh: int, nkv: int, tp: int) -> None:
+    for r in range(tp):
+        try:
+            out = heads_of_rank(nh, nkv, r, tp)
+        except _LearnerRaised as err:
+            if isinstance(err.__cause__, ValueError):
+                continue
+            raise
+        raise CheckFailed(
+            f"heads_of_rank({nh}, {nkv}, {r}, {tp}) returned {out!r:.60} instead of raising ValueError: {tp} ranks "
+            f"would replicate each of the {nkv} K/V heads on {tp / nkv:g} ranks, which cannot share its {nh // nkv} "
+            "query heads equally"
+        )
+
+
+def _greedy(model, prompt: list[int], steps: int) -> list[int]:
+    """Greedy tokens by recomputing the whole sequence each step: no cache to shard or size."""
+    from minillm.attention.contiguous import ForwardBatch
+
+    ids = list(prompt)
+    for _ in range(steps):
+        tokens = torch.tensor([ids])
+        logits = model(ForwardBatch(tokens, torch.arange(len(ids))[None]))
+        ids.append(int(logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def _kv_tokens_rank(rank, world, source, name, folder, prompt, steps):
+    """One rank: build this rank's shard with the learner's head split in the model, then decode."""
+    import minillm.models.llama as llama
+    from minillm.models.loader import load_model
+    from minillm.parallel.tensor import ParallelContext
+
+    fn = _as_learner(_learner_fn, source, name)
+
+    def heads_of_rank(*args):  # the model slices weights with .start/.stop: hand it ranges
+        q, kv = (list(h) for h in _as_learner(fn, *args))
+        return range(q[0], q[-1] + 1), range(kv[0], kv[-1] + 1)
+
+    llama.heads_of_rank = heads_of_rank
+    model = load_model(folder, torch.float32, "cpu", 64, parallel=ParallelContext(tp_rank=rank, tp_size=world))
+    tokens = _greedy(model, prompt, steps)
+    return tokens if rank == 0 else None
+
+
+@check
+def check_kv_heads(heads_of_rank) -> str:
+    """``heads_of_rank(num_heads, num_kv_heads, rank, tp_size) -> (q_heads, kv_heads)``: first on
+    a table of layouts, then as the split the real model's shards are built with."""
+    from minillm.assets import resolve_model
+    from minillm.models.loader import load_model
+
+    source = _source(heads_of_rank, "heads_of_rank")
+    for nh, nkv, tp, what in HEAD_CASES:
+        _check_layout(heads_of_rank, nh, nkv, tp, what)
+    for nh, nkv, tp in IMPOSSIBLE:
+        _check_impossible(heads_of_rank, nh, nkv, tp)
+    for model, tp in TOKEN_RUNS:
+        folder = resolve_model(model)
+        expected = _greedy(load_model(folder, torch.float32, "cpu", 64), PROMPT_IDS, NEW_TOKENS)
+        got = _ranks(_kv_tokens_rank, tp, source, heads_of_rank.__name__, str(folder), PROMPT_IDS, NEW_TOKENS)[0]
+        if got != expected:
+            raise CheckFailed(
+                f"built with your heads_of_rank at TP={tp}, {model} generated {got}; the single-process model "
+                f"generates {expected}"
+            )
+    return (
+        f"{len(HEAD_CASES)} layouts keep every query head with its K/V head, and models sharded with your split "
+        f"(the 8M model at TP=4; the 1M model at TP=4, each K/V head on 2 ranks) generate the single-process tokens"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Exercise 3: a prefix-aware routing rule
+# ---------------------------------------------------------------------------------------------
+
+REPLICAS, BLOCK, MAX_IMBALANCE = 4, 16, 4
+REMEMBERED = 48  # blocks per replica: a few prompts' worth, so a prefix sent everywhere gets evicted
+OUTSTANDING = 8  # requests in flight: the oldest finishes when one more arrives
+
+
+def routing_workload() -> list[list[int]]:
+    """8 system prompts (8 blocks each) × 12 questions, shuffled: the prompts compete for cache."""
+    from minillm.workloads import shared_prefix_workload
+
+    prompts = []
+    for g in range(8):
+        work = shared_prefix_workload(12, None, prefix_length=128, suffix_lengths=(16, 48), vocab_size=4000, seed=g)
+        prompts += [r.prompt_token_ids for r in work]
+    random.Random(0).shuffle(prompts)
+    return prompts
+
+
+def route_all(prompts, policy: str = "prefix_aware", rule=None) -> float:
+    """Route every prompt (finishing the oldest request beyond ``OUTSTANDING``); the share of full
+    prompt blocks the chosen replica already held. A rule that chooses a replica more than
+    ``MAX_IMBALANCE`` busier than the lightest is stopped there."""
+    from minillm.parallel.router import Router
+
+    router = Router(REPLICAS, policy, BLOCK, MAX_IMBALANCE, remembered_blocks=REMEMBERED, rule=rule)
+    flight, blocks = [], 0
+    for i, ids in enumerate(prompts):
+        load = list(router.load)
+        try:
+            choice = router.route(i, ids)
+        except ValueError as err:
+            raise CheckFailed(
+                f"{err}: return a Python int from 0 to {REPLICAS - 1} (not a float, not a numpy integer)"
+            ) from None
+        idle = load.index(min(load))
+        if load[choice] - load[idle] > MAX_IMBALANCE:
+            raise CheckFailed(
+                f"replica {choice} got {load[choice] + 1} outstanding requests while replica {idle} had {load[idle]} "
+                f"(request {i}): pass over replicas more than max_imbalance={MAX_IMBALANCE} busier than the least "
+                "loaded one, or one popular prefix piles every request onto one replica"
+            )
+        flight.append(choice)
+        blocks += len(ids) // BLOCK
+        if len(flight) > OUTSTANDING:
+            router.finished(flight.pop(0))
+    return sum(d.matched_blocks for d in router.decisions) / blocks
+
+
+@check
+def check_prefix_rule(rule) -> str:
+    """``rule(matched_blocks, load, max_imbalance) -> int``: the replica for a request, run by the
+    real ``Router`` and compared with its built-in prefix-aware policy."""
+    prompts = routing_workload()
+    got = route_all(prompts, rule=rule)
+    builtin, round_robin = route_all(prompts, "prefix_aware"), route_all(prompts, "round_robin")
+    if got < 0.9 * builtin:
+        raise CheckFailed(
+            f"your rule reused {got:.0%} of the prompt blocks, the built-in prefix-aware policy {builtin:.0%} (round "
+            f"robin: {round_robin:.0%}) on the same {len(prompts)} requests: among the replicas within max_imbalance "
+            "of the least loaded, choose the one with the most matched blocks (ties: the least loaded)"
+        )
+    return (
+        f"your rule reused {got:.0%} of the prompt blocks (built-in prefix-aware: {builtin:.0%}, round robin: "
+        f"{round_robin:.0%}) without letting a replica get more than {MAX_IMBALANCE} requests ahead of the lightest"
+    )
