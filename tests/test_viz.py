@@ -509,6 +509,13 @@ def _course_figures():
             "data alone": {"acceptance_rate": 0.2, "top1_agreement": 0.35, "overlap": 0.55},
             "distilled": {"acceptance_rate": 0.3, "top1_agreement": 0.45, "overlap": 0.6}}  # fmt: skip
     yield "08 distill_figure", distill_figure(rows, "data/smollm2-draft/training.json, AMD EPYC 7B13, 2026-12-31"), 0
+    from minillm.viz.parallel_results import committed_parallel_result
+    from minillm.viz.pipeline import pipeline_gantt
+    from minillm.viz.planner import planner_figure
+
+    yield "09 planner_figure", planner_figure("Llama-3.1-405B", "H200 SXM 141GB", context=131072)[0], MIN_ROW_PX
+    for row in committed_parallel_result()["bubble"]:  # real spans of one PP=2 decode step
+        yield f"09 pipeline_gantt, {row['microbatches']} micro-batches", pipeline_gantt(row["example_spans"]), MIN_ROW_PX
 
 
 def _random_model(layers: int):

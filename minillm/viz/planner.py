@@ -28,8 +28,9 @@ def planner_figure(model: str, device: str, weight_dtype: str = "bf16", kv_dtype
                          showlegend=False), row=1, col=2)  # fmt: skip
     memory = DEVICES[device].memory_gb
     fig.add_hline(y=memory, line_dash="dash", annotation_text=f"{device}: {memory:.0f} GB", row=1, col=1)
-    fig.update_layout(barmode="stack", height=380, margin=dict(t=50, b=10, l=40, r=10),
-                      title=f"{model} on {device}, weights {weight_dtype}, KV {kv_dtype}")  # fmt: skip
+    fig.update_layout(barmode="stack", height=440, margin=dict(t=90, b=110, l=60, r=20),
+                      title=dict(text=f"{model} on {device}, weights {weight_dtype}, KV {kv_dtype}", y=0.93),
+                      legend=dict(orientation="h", yanchor="top", y=-0.2, x=0))  # fmt: skip
     return fig, plans
 
 
