@@ -1,7 +1,14 @@
-"""Parallelism (chapter 09), so far: the planner (how a model spreads over devices), a launcher
-that runs ranks on torch.distributed and never leaves one behind, and the tensor-parallel
-SwiGLU, attention and vocabulary-parallel embedding blocks, and the data-parallel router
-(round robin, least loaded, prefix aware)."""
+"""Parallelism (chapter 09): one model over many processes, on ``torch.distributed``.
+
+- ``tensor.py``: who holds which part — heads, columns, vocabulary rows, layers (TP and PP);
+- ``worker.py``, ``executor.py``, ``processes.py``: the shard workers, the driver's runner, and the
+  ownership of worker processes (failures named, nothing left behind);
+- ``router.py``, ``data.py``: data parallelism — the routing policies and the router server;
+- ``disagg.py``: prefill and decode on different workers, the KV cache sent between them;
+- ``offload.py``: weights streamed from host memory or a file, the last resort;
+- ``planner.py``: the arithmetic of memory and traffic per device for real models;
+- ``launch.py``: ``run_ranks`` for one function on several ranks (tests, checks, benchmarks).
+"""
 
 from minillm.parallel.planner import DEVICES, MODELS, Plan, plan
 
