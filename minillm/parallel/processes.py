@@ -80,9 +80,10 @@ class WorkerGroup:
                     try:
                         message = conn.recv()
                     except (EOFError, OSError):
+                        self.procs[rank].join(1.0)  # its pipe closed as it died: let it be reaped, for its code
                         message = ("error", f"exited with code {self.procs[rank].exitcode} (its pipe closed)")
                     if message[0] == "error":
-                        self._fail(rank, message[1])
+                        self._fail(*self._culprit(rank, message[1]))
                     if rank in ranks:
                         return rank, message
             for rank, proc in enumerate(self.procs):
@@ -113,6 +114,18 @@ class WorkerGroup:
         if self.closed_because is None:
             self.closed_because = reason
         self._finalizer()
+
+    def _culprit(self, rank: int, why: str) -> tuple[int, str]:
+        """A rank's collective fails when a peer dies, and its report may arrive first: give the
+        peers a moment, and name a rank that died without a word before the one that spoke."""
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            for other, proc in enumerate(self.procs):
+                if other != rank and proc.exitcode is not None and not self.conns[other].poll():
+                    first = why.splitlines()[0] if why else ""
+                    return other, f"exited with code {proc.exitcode} without a word (then rank {rank}: {first})"
+            time.sleep(0.05)
+        return rank, why
 
     def _fail(self, rank: int, why: str):
         self.shutdown(f"rank {rank} failed")
