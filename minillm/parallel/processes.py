@@ -77,13 +77,14 @@ class WorkerGroup:
             ready = wait(self.conns + [p.sentinel for p in self.procs], timeout=min(left, 1.0))
             for rank, conn in enumerate(self.conns):
                 if conn in ready:
+                    silent = False
                     try:
                         message = conn.recv()
                     except (EOFError, OSError):
                         self.procs[rank].join(1.0)  # its pipe closed as it died: let it be reaped, for its code
-                        message = ("error", f"exited with code {self.procs[rank].exitcode} (its pipe closed)")
+                        message, silent = ("error", f"exited with code {self.procs[rank].exitcode} (its pipe closed)"), True
                     if message[0] == "error":
-                        self._fail(*self._culprit(rank, message[1]))
+                        self._fail(*self._culprit(rank, message[1], silent))
                     if rank in ranks:
                         return rank, message
             for rank, proc in enumerate(self.procs):
@@ -115,13 +116,20 @@ class WorkerGroup:
             self.closed_because = reason
         self._finalizer()
 
-    def _culprit(self, rank: int, why: str) -> tuple[int, str]:
-        """A rank's collective fails when a peer dies, and its report may arrive first: give the
-        peers a moment, and name a rank that died without a word before the one that spoke."""
+    def _culprit(self, rank: int, why: str, silent: bool = False) -> tuple[int, str]:
+        """A rank's collective fails when a peer dies, and its report may arrive before the peer's
+        death is seen: give the peers a moment, and blame one that died without a word (killed,
+        crashed) before the one that only reported the broken connection."""
         deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:
+        while not silent and time.monotonic() < deadline:
             for other, proc in enumerate(self.procs):
-                if other != rank and proc.exitcode is not None and not self.conns[other].poll():
+                if other == rank or proc.exitcode is None:
+                    continue
+                try:
+                    said = self.conns[other].recv() if self.conns[other].poll() else None
+                except (EOFError, OSError):
+                    said = None
+                if said is None:
                     first = why.splitlines()[0] if why else ""
                     return other, f"exited with code {proc.exitcode} without a word (then rank {rank}: {first})"
             time.sleep(0.05)
