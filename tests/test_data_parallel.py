@@ -86,3 +86,29 @@ def test_a_dead_replica_gives_503_and_the_other_serves(tiny_model):
         if reply.status_code == 503:
             assert "replica 1" in reply.json()["error"]["message"]
     assert not psutil.pid_exists(replica_pids[0]) or psutil.Process(replica_pids[0]).status() == "zombie"
+
+
+def test_offline_data_parallel_llm(tiny_model):
+    """LLM(model, data_parallel_size=2): replicas in worker processes behind the router; outputs
+    in prompt order, equal to one engine; a shared prefix stays on one replica; a bad prompt is
+    refused by name and the replicas keep serving."""
+    from minillm.parallel.data import DataParallelLLM
+
+    shared = list(range(3, 40))
+    prompts = [shared + [50 + i] for i in range(3)] + [[7, 8, 9], [60, 61, 62, 63]]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with LLM(tiny_model, dtype="float32") as llm:
+        want = [o.token_ids for o in llm.generate(prompts, greedy)]
+    with LLM(tiny_model, dtype="float32", data_parallel_size=2, block_size=4) as llm:
+        assert isinstance(llm, DataParallelLLM)
+        assert [o.token_ids for o in llm.generate(prompts, greedy)] == want
+        chosen = [d.replica for d in llm.router.decisions]
+        assert chosen[0] == chosen[1] == chosen[2] and len(set(chosen)) == 2  # the prefix stays; the rest spread
+        assert llm.router.load == [0, 0]
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            llm.generate([[5, 6], [10**9]], greedy)
+        assert [o.token_ids for o in llm.generate(prompts[:1], greedy)] == want[:1]
+        procs = list(llm.workers.procs)
+    assert not any(p.is_alive() for p in procs)
+    with pytest.raises(ValueError, match="data_parallel_size=0"):
+        LLM(tiny_model, data_parallel_size=0)

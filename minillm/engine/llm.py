@@ -29,6 +29,15 @@ from minillm.sequence import Sequence
 
 
 class LLM:
+    def __new__(cls, model: str | Path = "smollm2-135m", **engine_args):
+        """``data_parallel_size=N`` (N > 1) builds a ``DataParallelLLM`` instead: N replicas in
+        worker processes behind a router (``router_policy``), for offline ``generate``."""
+        if engine_args.get("data_parallel_size", 1) != 1:
+            from minillm.parallel.data import DataParallelLLM
+
+            return DataParallelLLM(model, **engine_args)
+        return super().__new__(cls)
+
     def __init__(self, model: str | Path = "smollm2-135m", **engine_args):
         """``engine_args`` are ``EngineConfig`` fields: device, dtype, max_model_len,
         max_num_seqs, mode ("paged" | "contiguous" | "naive"), num_threads, seed,
@@ -37,6 +46,7 @@ class LLM:
         enable_chunked_prefill, max_num_batched_tokens, batch_timeout; quantization ("int8" |
         "int4" | "awq" | "w8a8") with quantization_group_size, sparsity ("2:4" | "2:4-wanda"),
         and kv_cache_dtype ("auto" | "int8" | "fp8")."""
+        engine_args.pop("data_parallel_size", None)  # 1: this process's own engine
         self.engine = LLMEngine(model, **engine_args)
         self._mailboxes: dict[Hashable, _Mailbox] = {}  # deltas waiting for their caller, by request
 

@@ -162,3 +162,110 @@ def serve_data_parallel(
         uvicorn.run(app, host=host, port=port, log_level=log_level)
     finally:  # a replica that failed to start, or Ctrl-C before the app ran
         stop_replicas()
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline: LLM(model, data_parallel_size=N)
+# ---------------------------------------------------------------------------------------------
+
+
+class DataParallelLLM:
+    """``LLM(model, data_parallel_size=N, router_policy=...)``: N replica engines in worker
+    processes; ``generate`` routes each prompt (``self.router`` records every choice), runs the
+    replicas' shares at the same time and returns the outputs in prompt order. Offline
+    generation only: a stream belongs to one engine — serve replicas with
+    ``minillm serve --data-parallel-size N`` for that."""
+
+    def __init__(self, model="smollm2-135m", data_parallel_size: int = 2, router_policy: str = "prefix_aware",
+                 **engine_args):  # fmt: skip
+        import os
+
+        from minillm.assets import resolve_model
+        from minillm.config import EngineConfig
+        from minillm.parallel.processes import WorkerGroup
+        from minillm.tokenizer import Tokenizer
+
+        size = data_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"data_parallel_size={size!r} must be a positive integer")
+        config = EngineConfig(**engine_args)  # validated before any replica starts
+        self.router = Router(size, router_policy, config.block_size)
+        self.tokenizer = Tokenizer(resolve_model(model))
+        threads = config.num_threads or max(1, (os.cpu_count() or 1) // size)
+        spec = (str(model), dict(engine_args, num_threads=threads))
+        self.workers = WorkerGroup(_replica_main, spec, size, "gloo", threads, stop_ranks=tuple(range(size)))
+        self.replicas = self.workers.gather_ready("load its replica")
+        self._job = 0
+
+    def close(self) -> None:
+        self.workers.shutdown()
+
+    def __enter__(self) -> DataParallelLLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            return self.tokenizer.encode(self.tokenizer.render_chat(prompt), add_special_tokens=False)
+        return list(prompt) if isinstance(prompt, list) else []
+
+    def generate(self, prompts, sampling_params=None) -> list:
+        """Like ``LLM.generate``: one ``RequestOutput`` per prompt, in prompt order (a replica
+        validates its prompts as one engine would; a bad one raises its ``ValueError``)."""
+        from minillm.parallel.processes import STEP_TIMEOUT
+
+        self.workers.check_open()
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt")
+        shares: dict[int, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            replica = self.router.route(len(self.router.decisions), self._ids(prompt))
+            shares.setdefault(replica, []).append(i)
+        self._job += 1
+        try:
+            for replica, idx in shares.items():
+                self.workers.send(replica, ("generate", self._job, [prompts[i] for i in idx], [params[i] for i in idx]))
+            outputs: list = [None] * len(prompts)
+            pending, error = set(shares), None
+            while pending:
+                replica, (kind, job, payload) = self.workers.receive(pending, STEP_TIMEOUT, "generate")
+                if job != self._job:
+                    continue  # an interrupted call's late answer
+                pending.discard(replica)
+                for _ in shares[replica]:
+                    self.router.finished(replica)
+                if kind == "refused":
+                    error = error or payload
+                    continue
+                for i, out in zip(shares[replica], payload):
+                    outputs[i] = out
+        except KeyboardInterrupt:
+            self.workers.shutdown("interrupted")
+            raise
+        if error is not None:
+            raise ValueError(error)
+        return outputs
+
+
+def _replica_main(spec, rank: int, conn) -> None:
+    from minillm.engine import LLM
+
+    model, engine_args = spec
+    with LLM(model, **engine_args) as llm:
+        conn.send(("ready", {"rank": rank, "blocks": llm.engine.block_manager.num_blocks}))
+        while True:
+            message = conn.recv()
+            if message[0] == "stop":
+                return
+            _, job, prompts, params = message
+            try:
+                conn.send(("done", job, llm.generate(prompts, params)))
+            except (ValueError, TypeError) as err:  # a bad prompt: refused, the replica keeps serving
+                conn.send(("refused", job, f"replica {rank}: {err}"))
