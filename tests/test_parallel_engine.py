@@ -249,3 +249,22 @@ def test_torchrun_launch_matches_one_process(tiny_model):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "minillm"]
     assert _cli_tokens([*torchrun, *args, "--tensor-parallel-size", "2"]) == want
     assert _cli_tokens([sys.executable, "-m", "minillm", *args, "--pipeline-parallel-size", "2"]) == want  # spawned
+
+
+def test_a_rank_that_raises_while_loading_is_named_with_its_error(tiny_model, tmp_path):
+    """Stage 1's layer holds a NaN: only rank 1 reads it, raises, and the parent says so."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "corrupt"
+    shutil.copytree(tiny_model, folder)
+    (weights,) = folder.glob("*.safetensors")
+    tensors = load_file(weights)
+    tensors["model.layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(RankFailed, match=r"rank 1 failed: .*ModelLoadError.*model\.layers\.1\.mlp\.down_proj\.weight.*NaN"):
+        LLM(folder, dtype="float32", num_threads=1, pipeline_parallel_size=2)
+    import multiprocessing
+
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("minillm-rank")]
