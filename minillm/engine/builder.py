@@ -24,6 +24,7 @@ from minillm.engine.naive_runner import NaiveRunner
 from minillm.engine.paged_runner import PagedRunner
 from minillm.engine.runner import ModelRunner
 from minillm.engine.scheduler import Scheduler
+from minillm.engine.weight_methods import apply_weight_methods
 from minillm.kvcache.addressing import blocks_for, kv_bytes_per_token
 from minillm.kvcache.block_manager import BlockManager
 from minillm.kvcache.paged import PagedKVCache
@@ -225,65 +226,6 @@ def build_speculator(config: EngineConfig, model_config: ModelConfig, tokenizer,
         extra = config.max_num_seqs * blocks_for(spec.num_speculative_tokens + 1, config.block_size)
         draft = DraftModelProposer(model, draft_config, config.block_size, num_blocks + extra)
     return Speculator(spec, max_model_len, draft)
-
-
-def apply_weight_methods(
-    config: EngineConfig, model: LlamaForCausalLM, device: torch.device, dtype, tokenizer=None
-) -> None:
-    """How the linear layers hold their weights: pruned (``sparsity``), quantized
-    (``quantization``), then — for the layers left in plain storage — the compressed 2:4 format
-    on a GPU that has sparse kernels, or oneDNN prepacking on CPU; then compilation."""
-    from minillm.layers.cpu_prepack import CPUPrepackMethod, prepack_available
-    from minillm.layers.linear import PLAIN
-    from minillm.quantization import prune, quantize_model
-    from minillm.quantization.sparsity import SemiStructuredMethod
-
-    saved = {layer.method.name for layer in model.linear_layers()} - {PLAIN.name}
-    if config.quantization is not None and saved:
-        raise ValueError(
-            f"quantization={config.quantization!r}: this checkpoint is already quantized ({', '.join(sorted(saved))}); "
-            "load it without quantization="
-        )
-    if config.sparsity is not None and saved:
-        raise ValueError(f"sparsity={config.sparsity!r}: this checkpoint is already quantized; prune before quantizing")
-    if config.sparsity is not None:  # on the float weights, before quantization rounds them
-        prune(model, config.sparsity, tokenizer=tokenizer)
-    if config.quantization is not None:  # before prepacking: quantized layers keep their own kernels
-        quantize_model(model, config.quantization, config.quantization_group_size, tokenizer=tokenizer)
-    if config.sparsity is not None and config.quantization is None:
-        for layer in model.linear_layers():
-            if layer.method is PLAIN and layer is not model.lm_head and SemiStructuredMethod.supported(layer):
-                layer.set_method(SemiStructuredMethod())
-    prepack = config.cpu_prepack and device.type == "cpu" and prepack_available(dtype)
-    if config.weight_offload is not None:  # offloading moves plain tensors; packed copies would stay resident
-        _offload(config, model, device)
-        prepack = False
-    if config.compile and dtype != torch.float32:
-        prepack = False  # packed half-precision kernels are opaque to the compiler
-    if prepack:
-        for layer in model.linear_layers():
-            if layer.method is PLAIN:
-                layer.set_method(CPUPrepackMethod())
-    if config.compile:  # validated: mode="contiguous"
-        # Measured on CPU: fp32 runs batched steps fastest on prepacked weights and
-        # single-sequence steps fastest compiled; half precision fastest compiled throughout.
-        model.compile_decode(single_row_only=prepack)
-
-
-def _offload(config: EngineConfig, model: LlamaForCausalLM, device: torch.device) -> None:
-    from minillm.assets import cache_dir
-    from minillm.parallel.offload import memory_map_weights, stream_layers
-
-    if config.weight_offload == "host":
-        stream_layers(model, device)
-        return
-    if device.type != "cpu":
-        raise ValueError("weight_offload='disk' maps the weights for the CPU to read; use 'host' on a GPU")
-    folder = cache_dir() / "offload"
-    folder.mkdir(parents=True, exist_ok=True)
-    model.offload_path = folder / f"weights-{os.getpid()}-{id(model)}.pt"
-    memory_map_weights(model, model.offload_path)
-    os.unlink(model.offload_path)  # the mapping keeps the file alive; nothing is left on disk after the process
 
 
 def num_kv_blocks(

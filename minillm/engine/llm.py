@@ -33,9 +33,9 @@ class LLM:
         """``data_parallel_size=N`` (N > 1) builds a ``DataParallelLLM`` instead: N replicas in
         worker processes behind a router (``router_policy``), for offline ``generate``."""
         if engine_args.get("data_parallel_size", 1) != 1:
-            from minillm.parallel.data import DataParallelLLM
+            from minillm.parallel.replicas import DataParallelLLM
 
-            return DataParallelLLM(model, **engine_args)
+            return DataParallelLLM(model, _serve_replica, **engine_args)
         return super().__new__(cls)
 
     def __init__(self, model: str | Path = "smollm2-135m", **engine_args):
@@ -201,3 +201,19 @@ class _Mailbox:
     seq: Sequence
     streaming: bool  # every delta is kept; otherwise only each sample's last (generate)
     deltas: deque[StreamDelta] = field(default_factory=deque)
+
+
+def _serve_replica(spec, rank: int, conn) -> None:
+    """One data-parallel replica (a worker process): an ``LLM`` answering ``generate`` jobs."""
+    model, engine_args = spec
+    with LLM(model, **engine_args) as llm:
+        conn.send(("ready", {"rank": rank, "blocks": llm.engine.block_manager.num_blocks}))
+        while True:
+            message = conn.recv()
+            if message[0] == "stop":
+                return
+            _, job, prompts, params = message
+            try:
+                conn.send(("done", job, llm.generate(prompts, params)))
+            except (ValueError, TypeError) as err:  # a bad prompt: refused, the replica keeps serving
+                conn.send(("refused", job, f"replica {rank}: {err}"))

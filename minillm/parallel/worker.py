@@ -78,7 +78,7 @@ class ShardWorker:
     """This rank's shard of the model and pool, and its part of each step."""
 
     def __init__(self, spec: ShardSpec, rank: int):
-        from minillm.engine.builder import apply_weight_methods
+        from minillm.engine.weight_methods import apply_weight_methods
         from minillm.models import load_model
 
         self.spec, self.rank = spec, rank

@@ -1,0 +1,95 @@
+"""Data parallelism offline: ``LLM(model, data_parallel_size=N)`` — N replica engines in worker
+processes, each ``generate`` call's prompts routed over them by the router of ``router.py``
+(the served version, replicas behind an HTTP router, is ``data.py``)."""
+
+from __future__ import annotations
+
+from minillm.parallel.router import Router
+
+
+class DataParallelLLM:
+    """``LLM(model, data_parallel_size=N, router_policy=...)``: N replica engines in worker
+    processes; ``generate`` routes each prompt (``self.router`` records every choice), runs the
+    replicas' shares at the same time and returns the outputs in prompt order. Offline
+    generation only: a stream belongs to one engine — serve replicas with
+    ``minillm serve --data-parallel-size N`` for that.
+
+    ``replica_main(spec, rank, conn)`` is what each worker runs (``LLM`` passes its own: this
+    module stays below the engine and never imports it)."""
+
+    def __init__(self, model, replica_main, data_parallel_size: int = 2, router_policy: str = "prefix_aware",
+                 **engine_args):  # fmt: skip
+        import os
+
+        from minillm.assets import resolve_model
+        from minillm.config import EngineConfig
+        from minillm.parallel.processes import WorkerGroup
+        from minillm.tokenizer import Tokenizer
+
+        size = data_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"data_parallel_size={size!r} must be a positive integer")
+        config = EngineConfig(**engine_args)  # validated before any replica starts
+        self.router = Router(size, router_policy, config.block_size)
+        self.tokenizer = Tokenizer(resolve_model(model))
+        threads = config.num_threads or max(1, (os.cpu_count() or 1) // size)
+        spec = (str(model), dict(engine_args, num_threads=threads))
+        self.workers = WorkerGroup(replica_main, spec, size, "gloo", threads, stop_ranks=tuple(range(size)))
+        self.replicas = self.workers.gather_ready("load its replica")
+        self._job = 0
+
+    def close(self) -> None:
+        self.workers.shutdown()
+
+    def __enter__(self) -> DataParallelLLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            return self.tokenizer.encode(self.tokenizer.render_chat(prompt), add_special_tokens=False)
+        return list(prompt) if isinstance(prompt, list) else []
+
+    def generate(self, prompts, sampling_params=None) -> list:
+        """Like ``LLM.generate``: one ``RequestOutput`` per prompt, in prompt order (a replica
+        validates its prompts as one engine would; a bad one raises its ``ValueError``)."""
+        from minillm.parallel.processes import STEP_TIMEOUT
+
+        self.workers.check_open()
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt")
+        shares: dict[int, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            replica = self.router.route(len(self.router.decisions), self._ids(prompt))
+            shares.setdefault(replica, []).append(i)
+        self._job += 1
+        try:
+            for replica, idx in shares.items():
+                self.workers.send(replica, ("generate", self._job, [prompts[i] for i in idx], [params[i] for i in idx]))
+            outputs: list = [None] * len(prompts)
+            pending, error = set(shares), None
+            while pending:
+                replica, (kind, job, payload) = self.workers.receive(pending, STEP_TIMEOUT, "generate")
+                if job != self._job:
+                    continue  # an interrupted call's late answer
+                pending.discard(replica)
+                for _ in shares[replica]:
+                    self.router.finished(replica)
+                if kind == "refused":
+                    error = error or payload
+                    continue
+                for i, out in zip(shares[replica], payload):
+                    outputs[i] = out
+        except KeyboardInterrupt:
+            self.workers.shutdown("interrupted")
+            raise
+        if error is not None:
+            raise ValueError(error)
+        return outputs
