@@ -95,7 +95,16 @@ def build_engine_parts(
     num_blocks = num_kv_blocks(config, model_config, max_model_len, device, dtype)  # after the weights loaded
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
     kv_cache = PagedKVCache(model_config, num_blocks, config.block_size, dtype, device, config.kv_cache_dtype)
-    scheduler = Scheduler(
+    scheduler = paged_scheduler(config, block_manager, window)
+    graphs = decode_graphs(config, model, kv_cache, backend, max_model_len, window)
+    runner = PagedRunner(model, kv_cache, window, graphs)
+    speculator = build_speculator(config, model_config, tokenizer, device, dtype, max_model_len, num_blocks, backend)
+    return EngineParts(scheduler, runner, backend, block_manager, kv_cache, graphs, speculator)
+
+
+def paged_scheduler(config: EngineConfig, block_manager: BlockManager, window: int | None) -> Scheduler:
+    """The paged engine's scheduler over ``block_manager``, as ``config`` asks."""
+    return Scheduler(
         block_manager,
         policy=config.scheduling_policy,
         max_num_seqs=config.max_num_seqs,
@@ -104,10 +113,6 @@ def build_engine_parts(
         batch_timeout=config.batch_timeout,
         window=window,
     )
-    graphs = decode_graphs(config, model, kv_cache, backend, max_model_len, window)
-    runner = PagedRunner(model, kv_cache, window, graphs)
-    speculator = build_speculator(config, model_config, tokenizer, device, dtype, max_model_len, num_blocks, backend)
-    return EngineParts(scheduler, runner, backend, block_manager, kv_cache, graphs, speculator)
 
 
 def build_parallel_parts(
@@ -131,15 +136,7 @@ def build_parallel_parts(
     shard_config = replace(model_config, num_kv_heads=kv_heads, num_layers=layers)
     num_blocks = num_kv_blocks(config, shard_config, max_model_len, device, dtype)
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-    scheduler = Scheduler(
-        block_manager,
-        policy=config.scheduling_policy,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.token_budget,
-        enable_chunked_prefill=config.enable_chunked_prefill,
-        batch_timeout=config.batch_timeout,
-        window=window,
-    )
+    scheduler = paged_scheduler(config, block_manager, window)
     backend = resolve_backend(config, device)
     spec = ShardSpec(
         model_dir=str(model_dir),
