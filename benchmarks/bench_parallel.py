@@ -38,6 +38,7 @@ from minillm import LLM, SamplingParams
 from minillm.bench import machine_description
 from minillm.config import ModelConfig
 from minillm.viz.parallel_results import parallel_tables
+from minillm.viz.pipeline import bubble_fraction
 from minillm.workloads import WorkloadRequest, replay
 
 RESULTS = Path(__file__).parent / "results"
@@ -68,27 +69,13 @@ def _decode_run(llm: LLM, batch: int, tokens: int, prompt_len: int = 16) -> dict
     out = {"batch": batch, "tok_s": batch / statistics.median(walls), "step_ms": 1e3 * statistics.median(walls)}
     if timed:
         spans = [s for _, t in steps for s in t]
-        rank0 = [s for s in spans if s["rank"] == 0]
+        rank0 = [s for s in spans if s["rank"] == 0]  # one span per step, or per micro-batch in a pipeline
         out["comm_ms"] = 1e3 * statistics.median(s["comm_s"] for s in rank0)
         out["compute_ms"] = 1e3 * statistics.median(s["end"] - s["start"] - s["comm_s"] for s in rank0)
         out["all_reduce_bytes_per_token"] = statistics.median(s["all_reduce_bytes"] for s in rank0) / batch
         out["all_gather_bytes_per_token"] = statistics.median(s["all_gather_bytes"] for s in rank0) / batch
-        out["bubble"] = statistics.median(_bubble(t) for _, t in steps)
+        out["bubble"] = statistics.median(bubble_fraction(t) for _, t in steps)
     return out
-
-
-def _bubble(spans: list[dict]) -> float:
-    stages = {s["stage"] for s in spans}
-    if len(stages) < 2:
-        return 0.0
-    busy = sum(s["end"] - s["start"] for s in spans if _first_of_stage(s, spans))
-    span = max(s["end"] for s in spans) - min(s["start"] for s in spans)
-    return 1 - busy / (len(stages) * span)
-
-
-def _first_of_stage(span: dict, spans: list[dict]) -> bool:
-    """One rank per stage counts (with TP inside a stage its ranks work at the same time)."""
-    return span["rank"] == min(s["rank"] for s in spans if s["stage"] == span["stage"])
 
 
 def part_tp(model: str, dtype: str, tokens: int) -> list[dict]:

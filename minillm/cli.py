@@ -180,6 +180,7 @@ def cmd_serve(args) -> int:
         serve_data_parallel(
             args.model or ["smollm2-135m"], args.data_parallel_size, _replica_argv(args.argv), args.router_policy,
             host=args.host, port=args.port, log_level=args.log_level, block_size=args.block_size,
+            max_body_bytes=args.max_body_bytes,
         )  # fmt: skip
         return 0
     serve(
@@ -206,7 +207,7 @@ def _replica_argv(argv: list[str]) -> list[str]:
             skip = "=" not in arg
         else:
             out.append(arg)
-    return out
+    return out + ["--data-parallel-size", "1"]  # a replica is one server, whatever slipped through
 
 
 def cmd_batch(args) -> int:
@@ -461,7 +462,11 @@ def cmd_course_grade(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="minillm", description="A compact LLM inference engine and course.")
+    # No abbreviated options: `serve` hands its arguments on to replica servers, and a prefix such
+    # as --data-parallel would slip past the router's filter into every replica.
+    parser = argparse.ArgumentParser(
+        prog="minillm", description="A compact LLM inference engine and course.", allow_abbrev=False
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("generate", help="generate text for one or more prompts")
@@ -479,7 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(p)
     p.set_defaults(func=cmd_chat, temperature=0.0, max_tokens=256)
 
-    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
+    p = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming, metrics)", allow_abbrev=False
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--response-cache", type=int, default=0, help="cache this many greedy responses (default: off)")

@@ -388,7 +388,8 @@ class EngineConfig:
     # Parallelism (chapter 09): the model split over tensor_parallel_size x pipeline_parallel_size
     # worker processes (gloo on CPU, NCCL on CUDA); the scheduler stays in this process. A pipeline
     # cuts each step into pipeline_microbatches micro-batches (default: one per stage).
-    # kv_cache_memory is then per worker: each holds its K/V heads of its stage's layers.
+    # kv_cache_memory is then per worker (each holds its K/V heads of its stage's layers); a
+    # fraction is of the free memory each worker's share of the host (CPU) or of its GPU.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     pipeline_microbatches: int | None = None

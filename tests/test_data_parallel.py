@@ -112,3 +112,16 @@ def test_offline_data_parallel_llm(tiny_model):
     assert not any(p.is_alive() for p in procs)
     with pytest.raises(ValueError, match="data_parallel_size=0"):
         LLM(tiny_model, data_parallel_size=0)
+
+
+def test_data_parallel_settings_are_checked(tiny_model):
+    from minillm.cli import main
+
+    with pytest.raises(ValueError, match="from 1 to 64"):
+        LLM(tiny_model, data_parallel_size=65)
+    with pytest.raises(ValueError, match="cannot be combined with tensor/pipeline"):
+        LLM(tiny_model, data_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="router_policy='round_robin' needs data_parallel_size > 1"):
+        LLM(tiny_model, router_policy="round_robin")
+    with pytest.raises(SystemExit):  # an abbreviation would reach the replicas: not accepted
+        main(["serve", "--data-parallel", "2"])

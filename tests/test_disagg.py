@@ -94,3 +94,19 @@ def test_imported_blocks_become_a_cached_prefix():
 
     assert manager.match_prefix(Seq) == 8  # the request finds both blocks as a cached prefix
     manager.check_invariants()
+
+
+def test_bad_requests_are_refused_and_the_workers_keep_serving(tiny_model):
+    with DisaggregatedLLM(tiny_model, dtype="float32", block_size=4, max_model_len=64) as llm:
+        good = llm.generate([[5, 6, 7]], GREEDY)
+        for prompts, params, message in [
+            ([[5, 6], [10**6]], GREEDY, "prompt 1 has token id"),
+            ([list(range(3, 80))], GREEDY, "max_model_len=64"),
+            ([[5, 6], [7]], [GREEDY, SamplingParams(max_tokens=3, n=2)], "prompt 1: DisaggregatedLLM serves n=1"),
+            ([[5, 6]], SamplingParams(max_tokens=3, stop=["x"]), "stop strings"),
+        ]:
+            with pytest.raises(ValueError, match=message):
+                llm.generate(prompts, params)
+        assert [o.token_ids for o in llm.generate([[5, 6, 7]], GREEDY)] == [good[0].token_ids]  # nothing stale
+    with pytest.raises(ValueError, match="prefill_threads=0"):
+        DisaggregatedLLM(tiny_model, prefill_threads=0)

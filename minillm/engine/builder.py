@@ -134,7 +134,10 @@ def build_parallel_parts(
     if device.type == "cuda" and torch.cuda.device_count() < config.world_size:
         raise ValueError(f"{config.world_size} workers need as many GPUs; this machine has {torch.cuda.device_count()}")
     shard_config = replace(model_config, num_kv_heads=kv_heads, num_layers=layers)
-    num_blocks = num_kv_blocks(config, shard_config, max_model_len, device, dtype)
+    # Worker pools on one host share its memory; on GPUs each has its own device (measured here
+    # before the shards load: a GPU's weights are not yet subtracted — see the README's limits).
+    share = config.world_size if device.type == "cpu" else 1
+    num_blocks = num_kv_blocks(config, shard_config, max_model_len, device, dtype, share)
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
     scheduler = paged_scheduler(config, block_manager, window)
     backend = resolve_backend(config, device)
@@ -226,14 +229,17 @@ def build_speculator(config: EngineConfig, model_config: ModelConfig, tokenizer,
 
 
 def num_kv_blocks(
-    config: EngineConfig, model_config: ModelConfig, max_model_len: int, device: torch.device, dtype
+    config: EngineConfig, model_config: ModelConfig, max_model_len: int, device: torch.device, dtype, share: int = 1
 ) -> int:
     """Blocks in the pool: ``kv_cache_memory`` bytes, or that fraction of free memory, never
     more than the device has free (a pool that cannot be allocated is an error now, not an
-    out-of-memory crash later)."""
+    out-of-memory crash later). ``share``: pools that will split this memory (parallel workers
+    on one host), so each counts 1/share of what is free."""
     block_bytes = config.block_size * kv_bytes_per_token(model_config, dtype, config.kv_cache_dtype)
     memory = config.kv_cache_memory
     available = free_memory_bytes(device)
+    if available is not None:
+        available //= share
     if available is None and isinstance(memory, float):
         raise ValueError(f"kv_cache_memory={memory}: this system does not report free memory; give bytes instead")
     if isinstance(memory, float):
@@ -242,8 +248,9 @@ def num_kv_blocks(
         budget = memory
         if available is not None and budget > available:
             raise ValueError(
-                f"kv_cache_memory={memory} bytes asks for more than the {available:,} bytes free on {device} "
-                "(pass fewer bytes, or a fraction such as 0.5)"
+                f"kv_cache_memory={memory} bytes asks for more than the {available:,} bytes free on {device}"
+                + (f" for each of {share} workers" if share > 1 else "")
+                + " (pass fewer bytes, or a fraction such as 0.5)"
             )
     elif device.type == "cuda":
         budget = int(0.9 * available)

@@ -66,6 +66,8 @@ def _offload(config: EngineConfig, model: LlamaForCausalLM, device: torch.device
         raise ValueError("weight_offload='disk' maps the weights for the CPU to read; use 'host' on a GPU")
     folder = cache_dir() / "offload"
     folder.mkdir(parents=True, exist_ok=True)
-    model.offload_path = folder / f"weights-{os.getpid()}-{id(model)}.pt"
-    memory_map_weights(model, model.offload_path)
-    os.unlink(model.offload_path)  # the mapping keeps the file alive; nothing is left on disk after the process
+    path = folder / f"weights-{os.getpid()}-{id(model)}.pt"
+    try:
+        memory_map_weights(model, path)
+    finally:
+        path.unlink(missing_ok=True)  # the mapping keeps the file alive; nothing is left on disk after the process

@@ -59,6 +59,16 @@ def block_hash(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
 
 
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The chained hashes of the full blocks of ``token_ids``, as the prefix cache names them
+    (a data-parallel router and a KV hand-over name blocks the same way)."""
+    hashes, parent = [], None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = block_hash(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
 def blocks_behind_window(num_computed_tokens: int, window: int, block_size: int) -> int:
     """How many leading blocks of a sequence no future query can see under a sliding window.
 
@@ -431,9 +441,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return held, to_fill
         parent = None
-        for j, start in enumerate(range(0, len(token_ids) - self.block_size + 1, self.block_size)):
-            chunk = tuple(token_ids[start : start + self.block_size])
-            h = block_hash(parent, chunk)
+        for j, h in enumerate(prompt_block_hashes(token_ids, self.block_size)):
+            chunk = tuple(token_ids[j * self.block_size : (j + 1) * self.block_size])
             block_id = self.cached.get(h)
             if block_id is not None and self.blocks[block_id].token_ids == chunk:
                 self._attach(block_id)  # held, so importing the next block cannot evict it

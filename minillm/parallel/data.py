@@ -15,8 +15,8 @@ it; the others keep serving.
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections import deque
 from contextlib import asynccontextmanager
 
 import httpx
@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minillm.parallel.router import Router
+from minillm.server.body_limit import BodyLimit
 from minillm.server.protocol import error_body
 
 FORWARDED_HEADERS = ("content-type", "retry-after")
@@ -48,13 +49,13 @@ def prompt_ids_for_routing(body: bytes, tokenizers: dict) -> list[int]:
 
 
 def build_router_app(
-    replica_urls: list[str], tokenizers: dict, policy: str = "prefix_aware", block_size: int = 16, on_shutdown=None
-):
+    replica_urls: list[str], tokenizers: dict, policy: str = "prefix_aware", block_size: int = 16, on_shutdown=None,
+    max_body_bytes: int = 2 << 20,
+):  # fmt: skip
     """A FastAPI app forwarding the OpenAI routes to ``replica_urls`` by ``policy``;
     ``on_shutdown()`` runs when the app stops (the replicas are stopped there: uvicorn ends
     the process by re-raising SIGTERM, so a ``finally`` after ``uvicorn.run`` never runs)."""
-    router = Router(len(replica_urls), policy, block_size)
-    recent = deque(maxlen=1000)
+    router = Router(len(replica_urls), policy, block_size, max_decisions=1000)
     clients: dict[str, httpx.AsyncClient] = {}
 
     @asynccontextmanager
@@ -66,13 +67,13 @@ def build_router_app(
             on_shutdown()
 
     app = FastAPI(title="minillm router", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # as the replicas do, before anything is read
     app.state.router = router
 
     async def forward(request: Request, path: str):
-        body = await request.body()
-        ids = prompt_ids_for_routing(body, tokenizers) if request.method == "POST" else []
-        replica = router.route(len(router.decisions), ids)
-        recent.append(router.decisions[-1])
+        body = await request.body()  # at most max_body_bytes (BodyLimit answers 413 above)
+        ids = await asyncio.to_thread(prompt_ids_for_routing, body, tokenizers)  # off the event loop
+        replica = router.route(router.num_routed, ids)
         http = clients["http"]
         upstream = http.build_request(
             request.method, replica_urls[replica] + path, content=body,
@@ -128,7 +129,7 @@ def build_router_app(
             "outstanding": router.load,
             "decisions": [
                 {"request": d.request_id, "replica": d.replica, "matched_blocks": d.matched_blocks, "load": d.load}
-                for d in recent
+                for d in router.decisions
             ],
         }
 
@@ -138,6 +139,7 @@ def build_router_app(
 def serve_data_parallel(
     models: list[str], replicas: int, replica_args: list[str], policy: str = "prefix_aware",
     host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", block_size: int = 16,
+    max_body_bytes: int = 2 << 20,
 ) -> None:  # fmt: skip
     """Start ``replicas`` servers of ``models`` (each ``minillm serve`` + ``replica_args`` on a
     free loopback port), then the router on ``host:port`` until interrupted; the replicas
@@ -158,7 +160,8 @@ def serve_data_parallel(
     try:
         for server in servers:
             server.start()
-        app = build_router_app([s.url for s in servers], tokenizers, policy, block_size, on_shutdown=stop_replicas)
+        urls = [s.url for s in servers]
+        app = build_router_app(urls, tokenizers, policy, block_size, stop_replicas, max_body_bytes)
         uvicorn.run(app, host=host, port=port, log_level=log_level)
     finally:  # a replica that failed to start, or Ctrl-C before the app ran
         stop_replicas()

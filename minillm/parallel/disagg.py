@@ -33,6 +33,8 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
+from minillm.config import ModelConfig
+from minillm.kvcache.block_manager import prompt_block_hashes
 from minillm.parallel.processes import START_TIMEOUT, STEP_TIMEOUT, WorkerGroup
 from minillm.sampling import SamplingParams
 
@@ -92,11 +94,19 @@ class DisaggregatedLLM:
             )
         if config.resolve_device().type != "cpu":
             raise ValueError("DisaggregatedLLM runs its workers on the CPU (gloo); device must be 'cpu'")
-        self.tokenizer = Tokenizer(resolve_model(model))
+        for name, value in (("prefill_threads", prefill_threads), ("decode_threads", decode_threads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        folder = resolve_model(model)
+        self.tokenizer = Tokenizer(folder)
+        model_config = ModelConfig.from_folder(folder)
+        self.vocab_size = model_config.vocab_size
+        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.spec = DisaggSpec(str(model), dict(engine_args, device="cpu"), (prefill_threads, decode_threads))
         self.workers = WorkerGroup(_disagg_main, self.spec, 2, "gloo", stop_ranks=(PREFILL, DECODE))
         self.info = self.workers.gather_ready("load the model")
         self._next_id = 0
+        self._in_flight: dict[int, int] = {}  # request id → index in the current generate call
 
     def close(self) -> None:
         self.workers.shutdown()
@@ -107,13 +117,28 @@ class DisaggregatedLLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _checked(self, prompt, params: SamplingParams, where: str) -> list[int]:
+        """The prompt's ids, or a ``ValueError`` naming what is wrong — here, before a worker
+        could fail on it (a worker's failure ends both)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params for {where} must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if params.n != 1 or params.logprobs is not None or params.stop:
+            raise ValueError(f"{where}: DisaggregatedLLM serves n=1 without logprobs or stop strings")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"{where} must be a non-empty string or list of token ids")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{where} has token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"{where} has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate")
+        return list(ids)
+
     def submit(self, prompt: str | list[int], params: SamplingParams, arrival_time: float | None = None) -> int:
         """Send one request to the prefill worker; returns its id."""
         self.workers.check_open()
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        params.validate()
-        if params.n != 1 or params.logprobs is not None:
-            raise ValueError("DisaggregatedLLM serves n=1 without logprobs")
+        ids = self._checked(prompt, params, "prompt")
         rid, self._next_id = self._next_id, self._next_id + 1
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         self.workers.send(PREFILL, ("request", rid, ids, params, arrival))
@@ -127,13 +152,16 @@ class DisaggregatedLLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt")
+        for i, (prompt, p) in enumerate(zip(prompts, params)):  # every request checked before any is sent
+            self._checked(prompt, p, f"prompt {i}")
         start = time.perf_counter()
         arrivals = arrivals or [0.0] * len(prompts)
         order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
-        ids: dict[int, int] = {}
+        ids = self._in_flight = {}  # a late answer to an earlier, interrupted call is dropped
         done: dict[int, DisaggregatedOutput] = {}
+        refused: dict[int, str] = {}
         try:
-            while len(done) < len(prompts):
+            while len(done) + len(refused) < len(prompts):
                 now = time.perf_counter() - start
                 while order and arrivals[order[0]] <= now:
                     i = order.pop(0)
@@ -144,11 +172,21 @@ class DisaggregatedLLM:
                         time.sleep(min(wait, 0.002))
                         continue
                 _, (kind, output) = self.workers.receive({PREFILL, DECODE}, STEP_TIMEOUT, "finish a request")
+                if kind == "refused":  # an engine refused it (e.g. it can never fit the pool): say so after
+                    rid, message = output
+                    if rid in ids:
+                        refused[ids[rid]] = message
+                    continue
+                if output.request_id not in ids:
+                    continue
                 output.text = self.tokenizer.decode(output.token_ids)
                 done[ids[output.request_id]] = output
         except KeyboardInterrupt:
             self.workers.shutdown("interrupted")
             raise
+        if refused:
+            i = min(refused)
+            raise ValueError(f"prompt {i} was refused: {refused[i]}")
         return [done[i] for i in range(len(prompts))]
 
 
@@ -179,8 +217,12 @@ def _prefill_loop(engine, conn) -> None:
                 dist.send_object_list([None], dst=DECODE)  # the decode worker's receiver ends too
                 return
             _, rid, ids, params, arrival = message
+            try:
+                engine.add_request(ids, replace(params, max_tokens=1), request_id=rid, arrival_time=arrival)
+            except (ValueError, TypeError) as err:  # refused: the engine and the other requests go on
+                conn.send(("refused", (rid, str(err))))
+                continue
             pending[rid] = (ids, params, arrival)
-            engine.add_request(ids, replace(params, max_tokens=1), request_id=rid, arrival_time=arrival)
         for delta in engine.step():
             if not delta.request_finished:
                 continue
@@ -193,7 +235,7 @@ def _prefill_loop(engine, conn) -> None:
                 continue
             manager, cache = engine.block_manager, engine.kv_cache
             blocks = []
-            for h in _full_block_hashes(ids, bs):
+            for h in prompt_block_hashes(ids, bs):
                 if h not in manager.cached:
                     break
                 blocks.append(manager.cached[h])
@@ -213,12 +255,6 @@ def _prefill_loop(engine, conn) -> None:
             if blocks:
                 dist.send(k, dst=DECODE)
                 dist.send(v, dst=DECODE)
-
-
-def _full_block_hashes(ids: list[int], block_size: int) -> list[int]:
-    from minillm.parallel.router import prompt_block_hashes
-
-    return prompt_block_hashes(ids, block_size)
 
 
 def _decode_loop(engine, conn) -> None:
@@ -266,7 +302,11 @@ def _decode_loop(engine, conn) -> None:
             engine.block_manager.release_imported(held)
             written = time.perf_counter()
             tail = replace(params, max_tokens=params.max_tokens - 1)
-            engine.add_request(ids + [first], tail, request_id=rid, arrival_time=arrival)
+            try:
+                engine.add_request(ids + [first], tail, request_id=rid, arrival_time=arrival)
+            except (ValueError, TypeError) as err:
+                conn.send(("refused", (rid, str(err))))
+                continue
             bytes_sent = 0 if k is None else k.nbytes + v.nbytes
             handed[rid] = (ids, first, arrival, first_time, bytes_sent, written - sent)
         for delta in engine.step():

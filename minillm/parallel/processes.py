@@ -117,27 +117,45 @@ class WorkerGroup:
         self._finalizer()
 
     def _culprit(self, rank: int, why: str, silent: bool = False) -> tuple[int, str]:
-        """A rank's collective fails when a peer dies, and its report may arrive before the peer's
-        death is seen: give the peers a moment, and blame one that died without a word (killed,
-        crashed) before the one that only reported the broken connection."""
+        """Who really failed. A peer's collective breaks when a rank dies or raises, and the
+        peer's report may arrive first: give the others a moment, then prefer a rank that was
+        killed or crashed without a word (non-zero exit, nothing sent), then one that reported
+        an error of its own, over a report of a broken connection."""
+        if silent:
+            return rank, why
+        said: dict[int, str] = {}
         deadline = time.monotonic() + 1.0
-        while not silent and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
             for other, proc in enumerate(self.procs):
-                if other == rank or proc.exitcode is None:
+                if other == rank or other in said:
                     continue
                 try:
-                    said = self.conns[other].recv() if self.conns[other].poll() else None
+                    if self.conns[other].poll():
+                        message = self.conns[other].recv()
+                        if message[0] == "error":
+                            said[other] = message[1]
+                        continue
                 except (EOFError, OSError):
-                    said = None
-                if said is None:
+                    pass
+                if proc.exitcode not in (None, 0) and other not in said:
                     first = why.splitlines()[0] if why else ""
                     return other, f"exited with code {proc.exitcode} without a word (then rank {rank}: {first})"
             time.sleep(0.05)
+        if _broken_link(why):
+            for other, message in said.items():
+                if not _broken_link(message):
+                    return other, message
         return rank, why
 
     def _fail(self, rank: int, why: str):
         self.shutdown(f"rank {rank} failed")
         raise RankFailed(rank, why)
+
+
+def _broken_link(report: str) -> bool:
+    """Is this error report a collective that failed because a peer went away?"""
+    first = report.splitlines()[0] if report else ""
+    return any(k in first for k in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo"))
 
 
 def _stop(procs, conns, stop_ranks) -> None:

@@ -27,9 +27,11 @@ class DataParallelLLM:
         from minillm.tokenizer import Tokenizer
 
         size = data_parallel_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"data_parallel_size={size!r} must be a positive integer")
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 64:
+            raise ValueError(f"data_parallel_size={size!r} must be an integer from 1 to 64")
         config = EngineConfig(**engine_args)  # validated before any replica starts
+        if config.world_size > 1:  # a replica's own workers would be children of a daemonic process
+            raise ValueError("data_parallel_size cannot be combined with tensor/pipeline parallelism yet")
         self.router = Router(size, router_policy, config.block_size)
         self.tokenizer = Tokenizer(resolve_model(model))
         threads = config.num_threads or max(1, (os.cpu_count() or 1) // size)
@@ -67,7 +69,7 @@ class DataParallelLLM:
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt")
         shares: dict[int, list[int]] = {}
         for i, prompt in enumerate(prompts):
-            replica = self.router.route(len(self.router.decisions), self._ids(prompt))
+            replica = self.router.route(self.router.num_routed, self._ids(prompt))
             shares.setdefault(replica, []).append(i)
         self._job += 1
         try:

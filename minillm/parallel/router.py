@@ -19,22 +19,14 @@ of one's own (``rule=``, chapter 09's exercise) gets the same facts the built-in
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from minillm.kvcache.block_manager import block_hash
+from minillm.kvcache.block_manager import prompt_block_hashes
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware")
-
-
-def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
-    """The chained hashes of the prompt's full blocks, as the engine's prefix cache names them."""
-    hashes, parent = [], None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_hash(parent, token_ids[start : start + block_size])
-        hashes.append(parent)
-    return hashes
+__all__ = ["POLICIES", "Decision", "Router", "prompt_block_hashes"]
 
 
 @dataclass
@@ -54,7 +46,7 @@ class Router:
     max_imbalance: int = 4
     remembered_blocks: int = 4096  # per replica, least recently used forgotten first
     load: list[int] = field(default_factory=list)
-    decisions: list[Decision] = field(default_factory=list)
+    max_decisions: int | None = 100_000  # the most recent decisions kept (a long-running router must not grow)
     # rule(matched_blocks, load, max_imbalance) -> replica: replaces the policy when given.
     rule: Callable[[list[int], list[int], int], int] | None = None
 
@@ -64,6 +56,8 @@ class Router:
         if self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} must be one of {POLICIES}")
         self.load = [0] * self.num_replicas
+        self.decisions: deque[Decision] = deque(maxlen=self.max_decisions)
+        self.num_routed = 0
         self._next = 0
         self._cached: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(self.num_replicas)]
 
@@ -89,6 +83,7 @@ class Router:
         policy = "custom" if self.rule is not None else self.policy
         self.decisions.append(Decision(request_id, choice, policy, matched[choice], list(self.load)))
         self.load[choice] += 1
+        self.num_routed += 1
         cache = self._cached[choice]
         for h in hashes:  # the replica will hold these blocks once it has prefilled the prompt
             cache[h] = None

@@ -80,11 +80,6 @@ def heads_of_rank(num_heads: int, num_kv_heads: int, rank: int, tp_size: int) ->
     return range(first, first + per), range(kv_head, kv_head + 1)
 
 
-def kv_heads_of_rank(num_heads: int, num_kv_heads: int, rank: int, tp_size: int) -> list[int]:
-    """The K/V heads rank ``rank`` holds (see ``heads_of_rank``)."""
-    return list(heads_of_rank(num_heads, num_kv_heads, rank, tp_size)[1])
-
-
 def stage_layers(num_layers: int, pp_size: int, stage: int) -> range:
     """The decoder layers of pipeline stage ``stage``: consecutive, as even as possible."""
     if pp_size > num_layers:

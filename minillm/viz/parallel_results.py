@@ -23,8 +23,9 @@ def parallel_table(result: dict, part: str) -> str:
         lines = ["| setup | batch | decode tok/s | step ms | compute ms | comm ms | all-reduced B/token (formula) |",
                  "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         for r in rows:
-            split = f"{r['compute_ms']:.1f} | {r['comm_ms']:.1f}" if "comm_ms" in r else "– | –"
-            measured = f"{r['all_reduce_bytes_per_token']:.0f}" if "all_reduce_bytes_per_token" in r else "–"
+            # A pipeline's spans are per micro-batch of one stage, and its sends are not collectives.
+            split = f"{r['compute_ms']:.1f} | {r['comm_ms']:.1f}" if r["setup"].startswith("TP") else "– | –"
+            measured = f"{r['all_reduce_bytes_per_token']:.0f}" if r["setup"].startswith("TP") else "–"
             formula = r.get("formula_all_reduce_bytes_per_token", "–")
             lines.append(f"| {r['setup']} | {r['batch']} | {r['tok_s']:.1f} | {r['step_ms']:.1f} | {split} | {measured} ({formula}) |")  # fmt: skip
     elif part == "bubble":
