@@ -161,10 +161,16 @@ def _latencies(work, ttfts, tpots, token_times) -> dict:
     }
 
 
-def part_offload(model: str, dtype: str, tokens: int) -> list[dict]:
+def part_offload(model: str, dtype: str, tokens: int, device: str = "cpu") -> list[dict]:
     from minillm.parallel.offload import evict_page_cache, memory_map_weights
 
     rows = []
+    if device != "cpu":  # a GPU: resident against every layer copied in from (pinned) host memory
+        for name, offload in (("resident", None), ("host memory, copied in per layer", "host")):
+            with LLM(model, dtype=dtype, device=device, max_num_seqs=1, weight_offload=offload) as llm:
+                rows.append({"weights": name, **_decode_run(llm, 1, tokens)})
+                print(rows[-1], flush=True)
+        return rows
     with tempfile.TemporaryDirectory() as tmp:
         for name in ("resident", "memory-mapped, warm", "memory-mapped, evicted every step"):
             with LLM(model, dtype=dtype, num_threads=2, cpu_prepack=False, max_num_seqs=1) as llm:
@@ -199,6 +205,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tokens", type=int, default=32, help="decode tokens per measurement")
     parser.add_argument("--parts", nargs="+", default=["tp", "bubble", "disagg", "offload"])
+    parser.add_argument("--device", default="cpu", help="for the offload part: cpu, or cuda (host → GPU per layer)")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     result = {
@@ -206,7 +213,7 @@ def main(argv=None) -> dict:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "model": args.model,
         "dtype": args.dtype,
-        "machine": machine_description(torch.device("cpu")),
+        "machine": machine_description(torch.device(args.device)),
         "args": vars(args),
     }
     if "tp" in args.parts:
@@ -216,11 +223,11 @@ def main(argv=None) -> dict:
     if "disagg" in args.parts:
         result["disagg"] = part_disagg(args.model, args.dtype, 48)
     if "offload" in args.parts:
-        result["offload"] = part_offload(args.model, args.dtype, args.tokens)
+        result["offload"] = part_offload(args.model, args.dtype, args.tokens, args.device)
     print(parallel_tables(result))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"parallel-{result['date'][:10]}-cpu.json"
+    path = out / f"parallel-{result['date'][:10]}-{'cpu' if args.device == 'cpu' else 'gpu'}.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"\nwrote {path}")
     return result

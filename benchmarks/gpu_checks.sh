@@ -53,6 +53,9 @@ section pytest_gpu 150 $PY -m pytest -m gpu -q -rA -p no:cacheprovider --timeout
 section bench_gpu 180 $PY benchmarks/bench_gpu.py --model "$MODEL" --repeats 3 --out "$OUT"
 section bench_serving 220 $PY benchmarks/bench_serving.py --model "$MODEL" --device cuda --num-requests 512 \
     --rate 40 --hf-batches 4 --out "$OUT"
+# Offloading on a GPU: resident weights against every layer copied in from pinned host memory.
+section bench_offload 90 $PY benchmarks/bench_parallel.py --model "$MODEL" --parts offload --device cuda \
+    --tokens 16 --out "$OUT"
 # The Triton kernel tests compiled for the GPU (CI runs them only in Triton's interpreter).
 section pytest_triton_cuda 240 $PY -m pytest -q -rfE -p no:cacheprovider --timeout 100 \
     tests/test_triton_kernels.py tests/test_kv_quant_triton.py tests/test_quant_triton.py
