@@ -46,3 +46,14 @@ def test_unwritten_triton_kernel_is_not_attempted():
         return q
 
     assert check_flash_kernel(flash_forward).status == NOT_ATTEMPTED
+
+
+def tp_mlp_skeleton(x, gate, up, down, rank, world_size):
+    raise NotImplementedError()
+
+
+def test_an_unwritten_function_run_on_other_processes_is_not_attempted():
+    """The skeleton raises on the ranks (the check sends its source there), not here."""
+    from minillm.course import check_tp_mlp
+
+    assert check_tp_mlp(tp_mlp_skeleton).status == NOT_ATTEMPTED
