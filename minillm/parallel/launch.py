@@ -1,9 +1,10 @@
 """Run a function on ``world_size`` processes joined by ``torch.distributed`` — and never leave
 a process behind.
 
-Every multi-process feature (tensor, pipeline and data parallelism, disaggregation) starts the
-same way: spawn the ranks, join them into one process group (gloo on CPU; NCCL on CUDA), run,
-collect each rank's result. The hard part is failure: a rank that raises, is killed, or hangs
+For one function run once on every rank — the course's checks, tests and benchmarks of single
+blocks: spawn the ranks, join them into one process group (gloo on CPU; NCCL on CUDA), run,
+collect each rank's result. (Engines keep long-lived workers instead: ``processes.WorkerGroup``,
+which watches them the same way.) The hard part is failure: a rank that raises, is killed, or hangs
 in a collective would otherwise leave the others blocked forever. So the parent owns the
 ranks: it waits for one report per rank against a deadline, and on the first error, unexpected
 exit or timeout it terminates every rank and raises an error that names the rank and why.
