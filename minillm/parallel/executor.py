@@ -73,7 +73,7 @@ class InProcessRunner:
         self.record_timings = False
         self.last_timings: list[dict] | None = None  # every rank's spans of the last step (record_timings)
         # Release the other ranks when this engine is closed, collected, or the program ends.
-        self._finalizer = weakref.finalize(self, worker.broadcast_stop)
+        self._finalizer = weakref.finalize(self, _finish_torchrun, worker)
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         if not self._finalizer.alive:
@@ -86,3 +86,13 @@ class InProcessRunner:
 
     def shutdown(self, reason: str = "shut down") -> None:
         self._finalizer()
+
+
+def _finish_torchrun(worker: ShardWorker) -> None:
+    """Tell the other ranks to stop, then take down this rank's process group: a gloo group
+    still alive when the interpreter exits aborts the process (its threads are never joined)."""
+    import torch.distributed as dist
+
+    worker.broadcast_stop()
+    if dist.is_initialized():
+        dist.destroy_process_group()
