@@ -17,6 +17,13 @@ import torch as _torch
 if not _torch.cuda.is_available():
     _os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from minillm.assets import cache_dir as _cache_dir  # noqa: E402
+
+# torch.compile's on-disk caches (compiled decode steps: engine/compiled_decode.py) live in the
+# project's cache folder, so the minute a compile costs is paid once per machine, not per start.
+# Set before anything asks inductor for its folder (it fixes the default on first use).
+_os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_cache_dir() / "inductor"))
+
 from minillm.config import EngineConfig, ModelConfig  # noqa: E402
 from minillm.engine import LLM, LLMEngine  # noqa: E402
 from minillm.errors import ModelLoadError, ModelNotFoundError, PromptTooLongError  # noqa: E402

@@ -83,7 +83,6 @@ def _add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) -
         '\'{"method": "draft", "model": "NAME_OR_PATH", "num_speculative_tokens": 4}\'',
     )
 
-
     g.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="split every layer over this many worker processes"
     )
@@ -494,7 +493,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=2 << 20, help="largest request body accepted (413 above)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument(
-        "--data-parallel-size", type=int, default=1, help="serve from this many engine replicas (processes) behind a router"
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="serve from this many engine replicas (processes) behind a router",
     )
     p.add_argument(
         "--router-policy",

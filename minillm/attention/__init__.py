@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from minillm.attention.paged import ReferencePagedStep
+from minillm.attention.paged import ReferencePagedStep, StaticDecodeStep
 from minillm.attention.torch_ref import attention, causal_mask
 from minillm.config import ATTENTION_BACKENDS, triton_available
 
@@ -58,6 +58,8 @@ def sdpa_attention(q, k, v, mask, is_causal, scale):
 class AttentionBackend:
     name: str
     padded: AttentionFn
+    # The dtype paged decode attention computes in (None: the model's); see precision.py.
+    decode_dtype: torch.dtype | None = None
 
     def paged_step(self, layout):
         """The per-step attention object for a paged ``StepLayout``."""
@@ -65,15 +67,17 @@ class AttentionBackend:
             from minillm.attention.triton_paged import TritonPagedStep  # imports triton only when used
 
             return TritonPagedStep(layout)
-        return ReferencePagedStep(layout, self.padded)
+        if layout.static_decode:
+            return StaticDecodeStep(layout, self.decode_dtype or layout.pool.k_slots[0].dtype)
+        return ReferencePagedStep(layout, self.padded, self.decode_dtype)
 
 
-def get_backend(name: str) -> AttentionBackend:
+def get_backend(name: str, decode_dtype: torch.dtype | None = None) -> AttentionBackend:
     """``torch`` | ``sdpa`` | ``triton`` (the engine's builder resolves ``auto`` first)."""
     if name in ("sdpa", "triton"):
-        return AttentionBackend(name, sdpa_attention)
+        return AttentionBackend(name, sdpa_attention, decode_dtype)
     if name == "torch":
-        return AttentionBackend(name, torch_attention)
+        return AttentionBackend(name, torch_attention, decode_dtype)
     raise ValueError(f"attention_backend={name!r}; expected one of {ATTENTION_BACKENDS}")
 
 

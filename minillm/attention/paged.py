@@ -7,6 +7,10 @@ gathered into one padded batch, a mask hiding each row's padding), then each pre
 its own (queries at positions ``start .. start+T-1`` see keys ``0 .. start+T-1``). Any
 padded-batch attention function (``torch`` or ``sdpa``) does the arithmetic.
 
+``StaticDecodeStep`` is the same decode with every shape fixed by its inputs' tensors — no
+buckets, no Python lists — so ``torch.compile`` traces it once per batch size
+(``engine/compiled_decode.py``).
+
 The Triton backend (``triton_paged.py``) does the same step with kernels that read the blocks
 in place instead of gathering copies.
 """
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from minillm.attention.layout import KVPool, StepLayout
-from minillm.attention.torch_ref import causal_mask
+from minillm.attention.torch_ref import attention, causal_mask
 from minillm.kvcache.addressing import blocks_for
 from minillm.quantization.kv import dequantize_kv, quantize_kv
 
@@ -111,8 +115,11 @@ def gather_kv(pool: KVPool, layer: int, block_tables: torch.Tensor) -> tuple[tor
 class ReferencePagedStep:
     """One step of the reference backend: buckets, spans and masks built once from the layout."""
 
-    def __init__(self, layout: StepLayout, attention_fn):
+    def __init__(self, layout: StepLayout, attention_fn, decode_dtype: torch.dtype | None = None):
+        """``decode_dtype``: compute the decode rows' attention in this dtype (e.g. fp32 over a
+        bf16 pool, on CPUs where that is faster — ``attention/precision.py``); None: the pool's."""
         self.layout, self.pool, self.attention_fn = layout, layout.pool, attention_fn
+        self.decode_dtype = decode_dtype
         bs, window, nd = layout.pool.block_size, layout.window, layout.num_decodes
         device = layout.slot_mapping.device
         self.decode_buckets: list[DecodeBucket] = []
@@ -176,8 +183,37 @@ class ReferencePagedStep:
         ks, vs = gather_kv(self.pool, layer, bucket.block_tables)  # [B, KV, S, D]
         if bucket.length is not None:  # equal lengths (always so for one sequence): no mask needed,
             ks, vs = ks[:, :, : bucket.length], vs[:, :, : bucket.length]  # and fused kernels run faster
-        o = self.attention_fn(q.unsqueeze(2), ks, vs, bucket.mask, False, scale)  # [B, H, 1, D]
+        q = q.unsqueeze(2)
+        if self.decode_dtype is not None and self.decode_dtype != q.dtype:
+            o = self.attention_fn(q.to(self.decode_dtype), ks.to(self.decode_dtype), vs.to(self.decode_dtype),
+                                  bucket.mask, False, scale).to(q.dtype)  # fmt: skip
+        else:
+            o = self.attention_fn(q, ks, vs, bucket.mask, False, scale)  # [B, H, 1, D]
         return o.squeeze(2)
+
+
+class StaticDecodeStep:
+    """A pure decode step whose every shape comes from its tensors: ``block_tables[B, W]`` is a
+    window of ``W`` blocks per row (padded with the null block) and ``context_lens[B]`` says how
+    many keys each row sees, as a mask. One traced graph then serves every step of a batch size.
+
+    Attention is the readable reference (matmul → mask → softmax → matmul) in ``compute_dtype``:
+    under ``torch.compile`` those few operations fuse with the gather and the casts, and for one
+    query per row they beat a fused SDPA call, whose per-call set-up dominates at this size."""
+
+    def __init__(self, layout: StepLayout, compute_dtype: torch.dtype):
+        self.layout, self.pool, self.compute_dtype = layout, layout.pool, compute_dtype
+        keys = layout.block_tables.shape[1] * layout.pool.block_size
+        self.mask = decode_mask(layout.context_lens_tensor, keys, layout.window)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """``q[1, B, H, D]``, ``k, v[1, B, KV, D]`` (one new token per row) → ``[1, B, H, D]``."""
+        q, k, v = q[0], k[0], v[0]
+        write_kv(self.pool, layer, self.layout.slot_mapping, k, v)
+        ks, vs = gather_kv(self.pool, layer, self.layout.block_tables)
+        dtype = self.compute_dtype
+        o = attention(q.unsqueeze(2).to(dtype), ks.to(dtype), vs.to(dtype), self.mask, scale)
+        return o.to(q.dtype).squeeze(2)[None]
 
 
 def prefix_mask(context_len: int, num_new: int, device: torch.device, window: int | None = None) -> torch.Tensor:

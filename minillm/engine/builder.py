@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from minillm.config import EngineConfig, ModelConfig, triton_available
+from minillm.engine.compiled_decode import CompiledDecode
 from minillm.engine.contiguous_runner import ContiguousRunner
 from minillm.engine.cuda_graphs import DecodeGraphs
 from minillm.engine.naive_runner import NaiveRunner
@@ -42,7 +43,7 @@ class EngineParts:
     attention_backend: str
     block_manager: BlockManager | None = None  # the paged pool's
     kv_cache: PagedKVCache | None = None
-    graphs: DecodeGraphs | None = None
+    graphs: DecodeGraphs | CompiledDecode | None = None  # the decode fast path, if any
     speculator: Speculator | NoSpeculation = field(default_factory=NoSpeculation)
 
 
@@ -84,7 +85,7 @@ def build_engine_parts(
     """Configure ``model`` (backend, window, fast paths) and build what runs it."""
     device, dtype = model.device, model.dtype
     backend = resolve_backend(config, device)
-    model.set_attention_backend(backend)
+    model.set_attention_backend(backend, decode_attention_dtype(config, model_config, device, dtype))
     model.sliding_window = window
     apply_weight_methods(config, model, device, dtype, tokenizer)
     if config.mode != "paged":  # one static batch at a time, whole prompts, no pool to manage
@@ -96,7 +97,7 @@ def build_engine_parts(
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
     kv_cache = PagedKVCache(model_config, num_blocks, config.block_size, dtype, device, config.kv_cache_dtype)
     scheduler = paged_scheduler(config, block_manager, window)
-    graphs = decode_graphs(config, model, kv_cache, backend, max_model_len, window)
+    graphs = decode_fast_path(config, model, kv_cache, backend, max_model_len, window)
     runner = PagedRunner(model, kv_cache, window, graphs)
     speculator = build_speculator(config, model_config, tokenizer, device, dtype, max_model_len, num_blocks, backend)
     return EngineParts(scheduler, runner, backend, block_manager, kv_cache, graphs, speculator)
@@ -266,9 +267,31 @@ def num_kv_blocks(
     return num_blocks
 
 
-def decode_graphs(
+def decode_attention_dtype(config: EngineConfig, model_config: ModelConfig, device, dtype) -> torch.dtype | None:
+    """fp32 decode attention over a half-precision pool where this CPU computes it faster
+    (measured once per machine: ``attention/precision.py``); None: the model's dtype."""
+    from minillm.attention.precision import decode_attention_dtype as measured_choice
+
+    if config.mode != "paged" or config.attention_backend == "triton":
+        return None
+    heads, kv_heads = model_config.num_heads, model_config.num_kv_heads
+    choice = measured_choice(dtype, device, heads, kv_heads, model_config.head_dim)
+    return None if choice == dtype else choice
+
+
+def decode_fast_path(
     config: EngineConfig, model, kv_cache, backend: str, max_model_len: int, window
-) -> DecodeGraphs | None:
+) -> DecodeGraphs | CompiledDecode | None:
+    """Pure decode steps through CUDA graphs (CUDA + Triton) or compiled (CPU), else eager."""
+    if config.compile:  # the paged engine's: validated
+        if kv_cache.k.device.type != "cpu" or backend == "triton":
+            raise ValueError(
+                "compile=True compiles the paged engine's decode step for the CPU; on CUDA the decode "
+                "fast path is cuda_graphs=True (with attention_backend='triton')"
+            )
+        compiled = CompiledDecode(model, kv_cache, window)
+        compiled.compile()
+        return compiled
     wanted = config.cuda_graphs
     if wanted is None:
         wanted = kv_cache.k.device.type == "cuda" and backend == "triton"

@@ -43,13 +43,17 @@ def apply_weight_methods(
     if config.weight_offload is not None:  # offloading moves plain tensors; packed copies would stay resident
         _offload(config, model, device)
         prepack = False
-    if config.compile and dtype != torch.float32:
-        prepack = False  # packed half-precision kernels are opaque to the compiler
+    contiguous_compile = config.compile and config.mode == "contiguous"
+    if contiguous_compile and dtype != torch.float32:
+        prepack = False  # the contiguous step compiles whole: packed half-precision kernels are opaque there
     if prepack:
+        # The paged engine's compiled decode step keeps half-precision matrices plain as well,
+        # for the single-row GEMV the compiler writes (layers/cpu_prepack.py).
+        keep_plain = config.compile and config.mode == "paged"
         for layer in model.linear_layers():
             if layer.method is PLAIN:
-                layer.set_method(CPUPrepackMethod())
-    if config.compile:  # validated: mode="contiguous"
+                layer.set_method(CPUPrepackMethod(keep_plain_for_compile=keep_plain))
+    if contiguous_compile:
         # Measured on CPU: fp32 runs batched steps fastest on prepacked weights and
         # single-sequence steps fastest compiled; half precision fastest compiled throughout.
         model.compile_decode(single_row_only=prepack)

@@ -8,6 +8,10 @@ can reorder a weight *once* into the blocked layout its kernels consume; measure
 idea as llama.cpp's weight repacking. The ops are PyTorch's private ``torch.ops.mkldnn``
 entry points (the ones its compiler emits), so we check that they work and fall back to
 plain ``F.linear`` when they do not.
+
+The compiled decode step (``engine/compiled_decode.py``) cannot use these opaque packed
+tensors; with ``keep_plain_for_compile`` the method also keeps the plain matrix, as a
+parameter, for the compiler to fold in and pack in its own layout.
 """
 
 from __future__ import annotations
@@ -44,15 +48,24 @@ class CPUPrepackMethod:
 
     name = "cpu_prepack"
 
+    def __init__(self, keep_plain_for_compile: bool = False):
+        self.keep_plain_for_compile = keep_plain_for_compile
+
     def process_weights(self, layer) -> None:
         weight = layer.weight.detach()
-        rows_hint = 8 if weight.dtype == torch.float32 else 1
+        fp32 = weight.dtype == torch.float32
+        rows_hint = 8 if fp32 else 1
         layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
-        layer.single_row_weight = weight.t().contiguous() if weight.dtype == torch.float32 else None
-        # The plain matrix is no longer read; a tied head's weight stays alive through the embedding.
+        keep = self.keep_plain_for_compile  # single rows then run compiled, from the plain matrix
+        layer.single_row_weight = weight.t().contiguous() if fp32 and not keep else None
+        # A parameter (not a plain attribute), so a compiled graph with freezing folds it in as a constant.
+        layer.plain_weight = torch.nn.Parameter(weight, requires_grad=False) if keep else None
+        # Otherwise the plain matrix is no longer read; a tied head's weight stays alive through the embedding.
         layer.weight = None
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() and layer.plain_weight is not None:
+            return F.linear(x, layer.plain_weight, layer.bias)  # folded in and packed by the compiler
         if layer.single_row_weight is not None and x.numel() == layer.in_features:
             row = x.reshape(1, layer.in_features)
             if layer.bias is None:
@@ -63,4 +76,5 @@ class CPUPrepackMethod:
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.bias, "none", [], "")
 
     def held_tensors(self, layer) -> list[torch.Tensor]:
-        return [t for t in (layer.packed_weight, layer.single_row_weight, layer.bias) if t is not None]
+        kept = (layer.packed_weight, layer.single_row_weight, layer.plain_weight, layer.bias)
+        return [t for t in kept if t is not None]

@@ -94,7 +94,9 @@ class SwiGLU(nn.Module):
         tp = {}
         if parallel.tp_size > 1:
             keep = split_evenly(full, parallel.tp_size, parallel.tp_rank)
-            tp = dict(tp_dim=0, tp_rank=parallel.tp_rank, tp_size=parallel.tp_size, tp_slices={"gate": keep, "up": keep})
+            tp = dict(
+                tp_dim=0, tp_rank=parallel.tp_rank, tp_size=parallel.tp_size, tp_slices={"gate": keep, "up": keep}
+            )
         self.gate_up_proj = Linear(config.hidden_size, 2 * full, shards=shards, **tp)
         self.intermediate_size = self.gate_up_proj.out_features // 2  # this rank's
         if tp:
@@ -195,9 +197,10 @@ class LlamaForCausalLM(nn.Module):
             out[f"{p}post_attention_layernorm.weight"] = (layer.post_attn_norm, "weight", None)
         return out
 
-    def set_attention_backend(self, name: str) -> None:
-        """``torch`` | ``sdpa`` | ``triton`` (the engine's builder resolves ``auto`` first)."""
-        self.attention_backend = get_backend(name)
+    def set_attention_backend(self, name: str, decode_dtype: torch.dtype | None = None) -> None:
+        """``torch`` | ``sdpa`` | ``triton`` (the engine's builder resolves ``auto`` first);
+        ``decode_dtype``: compute paged decode attention in this dtype (None: the model's)."""
+        self.attention_backend = get_backend(name, decode_dtype)
 
     def init_rope(self, max_positions: int) -> None:
         """Build the cos/sin table once weights are on their device (it is not a parameter)."""
