@@ -11,6 +11,7 @@ medians; the ratio minillm/HF comes from the same run, since this machine is sha
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import os
 import platform
@@ -73,9 +74,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _measure(runs: dict, batch: int, new_tokens: int, repeats: int, device: torch.device) -> dict:
+def _measure(runs: dict, batch: int, new_tokens: int, repeats: int, device: torch.device, between=None) -> dict:
     """Time every engine in ``runs`` (name → ``run(n_tokens)``), interleaving their repeats so
-    that machine noise hits all of them alike."""
+    that machine noise hits all of them alike; ``between()`` (an engine that times itself, such
+    as llama.cpp's tools) runs once per repeat, after the others."""
     for run in runs.values():
         run(1), run(new_tokens)  # warm-up: allocator, kernels, caches
     ttfts = {name: [] for name in runs}
@@ -84,6 +86,8 @@ def _measure(runs: dict, batch: int, new_tokens: int, repeats: int, device: torc
         for name, run in runs.items():
             ttfts[name].append(_time(lambda run=run: (run(1), _sync(device))))
             totals[name].append(_time(lambda run=run: (run(new_tokens), _sync(device))))
+        if between is not None:
+            between()
     results = {}
     for name in runs:
         ttft, total = statistics.median(ttfts[name]), statistics.median(totals[name])
@@ -99,6 +103,29 @@ def _measure(runs: dict, batch: int, new_tokens: int, repeats: int, device: torc
     return results
 
 
+def measure_read_bandwidth(megabytes: int = 512, repeats: int = 7) -> float:
+    """Memory read bandwidth in GB/s as PyTorch sees it: the median time to sum a tensor far
+    larger than the caches, with the current thread count. The ceiling for a decode step,
+    which must read every weight once (MBU = achieved bytes/s over this)."""
+    data = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
+    data.sum()  # fault the pages in
+    times = [_time(data.sum) for _ in range(repeats)]
+    return data.numel() * 4 / statistics.median(times) / 1e9
+
+
+def decode_bytes_per_step(model_config, dtype: torch.dtype, context: int) -> int:
+    """Bytes one batch-1 decode step must read: every linear weight once (a tied LM head is
+    the embedding matrix, read once as the head; looking up one embedding row is negligible)
+    and the K/V of ``context`` tokens."""
+    from minillm.kvcache.addressing import kv_bytes_per_token
+
+    c = model_config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    weights = c.num_layers * per_layer + c.vocab_size * c.hidden_size
+    return weights * torch.tensor([], dtype=dtype).element_size() + context * kv_bytes_per_token(c, dtype)
+
+
 def run_generate_benchmark(
     model: str = "smollm2-135m",
     dtypes=("fp32", "bf16"),
@@ -110,67 +137,94 @@ def run_generate_benchmark(
     device: str = "auto",
     include_hf: bool = True,
     out_dir: str | None = None,
-    compile: bool = False,
+    compile: bool = True,
+    prefill_len: int = 512,
+    llama_bench: str | None = None,
+    gguf: str | None = None,
 ) -> dict:
+    """Every engine on the same prompts, interleaved: minillm eager (the default paged engine),
+    minillm ``compile=True`` (``compile``), HF ``generate`` and — for the dtype of the ``gguf``
+    file, when a ``llama_bench`` binary is given — llama.cpp. Per batch size: decode tok/s and
+    TTFT; per dtype: prefill tok/s on one ``prefill_len``-token prompt; MBU of batch-1 decode
+    against the measured read bandwidth."""
+    from minillm.bench_llamacpp import LlamaCpp
     from minillm.engine import LLM
     from minillm.sampling import SamplingParams
 
     if threads:
         torch.set_num_threads(threads)
-    rows = []
+    llamacpp = LlamaCpp(llama_bench, gguf, torch.get_num_threads()) if llama_bench else None
+    rows, prefill_rows = [], []
     machine = None
+    bandwidth = measure_read_bandwidth()
     for dtype_name in dtypes:
         dtype = parse_dtype(dtype_name)
-        if compile:  # the compiled decode step belongs to the contiguous-cache engine
-            llm = LLM(model, dtype=dtype_name, device=device, mode="contiguous", compile=True)
-        else:  # the default paged engine; no prefix caching: the repeats reuse the same prompts
-            llm = LLM(model, dtype=dtype_name, device=device, enable_prefix_caching=False)
-        machine = machine or machine_description(llm.device)
+        # The default paged engine; no prefix caching: the repeats reuse the same prompts.
+        engines = {"minillm": LLM(model, dtype=dtype_name, device=device, enable_prefix_caching=False)}
+        first = engines["minillm"]
+        machine = machine or machine_description(first.device)
+        if compile and first.device.type == "cpu":
+            engines["minillm compiled"] = LLM(
+                model, dtype=dtype_name, device=device, enable_prefix_caching=False, compile=True
+            )
         hf = None
         if include_hf:
             from transformers import AutoModelForCausalLM
 
-            hf = AutoModelForCausalLM.from_pretrained(str(llm.model_dir), dtype=dtype).to(llm.device).eval()
-        for batch in batch_sizes:
-            prompts = _prompts(llm.tokenizer, batch, prompt_len)
+            hf = AutoModelForCausalLM.from_pretrained(str(first.model_dir), dtype=dtype).to(first.device).eval()
+        anchor = llamacpp if llamacpp is not None and llamacpp.dtype == dtype else None
+        for batch in [*batch_sizes, "prefill"]:
+            n_prompts, length = (1, prefill_len) if batch == "prefill" else (batch, prompt_len)
+            prompts = _prompts(first.tokenizer, n_prompts, length)
+            runs = {}
+            for name, llm in engines.items():
 
-            def run_minillm(n, prompts=prompts, llm=llm):
-                llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+                def run_minillm(n, prompts=prompts, llm=llm):
+                    llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
 
-            runs = {"minillm": run_minillm}
+                runs[name] = run_minillm
             if hf is not None:
-                ids = torch.tensor(prompts, device=llm.device)
-                mask = torch.ones_like(ids)
-
-                def run_hf(n, ids=ids, mask=mask, hf=hf):
-                    with torch.inference_mode():
-                        hf.generate(
-                            ids,
-                            attention_mask=mask,
-                            max_new_tokens=n,
-                            min_new_tokens=n,
-                            do_sample=False,
-                            pad_token_id=0,
-                        )
-
-                runs["hf"] = run_hf
-            row = {"dtype": dtype_name, "batch": batch, **_measure(runs, batch, new_tokens, repeats, llm.device)}
-            if hf is not None:
-                row["decode_ratio"] = row["minillm"]["decode_tok_s"] / row["hf"]["decode_tok_s"]
-                row["ttft_ratio"] = row["hf"]["ttft_ms"] / row["minillm"]["ttft_ms"]
-            rows.append(row)
+                ids = torch.tensor(prompts, device=first.device)
+                runs["hf"] = _hf_run(hf, ids)
+            anchored: list[dict] = []
+            between = None
+            if anchor is not None and (batch == "prefill" or anchor.supports_batch(batch)):
+                between = functools.partial(_anchor_once, anchored, anchor, batch, length, new_tokens)
+            measured = _measure(
+                runs, n_prompts, 2 if batch == "prefill" else new_tokens, repeats, first.device, between
+            )
+            if batch == "prefill":
+                row = {"dtype": dtype_name, "prompt_len": length}
+                for name, m in measured.items():
+                    row[name] = {"ttft_ms": m["ttft_ms"], "prefill_tok_s": 1000 * length / m["ttft_ms"]}
+            else:
+                row = {"dtype": dtype_name, "batch": batch, **measured}
+            if anchored:  # llama.cpp's own figures, the median of its runs between ours
+                row["llama.cpp"] = {k: statistics.median(a[k] for a in anchored) for k in anchored[0]}
+                row["llama.cpp"]["samples"] = anchored
+            if batch == "prefill":
+                prefill_rows.append(row)
+            else:
+                if batch == 1:
+                    step_bytes = decode_bytes_per_step(first.engine.model_config, dtype, prompt_len + new_tokens // 2)
+                    for name in [n for n in ENGINES if n in row]:
+                        row[name]["mbu"] = row[name]["decode_tok_s"] * step_bytes / (bandwidth * 1e9)
+                rows.append(row)
             print(_format_row(row), flush=True)
-        del llm, hf  # free this dtype's weights before loading the next
+        del engines, first, hf  # free this dtype's weights before loading the next
     result = {
         "benchmark": "generate",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "model": model,
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
+        "prefill_len": prefill_len,
         "repeats": repeats,
-        "compile": compile,
         "machine": machine,
+        "read_bandwidth_gb_s": bandwidth,
+        "llama_cpp": llamacpp.describe() if llamacpp is not None else None,
         "rows": rows,
+        "prefill": prefill_rows,
     }
     print()
     print(format_table(result))
@@ -178,34 +232,55 @@ def run_generate_benchmark(
         path = Path(out_dir)
         path.mkdir(parents=True, exist_ok=True)
         tag = (machine or {}).get("gpu") or "cpu"
-        suffix = "-compile" if compile else ""
-        name = f"generate-{result['date'][:10]}-{tag.replace(' ', '_')}-{machine['torch_threads']}t{suffix}.json"
+        name = f"generate-{result['date'][:10]}-{tag.replace(' ', '_')}-{machine['torch_threads']}t.json"
         (path / name).write_text(json.dumps(result, indent=2))
+        (path / name.replace(".json", ".md")).write_text(format_table(result) + "\n")
         print(f"\nwrote {path / name}")
     return result
 
 
+def _anchor_once(samples: list, anchor, batch, prompt_len: int, new_tokens: int) -> None:
+    samples.append(anchor.measure(batch, prompt_len, new_tokens))
+
+
+def _hf_run(hf, ids: torch.Tensor):
+    mask = torch.ones_like(ids)
+
+    def run_hf(n):
+        with torch.inference_mode():
+            hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+    return run_hf
+
+
+ENGINES = ("minillm", "minillm compiled", "hf", "llama.cpp")
+
+
 def _format_row(row: dict) -> str:
-    m = row["minillm"]
-    line = f"{row['dtype']:>5} batch {row['batch']:>2}: minillm {m['decode_tok_s']:7.1f} tok/s, TTFT {m['ttft_ms']:7.1f} ms"
-    if "hf" in row:
-        h = row["hf"]
-        line += f" | HF {h['decode_tok_s']:7.1f} tok/s, TTFT {h['ttft_ms']:7.1f} ms | decode x{row['decode_ratio']:.2f}"
-    return line
+    if "prompt_len" in row:
+        parts = [f"{n} {row[n]['prefill_tok_s']:.0f}" for n in ENGINES if n in row]
+        return f"{row['dtype']:>5} prefill {row['prompt_len']}: " + ", ".join(parts) + " tok/s"
+    parts = [f"{n} {row[n]['decode_tok_s']:.1f}" for n in ENGINES if n in row]
+    return f"{row['dtype']:>5} batch {row['batch']:>2}: decode " + ", ".join(parts) + " tok/s"
 
 
 def format_table(result: dict) -> str:
-    """A Markdown table of the result, as pasted into the README."""
-    lines = [
-        "| dtype | batch | minillm decode tok/s | HF decode tok/s | ratio | minillm TTFT ms | HF TTFT ms |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
+    """Markdown tables of the result, as pasted into the README (decode, then prefill)."""
+    m = result.get("machine") or {}
+    head = f"Machine: {m.get('cpu')} ({', '.join(m.get('cpu_flags', []))}), {m.get('torch_threads')} threads"
+    if result.get("read_bandwidth_gb_s"):
+        head += f"; measured read bandwidth {result['read_bandwidth_gb_s']:.1f} GB/s"
+    present = [n for n in ENGINES if any(n in r for r in result["rows"] + result.get("prefill", []))]
+    lines = [head, "", "| dtype | batch | " + " | ".join(f"{n} tok/s" for n in present) + " | MBU (batch 1) |"]
+    lines.append("|---|---:|" + "---:|" * (len(present) + 1))
     for r in result["rows"]:
-        m, h = r["minillm"], r.get("hf")
-        hf_tok = f"{h['decode_tok_s']:.1f}" if h else "-"
-        hf_ttft = f"{h['ttft_ms']:.1f}" if h else "-"
-        ratio = f"{r['decode_ratio']:.2f}x" if h else "-"
-        lines.append(
-            f"| {r['dtype']} | {r['batch']} | {m['decode_tok_s']:.1f} | {hf_tok} | {ratio} | {m['ttft_ms']:.1f} | {hf_ttft} |"
-        )
+        cells = [f"{r[n]['decode_tok_s']:.1f}" if n in r else "-" for n in present]
+        mbu = ", ".join(f"{n} {r[n]['mbu']:.0%}" for n in present if n in r and "mbu" in r[n]) or "-"
+        lines.append(f"| {r['dtype']} | {r['batch']} | " + " | ".join(cells) + f" | {mbu} |")
+    if result.get("prefill"):
+        lines += ["", "| dtype | prefill tokens | " + " | ".join(f"{n} tok/s" for n in present) + " |"]
+        lines.append("|---|---:|" + "---:|" * len(present))
+        for r in result["prefill"]:
+            cells = [f"{r[n]['prefill_tok_s']:.0f}" if n in r else "-" for n in present]
+            lines.append(f"| {r['dtype']} | {r['prompt_len']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -385,7 +385,10 @@ def cmd_bench(args) -> int:
         device=args.device,
         include_hf=not args.no_hf,
         out_dir=args.out,
-        compile=args.compile,
+        compile=not args.no_compile,
+        prefill_len=args.prefill_len,
+        llama_bench=args.llama_bench,
+        gguf=args.gguf,
     )
     return 0
 
@@ -531,7 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="folder to write")
     p.set_defaults(func=cmd_quantize)
 
-    p = sub.add_parser("bench", help="decode/prefill benchmark against HF transformers generate()")
+    p = sub.add_parser("bench", help="decode/prefill benchmark against HF generate() and, if given, llama.cpp")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8])
@@ -541,7 +544,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="auto")
     p.add_argument("--no-hf", action="store_true", help="skip the HF baseline")
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (mode contiguous; slow start)")
+    p.add_argument(
+        "--no-compile", action="store_true", help="skip the compile=True engine (it compiles ~1.5 min per dtype)"
+    )
+    p.add_argument("--prefill-len", type=int, default=512, help="prompt tokens of the prefill measurement")
+    p.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary: add llama.cpp as the anchor")
+    p.add_argument("--gguf", default=None, help="the same model as a GGUF file (bf16) for --llama-bench")
     p.add_argument("--out", default=None, help="folder for the JSON result (default: print only)")
     p.set_defaults(func=cmd_bench)
 

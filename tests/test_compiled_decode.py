@@ -1,0 +1,223 @@
+"""The CPU decode fast path: ``compile=True`` (a compiled single-sequence decode step over a
+static block window) and decode attention computed in the dtype measured fastest.
+
+The compiled engine must produce the eager engine's tokens — alone, in ragged batches that
+shrink to one sequence, and after preemption — with every step's logits close, and must not
+recompile as the context grows across blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minillm import LLM, LLMEngine, SamplingParams
+from minillm.attention import get_backend
+from minillm.attention import precision as attention_precision
+from minillm.attention.layout import KVPool, StepLayout
+from minillm.attention.paged import ReferencePagedStep, StaticDecodeStep
+from minillm.config import EngineConfig, ModelConfig
+from minillm.engine.compiled_decode import MIN_WINDOW, CompiledDecode
+from minillm.kvcache import addressing
+from minillm.kvcache.addressing import kv_bytes_per_token
+
+PROMPTS = ["To be, or not to be", "Caches keep keys and values; attention reads them back.", "café", "the slings"]
+# A pool of 14 blocks of 4 tokens: four sequences of ~40 tokens cannot all fit, so some are preempted.
+ENGINE = dict(dtype="fp32", block_size=4, max_num_seqs=4, enable_prefix_caching=False)
+POOL_BLOCKS = 14
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model):
+    per_token = kv_bytes_per_token(ModelConfig.from_folder(tiny_model), torch.float32)
+    memory = POOL_BLOCKS * ENGINE["block_size"] * per_token
+    compiled = LLM(tiny_model, compile=True, kv_cache_memory=memory, **ENGINE)
+    eager = LLM(tiny_model, kv_cache_memory=memory, **ENGINE)
+    return compiled, eager
+
+
+def _counting(llm: LLM) -> list[int]:
+    """Count the compiled step's calls (the fast path must actually run)."""
+    graphs = llm.engine.graphs
+    calls: list[int] = []
+    run = graphs.run
+
+    def counted(chunks, write=True):
+        calls.append(len(chunks))
+        return run(chunks, write)
+
+    graphs.run = counted
+    return calls
+
+
+def test_compile_builds_the_compiled_step_and_says_so(engines, capsys):
+    compiled, eager = engines
+    assert isinstance(compiled.engine.graphs, CompiledDecode)
+    assert compiled.engine.graphs.compile_seconds > 0
+    assert eager.engine.graphs is None
+
+
+@pytest.mark.parametrize("variant", ["mistral_window", "qwen2_bias"])
+def test_each_engine_gets_its_own_graph(engines, tiny_models, variant, capsys):
+    """Engines of other models in the same process (other weights folded in, another pool,
+    a sliding window, q/k/v biases) each compile their own graph — never reuse the first
+    engine's — and say so while compiling; their tokens are their eager twins'."""
+    other = LLM(tiny_models[variant], compile=True, **ENGINE)
+    assert "minillm: compiling the decode step" in capsys.readouterr().err
+    calls = _counting(other)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)  # past mistral_window's 8-token window
+    got = other.generate(PROMPTS[1], params)[0].token_ids
+    assert got == LLM(tiny_models[variant], **ENGINE).generate(PROMPTS[1], params)[0].token_ids
+    assert len(calls) == 19
+    first, eager = engines  # and the first engine still runs its own graph
+    assert first.generate(PROMPTS[0], params)[0].token_ids == eager.generate(PROMPTS[0], params)[0].token_ids
+
+
+def test_single_sequence_tokens_identical_and_no_recompile(engines):
+    compiled, eager = engines
+    calls = _counting(compiled)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)  # 5 -> 35 tokens: the window grows 2 -> 9 blocks
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = compiled.generate(PROMPTS[0], params)[0].token_ids
+    assert got == eager.generate(PROMPTS[0], params)[0].token_ids
+    assert len(calls) == 29 and set(calls) == {1}  # every decode step after the prompt's
+
+
+@pytest.mark.parametrize("max_tokens", [[3, 40, 9, 17], [35, 35, 35, 35]])
+def test_ragged_and_preempted_batches_tokens_identical(engines, max_tokens):
+    """Batches run eagerly, and as they shrink to one sequence the compiled step takes over;
+    35 tokens each overflow the 14-block pool, so sequences are preempted and recomputed."""
+    compiled, eager = engines
+    calls = _counting(compiled)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
+    got = compiled.generate(PROMPTS, params)
+    want = eager.generate(PROMPTS, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert calls, "the compiled step never ran"
+    if max_tokens[0] == 35:
+        assert sum(o.num_preemptions for o in got) > 0
+
+
+def test_compiled_logits_match_eager(engines):
+    compiled, eager = engines
+    logits = {}
+    for name, llm in (("compiled", compiled), ("eager", eager)):
+        params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=5)
+        out = llm.generate(PROMPTS[1], params)[0]
+        logits[name] = [[lp for _, lp in step.top] for step in out.logprobs]
+    for a, b in zip(logits["compiled"], logits["eager"]):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_static_decode_step_matches_the_bucketed_reference(window):
+    """The static layout (every row over the same padded block window, lengths as a mask)
+    computes what the reference's length buckets compute, sliding window included."""
+    torch.manual_seed(0)
+    bs, kv, h, d, blocks = 4, 2, 4, 8, 12
+    pool = KVPool([torch.randn(blocks * bs, kv, d)], [torch.randn(blocks * bs, kv, d)], bs, null_block=0)
+    tables = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [10, 11]]
+    starts = [9, 2, 17, 5]  # each row's new token goes at this position
+    width = 7  # wider than the longest row needs: padding must be masked
+    slots = [addressing.slot_mapping(t, s, 1, bs)[0] for t, s in zip(tables, starts)]
+
+    def layout(static: bool, order: list[int]) -> StepLayout:
+        rows = [tables[i] for i in order]
+        return StepLayout(
+            input_ids=torch.zeros(1, 4, dtype=torch.long),
+            positions=torch.tensor([[starts[i] for i in order]]),
+            slot_mapping=torch.tensor([slots[i] for i in order]),
+            query_lens=[1] * 4,
+            context_lens=[starts[i] + 1 for i in order],
+            block_tables=torch.tensor(addressing.padded_block_tables(rows, width if static else 5, 0)),
+            num_decodes=4,
+            logit_index=torch.arange(4),
+            pool=pool,
+            window=window,
+            context_lens_tensor=torch.tensor([starts[i] + 1 for i in order]),
+            static_decode=static,
+        )
+
+    q, k, v = torch.randn(1, 4, h, d), torch.randn(1, 4, kv, d), torch.randn(1, 4, kv, d)
+    order = sorted(range(4), key=lambda i: starts[i])  # the runner sorts decodes by length
+    ref = ReferencePagedStep(layout(False, order), get_backend("torch").padded).attend(
+        0, q[:, order], k[:, order], v[:, order], d**-0.5
+    )
+    static = StaticDecodeStep(layout(True, list(range(4))), torch.float32).attend(0, q, k, v, d**-0.5)
+    torch.testing.assert_close(static[:, order], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_compile_refusals(tiny_model):
+    cases = [
+        (dict(mode="naive", compile=True), "compile=True needs mode='paged' or 'contiguous'"),
+        (dict(compile=True, cuda_graphs=True), "compile=True and cuda_graphs=True"),
+        (dict(compile=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
+        (dict(compile=True, quantization="int8"), "cannot be combined with compile=True"),
+        (dict(compile="yes"), "compile='yes' must be True or False"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(").replace(")", r"\)")):
+            EngineConfig(**kwargs)
+    with pytest.raises(ValueError, match="compile=True compiles the paged engine's decode step for the CPU"):
+        LLMEngine(tiny_model, compile=True, attention_backend="triton", dtype="fp32")
+
+
+def test_min_window_is_the_smallest_dynamic_size():
+    assert MIN_WINDOW == 2  # sizes 0 and 1 are specialised by the compiler
+
+
+# ---- decode attention dtype, chosen per machine ------------------------------------------
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def test_attention_dtype_is_measured_once_per_machine_and_remembered(fresh_cache, monkeypatch):
+    calls = []
+
+    def fake(dtype, *shape):
+        calls.append(shape)
+        return {"bfloat16": 2.0, "float32": 0.5}  # fp32 4x faster: chosen
+
+    monkeypatch.setattr(attention_precision, "measure_decode_attention", fake)
+    cpu = torch.device("cpu")
+    assert attention_precision.decode_attention_dtype(torch.bfloat16, cpu, 9, 3, 64) == torch.float32
+    assert attention_precision.decode_attention_dtype(torch.bfloat16, cpu, 9, 3, 64) == torch.float32
+    assert calls == [(9, 3, 64)]  # the second engine reads the remembered choice
+    assert (fresh_cache / "machine" / "attention_dtype.json").is_file()
+
+
+def test_attention_dtype_keeps_the_model_dtype_on_a_near_tie(fresh_cache, monkeypatch):
+    monkeypatch.setattr(attention_precision, "measure_decode_attention", lambda *a: {"bfloat16": 1.0, "float32": 0.9})
+    assert attention_precision.decode_attention_dtype(torch.bfloat16, torch.device("cpu"), 4, 2, 16) == torch.bfloat16
+
+
+def test_attention_dtype_has_nothing_to_choose_for_fp32_or_a_gpu(fresh_cache, monkeypatch):
+    monkeypatch.setattr(attention_precision, "measure_decode_attention", lambda *a: pytest.fail("measured"))
+    assert attention_precision.decode_attention_dtype(torch.float32, torch.device("cpu"), 4, 2, 16) == torch.float32
+    assert attention_precision.decode_attention_dtype(torch.bfloat16, torch.device("cuda"), 4, 2, 16) == torch.bfloat16
+
+
+def test_measured_timings_are_real(fresh_cache):
+    timings = attention_precision.measure_decode_attention(torch.bfloat16, 4, 2, 16, batch=2, context=64)
+    assert set(timings) == {"bfloat16", "float32"} and all(t > 0 for t in timings.values())
+
+
+def test_bf16_engine_decodes_in_the_chosen_dtype(fresh_cache, monkeypatch, tiny_model):
+    """The engine passes the choice to its attention backend, and a bf16 engine computing
+    decode attention in fp32 still produces tokens (its own reference: the same engine)."""
+    monkeypatch.setattr(
+        attention_precision, "measure_decode_attention", lambda *a, **k: {"bfloat16": 5.0, "float32": 1.0}
+    )
+    llm = LLM(tiny_model, dtype="bf16")
+    assert llm.engine.model.attention_backend.decode_dtype == torch.float32
+    monkeypatch.setattr(
+        attention_precision, "measure_decode_attention", lambda *a, **k: {"bfloat16": 1.0, "float32": 1.0}
+    )
+    (fresh_cache / "machine" / "attention_dtype.json").unlink()
+    same = LLM(tiny_model, dtype="bf16")
+    assert same.engine.model.attention_backend.decode_dtype is None
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    assert len(llm.generate(PROMPTS[0], params)[0].token_ids) == 8
