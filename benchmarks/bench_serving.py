@@ -196,7 +196,8 @@ def main(argv=None) -> dict:
     print(format_table(result))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = (machine.get("gpu") or "cpu").replace(" ", "_")
+    tag = machine.get("gpu") or machine.get("cpu") or "cpu"  # runs on two CPUs must not collide
+    tag = "".join(ch if ch.isalnum() else "_" for ch in tag).strip("_")
     path = out / f"serving-{result['date'][:10]}-{tag}-{machine['torch_threads']}t.json"
     path.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {path}")

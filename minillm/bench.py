@@ -231,8 +231,9 @@ def run_generate_benchmark(
     if out_dir:
         path = Path(out_dir)
         path.mkdir(parents=True, exist_ok=True)
-        tag = (machine or {}).get("gpu") or "cpu"
-        name = f"generate-{result['date'][:10]}-{tag.replace(' ', '_')}-{machine['torch_threads']}t.json"
+        tag = (machine or {}).get("gpu") or (machine or {}).get("cpu") or "cpu"  # runs on two CPUs must not collide
+        tag = "".join(ch if ch.isalnum() else "_" for ch in tag).strip("_")
+        name = f"generate-{result['date'][:10]}-{tag}-{machine['torch_threads']}t.json"
         (path / name).write_text(json.dumps(result, indent=2))
         (path / name.replace(".json", ".md")).write_text(format_table(result) + "\n")
         print(f"\nwrote {path / name}")
