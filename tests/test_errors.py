@@ -97,7 +97,7 @@ def test_bad_request_in_a_batch_names_it_and_poisons_nothing(llm):
         (dict(attention_backend="magic"), "attention_backend='magic'"),
         (dict(device="tpu:0"), "device='tpu:0'"),
         (dict(num_threads=0), "num_threads=0"),
-        (dict(compile=True), "compile=True needs mode='contiguous'"),
+        (dict(compile=True, mode="naive"), "compile=True needs mode='paged' or 'contiguous'"),
         (dict(block_size=2.5), "block_size=2.5"),
         (dict(kv_cache_memory="1GB"), "kv_cache_memory='1GB'"),
     ],
