@@ -13,8 +13,6 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -22,34 +20,7 @@ from pathlib import Path
 import torch
 
 from minillm.config import parse_dtype
-
-
-def machine_description(device: torch.device) -> dict:
-    cpu = platform.processor() or platform.machine()
-    flags: list[str] = []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and cpu == (platform.processor() or platform.machine()):
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                present = set(line.split(":", 1)[1].split())
-                flags = [
-                    f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") if f in present
-                ]
-    except OSError:
-        pass
-    info = {
-        "cpu": cpu,
-        "cpu_flags": flags,  # what decides the fast paths: bf16 dot products, AMX tiles
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "device": str(device),
-    }
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
+from minillm.machine import machine_description
 
 
 def _prompts(tokenizer, batch: int, prompt_len: int) -> list[list[int]]:
@@ -60,6 +31,8 @@ def _prompts(tokenizer, batch: int, prompt_len: int) -> list[list[int]]:
         "Caches, pipelines and parallel units followed, each hiding the slowness of memory a little. "
     ) * 40
     ids = tokenizer.encode(text)
+    if 7 * (batch - 1) + prompt_len > len(ids):
+        raise ValueError(f"prompt_len={prompt_len} x batch {batch}: the benchmark text has only {len(ids)} tokens")
     return [ids[7 * i : 7 * i + prompt_len] for i in range(batch)]
 
 
@@ -153,7 +126,14 @@ def run_generate_benchmark(
 
     if threads:
         torch.set_num_threads(threads)
-    llamacpp = LlamaCpp(llama_bench, gguf, torch.get_num_threads()) if llama_bench else None
+    if prefill_len < 1 or prompt_len < 1 or new_tokens < 2:
+        raise ValueError(
+            f"prefill_len={prefill_len}, prompt_len={prompt_len} must be >= 1 and new_tokens={new_tokens} >= 2"
+        )
+    llamacpp = LlamaCpp(llama_bench, gguf, torch.get_num_threads()) if llama_bench or gguf else None
+    if llamacpp is not None and llamacpp.dtype not in [parse_dtype(d) for d in dtypes]:
+        name = str(llamacpp.dtype).removeprefix("torch.")
+        raise ValueError(f"--gguf {gguf} holds {name} weights, but --dtypes {' '.join(dtypes)} does not include it")
     rows, prefill_rows = [], []
     machine = None
     bandwidth = measure_read_bandwidth()
@@ -211,7 +191,7 @@ def run_generate_benchmark(
                         row[name]["mbu"] = row[name]["decode_tok_s"] * step_bytes / (bandwidth * 1e9)
                 rows.append(row)
             print(_format_row(row), flush=True)
-        del engines, first, hf  # free this dtype's weights before loading the next
+        del engines, first, hf, runs, llm  # free this dtype's weights (and compiled graph) before the next
     result = {
         "benchmark": "generate",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

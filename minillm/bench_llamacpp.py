@@ -21,7 +21,9 @@ FILE_TYPES = {0: torch.float32, 1: torch.float16, 32: torch.bfloat16}
 
 
 class LlamaCpp:
-    def __init__(self, llama_bench: str, gguf: str | None, threads: int):
+    def __init__(self, llama_bench: str | None, gguf: str | None, threads: int):
+        if llama_bench is None:
+            raise ValueError("--gguf needs --llama-bench PATH: the llama.cpp binary that runs it")
         if gguf is None:
             raise ValueError(
                 "--llama-bench needs --gguf PATH: the model converted with llama.cpp's convert_hf_to_gguf.py"
@@ -47,8 +49,8 @@ class LlamaCpp:
         if batch == "prefill":
             entry = self._llama_bench("-p", str(prompt_len), "-n", "0")
             return {"prefill_tok_s": entry["avg_ts"]}
-        if batch == 1:
-            entry = self._llama_bench("-p", "0", "-n", str(new_tokens))
+        if batch == 1:  # decoding after a prompt_len-token context, as our engines do
+            entry = self._llama_bench("-p", "0", "-n", str(new_tokens), "-d", str(prompt_len))
             return {"decode_tok_s": entry["avg_ts"]}
         context = batch * (prompt_len + new_tokens) + 16
         args = ["-npp", str(prompt_len), "-ntg", str(new_tokens), "-npl", str(batch), "-c", str(context)]
@@ -76,7 +78,10 @@ class LlamaCpp:
         env = None
         if shutil.which(binary.name) is None:  # a build tree: its shared libraries sit beside it
             env = dict(os.environ, LD_LIBRARY_PATH=f"{binary.parent}:{os.environ.get('LD_LIBRARY_PATH', '')}")
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+        except (OSError, subprocess.TimeoutExpired) as e:  # not executable, not a binary, hung
+            raise RuntimeError(f"{binary}: {e}") from e
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr[-2000:]}")
         return done.stdout
@@ -86,7 +91,10 @@ def gguf_dtype(path: Path) -> torch.dtype:
     """The weights' dtype of a GGUF file (its ``general.file_type``)."""
     from gguf import GGUFReader
 
-    field = GGUFReader(str(path)).fields.get("general.file_type")
+    try:
+        field = GGUFReader(str(path)).fields.get("general.file_type")
+    except (ValueError, OSError) as e:
+        raise ValueError(f"--gguf {path}: not a readable GGUF file ({e})") from e
     if field is None:
         raise ValueError(f"{path}: no general.file_type; convert with --outtype bf16 (or f32 / f16)")
     file_type = int(field.parts[field.data[0]][0])

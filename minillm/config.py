@@ -356,7 +356,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     cpu_prepack: bool = True  # oneDNN-prepacked linears on CPU where supported (measured faster)
     # torch.compile the decode step: the paged engine's single-sequence steps on CPU
-    # (engine/compiled_decode.py; ~2.4x eager for bf16 on a 2-core CPU, ~1.5 min to compile at
+    # (engine/compiled_decode.py; 2.6x eager at batch 1 for bf16 on a 2-core CPU, ~1-1.5 min to compile at
     # every start), or the contiguous engine's steps.
     compile: bool = False
     # Weight quantization (chapter 07): None | "int8" | "int4" | "awq" | "w8a8"; int4 groups of this many

@@ -16,7 +16,7 @@ from minillm.attention import precision as attention_precision
 from minillm.attention.layout import KVPool, StepLayout
 from minillm.attention.paged import ReferencePagedStep, StaticDecodeStep
 from minillm.config import EngineConfig, ModelConfig
-from minillm.engine.compiled_decode import MIN_WINDOW, CompiledDecode
+from minillm.engine.compiled_decode import CompiledDecode
 from minillm.kvcache import addressing
 from minillm.kvcache.addressing import kv_bytes_per_token
 
@@ -49,24 +49,38 @@ def _counting(llm: LLM) -> list[int]:
     return calls
 
 
-def test_compile_builds_the_compiled_step_and_says_so(engines, capsys):
+def test_compile_builds_the_compiled_step(engines):
     compiled, eager = engines
     assert isinstance(compiled.engine.graphs, CompiledDecode)
     assert compiled.engine.graphs.compile_seconds > 0
     assert eager.engine.graphs is None
 
 
-@pytest.mark.parametrize("variant", ["mistral_window", "qwen2_bias"])
-def test_each_engine_gets_its_own_graph(engines, tiny_models, variant, capsys):
-    """Engines of other models in the same process (other weights folded in, another pool,
-    a sliding window, q/k/v biases) each compile their own graph — never reuse the first
-    engine's — and say so while compiling; their tokens are their eager twins'."""
-    other = LLM(tiny_models[variant], compile=True, **ENGINE)
+@pytest.mark.parametrize(
+    "variant,options",
+    [
+        ("mistral_window", {}),  # a sliding window
+        ("qwen2_bias", {}),  # q/k/v biases
+        ("same_shapes_other_weights", {}),  # only the folded-in weights differ from the first engine's
+        ("llama_gqa", {"kv_cache_dtype": "int8"}),  # an 8-bit pool, dequantized as attention reads it
+    ],
+)
+def test_each_engine_gets_its_own_graph(engines, tiny_models, tiny_model, tmp_path, variant, options, capsys):
+    """Other engines in the same process each compile their own graph — never reuse the first
+    engine's frozen weights — and say so while compiling; their tokens are their eager twins'."""
+    from conftest import build_tiny_model
+
+    folder = (
+        build_tiny_model(tmp_path / variant, "llama_gqa", seed=7)
+        if variant.startswith("same")
+        else tiny_models[variant]
+    )
+    other = LLM(folder, compile=True, **ENGINE, **options)
     assert "minillm: compiling the decode step" in capsys.readouterr().err
     calls = _counting(other)
     params = SamplingParams(max_tokens=20, ignore_eos=True)  # past mistral_window's 8-token window
     got = other.generate(PROMPTS[1], params)[0].token_ids
-    assert got == LLM(tiny_models[variant], **ENGINE).generate(PROMPTS[1], params)[0].token_ids
+    assert got == LLM(folder, **ENGINE, **options).generate(PROMPTS[1], params)[0].token_ids
     assert len(calls) == 19
     first, eager = engines  # and the first engine still runs its own graph
     assert first.generate(PROMPTS[0], params)[0].token_ids == eager.generate(PROMPTS[0], params)[0].token_ids
@@ -161,10 +175,6 @@ def test_compile_refusals(tiny_model):
         LLMEngine(tiny_model, compile=True, attention_backend="triton", dtype="fp32")
 
 
-def test_min_window_is_the_smallest_dynamic_size():
-    assert MIN_WINDOW == 2  # sizes 0 and 1 are specialised by the compiler
-
-
 # ---- decode attention dtype, chosen per machine ------------------------------------------
 
 
@@ -221,3 +231,63 @@ def test_bf16_engine_decodes_in_the_chosen_dtype(fresh_cache, monkeypatch, tiny_
     assert same.engine.model.attention_backend.decode_dtype is None
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     assert len(llm.generate(PROMPTS[0], params)[0].token_ids) == 8
+
+
+# ---- the llama.cpp anchor of the generate benchmark (no llama.cpp needed: a stand-in binary) --
+
+
+def _gguf(path, file_type: int):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_file_type(file_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_llama_cpp_anchor_reads_llama_benchs_own_figures(tmp_path):
+    from minillm.bench_llamacpp import LlamaCpp
+
+    binary = tmp_path / "llama-bench"  # prints what llama-bench -o json prints, and its arguments
+    binary.write_text(
+        "#!/bin/sh\necho \"$@\" > \"$(dirname \"$0\")/args\"\n"
+        'echo \'[{"avg_ts": 99.5, "build_commit": "abc123", "n_prompt": 0, "n_gen": 64}]\'\n'
+    )
+    binary.chmod(0o755)
+    anchor = LlamaCpp(str(binary), str(_gguf(tmp_path / "m.gguf", 32)), threads=2)
+    assert anchor.dtype == torch.bfloat16 and not anchor.supports_batch(8)  # no llama-batched-bench beside it
+    assert anchor.measure(1, 64, 64) == {"decode_tok_s": 99.5}
+    args = (tmp_path / "args").read_text().split()
+    assert args[args.index("-n") + 1] == "64" and args[args.index("-d") + 1] == "64"  # decodes after a 64-token context
+    assert args[args.index("-t") + 1] == "2"
+    assert anchor.measure("prefill", 512, 64) == {"prefill_tok_s": 99.5}
+    assert anchor.describe()["build"] == "abc123"
+
+
+def test_llama_cpp_anchor_refuses_bad_input(tmp_path):
+    from minillm.bench import run_generate_benchmark
+    from minillm.bench_llamacpp import LlamaCpp
+
+    binary = tmp_path / "llama-bench"
+    binary.write_text("")  # exists, but cannot run
+    bf16 = _gguf(tmp_path / "bf16.gguf", 32)
+    (tmp_path / "junk.gguf").write_text("not a gguf")
+    cases = [
+        ((None, str(bf16)), "--gguf needs --llama-bench"),
+        ((str(binary), None), "--llama-bench needs --gguf"),
+        ((str(tmp_path / "nope"), str(bf16)), "--llama-bench .*nope: no such file"),
+        ((str(binary), str(tmp_path / "junk.gguf")), "--gguf .*junk.gguf: not a readable GGUF file"),
+        ((str(binary), str(_gguf(tmp_path / "q4.gguf", 3))), "is quantized"),
+    ]
+    for (bench, model), message in cases:
+        with pytest.raises(ValueError, match=message):
+            LlamaCpp(bench, model, threads=2)
+    with pytest.raises(RuntimeError, match="llama-bench"):  # not executable: named, not a bare OSError
+        LlamaCpp(str(binary), str(bf16), threads=2).measure(1, 64, 64)
+    with pytest.raises(ValueError, match="holds bfloat16 weights, but --dtypes fp32"):
+        run_generate_benchmark(dtypes=("fp32",), llama_bench=str(binary), gguf=str(bf16))
+    with pytest.raises(ValueError, match="prefill_len=0"):
+        run_generate_benchmark(prefill_len=0)

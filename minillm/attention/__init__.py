@@ -68,7 +68,8 @@ class AttentionBackend:
 
             return TritonPagedStep(layout)
         if layout.static_decode:
-            return StaticDecodeStep(layout, self.decode_dtype or layout.pool.k_slots[0].dtype)
+            # The pool's logical dtype (an 8-bit pool's storage dtype is only how it is stored).
+            return StaticDecodeStep(layout, self.decode_dtype or layout.pool.dtype or layout.pool.k_slots[0].dtype)
         return ReferencePagedStep(layout, self.padded, self.decode_dtype)
 
 

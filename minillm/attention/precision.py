@@ -15,6 +15,7 @@ On a GPU and for fp32 models there is nothing to choose: the model's dtype is us
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 
@@ -32,15 +33,14 @@ def decode_attention_dtype(
     if device.type != "cpu" or model_dtype == torch.float32:
         return model_dtype
     key = f"{_machine_key()}|{model_dtype}|{num_heads}x{num_kv_heads}x{head_dim}"
-    decisions = _load()
-    if key not in decisions:
+    decision = _load().get(key)
+    if decision is None:
         timings = measure_decode_attention(model_dtype, num_heads, num_kv_heads, head_dim)
         choice = (
             "float32" if timings["float32"] * MARGIN < timings[str(model_dtype).removeprefix("torch.")] else "model"
         )
-        decisions[key] = {"choice": choice, "ms": timings}
-        _save(decisions)
-    return torch.float32 if decisions[key]["choice"] == "float32" else model_dtype
+        decision = _save(key, {"choice": choice, "ms": timings})
+    return torch.float32 if decision["choice"] == "float32" else model_dtype
 
 
 def measure_decode_attention(
@@ -80,7 +80,7 @@ def measure_decode_attention(
 
 
 def _machine_key() -> str:
-    from minillm.bench import machine_description
+    from minillm.machine import machine_description
 
     m = machine_description(torch.device("cpu"))
     return f"{m['cpu']}|{','.join(m['cpu_flags'])}|torch {m['torch']}|{torch.get_num_threads()} threads"
@@ -93,18 +93,28 @@ def _path():
 
 
 def _load() -> dict:
+    """The remembered decisions; a missing, unreadable or malformed file counts as none."""
     try:
-        return json.loads(_path().read_text())
+        decisions = json.loads(_path().read_text())
     except (OSError, ValueError):
         return {}
+    if not isinstance(decisions, dict):
+        return {}
+    return {k: v for k, v in decisions.items() if isinstance(v, dict) and v.get("choice") in ("float32", "model")}
 
 
-def _save(decisions: dict) -> None:
+def _save(key: str, decision: dict) -> dict:
+    """Remember ``decision`` under ``key`` and return the decision that stands: if another
+    engine recorded one first (two first starts at once), its choice wins, so engines on the
+    machine decide alike. A read-only cache folder: measured again at the next start."""
     path = _path()
+    decisions = _load()
+    decision = decisions.setdefault(key, decision)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{time.monotonic_ns()}.tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.{time.monotonic_ns()}.tmp")
         tmp.write_text(json.dumps(decisions, indent=1))
         tmp.replace(path)  # atomic: a concurrent engine reads the old file or the new one
     except OSError:
-        pass  # a read-only cache: measure again next time
+        pass
+    return decision

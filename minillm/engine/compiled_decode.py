@@ -16,13 +16,13 @@ dynamic dimension, so one graph serves every context length without recompiling.
 What is compiled, and why only that — each measured on SmolLM2-135M bf16, 2-core AMD EPYC
 (``benchmarks/bench_generate.py``):
 
-- single-sequence decode steps (batch 1: chat, notebooks, a learner's laptop): 2.4× eager;
+- single-sequence decode steps (batch 1: chat, notebooks, a learner's laptop): 2.6× eager;
 - batches stay eager: a graph with a dynamic batch size loses the generated GEMMs (they need
   a static row count) and ran slower than eager; a graph per padded batch size would cost a
   full compile each;
 - prompt steps stay eager: few, long, and dominated by large matrix products.
 
-The price is the compile itself, about 1.5 minutes on 2 cores, paid **at every start**: torch
+The price is the compile itself, about 1-1.5 minutes on 2 cores, paid **at every start**: torch
 cannot yet keep a graph whose frozen constants include oneDNN-packed weights in its on-disk
 cache, so only the generated C++ is reused from ``<cache>/inductor``. Hence ``compile=True``
 is opt-in and the engine says what it is doing while it compiles.
@@ -46,13 +46,16 @@ from minillm.models.llama import LlamaForCausalLM
 # 1-block window would trace a second graph.
 MIN_WINDOW = 2
 
+
 def identity_guards_only(entries) -> list[bool]:
     """Which of the compiler's guards to check before every call: all of them except the
     metadata checks on the model's own modules and parameters (~500 of them, ~0.9 ms of a
     ~10 ms step), which cannot change under a compiled engine. The identity checks stay —
     among them the KV pool's tensors, one pool per engine — so a second engine in the same
     process gets its own graph with its own frozen weights, never the first one's."""
-    return [entry.guard_type == "ID_MATCH" or not entry.orig_guard.source.is_unspecialized_nn_module() for entry in entries]
+    return [
+        entry.guard_type == "ID_MATCH" or not entry.orig_guard.source.is_unspecialized_nn_module() for entry in entries
+    ]
 
 
 COMPILE_OPTIONS = {

@@ -47,8 +47,8 @@ def apply_weight_methods(
     if contiguous_compile and dtype != torch.float32:
         prepack = False  # the contiguous step compiles whole: packed half-precision kernels are opaque there
     if prepack:
-        # The paged engine's compiled decode step keeps half-precision matrices plain as well,
-        # for the single-row GEMV the compiler writes (layers/cpu_prepack.py).
+        # compile=True (paged) also keeps each plain matrix, for the compiled decode step to fold
+        # in and pack its own way (layers/cpu_prepack.py): ~3x the weight memory in all.
         keep_plain = config.compile and config.mode == "paged"
         for layer in model.linear_layers():
             if layer.method is PLAIN:
