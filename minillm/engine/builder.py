@@ -6,7 +6,7 @@ once, so the engine's step loop never asks what mode it is in:
 
     naive       Scheduler(static) + NoBlockPool  + NaiveRunner
     contiguous  Scheduler(static) + NoBlockPool  + ContiguousRunner   (+ compile)
-    paged       Scheduler(policy) + BlockManager + PagedRunner + PagedKVCache (+ CUDA graphs)
+    paged       Scheduler(policy) + BlockManager + PagedRunner + PagedKVCache (+ CUDA graphs | compiled decode)
     parallel    Scheduler(policy) + BlockManager + DistributedRunner (shards and pools in workers)
 """
 
