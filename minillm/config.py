@@ -359,6 +359,8 @@ class EngineConfig:
     # (engine/compiled_decode.py; 2.6x eager at batch 1 for bf16 on a 2-core CPU, ~1-1.5 min to compile at
     # every start), or the contiguous engine's steps.
     compile: bool = False
+    # The paged engine's compiled decode graphs: one per row count; a batch is padded up to the next.
+    compile_batch_sizes: tuple[int, ...] = (1, 8)
     # Weight quantization (chapter 07): None | "int8" | "int4" | "awq" | "w8a8"; int4 groups of this many
     # weights (None: the largest of 128/64/32 that divides every layer).
     quantization: str | None = None
@@ -439,6 +441,15 @@ class EngineConfig:
             raise ValueError(f"batch_timeout={timeout!r} must be a finite number of seconds >= 0")
         if self.mode not in EXECUTION_MODES:
             raise ValueError(f"mode={self.mode!r}; expected one of {EXECUTION_MODES}")
+        sizes = self.compile_batch_sizes
+        if isinstance(sizes, list):
+            self.compile_batch_sizes = sizes = tuple(sizes)
+        if (
+            not isinstance(sizes, tuple)
+            or not sizes
+            or any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 256 for b in sizes)
+        ):
+            raise ValueError(f"compile_batch_sizes={sizes!r} must be a non-empty tuple of row counts from 1 to 256")
         if self.compile and self.mode == "naive":
             raise ValueError("compile=True needs mode='paged' or 'contiguous' (the naive engine has no decode step)")
         if self.cuda_graphs and self.compile:

@@ -279,6 +279,15 @@ def decode_attention_dtype(config: EngineConfig, model_config: ModelConfig, devi
     return None if choice == dtype else choice
 
 
+def release_plain_weights(model) -> None:
+    """Drop the plain weight copies kept for the compiler (``CPUPrepackMethod(keep_plain_for_compile)``)
+    once the compiled decode step holds its own, packed, copy."""
+    for module in model.modules():
+        method = getattr(module, "method", None)
+        if getattr(method, "keep_plain_for_compile", False):
+            module.plain_weight = None
+
+
 def decode_fast_path(
     config: EngineConfig, model, kv_cache, backend: str, max_model_len: int, window
 ) -> DecodeGraphs | CompiledDecode | None:
@@ -289,8 +298,10 @@ def decode_fast_path(
                 "compile=True compiles the paged engine's decode step for the CPU; on CUDA the decode "
                 "fast path is cuda_graphs=True (with attention_backend='triton')"
             )
-        compiled = CompiledDecode(model, kv_cache, window)
-        compiled.compile()
+        compute_dtype = model.attention_backend.decode_dtype or kv_cache.dtype  # as StaticDecodeStep computes
+        compiled = CompiledDecode(model, kv_cache, window, compute_dtype, config.compile_batch_sizes)
+        compiled.prepare()
+        release_plain_weights(model)
         return compiled
     wanted = config.cuda_graphs
     if wanted is None:

@@ -1,4 +1,4 @@
-"""The paged engine's single-sequence decode step compiled with ``torch.compile`` (CPU).
+"""The paged engine's decode steps compiled ahead of time (CPU), kept on disk, loaded in a second.
 
 Eagerly, one decode step of a small model is ~500 small PyTorch operations around its matrix
 products; on a laptop CPU their dispatch overhead is as large as the useful work, and
@@ -8,31 +8,39 @@ constants, inductor packs them for its own generated C++ GEMM micro-kernels (pic
 each shape), and the operations around them fuse into a few loops.
 
 A compiled graph is traced for fixed shapes, while a paged step's shapes change every step
-(ragged batches, growing contexts, decode buckets). So the compiled step reads a *static*
-layout (``StaticDecodeStep``): the row's blocks as a window ``block_tables[1, W]`` padded with
-the null block and its length as a tensor that masks the padding; the window width ``W`` is a
-dynamic dimension, so one graph serves every context length without recompiling.
+(ragged batches, growing contexts). So the compiled step reads a *static* layout
+(``StaticDecodeStep``): each row's blocks as a window ``block_tables[B, W]`` padded with the
+null block and its length as a tensor that masks the padding. The window width ``W`` is a
+dynamic dimension — one graph serves every context length — while the row count ``B`` is
+fixed, because inductor's generated GEMMs need a static row count: there is one graph per
+batch size in ``batch_sizes`` (default 1 and 8), and a batch of 2-8 rows is padded to 8 with
+rows that read and write only the null block (a GEMV streams the same weights for 1 row or 8,
+so the padding costs little). Larger batches and prompt steps stay eager: their large matrix
+products are already efficient.
 
-What is compiled, and why only that — each measured on SmolLM2-135M bf16, 2-core AMD EPYC
-(``benchmarks/bench_generate.py``):
+The graphs are compiled with AOTInductor (``torch.export`` + ``aoti_compile_and_package``)
+into a package file under ``<cache>/compiled/``, named by a digest of everything the compiled
+code depends on — the weights, the pool's shape and dtype, the block size, the sliding window,
+the attention's compute dtype, the CPU, the thread count, torch's version and minillm's own
+source. The first start on a machine compiles (about 1.5-2 minutes per batch size for
+SmolLM2-135M on 2 cores, with a message on stderr); every later start loads the package in
+well under a second. (``torch.compile``'s own on-disk cache cannot keep a frozen graph whose
+constants are oneDNN-packed weights, so it would recompile at every start.)
 
-- single-sequence decode steps (batch 1: chat, notebooks, a learner's laptop): 2.6× eager;
-- batches stay eager: a graph with a dynamic batch size loses the generated GEMMs (they need
-  a static row count) and ran slower than eager; a graph per padded batch size would cost a
-  full compile each;
-- prompt steps stay eager: few, long, and dominated by large matrix products.
-
-The price is the compile itself, about 1-1.5 minutes on 2 cores, paid **at every start**: torch
-cannot yet keep a graph whose frozen constants include oneDNN-packed weights in its on-disk
-cache, so only the generated C++ is reused from ``<cache>/inductor``. Hence ``compile=True``
-is opt-in and the engine says what it is doing while it compiles.
+The KV pool is an input of the compiled graph, written in place, so one package serves any
+engine whose pool has the same shape. Each package holds its own copy of the frozen weights
+(~270 MB for SmolLM2-135M in bf16, on disk and in memory); only the newest
+``KEEP_PACKAGES`` packages are kept on disk.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -42,94 +50,170 @@ from minillm.kvcache import addressing
 from minillm.kvcache.paged import PagedKVCache
 from minillm.models.llama import LlamaForCausalLM
 
-# The narrowest block window compiled: the compiler specialises dynamic sizes 0 and 1, so a
-# 1-block window would trace a second graph.
+# The narrowest block window compiled: the tracer specialises dynamic sizes 0 and 1.
 MIN_WINDOW = 2
+BATCH_SIZES = (1, 8)
+KEEP_PACKAGES = 4  # newest package files kept in <cache>/compiled (each holds the model's weights)
 
-
-def identity_guards_only(entries) -> list[bool]:
-    """Which of the compiler's guards to check before every call: all of them except the
-    metadata checks on the model's own modules and parameters (~500 of them, ~0.9 ms of a
-    ~10 ms step), which cannot change under a compiled engine. The identity checks stay —
-    among them the KV pool's tensors, one pool per engine — so a second engine in the same
-    process gets its own graph with its own frozen weights, never the first one's."""
-    return [
-        entry.guard_type == "ID_MATCH" or not entry.orig_guard.source.is_unspecialized_nn_module() for entry in entries
-    ]
-
-
-COMPILE_OPTIONS = {
-    "guard_filter_fn": identity_guards_only,
-    # Round half-precision intermediates where eager PyTorch does, so the compiled step's
-    # numbers stay close to the eager engine's.
-    "emulate_precision_casts": True,
+INDUCTOR_OPTIONS = {
+    # Fold the weights in as constants, packed for the generated GEMMs.
+    "freezing": True,
     # Time inductor's generated C++ GEMMs against ATen's for every weight shape, keep the fastest.
     "max_autotune": True,
     "max_autotune_gemm_backends": "CPP,ATEN",
+    # Round half-precision intermediates where eager PyTorch does, so the compiled step's
+    # numbers stay close to the eager engine's.
+    "emulate_precision_casts": True,
+    # Compile quietly: the autotuner's per-shape timing tables are for compiler developers.
+    "max_autotune_report_choices_stats": False,
+    "autotune_num_choices_displayed": 0,
 }
 
 
-class CompiledDecode:
-    """Single-sequence decode steps of a paged CPU engine through one compiled graph."""
+def packages_dir() -> Path:
+    from minillm.assets import cache_dir
 
-    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, window: int | None):
-        self.cache = cache
-        self.module = StaticDecodeModule(model, KVPool.of(cache), window)
-        self.compiled = torch.compile(self.module, fullgraph=True, options=COMPILE_OPTIONS)
-        self.compile_seconds: float | None = None
+    return cache_dir() / "compiled"
+
+
+class CompiledDecode:
+    """Pure decode steps of up to ``max(batch_sizes)`` rows through compiled graphs, one per
+    batch size (a batch is padded up to the next one)."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        cache: PagedKVCache,
+        window: int | None,
+        compute_dtype: torch.dtype,
+        batch_sizes: tuple[int, ...] = BATCH_SIZES,
+    ):
+        if not batch_sizes or any(b < 1 for b in batch_sizes):
+            raise ValueError(f"compile_batch_sizes={batch_sizes!r}: expected positive row counts")
+        self.cache, self.window, self.compute_dtype = cache, window, compute_dtype
+        self.batch_sizes = tuple(sorted(set(batch_sizes)))
+        self.pool_tensors = pool_tensors(KVPool.of(cache))
+        self.module = StaticDecodeModule(model, KVPool.of(cache), window).eval()
+        self.graphs: dict[int, object] = {}
+        self.compile_seconds: dict[int, float] = {}  # batch size -> seconds it took to compile (not load)
+        self.load_seconds: dict[int, float] = {}  # batch size -> seconds to load its package
 
     def supports(self, chunks: list[ChunkInput]) -> bool:
-        """A decode step of exactly one sequence."""
-        return len(chunks) == 1 and chunks[0].is_decode
+        """A pure decode step of at most the largest compiled batch size."""
+        return len(chunks) <= self.batch_sizes[-1] and all(c.is_decode for c in chunks)
 
-    def compile(self, progress: bool = True) -> float:
-        """Trace and compile now, on a dummy row pointed at the null block, so no request waits
-        for the compiler; say so on stderr while it runs. Returns the seconds it took."""
+    def prepare(self, progress: bool = True) -> None:
+        """Load each batch size's package, compiling the ones not yet on disk, so no request
+        waits for the compiler. Weights are fingerprinted once for all of them."""
+        weights = weights_digest(self.module.model)
+        for batch in self.batch_sizes:
+            path = packages_dir() / f"decode-b{batch}-{self.digest(weights, batch)}.pt2"
+            if not path.is_file():
+                self.compile_seconds[batch] = self._compile(batch, path, progress)
+            start = time.perf_counter()
+            self.graphs[batch] = torch._inductor.aoti_load_package(str(path))
+            self.load_seconds[batch] = time.perf_counter() - start
+            os.utime(path)  # newest first when old packages are pruned
+        prune_packages(KEEP_PACKAGES)
+
+    def digest(self, weights: str, batch: int) -> str:
+        """What the compiled code depends on, hashed: a change to any of it compiles anew."""
+        from minillm.machine import machine_description
+
+        machine = machine_description(torch.device("cpu"))
+        key = {
+            "weights": weights,
+            "pool": [(tuple(t.shape), str(t.dtype)) for t in self.pool_tensors],
+            "block_size": self.cache.block_size,
+            "null_block": self.cache.null_block,
+            "kv_cache_dtype": self.cache.kv_cache_dtype,
+            "window": self.window,
+            "compute_dtype": str(self.compute_dtype),
+            "batch": batch,
+            "cpu": [machine["cpu"], machine["cpu_flags"]],
+            "threads": torch.get_num_threads(),  # the generated loops are parallelised for this many
+            "torch": torch.__version__,
+            "source": source_digest(),
+            "options": repr(sorted(INDUCTOR_OPTIONS.items())),
+        }
+        return hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=10).hexdigest()
+
+    def _compile(self, batch: int, path: Path, progress: bool) -> float:
         if progress:
-            folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "inductor's default folder")
-            print(f"minillm: compiling the decode step (about 1-2 minutes on a small CPU; C++ cached in {folder}) ...",
+            print(f"minillm: compiling the decode step for {batch} row{'s' if batch > 1 else ''} (first start with "
+                  f"this model and pool on this machine; ~2 minutes on a small CPU; kept in {path.parent}) ...",
                   end="", file=sys.stderr, flush=True)  # fmt: skip
         start = time.perf_counter()
-        null = self.cache.null_block
-        self.run([ChunkInput("__compile__", [0], 0, 1, [null])], write=False)
-        self.compile_seconds = time.perf_counter() - start
+        inputs = self.inputs([ChunkInput("__compile__", [0], 0, 1, [self.cache.null_block])] * batch, write=False)
+        width = torch.export.Dim("blocks", min=MIN_WINDOW, max=max(MIN_WINDOW + 1, self.cache.num_blocks))
+        shapes = (None, None, None, {1: width}, None, [None] * len(self.pool_tensors))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
+        with torch.no_grad():
+            program = torch.export.export(self.module, inputs, dynamic_shapes=shapes, strict=False)
+            torch._inductor.aoti_compile_and_package(
+                program, package_path=str(partial), inductor_configs=dict(INDUCTOR_OPTIONS)
+            )
+        partial.replace(path)  # atomic: another process never loads half a package
+        seconds = time.perf_counter() - start
         if progress:
-            print(f" done in {self.compile_seconds:.0f} s", file=sys.stderr, flush=True)
-        return self.compile_seconds
+            print(f" done in {seconds:.0f} s", file=sys.stderr, flush=True)
+        return seconds
+
+    def inputs(self, chunks: list[ChunkInput], write: bool = True) -> tuple:
+        """The static layout of a decode step, padded to the next compiled batch size with rows
+        that attend to (and, like ``write=False`` rows, write to) the null block only."""
+        bs, null = self.cache.block_size, self.cache.null_block
+        batch = next(b for b in self.batch_sizes if b >= len(chunks))
+        width = max(MIN_WINDOW, *(addressing.blocks_for(c.start + 1, bs) for c in chunks))
+        tables = addressing.padded_block_tables([c.block_table for c in chunks], width, null)
+        pad = batch - len(chunks)
+        tables += [[null] * width] * pad
+        slots = [addressing.slot_mapping(c.block_table, c.start, 1, bs)[0] if write else null * bs for c in chunks]
+        return (
+            torch.tensor([[c.token_ids[0] for c in chunks] + [0] * pad]),
+            torch.tensor([[c.start for c in chunks] + [0] * pad]),
+            torch.tensor(slots + [null * bs] * pad),
+            torch.tensor(tables),
+            torch.tensor([c.start + 1 for c in chunks] + [1] * pad),
+            self.pool_tensors,
+        )
 
     def run(self, chunks: list[ChunkInput], write: bool = True) -> torch.Tensor:
-        """Logits ``[1, V]`` for one sequence's decode step. ``write=False`` (the warm-up row)
-        sends the new K/V to the null block."""
-        (c,) = chunks
-        bs, null = self.cache.block_size, self.cache.null_block
-        width = max(MIN_WINDOW, addressing.blocks_for(c.start + 1, bs))
-        (table,) = addressing.padded_block_tables([c.block_table], width, null)
-        slot = addressing.slot_mapping(c.block_table, c.start, 1, bs)[0] if write else null * bs
-        inputs = (
-            torch.tensor([[c.token_ids[0]]]),
-            torch.tensor([[c.start]]),
-            torch.tensor([slot]),
-            torch.tensor([table]),
-            torch.tensor([c.start + 1]),
-        )
-        # "maybe": dynamic, but the compiler may bound it (a longer window then traces once more).
-        torch._dynamo.maybe_mark_dynamic(inputs[3], 1)
-        # Freezing is read before torch.compile's own options apply, so it is switched on here;
-        # no_grad, not inference_mode: compiled graphs refuse inference tensors.
-        with torch.no_grad(), torch._inductor.config.patch(freezing=True):
-            return self.compiled(*inputs)
+        """Logits ``[rows, V]`` for a pure decode step."""
+        inputs = self.inputs(chunks, write)
+        with torch.no_grad():
+            return self.graphs[inputs[0].shape[1]](*inputs)[: len(chunks)]
+
+
+def pool_tensors(pool: KVPool) -> list[torch.Tensor]:
+    """The pool's tensors in a fixed order — the compiled graph's last input."""
+    scales = (pool.k_scales or []) + (pool.v_scales or [])
+    return [*pool.k_slots, *pool.v_slots, *scales]
 
 
 class StaticDecodeModule(torch.nn.Module):
-    """The model's forward pass over a static decode layout built from five tensors. A module
-    (not a function), so that compiling with freezing sees the model's weights as parameters
-    and folds them in as constants."""
+    """The model's forward pass over a static decode layout built from five tensors and the
+    pool's. A module (not a function), so that exporting it sees the model's weights as
+    parameters, which freezing folds in as constants."""
 
     def __init__(self, model: LlamaForCausalLM, pool: KVPool, window: int | None):
         super().__init__()
         self.model, self.pool, self.window = model, pool, window
 
-    def forward(self, input_ids, positions, slot_mapping, block_tables, context_lens) -> torch.Tensor:
+    def forward(self, input_ids, positions, slot_mapping, block_tables, context_lens, pool_tensors) -> torch.Tensor:
+        layers = len(self.pool.k_slots)
+        scaled = self.pool.k_scales is not None
+        pool = KVPool(
+            list(pool_tensors[:layers]),
+            list(pool_tensors[layers : 2 * layers]),
+            self.pool.block_size,
+            self.pool.null_block,
+            list(pool_tensors[2 * layers : 3 * layers]) if scaled else None,
+            list(pool_tensors[3 * layers :]) if scaled else None,
+            self.pool.dtype,
+            self.pool.kv_cache_dtype,
+        )
         layout = StepLayout(
             input_ids=input_ids,
             positions=positions,
@@ -139,9 +223,51 @@ class StaticDecodeModule(torch.nn.Module):
             block_tables=block_tables,
             num_decodes=0,
             logit_index=None,
-            pool=self.pool,
+            pool=pool,
             window=self.window,
             context_lens_tensor=context_lens,
             static_decode=True,
         )
         return self.model._forward(layout)[0]  # [1, B, V] -> [B, V]
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """A hash of every parameter and buffer the compiled graph folds in (~0.5 s for 270 MB)."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_mkldnn:
+            continue  # a packed copy of a plain matrix that is hashed under its own name
+        t = tensor.detach().contiguous()
+        h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().data if t.numel() else b"")
+    return h.hexdigest()
+
+
+_SOURCE_DIGEST: str | None = None
+
+
+def source_digest() -> str:
+    """A hash of minillm's own source: code that changes what the model computes compiles anew."""
+    global _SOURCE_DIGEST
+    if _SOURCE_DIGEST is None:
+        h = hashlib.blake2b(digest_size=16)
+        root = Path(__file__).resolve().parent.parent
+        for path in sorted(root.rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
+        _SOURCE_DIGEST = h.hexdigest()
+    return _SOURCE_DIGEST
+
+
+def prune_packages(keep: int) -> None:
+    """Delete all but the ``keep`` most recently used packages (each holds a model's weights)."""
+    folder = packages_dir()
+    if not folder.is_dir():
+        return
+    packages = sorted(
+        (p for p in folder.glob("decode-*.pt2") if ".partial" not in p.name),
+        key=lambda p: p.stat().st_mtime,
+        reverse=True,
+    )
+    for old in packages[keep:]:
+        old.unlink(missing_ok=True)
