@@ -34,6 +34,9 @@ ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 course: setup
 	$(BIN)/jupyter lab --notebook-dir=notebooks $(ALLOW_ROOT)
 
+# The tests run the eager engine unless a test asks for compile=True: compiling every model and pool
+# a test builds would take hours (MINILLM_COMPILE=0 turns compile=None's default off).
+test: export MINILLM_COMPILE = 0
 test: setup
 	$(BIN)/ruff check minillm tests benchmarks
 	$(BIN)/python -m pytest tests

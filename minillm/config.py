@@ -355,10 +355,11 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     cpu_prepack: bool = True  # oneDNN-prepacked linears on CPU where supported (measured faster)
-    # torch.compile the decode step: the paged engine's single-sequence steps on CPU
-    # (engine/compiled_decode.py; 2.6x eager at batch 1 for bf16 on a 2-core CPU, ~1-1.5 min to compile at
-    # every start), or the contiguous engine's steps.
-    compile: bool = False
+    # Compile the decode step: the paged engine's on CPU (engine/compiled_decode.py: graphs compiled once
+    # per machine and kept on disk), or the contiguous engine's steps (torch.compile at every start).
+    # None: on for the paged engine on CPU when nothing else rules it out and the model is big enough
+    # to repay the first compile (engine/builder.py::compile_by_default); MINILLM_COMPILE=0 turns that off.
+    compile: bool | None = None
     # The paged engine's compiled decode graphs: one per row count; a batch is padded up to the next.
     compile_batch_sizes: tuple[int, ...] = (1, 8)
     # Weight quantization (chapter 07): None | "int8" | "int4" | "awq" | "w8a8"; int4 groups of this many
@@ -428,7 +429,7 @@ class EngineConfig:
             raise ValueError(f"seed={self.seed} must fit in 64 bits: 0 <= seed < 2**64")
         for name in ("cpu_prepack", "compile", "enable_prefix_caching", "enable_chunked_prefill", "cuda_graphs"):
             value = getattr(self, name)
-            if not isinstance(value, bool) and not (value is None and name == "cuda_graphs"):
+            if not isinstance(value, bool) and not (value is None and name in ("cuda_graphs", "compile")):
                 raise TypeError(f"{name}={value!r} must be True or False")
         for name in ("device", "dtype", "mode", "attention_backend", "scheduling_policy"):
             value = getattr(self, name)

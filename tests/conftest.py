@@ -4,12 +4,17 @@ real SmolLM2 asset (converted once per machine)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 import minillm  # noqa: F401  (first: without CUDA it switches Triton to its interpreter before anything imports triton)
+
+# Engines stay eager unless a test asks for compile=True (as `make test` sets it too): compiling
+# every model and pool the suite builds would take hours.
+os.environ.setdefault("MINILLM_COMPILE", "0")
 
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"

@@ -32,6 +32,16 @@ POOL_BLOCKS = 14
 COMPILED = dict(compile=True, compile_batch_sizes=(1, 4))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def packages_folder(tmp_path_factory):
+    """This module's compiled packages in a folder of their own: compiling the tiny models must
+    not push a developer's SmolLM2 packages out of ``<cache>/compiled``."""
+    folder = tmp_path_factory.mktemp("compiled")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compiled_decode, "packages_dir", lambda: folder)
+        yield folder
+
+
 @pytest.fixture(scope="module")
 def engines(tiny_model):
     per_token = kv_bytes_per_token(ModelConfig.from_folder(tiny_model), torch.float32)
@@ -66,12 +76,14 @@ def test_compile_builds_the_compiled_step(engines):
 
 
 def test_a_second_start_loads_the_graphs_without_compiling(engines, tiny_model, capsys):
-    """The packages the first engine compiled are on disk: an engine of the same model and pool
-    loads them (no compile message, well under the target 10 s) and decodes the same tokens."""
+    """The packages the first engine compiled are on disk: an engine of the same model — with a
+    pool of another size — loads them (no compile message, well under the target 10 s) and
+    decodes the same tokens."""
     first, eager = engines
     capsys.readouterr()
-    memory = first.engine_config.kv_cache_memory
+    memory = first.engine_config.kv_cache_memory * 3 // 2
     again = LLM(tiny_model, kv_cache_memory=memory, **COMPILED, **ENGINE)
+    assert again.engine.kv_cache.num_blocks != first.engine.kv_cache.num_blocks
     assert "compiling the decode step" not in capsys.readouterr().err
     graphs = again.engine.graphs
     assert graphs.compile_seconds == {} and set(graphs.load_seconds) == {1, 4}
@@ -80,10 +92,38 @@ def test_a_second_start_loads_the_graphs_without_compiling(engines, tiny_model, 
     assert again.generate(PROMPTS[0], params)[0].token_ids == eager.generate(PROMPTS[0], params)[0].token_ids
 
 
-def test_packages_are_pruned_to_the_newest(tmp_path, monkeypatch):
-    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path))
-    folder = compiled_decode.packages_dir()
-    folder.mkdir(parents=True)
+def test_compile_is_on_by_default_for_a_big_enough_model_on_cpu(engines, tiny_model, monkeypatch):
+    """compile=None (the default): the paged CPU engine compiles its decode step unless the model
+    is too small to repay the compile, another feature owns the weights or the step, or
+    MINILLM_COMPILE=0 (the test suite's setting)."""
+    from minillm.engine import builder
+    from minillm.models.loader import load_model
+
+    assert EngineConfig().compile is None
+    model = load_model(tiny_model, torch.float32)
+    monkeypatch.setenv("MINILLM_COMPILE", "1")
+    assert not builder.compile_by_default(EngineConfig(), model, "sdpa")  # a 1M-parameter model: too small
+    monkeypatch.setattr(builder, "COMPILE_BY_DEFAULT_MIN_BYTES", 0)
+    assert builder.compile_by_default(EngineConfig(), model, "sdpa")
+    for ruled_out, backend in [
+        (dict(mode="contiguous"), "sdpa"),
+        (dict(quantization="int8"), "sdpa"),
+        (dict(sparsity="2:4"), "sdpa"),
+        (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "sdpa"),
+        ({}, "triton"),
+    ]:
+        assert not builder.compile_by_default(EngineConfig(**ruled_out), model, backend), ruled_out
+    first, eager = engines  # the same model and pool: its graphs load from disk
+    default = LLM(tiny_model, kv_cache_memory=first.engine_config.kv_cache_memory, compile_batch_sizes=(1, 4), **ENGINE)
+    assert isinstance(default.engine.graphs, CompiledDecode)
+    monkeypatch.setenv("MINILLM_COMPILE", "0")
+    assert not builder.compile_by_default(EngineConfig(), model, "sdpa")
+
+
+def test_packages_are_pruned_to_the_newest(packages_folder, tmp_path, monkeypatch):
+    folder = tmp_path / "compiled"
+    folder.mkdir()
+    monkeypatch.setattr(compiled_decode, "packages_dir", lambda: folder)
     for age in range(6):
         path = folder / f"decode-b1-{age}.pt2"
         path.write_bytes(b"x")
@@ -209,6 +249,10 @@ def test_compile_refusals(tiny_model):
         (dict(compile=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
         (dict(compile=True, quantization="int8"), "cannot be combined with compile=True"),
         (dict(compile="yes"), "compile='yes' must be True or False"),
+        (dict(compile_batch_sizes=()), "compile_batch_sizes=() must be a non-empty tuple"),
+        (dict(compile_batch_sizes=(1, 0)), "compile_batch_sizes=(1, 0) must be"),
+        (dict(compile_batch_sizes=(1, "8")), "compile_batch_sizes=(1, '8') must be"),
+        (dict(compile_batch_sizes=8), "compile_batch_sizes=8 must be"),
     ]
     for kwargs, message in cases:
         with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(").replace(")", r"\)")):

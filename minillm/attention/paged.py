@@ -94,6 +94,24 @@ def write_kv(
     return stored[0], stored[1]
 
 
+def gather_kv_by_slot(pool: KVPool, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gather_kv`` that indexes the pool's slots directly instead of viewing it as blocks: the
+    compiled decode step's pool size is then a free dimension (viewing ``[slots]`` as
+    ``[slots / block_size, block_size]`` makes the tracer prove divisibility for every layer —
+    minutes of symbolic reasoning — and ties the graph to one pool size)."""
+    b, n = block_tables.shape
+    offsets = torch.arange(pool.block_size, device=block_tables.device)
+    rows = (block_tables[:, :, None] * pool.block_size + offsets).flatten()
+    out = []
+    scales = (None, None) if pool.k_scales is None else (pool.k_scales[layer], pool.v_scales[layer])
+    for slots, scale in zip((pool.k_slots[layer], pool.v_slots[layer]), scales):
+        gathered = slots.index_select(0, rows).view(b, n * pool.block_size, *slots.shape[1:])
+        if scale is not None:
+            gathered = dequantize_kv(gathered, scale.index_select(0, rows).view(b, n * pool.block_size, -1), pool.dtype)
+        out.append(gathered.transpose(1, 2))
+    return out[0], out[1]
+
+
 def gather_kv(pool: KVPool, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of ``block_tables[B, blocks]`` as ``[B, kv_heads, blocks*block_size, D]`` (a copy).
 
@@ -210,7 +228,7 @@ class StaticDecodeStep:
         """``q[1, B, H, D]``, ``k, v[1, B, KV, D]`` (one new token per row) → ``[1, B, H, D]``."""
         q, k, v = q[0], k[0], v[0]
         write_kv(self.pool, layer, self.layout.slot_mapping, k, v)
-        ks, vs = gather_kv(self.pool, layer, self.layout.block_tables)
+        ks, vs = gather_kv_by_slot(self.pool, layer, self.layout.block_tables)
         dtype = self.compute_dtype
         o = attention(q.unsqueeze(2).to(dtype), ks.to(dtype), vs.to(dtype), self.mask, scale)
         return o.to(q.dtype).squeeze(2)[None]

@@ -85,6 +85,8 @@ def build_engine_parts(
     """Configure ``model`` (backend, window, fast paths) and build what runs it."""
     device, dtype = model.device, model.dtype
     backend = resolve_backend(config, device)
+    if config.compile is None:
+        config = replace(config, compile=compile_by_default(config, model, backend))
     model.set_attention_backend(backend, decode_attention_dtype(config, model_config, device, dtype))
     model.sliding_window = window
     apply_weight_methods(config, model, device, dtype, tokenizer)
@@ -277,6 +279,27 @@ def decode_attention_dtype(config: EngineConfig, model_config: ModelConfig, devi
     heads, kv_heads = model_config.num_heads, model_config.num_kv_heads
     choice = measured_choice(dtype, device, heads, kv_heads, model_config.head_dim)
     return None if choice == dtype else choice
+
+
+# The smallest model (weight bytes) compiled by default: below this an eager decode step takes a few
+# milliseconds, and the first start's compile (~30 s per graph even for a tiny model) would take
+# thousands of tokens to repay.
+COMPILE_BY_DEFAULT_MIN_BYTES = 64 * 2**20
+
+
+def compile_by_default(config: EngineConfig, model, backend: str) -> bool:
+    """``compile=None``: compile the paged engine's decode steps on CPU (their graphs are kept on
+    disk, so only the first start on a machine pays) unless something else owns the weights or the
+    decode step, the model is too small to repay the compile, or ``MINILLM_COMPILE=0``."""
+    if os.environ.get("MINILLM_COMPILE", "1") == "0":
+        return False
+    others = (config.quantization, config.sparsity, config.speculative, config.weight_offload)
+    if config.mode != "paged" or model.device.type != "cpu" or backend == "triton" or config.cuda_graphs:
+        return False
+    if any(other is not None for other in others) or config.world_size > 1:
+        return False
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return weight_bytes >= COMPILE_BY_DEFAULT_MIN_BYTES
 
 
 def release_plain_weights(model) -> None:

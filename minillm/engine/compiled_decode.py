@@ -15,22 +15,23 @@ dynamic dimension — one graph serves every context length — while the row co
 fixed, because inductor's generated GEMMs need a static row count: there is one graph per
 batch size in ``batch_sizes`` (default 1 and 8), and a batch of 2-8 rows is padded to 8 with
 rows that read and write only the null block (a GEMV streams the same weights for 1 row or 8,
-so the padding costs little). Larger batches and prompt steps stay eager: their large matrix
-products are already efficient.
+so the padding costs little). Larger batches and prompt steps stay eager: each graph costs a
+compile, and prompt steps are dominated by large matrix products.
 
 The graphs are compiled with AOTInductor (``torch.export`` + ``aoti_compile_and_package``)
 into a package file under ``<cache>/compiled/``, named by a digest of everything the compiled
-code depends on — the weights, the pool's shape and dtype, the block size, the sliding window,
+code depends on — the weights, the pool's dtype and head layout, the block size, the sliding window,
 the attention's compute dtype, the CPU, the thread count, torch's version and minillm's own
 source. The first start on a machine compiles (about 1.5-2 minutes per batch size for
 SmolLM2-135M on 2 cores, with a message on stderr); every later start loads the package in
 well under a second. (``torch.compile``'s own on-disk cache cannot keep a frozen graph whose
 constants are oneDNN-packed weights, so it would recompile at every start.)
 
-The KV pool is an input of the compiled graph, written in place, so one package serves any
-engine whose pool has the same shape. Each package holds its own copy of the frozen weights
-(~270 MB for SmolLM2-135M in bf16, on disk and in memory); only the newest
-``KEEP_PACKAGES`` packages are kept on disk.
+The KV pool is an input of the compiled graph, written in place, and its number of slots is a
+free dimension, so one package serves every engine of that model and block size, whatever its
+pool size (``max_num_seqs``, ``max_model_len``, ``kv_cache_memory``). Each package holds its
+own copy of the frozen weights (~270 MB for SmolLM2-135M in bf16, on disk and in memory); only
+the ``KEEP_PACKAGES`` most recently used packages are kept on disk.
 """
 
 from __future__ import annotations
@@ -52,8 +53,10 @@ from minillm.models.llama import LlamaForCausalLM
 
 # The narrowest block window compiled: the tracer specialises dynamic sizes 0 and 1.
 MIN_WINDOW = 2
+MAX_WINDOW = 2**20  # blocks per row: far beyond any context a CPU decodes
+MAX_POOL_BLOCKS = 2**31 // 1024  # slots stay int32-indexable for block sizes up to 1024
 BATCH_SIZES = (1, 8)
-KEEP_PACKAGES = 4  # newest package files kept in <cache>/compiled (each holds the model's weights)
+KEEP_PACKAGES = 6  # newest package files kept in <cache>/compiled (each holds the model's weights)
 
 INDUCTOR_OPTIONS = {
     # Fold the weights in as constants, packed for the generated GEMMs.
@@ -123,9 +126,8 @@ class CompiledDecode:
         machine = machine_description(torch.device("cpu"))
         key = {
             "weights": weights,
-            "pool": [(tuple(t.shape), str(t.dtype)) for t in self.pool_tensors],
+            "pool": [(tuple(t.shape[1:]), str(t.dtype)) for t in self.pool_tensors],  # any number of slots
             "block_size": self.cache.block_size,
-            "null_block": self.cache.null_block,
             "kv_cache_dtype": self.cache.kv_cache_dtype,
             "window": self.window,
             "compute_dtype": str(self.compute_dtype),
@@ -141,12 +143,15 @@ class CompiledDecode:
     def _compile(self, batch: int, path: Path, progress: bool) -> float:
         if progress:
             print(f"minillm: compiling the decode step for {batch} row{'s' if batch > 1 else ''} (first start with "
-                  f"this model and pool on this machine; ~2 minutes on a small CPU; kept in {path.parent}) ...",
+                  f"this model on this machine; ~2 minutes on a small CPU; kept in {path.parent}) ...",
                   end="", file=sys.stderr, flush=True)  # fmt: skip
         start = time.perf_counter()
         inputs = self.inputs([ChunkInput("__compile__", [0], 0, 1, [self.cache.null_block])] * batch, write=False)
-        width = torch.export.Dim("blocks", min=MIN_WINDOW, max=max(MIN_WINDOW + 1, self.cache.num_blocks))
-        shapes = (None, None, None, {1: width}, None, [None] * len(self.pool_tensors))
+        # Free dimensions: the window's width, and the pool's size (one package serves every pool
+        # size: a few multiples of the block size in a test, gigabytes on a server).
+        width = torch.export.Dim("blocks", min=MIN_WINDOW, max=MAX_WINDOW)
+        slots = {0: self.cache.block_size * torch.export.Dim("pool_blocks", min=2, max=MAX_POOL_BLOCKS)}
+        shapes = (None, None, None, {1: width}, None, [slots] * len(self.pool_tensors))
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
         with torch.no_grad():
