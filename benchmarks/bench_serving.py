@@ -126,6 +126,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--slo-ttft", type=float, default=2.0)
     parser.add_argument("--slo-tpot", type=float, default=0.25)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the compiled CPU decode step: the engine's default (auto), forced on, or off (eager)",
+    )
+    parser.add_argument(
+        "--compile-batch-sizes", type=int, nargs="+", default=None, help="compiled decode graphs' row counts"
+    )
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     if args.threads:
@@ -133,6 +142,9 @@ def main(argv=None) -> dict:
     engine_args = dict(
         dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory
     )
+    engine_args["compile"] = {"auto": None, "on": True, "off": False}[args.compile]
+    if args.compile_batch_sizes:
+        engine_args["compile_batch_sizes"] = tuple(args.compile_batch_sizes)
     slo = SLO(ttft=args.slo_ttft, tpot=args.slo_tpot)
 
     vocab = ModelConfig.from_folder(resolve_model(args.model)).vocab_size
@@ -151,6 +163,7 @@ def main(argv=None) -> dict:
         )
     device, dtype = engine.device, engine.dtype
     machine = machine_description(device)
+    compiled = getattr(engine.graphs, "batch_sizes", None)  # the compiled CPU decode step's graphs, if any
     if not args.skip_hf:
         hf_requests = workload
         outputs = run_hf(engine.model_dir, hf_requests, dtype, device, args.hf_batch_size, args.hf_batches)
@@ -177,6 +190,7 @@ def main(argv=None) -> dict:
         "dtype": str(dtype).replace("torch.", ""),
         "args": vars(args),
         "machine": machine,
+        "compiled_decode_batch_sizes": list(compiled) if compiled else None,
         "mixed_workload": rows,
         "shared_prefix_workload": extra,
     }

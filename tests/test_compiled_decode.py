@@ -377,3 +377,25 @@ def test_llama_cpp_anchor_refuses_bad_input(tmp_path):
         run_generate_benchmark(dtypes=("fp32",), llama_bench=str(binary), gguf=str(bf16))
     with pytest.raises(ValueError, match="prefill_len=0"):
         run_generate_benchmark(prefill_len=0)
+
+
+def test_generate_benchmark_reports_mbu_and_engine_starts():
+    """The benchmark end to end on the tiny model (eager only: fast) — decode, prefill, MBU
+    against the measured bandwidth — and the start-up table a compiled run adds."""
+    from minillm.bench import format_table, measure_read_bandwidth, run_generate_benchmark
+
+    assert measure_read_bandwidth(megabytes=64, repeats=2) > 0.1
+    result = run_generate_benchmark(
+        "tiny-shakespeare-1m", dtypes=("fp32",), batch_sizes=(1, 2), prompt_len=8, new_tokens=4, repeats=1,
+        include_hf=False, compile=False, prefill_len=16,
+    )  # fmt: skip
+    (one, two), (prefill,) = result["rows"], result["prefill"]
+    expected = one["minillm"]["decode_tok_s"] * one["decode_bytes_per_step"] / (result["read_bandwidth_gb_s"] * 1e9)
+    assert one["minillm"]["mbu"] == pytest.approx(expected) and "mbu" not in two["minillm"]
+    assert prefill["minillm"]["prefill_tok_s"] > 0 and result["engine_start"][0]["minillm_s"] > 0
+    result["engine_start"] = [
+        {"dtype": "bf16", "minillm_s": 3.5, "compiled_first_s": 170.0, "compile_s": {1: 87.0, 8: 80.0},
+         "compiled_warm_s": 7.4, "load_s": {1: 1.8, 8: 1.8}}
+    ]  # fmt: skip
+    table = format_table(result)
+    assert "| bf16 | 3.5 s | 170.0 s (batch 1: 87 s, batch 8: 80 s) | 7.4 s (graphs loaded in 3.6 s) |" in table

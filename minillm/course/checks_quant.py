@@ -437,7 +437,8 @@ def check_quantize_kv(quantize_kv_on_write, model: str = QUANT_MODEL) -> str:
         return quantize_kv_on_write(x)
 
     memory = 2_000_000
-    args = dict(dtype="fp32", attention_backend="torch", kv_cache_memory=memory, block_size=16)
+    # compile=False: every decode step must run your write path, not one compiled into a graph.
+    args = dict(dtype="fp32", attention_backend="torch", kv_cache_memory=memory, block_size=16, compile=False)
     learner = LLM(model, kv_cache_dtype="int8", **args)
     with _patched(paged, "quantize_kv", learner_write):
         got = _tokens(learner)
