@@ -119,12 +119,14 @@ def run_generate_benchmark(
     prefill_len: int = 512,
     llama_bench: str | None = None,
     gguf: str | None = None,
+    quantization: str | None = None,
 ) -> dict:
     """Every engine on the same prompts, interleaved: minillm's paged engine eager
     (``compile=False``) and compiled (``compile=True``, the CPU default for such a model), HF ``generate`` and — for the dtype of the ``gguf``
     file, when a ``llama_bench`` binary is given — llama.cpp. Per batch size: decode tok/s and
     TTFT; per dtype: prefill tok/s on one ``prefill_len``-token prompt; MBU of batch-1 decode
-    against the measured read bandwidth."""
+    against the measured read bandwidth. ``quantization``: minillm's engines quantize their
+    linear layers (HF and llama.cpp run the unquantized model: the baselines stay the same)."""
     from minillm.bench_llamacpp import LlamaCpp
     from minillm.engine import LLM
     from minillm.sampling import SamplingParams
@@ -146,7 +148,8 @@ def run_generate_benchmark(
         dtype = parse_dtype(dtype_name)
         # The default paged engine; no prefix caching: the repeats reuse the same prompts.
         clock = time.perf_counter()
-        engines = {"minillm": LLM(model, dtype=dtype_name, device=device, enable_prefix_caching=False, compile=False)}
+        common = dict(dtype=dtype_name, device=device, enable_prefix_caching=False, quantization=quantization)
+        engines = {"minillm": LLM(model, compile=False, **common)}
         start = {"dtype": dtype_name, "minillm_s": time.perf_counter() - clock}
         first = engines["minillm"]
         machine = machine or machine_description(first.device)
@@ -156,9 +159,7 @@ def run_generate_benchmark(
             for when in ("first", "warm"):
                 engines.pop("minillm compiled", None)
                 clock = time.perf_counter()
-                engines["minillm compiled"] = LLM(
-                    model, dtype=dtype_name, device=device, enable_prefix_caching=False, compile=True
-                )
+                engines["minillm compiled"] = LLM(model, compile=True, **common)
                 start[f"compiled_{when}_s"] = time.perf_counter() - clock
                 graphs = engines["minillm compiled"].engine.graphs
                 start["compile_s" if when == "first" else "load_s"] = (
@@ -203,7 +204,7 @@ def run_generate_benchmark(
             if batch == "prefill":
                 prefill_rows.append(row)
             else:
-                if batch == 1:  # MBU once the bandwidth is final
+                if batch == 1 and quantization is None:  # MBU once the bandwidth is final (bf16/fp32 bytes)
                     context = prompt_len + new_tokens // 2
                     row["decode_bytes_per_step"] = decode_bytes_per_step(first.engine.model_config, dtype, context)
                 rows.append(row)
@@ -220,6 +221,7 @@ def run_generate_benchmark(
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
         "prefill_len": prefill_len,
+        "quantization": quantization,
         "repeats": repeats,
         "machine": machine,
         "read_bandwidth_gb_s": bandwidth,
@@ -235,7 +237,8 @@ def run_generate_benchmark(
         path.mkdir(parents=True, exist_ok=True)
         tag = (machine or {}).get("gpu") or (machine or {}).get("cpu") or "cpu"  # runs on two CPUs must not collide
         tag = "".join(ch if ch.isalnum() else "_" for ch in tag).strip("_")
-        name = f"generate-{result['date'][:10]}-{tag}-{machine['torch_threads']}t.json"
+        quantized = f"-{quantization}" if quantization else ""
+        name = f"generate{quantized}-{result['date'][:10]}-{tag}-{machine['torch_threads']}t.json"
         (path / name).write_text(json.dumps(result, indent=2))
         (path / name.replace(".json", ".md")).write_text(format_table(result) + "\n")
         print(f"\nwrote {path / name}")
@@ -271,6 +274,8 @@ def format_table(result: dict) -> str:
     """Markdown tables of the result, as pasted into the README (decode, then prefill)."""
     m = result.get("machine") or {}
     head = f"Machine: {m.get('cpu')} ({', '.join(m.get('cpu_flags', []))}), {m.get('torch_threads')} threads"
+    if result.get("quantization"):
+        head = f"minillm with {result['quantization']} weights (HF/llama.cpp unquantized). " + head
     if result.get("read_bandwidth_gb_s"):
         head += f"; measured read bandwidth {result['read_bandwidth_gb_s']:.1f} GB/s"
     present = [n for n in ENGINES if any(n in r for r in result["rows"] + result.get("prefill", []))]

@@ -49,6 +49,13 @@ def _add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) -
         default=None,
         help="KV pool size: bytes (2e9, 2GB, 1.5GiB) or a fraction of free memory (0.5, 50%%)",
     )
+    g.add_argument(
+        "--compile",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="compiled CPU decode steps (auto: on for a paged CPU engine of a model with >= 64 MiB of weights; "
+        "the first start on a machine compiles for minutes, later starts load the graphs from the cache)",
+    )
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--no-chunked-prefill", action="store_true", help="prefill whole prompts in one step")
     g.add_argument(
@@ -156,6 +163,7 @@ def _engine_kwargs(args) -> dict:
         quantization_group_size=args.quantization_group_size,
         sparsity=args.sparsity,
         kv_cache_dtype=args.kv_cache_dtype,
+        compile={"auto": None, "on": True, "off": False}[args.compile],
         speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
@@ -389,6 +397,7 @@ def cmd_bench(args) -> int:
         prefill_len=args.prefill_len,
         llama_bench=args.llama_bench,
         gguf=args.gguf,
+        quantization=args.quantization,
     )
     return 0
 
@@ -545,9 +554,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--no-hf", action="store_true", help="skip the HF baseline")
     p.add_argument(
-        "--no-compile", action="store_true", help="skip the compile=True engine (it compiles ~1.5 min per dtype)"
+        "--no-compile",
+        action="store_true",
+        help="skip the compiled engine (its first start on a machine compiles for ~3 min per dtype)",
     )
     p.add_argument("--prefill-len", type=int, default=512, help="prompt tokens of the prefill measurement")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8"],
+        help="minillm's engines with int8 weights (HF stays unquantized)",
+    )
     p.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary: add llama.cpp as the anchor")
     p.add_argument("--gguf", default=None, help="the same model as a GGUF file (bf16) for --llama-bench")
     p.add_argument("--out", default=None, help="folder for the JSON result (default: print only)")

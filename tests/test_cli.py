@@ -123,6 +123,18 @@ def test_console_script_is_declared():
     assert parser.prog == "minillm"
 
 
+def test_compile_flag_maps_to_the_engine_option():
+    from minillm.cli import _engine_kwargs
+
+    parser = build_parser()
+    for flag, value in (("auto", None), ("on", True), ("off", False)):
+        args = parser.parse_args(["generate", "--prompt", "x", "--compile", flag])
+        assert _engine_kwargs(args)["compile"] is value
+    assert _engine_kwargs(parser.parse_args(["generate", "--prompt", "x"]))["compile"] is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--prompt", "x", "--compile", "yes"])
+
+
 def _chat(tiny_model, stdin: bytes, *flags):
     return subprocess.run(
         [sys.executable, "-m", "minillm", "chat", "--model", str(tiny_model), "--max-tokens", "6", *flags],

@@ -9,6 +9,7 @@ serves every context length; a second start loads the graphs instead of compilin
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,17 +108,73 @@ def test_compile_is_on_by_default_for_a_big_enough_model_on_cpu(engines, tiny_mo
     assert builder.compile_by_default(EngineConfig(), model, "sdpa")
     for ruled_out, backend in [
         (dict(mode="contiguous"), "sdpa"),
-        (dict(quantization="int8"), "sdpa"),
+        (dict(quantization="int4"), "sdpa"),  # int8's linears compile, the other methods' do not
         (dict(sparsity="2:4"), "sdpa"),
         (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "sdpa"),
         ({}, "triton"),
     ]:
         assert not builder.compile_by_default(EngineConfig(**ruled_out), model, backend), ruled_out
+    assert builder.compile_by_default(EngineConfig(quantization="int8"), model, "sdpa")
     first, eager = engines  # the same model and pool: its graphs load from disk
     default = LLM(tiny_model, kv_cache_memory=first.engine_config.kv_cache_memory, compile_batch_sizes=(1, 4), **ENGINE)
     assert isinstance(default.engine.graphs, CompiledDecode)
     monkeypatch.setenv("MINILLM_COMPILE", "0")
     assert not builder.compile_by_default(EngineConfig(), model, "sdpa")
+
+
+def test_int8_weights_compile_too(tiny_model):
+    """int8 linears (``_weight_int8pack_mm``) inside the compiled graph: the eager int8 engine's
+    tokens, alone and in a padded batch."""
+    memory = (
+        POOL_BLOCKS * 4 * ENGINE["block_size"] * kv_bytes_per_token(ModelConfig.from_folder(tiny_model), torch.float32)
+    )
+    compiled = LLM(tiny_model, quantization="int8", kv_cache_memory=memory, **COMPILED, **ENGINE)
+    eager = LLM(tiny_model, quantization="int8", kv_cache_memory=memory, compile=False, **ENGINE)
+    calls = _counting(compiled)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 20, 7)]
+    got = compiled.generate(PROMPTS[:3], params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in eager.generate(PROMPTS[:3], params)]
+    assert 1 in calls and 3 in calls
+
+
+def test_the_package_digest_follows_every_tensor_folded_in(tiny_model):
+    """Whatever the graph bakes in changes the digest: weights, an int8 layer's quantized
+    matrix (a plain attribute, not a parameter), the rotary tables' length (``max_model_len``)."""
+    from minillm.models import load_model
+    from minillm.quantization.int8 import Int8Method
+
+    model = load_model(tiny_model, torch.float32)
+    digests = [compiled_decode.weights_digest(model)]
+    model.init_rope(64)
+    digests.append(compiled_decode.weights_digest(model))
+    layer = model.linear_layers()[0]
+    layer.set_method(Int8Method())
+    digests.append(compiled_decode.weights_digest(model))
+    layer.qweight[0, 0] += 1
+    digests.append(compiled_decode.weights_digest(model))
+    assert len(set(digests)) == 4
+    assert compiled_decode.weights_digest(model) == digests[-1]  # and it is deterministic
+
+
+def test_a_failed_default_compile_falls_back_to_eager(tiny_model, monkeypatch):
+    """No C++ compiler, say: compile=None warns and runs eagerly; compile=True refuses to start."""
+    from minillm.engine import builder
+
+    def broken(self, batch, path, progress):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setenv("MINILLM_COMPILE", "1")
+    monkeypatch.setattr(builder, "COMPILE_BY_DEFAULT_MIN_BYTES", 0)
+    monkeypatch.setattr(CompiledDecode, "_compile", broken)
+    monkeypatch.setattr(compiled_decode, "packages_dir", lambda: Path("/nonexistent/compiled"))
+    with pytest.warns(UserWarning, match="compiling the decode step failed .*no C\\+\\+ compiler.*running it eagerly"):
+        llm = LLM(tiny_model, **ENGINE)
+    assert llm.engine.graphs is None
+    assert all(getattr(layer, "plain_weight", None) is None for layer in llm.model.linear_layers())
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    assert len(llm.generate(PROMPTS[0], params)[0].token_ids) == 5
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        LLM(tiny_model, compile=True, **ENGINE)
 
 
 def test_packages_are_pruned_to_the_newest(packages_folder, tmp_path, monkeypatch):
@@ -247,7 +304,10 @@ def test_compile_refusals(tiny_model):
         (dict(mode="naive", compile=True), "compile=True needs mode='paged' or 'contiguous'"),
         (dict(compile=True, cuda_graphs=True), "compile=True and cuda_graphs=True"),
         (dict(compile=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
-        (dict(compile=True, quantization="int8"), "cannot be combined with compile=True"),
+        (
+            dict(compile=True, quantization="int4"),
+            "cannot be combined with compile=True (of the quantized linears, only int8",
+        ),
         (dict(compile="yes"), "compile='yes' must be True or False"),
         (dict(compile_batch_sizes=()), "compile_batch_sizes=() must be a non-empty tuple"),
         (dict(compile_batch_sizes=(1, 0)), "compile_batch_sizes=(1, 0) must be"),

@@ -13,6 +13,7 @@ once, so the engine's step loop never asks what mode it is in:
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -85,7 +86,8 @@ def build_engine_parts(
     """Configure ``model`` (backend, window, fast paths) and build what runs it."""
     device, dtype = model.device, model.dtype
     backend = resolve_backend(config, device)
-    if config.compile is None:
+    compile_by_choice = config.compile is not None  # else a default: a failed compile falls back to eager
+    if not compile_by_choice:
         config = replace(config, compile=compile_by_default(config, model, backend))
     model.set_attention_backend(backend, decode_attention_dtype(config, model_config, device, dtype))
     model.sliding_window = window
@@ -99,7 +101,7 @@ def build_engine_parts(
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
     kv_cache = PagedKVCache(model_config, num_blocks, config.block_size, dtype, device, config.kv_cache_dtype)
     scheduler = paged_scheduler(config, block_manager, window)
-    graphs = decode_fast_path(config, model, kv_cache, backend, max_model_len, window)
+    graphs = decode_fast_path(config, model, kv_cache, backend, max_model_len, window, compile_by_choice)
     runner = PagedRunner(model, kv_cache, window, graphs)
     speculator = build_speculator(config, model_config, tokenizer, device, dtype, max_model_len, num_blocks, backend)
     return EngineParts(scheduler, runner, backend, block_manager, kv_cache, graphs, speculator)
@@ -293,10 +295,11 @@ def compile_by_default(config: EngineConfig, model, backend: str) -> bool:
     decode step, the model is too small to repay the compile, or ``MINILLM_COMPILE=0``."""
     if os.environ.get("MINILLM_COMPILE", "1") == "0":
         return False
-    others = (config.quantization, config.sparsity, config.speculative, config.weight_offload)
+    quantized = config.quantization not in (None, "int8")  # int8's linears compile; the others' do not
+    others = (config.sparsity, config.speculative, config.weight_offload)
     if config.mode != "paged" or model.device.type != "cpu" or backend == "triton" or config.cuda_graphs:
         return False
-    if any(other is not None for other in others) or config.world_size > 1:
+    if quantized or any(other is not None for other in others) or config.world_size > 1:
         return False
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return weight_bytes >= COMPILE_BY_DEFAULT_MIN_BYTES
@@ -312,9 +315,11 @@ def release_plain_weights(model) -> None:
 
 
 def decode_fast_path(
-    config: EngineConfig, model, kv_cache, backend: str, max_model_len: int, window
+    config: EngineConfig, model, kv_cache, backend: str, max_model_len: int, window, compile_by_choice: bool = True
 ) -> DecodeGraphs | CompiledDecode | None:
-    """Pure decode steps through CUDA graphs (CUDA + Triton) or compiled (CPU), else eager."""
+    """Pure decode steps through CUDA graphs (CUDA + Triton) or compiled (CPU), else eager.
+    ``compile_by_choice=False``: compiling is only the default, so if it fails (say, no C++
+    compiler on this machine) the engine warns and runs eagerly instead of refusing to start."""
     if config.compile:  # the paged engine's: validated
         if kv_cache.k.device.type != "cpu" or backend == "triton":
             raise ValueError(
@@ -323,7 +328,17 @@ def decode_fast_path(
             )
         compute_dtype = model.attention_backend.decode_dtype or kv_cache.dtype  # as StaticDecodeStep computes
         compiled = CompiledDecode(model, kv_cache, window, compute_dtype, config.compile_batch_sizes)
-        compiled.prepare()
+        try:
+            compiled.prepare()
+        except Exception as error:
+            if compile_by_choice:
+                raise
+            warnings.warn(
+                f"minillm: compiling the decode step failed ({type(error).__name__}: {error}); running it eagerly "
+                "(compile=False skips the attempt)",
+                stacklevel=2,
+            )
+            compiled = None
         release_plain_weights(model)
         return compiled
     wanted = config.cuda_graphs

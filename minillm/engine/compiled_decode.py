@@ -22,9 +22,9 @@ The graphs are compiled with AOTInductor (``torch.export`` + ``aoti_compile_and_
 into a package file under ``<cache>/compiled/``, named by a digest of everything the compiled
 code depends on — the weights, the pool's dtype and head layout, the block size, the sliding window,
 the attention's compute dtype, the CPU, the thread count, torch's version and minillm's own
-source. The first start on a machine compiles (about 1.5-2 minutes per batch size for
-SmolLM2-135M on 2 cores, with a message on stderr); every later start loads the package in
-well under a second. (``torch.compile``'s own on-disk cache cannot keep a frozen graph whose
+source. The first start on a machine compiles (80-90 s per batch size for SmolLM2-135M in
+bf16 on 2 cores, with a message on stderr); later starts load the packages (both in ~4 s
+there, ``benchmarks/bench_generate.py``). (``torch.compile``'s own on-disk cache cannot keep a frozen graph whose
 constants are oneDNN-packed weights, so it would recompile at every start.)
 
 The KV pool is an input of the compiled graph, written in place, and its number of slots is a
@@ -41,6 +41,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -143,7 +144,7 @@ class CompiledDecode:
     def _compile(self, batch: int, path: Path, progress: bool) -> float:
         if progress:
             print(f"minillm: compiling the decode step for {batch} row{'s' if batch > 1 else ''} (first start with "
-                  f"this model on this machine; ~2 minutes on a small CPU; kept in {path.parent}) ...",
+                  f"this model on this machine; 1-2 minutes on a small CPU; kept in {path.parent}) ...",
                   end="", file=sys.stderr, flush=True)  # fmt: skip
         start = time.perf_counter()
         inputs = self.inputs([ChunkInput("__compile__", [0], 0, 1, [self.cache.null_block])] * batch, write=False)
@@ -154,12 +155,17 @@ class CompiledDecode:
         shapes = (None, None, None, {1: width}, None, [slots] * len(self.pool_tensors))
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
-        with torch.no_grad():
-            program = torch.export.export(self.module, inputs, dynamic_shapes=shapes, strict=False)
-            torch._inductor.aoti_compile_and_package(
-                program, package_path=str(partial), inductor_configs=dict(INDUCTOR_OPTIONS)
-            )
-        partial.replace(path)  # atomic: another process never loads half a package
+        try:
+            with torch.no_grad(), warnings.catch_warnings():
+                # torch's own code trips its own deprecation warning while autotuning: not for the user.
+                warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+                program = torch.export.export(self.module, inputs, dynamic_shapes=shapes, strict=False)
+                torch._inductor.aoti_compile_and_package(
+                    program, package_path=str(partial), inductor_configs=dict(INDUCTOR_OPTIONS)
+                )
+            partial.replace(path)  # atomic: another process never loads half a package
+        finally:
+            partial.unlink(missing_ok=True)
         seconds = time.perf_counter() - start
         if progress:
             print(f" done in {seconds:.0f} s", file=sys.stderr, flush=True)
@@ -237,14 +243,22 @@ class StaticDecodeModule(torch.nn.Module):
 
 
 def weights_digest(model: torch.nn.Module) -> str:
-    """A hash of every parameter and buffer the compiled graph folds in (~0.5 s for 270 MB)."""
+    """A hash of every tensor the compiled graph folds in (~0.5 s for 270 MB): parameters,
+    buffers, and tensors held as plain attributes (an int8 layer's ``qweight`` and ``scales``,
+    the rotary tables, whose length follows ``max_model_len``) — and the model's config."""
     h = hashlib.blake2b(digest_size=16)
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if tensor.is_mkldnn:
-            continue  # a packed copy of a plain matrix that is hashed under its own name
-        t = tensor.detach().contiguous()
-        h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
-        h.update(t.view(-1).view(torch.uint8).numpy().data if t.numel() else b"")
+    h.update(repr(getattr(model, "config", None)).encode())
+    holders = [*model.named_modules(), ("rope", getattr(model, "rope", None))]
+    for prefix, module in [(p, m) for p, m in holders if m is not None]:
+        held = vars(module)
+        if isinstance(module, torch.nn.Module):
+            held = {**held, **module._parameters, **module._buffers}
+        for name, tensor in sorted((k, v) for k, v in held.items() if isinstance(v, torch.Tensor)):
+            if tensor.is_mkldnn:
+                continue  # a packed copy of a plain matrix that is hashed under its own name
+            t = tensor.detach().contiguous()
+            h.update(f"{prefix}.{name}{tuple(t.shape)}{t.dtype}".encode())
+            h.update(t.view(-1).view(torch.uint8).numpy().data if t.numel() else b"")
     return h.hexdigest()
 
 
