@@ -237,8 +237,9 @@ def run_generate_benchmark(
         path.mkdir(parents=True, exist_ok=True)
         tag = (machine or {}).get("gpu") or (machine or {}).get("cpu") or "cpu"  # runs on two CPUs must not collide
         tag = "".join(ch if ch.isalnum() else "_" for ch in tag).strip("_")
-        quantized = f"-{quantization}" if quantization else ""
-        name = f"generate{quantized}-{result['date'][:10]}-{tag}-{machine['torch_threads']}t.json"
+        # Other models and int8 runs get their own files: one run must not overwrite another's.
+        what = "".join(f"-{part}" for part in (Path(model).name, quantization) if part and part != "smollm2-135m")
+        name = f"generate{what}-{result['date'][:10]}-{tag}-{machine['torch_threads']}t.json"
         (path / name).write_text(json.dumps(result, indent=2))
         (path / name.replace(".json", ".md")).write_text(format_table(result) + "\n")
         print(f"\nwrote {path / name}")

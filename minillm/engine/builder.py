@@ -283,9 +283,10 @@ def decode_attention_dtype(config: EngineConfig, model_config: ModelConfig, devi
     return None if choice == dtype else choice
 
 
-# The smallest model (weight bytes) compiled by default: below this an eager decode step takes a few
-# milliseconds, and the first start's compile (~30 s per graph even for a tiny model) would take
-# thousands of tokens to repay.
+# The smallest model (weight bytes) compiled by default. The course's tiny models decode fast enough
+# eagerly that the first start's compile is not repaid in a notebook: tiny-shakespeare-8m in fp32
+# (32 MB) decodes 237 tok/s eager and 1188 compiled at batch 1 on 2 cores, but compiles for 82 s —
+# ~24,000 tokens before it pays (benchmarks/results/generate-tiny-shakespeare-8m-*).
 COMPILE_BY_DEFAULT_MIN_BYTES = 64 * 2**20
 
 
