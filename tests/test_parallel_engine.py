@@ -263,9 +263,7 @@ def test_a_rank_that_raises_while_loading_is_named_with_its_error(tiny_model, tm
     tensors = load_file(weights)
     tensors["model.layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
     save_file(tensors, weights, metadata={"format": "pt"})
-    with pytest.raises(
-        RankFailed, match=r"rank 1 failed: .*ModelLoadError.*model\.layers\.1\.mlp\.down_proj\.weight.*NaN"
-    ):
+    with pytest.raises(RankFailed, match=r"rank 1 failed: .*ModelLoadError.*model\.layers\.1\.mlp\.down_proj\.weight.*NaN"):
         LLM(folder, dtype="float32", num_threads=1, pipeline_parallel_size=2)
     import multiprocessing
 

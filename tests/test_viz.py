@@ -515,11 +515,7 @@ def _course_figures():
 
     yield "09 planner_figure", planner_figure("Llama-3.1-405B", "H200 SXM 141GB", context=131072)[0], MIN_ROW_PX
     for row in committed_parallel_result()["bubble"]:  # real spans of one PP=2 decode step
-        yield (
-            f"09 pipeline_gantt, {row['microbatches']} micro-batches",
-            pipeline_gantt(row["example_spans"]),
-            MIN_ROW_PX,
-        )
+        yield f"09 pipeline_gantt, {row['microbatches']} micro-batches", pipeline_gantt(row["example_spans"]), MIN_ROW_PX
 
 
 def _random_model(layers: int):

@@ -94,9 +94,7 @@ class SwiGLU(nn.Module):
         tp = {}
         if parallel.tp_size > 1:
             keep = split_evenly(full, parallel.tp_size, parallel.tp_rank)
-            tp = dict(
-                tp_dim=0, tp_rank=parallel.tp_rank, tp_size=parallel.tp_size, tp_slices={"gate": keep, "up": keep}
-            )
+            tp = dict(tp_dim=0, tp_rank=parallel.tp_rank, tp_size=parallel.tp_size, tp_slices={"gate": keep, "up": keep})
         self.gate_up_proj = Linear(config.hidden_size, 2 * full, shards=shards, **tp)
         self.intermediate_size = self.gate_up_proj.out_features // 2  # this rank's
         if tp:

@@ -72,9 +72,7 @@ class CheckpointSlice:
     def load(self) -> torch.Tensor:
         tensor = self.source[self.index] if self.index else self.source[:]
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise NonFiniteTensor(
-                f"holds {int((~torch.isfinite(tensor)).sum())} NaN/inf value(s): a corrupt checkpoint"
-            )
+            raise NonFiniteTensor(f"holds {int((~torch.isfinite(tensor)).sum())} NaN/inf value(s): a corrupt checkpoint")
         return tensor
 
 
@@ -122,9 +120,7 @@ def load_model(
 
     qc = quantization_config(folder)
     if qc is not None and parallel != SINGLE:
-        raise ModelLoadError(
-            f"{folder}: a quantized checkpoint cannot be loaded as a tensor/pipeline-parallel shard yet"
-        )
+        raise ModelLoadError(f"{folder}: a quantized checkpoint cannot be loaded as a tensor/pipeline-parallel shard yet")
     quantized: dict[str, torch.Tensor] = {}  # a quantized checkpoint's linear layers, by our names
     if qc is not None:
         linears = set(model.linear_layers())

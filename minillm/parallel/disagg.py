@@ -132,9 +132,7 @@ class DisaggregatedLLM:
         if bad:
             raise ValueError(f"{where} has token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
         if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"{where} has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate"
-            )
+            raise ValueError(f"{where} has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate")
         return list(ids)
 
     def submit(self, prompt: str | list[int], params: SamplingParams, arrival_time: float | None = None) -> int:

@@ -82,10 +82,7 @@ class WorkerGroup:
                         message = conn.recv()
                     except (EOFError, OSError):
                         self.procs[rank].join(1.0)  # its pipe closed as it died: let it be reaped, for its code
-                        message, silent = (
-                            ("error", f"exited with code {self.procs[rank].exitcode} (its pipe closed)"),
-                            True,
-                        )
+                        message, silent = ("error", f"exited with code {self.procs[rank].exitcode} (its pipe closed)"), True
                     if message[0] == "error":
                         self._fail(*self._culprit(rank, message[1], silent))
                     if rank in ranks:
