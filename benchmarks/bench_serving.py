@@ -97,6 +97,23 @@ def run_hf(model_dir, requests, dtype, device, batch_size: int, max_batches: int
     return outputs
 
 
+def step_kinds(records, compiled_rows: int) -> dict[str, dict]:
+    """Steps and seconds by kind: pure decode steps the compiled graphs can take (at most
+    ``compiled_rows`` sequences), larger pure decode steps, and steps carrying a prompt chunk."""
+    kinds: dict[str, dict] = {}
+    for r in records:
+        if not all(decode for _, _, _, decode in r.chunks):
+            kind = "with a prompt chunk"
+        elif len(r.chunks) <= compiled_rows:
+            kind = f"pure decode, <= {compiled_rows} sequences"
+        else:
+            kind = f"pure decode, > {compiled_rows} sequences"
+        entry = kinds.setdefault(kind, {"steps": 0, "seconds": 0.0})
+        entry["steps"] += 1
+        entry["seconds"] += r.duration
+    return kinds
+
+
 def run_minillm(model, requests, policy: str, **engine_args):
     engine = LLMEngine(model, scheduling_policy=policy, **engine_args)
     outputs = replay(engine, requests)
@@ -153,11 +170,16 @@ def main(argv=None) -> dict:
     )
     rows: dict[str, dict] = {}
     extra: dict[str, dict] = {}
+    kinds: dict[str, dict] = {}
     engine = None
     for policy in ("static", "dynamic", "continuous"):
         outputs, engine = run_minillm(args.model, workload, policy, **engine_args)
         report = run_report(outputs, engine.step_records, slo, engine.memory_report())
         rows[f"minillm {policy}"] = report.summary()
+        if policy == "continuous":  # which steps the compiled decode graphs (if any) could take
+            compiled_rows = max(getattr(engine.graphs, "batch_sizes", None) or (0,))
+            kinds = step_kinds(engine.step_records, compiled_rows)
+            print(f"continuous steps by kind: {kinds}")
         print(
             f"minillm {policy:>10}: {report.output_throughput:7.1f} output tok/s, p99 TTFT {report.ttft['p99']:.2f} s"
         )
@@ -191,6 +213,7 @@ def main(argv=None) -> dict:
         "args": vars(args),
         "machine": machine,
         "compiled_decode_batch_sizes": list(compiled) if compiled else None,
+        "continuous_step_kinds": kinds,
         "mixed_workload": rows,
         "shared_prefix_workload": extra,
     }

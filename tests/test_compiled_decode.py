@@ -177,6 +177,18 @@ def test_a_failed_default_compile_falls_back_to_eager(tiny_model, monkeypatch):
         LLM(tiny_model, compile=True, **ENGINE)
 
 
+def test_a_corrupt_package_is_compiled_again(engines, tiny_model, packages_folder, capsys):
+    """A truncated package file (a full disk, a killed copy) is replaced, not a crash at every start."""
+    for package in packages_folder.glob("decode-b1-*.pt2"):
+        package.write_bytes(b"not a package")
+    with pytest.warns(UserWarning, match="could not be loaded .*compiling it again"):
+        llm = LLM(tiny_model, compile=True, compile_batch_sizes=(1,), **ENGINE)
+    assert "compiling the decode step" in capsys.readouterr().err
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    _, eager = engines
+    assert llm.generate(PROMPTS[2], params)[0].token_ids == eager.generate(PROMPTS[2], params)[0].token_ids
+
+
 def test_packages_are_pruned_to_the_newest(packages_folder, tmp_path, monkeypatch):
     folder = tmp_path / "compiled"
     folder.mkdir()

@@ -113,13 +113,22 @@ class CompiledDecode:
         weights = weights_digest(self.module.model)
         for batch in self.batch_sizes:
             path = packages_dir() / f"decode-b{batch}-{self.digest(weights, batch)}.pt2"
-            if not path.is_file():
-                self.compile_seconds[batch] = self._compile(batch, path, progress)
-            start = time.perf_counter()
-            self.graphs[batch] = torch._inductor.aoti_load_package(str(path))
-            self.load_seconds[batch] = time.perf_counter() - start
-            os.utime(path)  # newest first when old packages are pruned
+            if path.is_file():
+                try:
+                    self._load(batch, path)
+                    continue
+                except Exception as error:  # a truncated or foreign file: compile it again, once
+                    warnings.warn(f"minillm: {path} could not be loaded ({error}); compiling it again", stacklevel=2)
+                    path.unlink(missing_ok=True)
+            self.compile_seconds[batch] = self._compile(batch, path, progress)
+            self._load(batch, path)
         prune_packages(KEEP_PACKAGES)
+
+    def _load(self, batch: int, path: Path) -> None:
+        start = time.perf_counter()
+        self.graphs[batch] = torch._inductor.aoti_load_package(str(path))
+        self.load_seconds[batch] = time.perf_counter() - start
+        os.utime(path)  # newest first when old packages are pruned
 
     def digest(self, weights: str, batch: int) -> str:
         """What the compiled code depends on, hashed: a change to any of it compiles anew."""
