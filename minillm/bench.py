@@ -81,8 +81,8 @@ def measure_read_bandwidth(megabytes: int = 512, repeats: int = 7) -> float:
     tensor far larger than the caches, in fp32 and in bf16, with the current thread count — the
     ceiling for a decode step, which must read every weight once (MBU = achieved bytes/s over
     this). The fastest, not the median: on a shared machine a slow repeat measures the
-    neighbours; both dtypes, because on 2 cores an fp32 sum is partly bound by its arithmetic
-    (here ~40 GB/s in fp32 against ~48 in bf16)."""
+    neighbours; both dtypes, because on few cores an fp32 sum can be partly bound by its
+    arithmetic, and the faster of the two is the better estimate of the memory's limit."""
     best = 0.0
     for dtype in (torch.float32, torch.bfloat16):
         data = torch.ones(megabytes * (1 << 20) // dtype.itemsize, dtype=dtype)
@@ -122,8 +122,9 @@ def run_generate_benchmark(
     quantization: str | None = None,
 ) -> dict:
     """Every engine on the same prompts, interleaved: minillm's paged engine eager
-    (``compile=False``) and compiled (``compile=True``, the CPU default for such a model), HF ``generate`` and — for the dtype of the ``gguf``
-    file, when a ``llama_bench`` binary is given — llama.cpp. Per batch size: decode tok/s and
+    (``compile=False``) and compiled (``compile=True``, the CPU default for such a model), HF
+    ``generate`` and — for the dtype of the ``gguf`` file, when a ``llama_bench`` binary is
+    given — llama.cpp. Per batch size: decode tok/s and
     TTFT; per dtype: prefill tok/s on one ``prefill_len``-token prompt; MBU of batch-1 decode
     against the measured read bandwidth. ``quantization``: minillm's engines quantize their
     linear layers (HF and llama.cpp run the unquantized model: the baselines stay the same)."""
