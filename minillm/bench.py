@@ -163,9 +163,10 @@ def run_generate_benchmark(
                 engines["minillm compiled"] = LLM(model, compile=True, **common)
                 start[f"compiled_{when}_s"] = time.perf_counter() - clock
                 graphs = engines["minillm compiled"].engine.graphs
-                start["compile_s" if when == "first" else "load_s"] = (
-                    graphs.compile_seconds if when == "first" else graphs.load_seconds
-                )
+                if when == "first":
+                    start["compile_s"] = graphs.compile_seconds
+                else:
+                    start["load_s"] = graphs.load_seconds
         starts.append(start)
         hf = None
         if include_hf:

@@ -94,38 +94,35 @@ def write_kv(
     return stored[0], stored[1]
 
 
-def gather_kv_by_slot(pool: KVPool, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gather_kv`` that indexes the pool's slots directly instead of viewing it as blocks: the
-    compiled decode step's pool size is then a free dimension (viewing ``[slots]`` as
-    ``[slots / block_size, block_size]`` makes the tracer prove divisibility for every layer —
-    minutes of symbolic reasoning — and ties the graph to one pool size)."""
-    b, n = block_tables.shape
-    offsets = torch.arange(pool.block_size, device=block_tables.device)
-    rows = (block_tables[:, :, None] * pool.block_size + offsets).flatten()
-    out = []
-    scales = (None, None) if pool.k_scales is None else (pool.k_scales[layer], pool.v_scales[layer])
-    for slots, scale in zip((pool.k_slots[layer], pool.v_slots[layer]), scales):
-        gathered = slots.index_select(0, rows).view(b, n * pool.block_size, *slots.shape[1:])
-        if scale is not None:
-            gathered = dequantize_kv(gathered, scale.index_select(0, rows).view(b, n * pool.block_size, -1), pool.dtype)
-        out.append(gathered.transpose(1, 2))
-    return out[0], out[1]
-
-
-def gather_kv(pool: KVPool, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(
+    pool: KVPool, layer: int, block_tables: torch.Tensor, by_slot: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of ``block_tables[B, blocks]`` as ``[B, kv_heads, blocks*block_size, D]`` (a copy).
 
-    Short rows are padded with the null block; the caller masks keys past each row's context."""
+    Short rows are padded with the null block; the caller masks keys past each row's context.
+    ``by_slot``: index the pool's slots directly instead of viewing it as blocks — the compiled
+    decode step's way, where the pool's size is a free dimension (viewing ``[slots]`` as
+    ``[slots / block_size, block_size]`` makes the tracer prove divisibility for every layer,
+    minutes of symbolic reasoning, and ties the graph to one pool size)."""
     b, n = block_tables.shape
-    flat = block_tables.flatten()  # index_select: ~4x faster than advanced indexing on CPU
+    bs = pool.block_size
+    if by_slot:
+        index = (block_tables[:, :, None] * bs + torch.arange(bs, device=block_tables.device)).flatten()
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t.index_select(0, index)
+    else:
+        index = block_tables.flatten()  # index_select: ~4x faster than advanced indexing on CPU
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t.view(-1, bs, *t.shape[1:]).index_select(0, index)
+
     out = []
     scales = (None, None) if pool.k_scales is None else (pool.k_scales[layer], pool.v_scales[layer])
     for slots, scale in zip((pool.k_slots[layer], pool.v_slots[layer]), scales):
-        blocks = slots.view(-1, pool.block_size, *slots.shape[1:])
-        rows = blocks.index_select(0, flat).view(b, n * pool.block_size, *slots.shape[1:])
+        rows = pick(slots).view(b, n * bs, *slots.shape[1:])
         if scale is not None:  # an 8-bit pool: dequantize what was gathered
-            gathered = scale.view(-1, pool.block_size, scale.shape[-1]).index_select(0, flat)
-            rows = dequantize_kv(rows, gathered.view(b, n * pool.block_size, -1), pool.dtype)
+            rows = dequantize_kv(rows, pick(scale).view(b, n * bs, -1), pool.dtype)
         out.append(rows.transpose(1, 2))
     return out[0], out[1]
 
@@ -228,7 +225,7 @@ class StaticDecodeStep:
         """``q[1, B, H, D]``, ``k, v[1, B, KV, D]`` (one new token per row) → ``[1, B, H, D]``."""
         q, k, v = q[0], k[0], v[0]
         write_kv(self.pool, layer, self.layout.slot_mapping, k, v)
-        ks, vs = gather_kv_by_slot(self.pool, layer, self.layout.block_tables)
+        ks, vs = gather_kv(self.pool, layer, self.layout.block_tables, by_slot=True)
         dtype = self.compute_dtype
         o = attention(q.unsqueeze(2).to(dtype), ks.to(dtype), vs.to(dtype), self.mask, scale)
         return o.to(q.dtype).squeeze(2)[None]
