@@ -203,7 +203,7 @@ EXECUTION_MODES = ("paged", "contiguous", "naive")
 #: Old mode names that still work, with a deprecation warning.
 DEPRECATED_MODES = {"kv_cache": "contiguous"}
 SCHEDULING_POLICIES = ("static", "dynamic", "continuous")
-ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "cpu", "triton")
 QUANTIZATION_METHODS = ("int8", "int4", "awq", "w8a8")  # the linear-layer methods of minillm/quantization
 SPARSITY_METHODS = ("2:4", "2:4-wanda")  # 2:4 pruning by magnitude or by Wanda scores (quantization/sparsity.py)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # the paged pool's storage (minillm/quantization/kv.py)
@@ -506,6 +506,15 @@ class EngineConfig:
                 raise ValueError(f"weight_offload={self.weight_offload!r} cannot be combined with {what}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r}; expected one of {ATTENTION_BACKENDS}")
+        if self.attention_backend == "cpu" and self.mode != "paged":
+            raise ValueError(
+                f"attention_backend='cpu' is a paged decode kernel: it needs mode='paged' (got {self.mode!r})"
+            )
+        if self.attention_backend == "cpu" and self.kv_cache_dtype != "auto":
+            raise ValueError(
+                f"attention_backend='cpu' reads fp32/bf16/fp16 pools, not kv_cache_dtype={self.kv_cache_dtype!r}: "
+                "use 'sdpa' (or 'auto')"
+            )
         if self.attention_backend == "triton":
             if self.mode != "paged":
                 raise ValueError(f"attention_backend='triton' needs mode='paged' (got mode={self.mode!r})")

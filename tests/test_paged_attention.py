@@ -35,7 +35,7 @@ def tiny_config(heads: int, kv_heads: int, head_dim: int, layers: int = 1) -> Mo
     )
 
 
-@pytest.mark.parametrize("backend", ["torch", "sdpa"])
+@pytest.mark.parametrize("backend", ["torch", "sdpa", "cpu"])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2), (4, 1)])
 def test_mixed_step_matches_contiguous_attention(backend, heads, kv_heads):
     gen = torch.Generator().manual_seed(0)

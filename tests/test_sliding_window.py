@@ -26,7 +26,8 @@ def naive_tokens(tiny_models):
     [
         dict(mode="contiguous"),
         dict(mode="contiguous", attention_backend="torch"),
-        dict(block_size=4, max_num_batched_tokens=5),
+        dict(block_size=4, max_num_batched_tokens=5),  # the C++ decode kernel (auto on CPU)
+        dict(block_size=4, max_num_batched_tokens=5, attention_backend="sdpa"),  # gather + SDPA
         dict(block_size=2, attention_backend="torch"),
         dict(block_size=16),
     ],

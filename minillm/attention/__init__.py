@@ -15,6 +15,8 @@ The backends:
   builds and every other backend is tested against; paged steps gather blocks (``paged.py``);
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``, PyTorch's fused kernels
   (the fastest choice on CPU, and the default there), with the same paged reference;
+- ``cpu``: ``sdpa``, with the paged decode rows attended by our C++ kernel, which reads the
+  blocks in place (``cpu_paged.py``; compiled at first use). The default for the paged engine on CPU;
 - ``triton``: our own kernels (``triton_kernels.py``) — FlashAttention for prefill, paged
   attention for decode (``triton_paged.py``); padded batches use SDPA. The default on CUDA.
   Without a GPU the kernels run under Triton's interpreter (correct, slow: for learning and tests).
@@ -70,12 +72,16 @@ class AttentionBackend:
         if layout.static_decode:
             # The pool's logical dtype (an 8-bit pool's storage dtype is only how it is stored).
             return StaticDecodeStep(layout, self.decode_dtype or layout.pool.dtype or layout.pool.k_slots[0].dtype)
+        if self.name == "cpu":
+            from minillm.attention.cpu_paged import CpuPagedStep
+
+            return CpuPagedStep(layout, self.padded, self.decode_dtype)
         return ReferencePagedStep(layout, self.padded, self.decode_dtype)
 
 
 def get_backend(name: str, decode_dtype: torch.dtype | None = None) -> AttentionBackend:
-    """``torch`` | ``sdpa`` | ``triton`` (the engine's builder resolves ``auto`` first)."""
-    if name in ("sdpa", "triton"):
+    """``torch`` | ``sdpa`` | ``cpu`` | ``triton`` (the engine's builder resolves ``auto`` first)."""
+    if name in ("sdpa", "cpu", "triton"):
         return AttentionBackend(name, sdpa_attention, decode_dtype)
     if name == "torch":
         return AttentionBackend(name, torch_attention, decode_dtype)

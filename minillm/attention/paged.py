@@ -135,19 +135,9 @@ class ReferencePagedStep:
         bf16 pool, on CPUs where that is faster — ``attention/precision.py``); None: the pool's."""
         self.layout, self.pool, self.attention_fn = layout, layout.pool, attention_fn
         self.decode_dtype = decode_dtype
+        self.plan_decodes(layout)
         bs, window, nd = layout.pool.block_size, layout.window, layout.num_decodes
         device = layout.slot_mapping.device
-        self.decode_buckets: list[DecodeBucket] = []
-        context = layout.context_lens[:nd]
-        for start, end in bucket_rows(context):
-            rows = context[start:end]
-            bucket = DecodeBucket(start, end, layout.block_tables[start:end, : blocks_for(max(rows), bs)])
-            if min(rows) == max(rows) and (window is None or rows[0] <= window):
-                bucket.length = rows[0]
-            else:
-                lens = torch.tensor(rows, dtype=torch.long, device=device)
-                bucket.mask = decode_mask(lens, bucket.block_tables.shape[1] * bs, window)
-            self.decode_buckets.append(bucket)
         self.prefills: list[PrefillSpan] = []
         row = nd
         for i in range(nd, len(layout.query_lens)):
@@ -160,6 +150,21 @@ class ReferencePagedStep:
                 span.mask = prefix_mask(ctx, n, device, window)
             self.prefills.append(span)
             row += n
+
+    def plan_decodes(self, layout: StepLayout) -> None:
+        """Split the decode rows into buckets of similar context length (``bucket_rows``)."""
+        bs, window, nd = layout.pool.block_size, layout.window, layout.num_decodes
+        self.decode_buckets: list[DecodeBucket] = []
+        context = layout.context_lens[:nd]
+        for start, end in bucket_rows(context):
+            rows = context[start:end]
+            bucket = DecodeBucket(start, end, layout.block_tables[start:end, : blocks_for(max(rows), bs)])
+            if min(rows) == max(rows) and (window is None or rows[0] <= window):
+                bucket.length = rows[0]
+            else:
+                lens = torch.tensor(rows, dtype=torch.long, device=layout.slot_mapping.device)
+                bucket.mask = decode_mask(lens, bucket.block_tables.shape[1] * bs, window)
+            self.decode_buckets.append(bucket)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """``q[1, N, H, D]``, ``k, v[1, N, KV, D]`` for the step's new tokens → ``[1, N, H, D]``."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from minillm.attention.cpu_paged import kernel_unavailable_reason
 from minillm.config import EngineConfig, ModelConfig, triton_available
 from minillm.engine.compiled_decode import CompiledDecode
 from minillm.engine.contiguous_runner import ContiguousRunner
@@ -68,11 +69,29 @@ def free_memory_bytes(device: torch.device) -> int | None:
 
 def resolve_backend(config: EngineConfig, device: torch.device) -> str:
     """``auto`` → ``triton`` for the paged engine on CUDA (when Triton is installed; its kernels
-    read an 8-bit pool too), else ``sdpa``."""
+    read an 8-bit pool too), ``cpu`` for the paged engine on CPU with a plain pool (when its C++
+    decode kernel builds here: else a warning, and ``sdpa``), else ``sdpa``."""
+    if config.attention_backend == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend='cpu' runs on the CPU, not on device {str(device)!r}")
+        reason = kernel_unavailable_reason()
+        if reason:
+            raise RuntimeError(f"attention_backend='cpu': the C++ decode kernel did not build here ({reason})")
     if config.attention_backend != "auto":
         return config.attention_backend
-    triton = device.type == "cuda" and config.mode == "paged"
-    return "triton" if triton and triton_available() else "sdpa"
+    if config.mode != "paged" or device.type not in ("cpu", "cuda"):
+        return "sdpa"
+    if device.type == "cuda":
+        return "triton" if triton_available() else "sdpa"
+    if config.kv_cache_dtype != "auto":  # the kernel reads plain pools; the reference dequantizes 8-bit ones
+        return "sdpa"
+    reason = kernel_unavailable_reason()
+    if reason:
+        warnings.warn(
+            f"the CPU paged decode kernel did not build ({reason}); using attention_backend='sdpa'", stacklevel=3
+        )
+        return "sdpa"
+    return "cpu"
 
 
 def build_engine_parts(

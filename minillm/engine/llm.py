@@ -41,7 +41,7 @@ class LLM:
     def __init__(self, model: str | Path = "smollm2-135m", **engine_args):
         """``engine_args`` are ``EngineConfig`` fields: device, dtype, max_model_len,
         max_num_seqs, mode ("paged" | "contiguous" | "naive"), num_threads, seed,
-        attention_backend ("auto" | "torch" | "sdpa"), cpu_prepack, compile, and for the paged
+        attention_backend ("auto" | "torch" | "sdpa" | "cpu" | "triton"), cpu_prepack, compile, and for the paged
         engine scheduling_policy, block_size, kv_cache_memory, enable_prefix_caching,
         enable_chunked_prefill, max_num_batched_tokens, batch_timeout; quantization ("int8" |
         "int4" | "awq" | "w8a8") with quantization_group_size, sparsity ("2:4" | "2:4-wanda"),

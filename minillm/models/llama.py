@@ -196,7 +196,7 @@ class LlamaForCausalLM(nn.Module):
         return out
 
     def set_attention_backend(self, name: str, decode_dtype: torch.dtype | None = None) -> None:
-        """``torch`` | ``sdpa`` | ``triton`` (the engine's builder resolves ``auto`` first);
+        """``torch`` | ``sdpa`` | ``cpu`` | ``triton`` (the engine's builder resolves ``auto`` first);
         ``decode_dtype``: compute paged decode attention in this dtype (None: the model's)."""
         self.attention_backend = get_backend(name, decode_dtype)
 

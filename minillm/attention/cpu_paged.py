@@ -1,0 +1,106 @@
+"""The ``cpu`` backend's paged step: decode rows through our C++ kernel, prefill as the reference.
+
+On CPU the reference decode (``paged.py``) gathers each bucket's blocks into a padded copy,
+upcasts it to fp32 where that is faster (``precision.py``) and calls SDPA: three passes over
+the keys per layer, over padding too. For a 32-sequence SmolLM2-135M step that was ~60% of the
+step (``benchmarks/bench_cpu_attention.py`` times both). The kernel
+(``cpu_paged_decode.cpp``) reads each sequence's blocks in place, once for K and once for V,
+for exactly its own context, computing in fp32 — the same arithmetic as the fp32 reference, in
+another summation order.
+
+It is compiled at first use with PyTorch's own C++ toolchain (inductor's, the one
+``torch.compile`` uses on CPU: same compiler flags, OpenMP runtime and SIMD headers) and kept in
+inductor's on-disk cache (under the project's cache folder), so later starts load it in
+milliseconds. Prefill chunks and 8-bit pools use the reference path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from minillm.attention.layout import StepLayout
+from minillm.attention.paged import ReferencePagedStep
+
+SOURCE = Path(__file__).with_name("cpu_paged_decode.cpp")
+POOL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    """Compile (or find in inductor's cache) and load the kernel library."""
+    from torch._inductor.codecache import CppCodeCache  # PyTorch's C++ build + on-disk cache
+
+    source = "#include <torch/csrc/inductor/cpp_prefix.h>\n" + SOURCE.read_text()
+    return CppCodeCache.load(source)
+
+
+@functools.cache
+def kernel_unavailable_reason() -> str | None:
+    """None when the kernel compiles and loads here; else why not (no C++ compiler, ...).
+    Asked once per process: a failed build is not retried by every engine."""
+    try:
+        _library()
+    except Exception as error:  # any build failure means: use the reference path
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        return f"{type(error).__name__}: {first_line[:300]}"
+    return None
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """``q[B, H, D]`` (one query per sequence) against ``k_pool, v_pool[slots, KV, D]``: row ``b``
+    attends to the keys at positions ``0 .. context_lens[b]-1`` (the last ``window`` of them with
+    a sliding window), found through ``block_tables[b]``. Returns ``[B, H, D]`` in ``q``'s dtype."""
+    if k_pool.dtype not in POOL_DTYPES or v_pool.dtype != k_pool.dtype:
+        raise ValueError(f"the CPU decode kernel reads {list(POOL_DTYPES)} pools, not {k_pool.dtype}")
+    batch, heads, dim = q.shape
+    kv_heads = k_pool.shape[1]
+    if heads % kv_heads or k_pool.shape[2] != dim or block_tables.shape[0] != batch or context_lens.shape != (batch,):
+        raise ValueError(
+            f"shapes do not match: q {tuple(q.shape)}, pool {tuple(k_pool.shape)}, "
+            f"block_tables {tuple(block_tables.shape)}, context_lens {tuple(context_lens.shape)}"
+        )
+    for name, t in (("k_pool", k_pool), ("v_pool", v_pool), ("block_tables", block_tables)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    q32 = q.float().contiguous()
+    tables = block_tables.long().contiguous()
+    lens = context_lens.long().contiguous()
+    out = torch.empty_like(q32)
+    kernel = getattr(_library(), f"paged_decode_{POOL_DTYPES[k_pool.dtype]}")
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    kernel(
+        ptr(q32.data_ptr()), ptr(k_pool.data_ptr()), ptr(v_pool.data_ptr()), ptr(tables.data_ptr()),
+        ptr(lens.data_ptr()), ptr(out.data_ptr()), i64(batch), i64(heads), i64(kv_heads), i64(dim),
+        i64(tables.shape[1]), i64(block_size), i64(window or 0), ctypes.c_float(scale),
+    )  # fmt: skip
+    return out.to(q.dtype)
+
+
+class CpuPagedStep(ReferencePagedStep):
+    """The reference step (prefill spans, K/V writes) with every decode row attended by the
+    kernel in one call per layer — exact per-row lengths, so no length buckets and no masks."""
+
+    def plan_decodes(self, layout: StepLayout) -> None:
+        nd = layout.num_decodes
+        self.decode_tables = layout.block_tables[:nd]
+        self.decode_lens = torch.tensor(layout.context_lens[:nd], dtype=torch.long)
+
+    def _decode(self, q: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+        pool = self.pool
+        return paged_decode_attention(
+            q, pool.k_slots[layer], pool.v_slots[layer], self.decode_tables, self.decode_lens,
+            pool.block_size, scale, self.layout.window,
+        )  # fmt: skip
