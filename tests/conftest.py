@@ -16,6 +16,12 @@ import minillm  # noqa: F401  (first: without CUDA it switches Triton to its int
 # every model and pool the suite builds would take hours.
 os.environ.setdefault("MINILLM_COMPILE", "0")
 
+# Every step checks the runner's incrementally updated block tables against the block manager's
+# lists: preemption, prefix caching, forks, rollbacks and sliding windows all run through them.
+from minillm.engine.block_table_rows import BlockTableRows  # noqa: E402
+
+BlockTableRows.verify = True
+
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

@@ -58,9 +58,9 @@ def _counting(llm: LLM) -> list[int]:
     calls: list[int] = []
     run = graphs.run
 
-    def counted(chunks, write=True):
+    def counted(chunks, block_tables):
         calls.append(len(chunks))
-        return run(chunks, write)
+        return run(chunks, block_tables)
 
     graphs.run = counted
     return calls

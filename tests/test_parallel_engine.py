@@ -57,12 +57,12 @@ def _run(folder, prompts=PROMPTS, params=GREEDY, **engine):
     return outs, logits, report, prefix_hits
 
 
-def _assert_same(want, got, rtol=0.0):
+def _assert_same(want, got, rtol=0.0, atol=1e-4):
     (outs_a, logits_a, *_), (outs_b, logits_b, *_) = want, got
     assert [o.token_ids for o in outs_b] == [o.token_ids for o in outs_a]
     assert len(logits_b) == len(logits_a)  # the same schedule, step for step
     for a, b in zip(logits_a, logits_b):
-        torch.testing.assert_close(b, a, atol=1e-4, rtol=rtol)
+        torch.testing.assert_close(b, a, atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize(
@@ -134,8 +134,10 @@ def test_parallel_samples_share_blocks_copy_on_write(tiny_model):
 def test_smollm2_parallel_greedy_tokens(smollm2_dir, sizes):
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    # 30 layers of sums in another order: |diff| <= 1e-4 + 1e-5 |logit| (logits reach ~20; measured max 1.0e-4)
-    _assert_same(_run(smollm2_dir, prompts, params), _run(smollm2_dir, prompts, params, **sizes), rtol=1e-5)
+    # 30 layers of sums in another order: |diff| <= 2e-4 + 1e-5 |logit| (logits reach ~20; measured: at most
+    # 1.0e-4 beyond 1e-5 |logit| with the sdpa backend, 1.2e-4 with the cpu decode kernel, the CPU default)
+    want, got = _run(smollm2_dir, prompts, params), _run(smollm2_dir, prompts, params, **sizes)
+    _assert_same(want, got, rtol=1e-5, atol=2e-4)
 
 
 def _alive(pids):
@@ -263,7 +265,9 @@ def test_a_rank_that_raises_while_loading_is_named_with_its_error(tiny_model, tm
     tensors = load_file(weights)
     tensors["model.layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
     save_file(tensors, weights, metadata={"format": "pt"})
-    with pytest.raises(RankFailed, match=r"rank 1 failed: .*ModelLoadError.*model\.layers\.1\.mlp\.down_proj\.weight.*NaN"):
+    with pytest.raises(
+        RankFailed, match=r"rank 1 failed: .*ModelLoadError.*model\.layers\.1\.mlp\.down_proj\.weight.*NaN"
+    ):
         LLM(folder, dtype="float32", num_threads=1, pipeline_parallel_size=2)
     import multiprocessing
 

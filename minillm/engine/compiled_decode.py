@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 from minillm.attention.layout import KVPool, StepLayout
+from minillm.engine.block_table_rows import BlockTableRows
 from minillm.engine.runner import ChunkInput
 from minillm.kvcache import addressing
 from minillm.kvcache.paged import PagedKVCache
@@ -157,7 +158,9 @@ class CompiledDecode:
                   f"this model on this machine; 1-2 minutes on a small CPU; kept in {path.parent}) ...",
                   end="", file=sys.stderr, flush=True)  # fmt: skip
         start = time.perf_counter()
-        inputs = self.inputs([ChunkInput("__compile__", [0], 0, 1, [self.cache.null_block])] * batch, write=False)
+        example = [ChunkInput("__compile__", [0], 0, 1, [self.cache.null_block])] * batch
+        tables = torch.full((batch, self.window_blocks(example)), self.cache.null_block, dtype=torch.long)
+        inputs = self.inputs(example, tables, write=False)
         # Free dimensions: the window's width, and the pool's size (one package serves every pool
         # size: a few multiples of the block size in a test, gigabytes on a server).
         width = torch.export.Dim("blocks", min=MIN_WINDOW, max=MAX_WINDOW)
@@ -181,28 +184,31 @@ class CompiledDecode:
             print(f" done in {seconds:.0f} s", file=sys.stderr, flush=True)
         return seconds
 
-    def inputs(self, chunks: list[ChunkInput], write: bool = True) -> tuple:
-        """The static layout of a decode step, padded to the next compiled batch size with rows
-        that attend to (and, like ``write=False`` rows, write to) the null block only."""
+    def window_blocks(self, chunks: list[ChunkInput]) -> int:
+        """Blocks per row of the step's static window: enough for its longest row."""
+        return max(MIN_WINDOW, *(addressing.blocks_for(c.start + 1, self.cache.block_size) for c in chunks))
+
+    def inputs(self, chunks: list[ChunkInput], tables: torch.Tensor, write: bool = True) -> tuple:
+        """The static layout of a decode step — ``tables[rows, window]`` its block tables — padded
+        to the next compiled batch size with rows that attend to (and, like ``write=False``
+        rows, write to) the null block only."""
         bs, null = self.cache.block_size, self.cache.null_block
         batch = next(b for b in self.batch_sizes if b >= len(chunks))
-        width = max(MIN_WINDOW, *(addressing.blocks_for(c.start + 1, bs) for c in chunks))
-        tables = addressing.padded_block_tables([c.block_table for c in chunks], width, null)
         pad = batch - len(chunks)
-        tables += [[null] * width] * pad
+        tables = torch.cat([tables, torch.full((pad, tables.shape[1]), null, dtype=torch.long)])
         slots = [addressing.slot_mapping(c.block_table, c.start, 1, bs)[0] if write else null * bs for c in chunks]
         return (
             torch.tensor([[c.token_ids[0] for c in chunks] + [0] * pad]),
             torch.tensor([[c.start for c in chunks] + [0] * pad]),
             torch.tensor(slots + [null * bs] * pad),
-            torch.tensor(tables),
+            tables,
             torch.tensor([c.start + 1 for c in chunks] + [1] * pad),
             self.pool_tensors,
         )
 
-    def run(self, chunks: list[ChunkInput], write: bool = True) -> torch.Tensor:
-        """Logits ``[rows, V]`` for a pure decode step."""
-        inputs = self.inputs(chunks, write)
+    def run(self, chunks: list[ChunkInput], block_tables: BlockTableRows) -> torch.Tensor:
+        """Logits ``[rows, V]`` for a pure decode step (``block_tables``: the runner's)."""
+        inputs = self.inputs(chunks, block_tables.gather(chunks, self.window_blocks(chunks)))
         with torch.no_grad():
             return self.graphs[inputs[0].shape[1]](*inputs)[: len(chunks)]
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from minillm.attention.layout import KVPool, StepLayout
+from minillm.engine.block_table_rows import BlockTableRows
 from minillm.engine.runner import ChunkInput
 from minillm.kvcache import addressing
 from minillm.kvcache.paged import PagedKVCache
@@ -79,18 +80,20 @@ class DecodeGraphs:
         for size in reversed(self.sizes):
             self._get(size)
 
-    def run(self, chunks: list[ChunkInput]) -> torch.Tensor:
-        """Logits ``[len(chunks), V]`` for a pure decode step, through the static buffers."""
+    def run(self, chunks: list[ChunkInput], block_tables: BlockTableRows) -> torch.Tensor:
+        """Logits ``[len(chunks), V]`` for a pure decode step, through the static buffers
+        (``block_tables``: the runner's)."""
         n = len(chunks)
         s = self._get(next(size for size in self.sizes if size >= n))
-        self._fill(s, chunks)
+        self._fill(s, chunks, block_tables.gather(chunks, self.max_blocks))
         if s.graph is not None:
             s.graph.replay()
             return s.logits[:n]
         return self.model(s.layout)[:n]
 
-    def _fill(self, s: StaticDecode, chunks: list[ChunkInput]) -> None:
-        """Real rows first, then padding rows pointed at the null block."""
+    def _fill(self, s: StaticDecode, chunks: list[ChunkInput], tables: torch.Tensor) -> None:
+        """Real rows first, then padding rows pointed at the null block (``tables``: the real
+        rows' block tables, ``[len(chunks), max_blocks]``)."""
         bs, null, pad = self.cache.block_size, self.cache.null_block, s.size - len(chunks)
         positions = [c.start for c in chunks] + [0] * pad
         values = {
@@ -98,13 +101,13 @@ class DecodeGraphs:
             "positions": positions,
             "slot_mapping": [addressing.slot_mapping(c.block_table, c.start, 1, bs)[0] for c in chunks]
             + [null * bs] * pad,
-            "block_tables": addressing.padded_block_tables([c.block_table for c in chunks], self.max_blocks, null)
-            + [[null] * self.max_blocks] * pad,
             "context_lens_tensor": [p + 1 for p in positions],
         }
         for name, rows in values.items():
             buffer = getattr(s.layout, name)
             buffer.copy_(torch.tensor(rows, dtype=torch.long).view(buffer.shape), non_blocking=True)
+        s.layout.block_tables[: len(chunks)].copy_(tables, non_blocking=True)
+        s.layout.block_tables[len(chunks) :].fill_(null)
 
     def _get(self, size: int) -> StaticDecode:
         if size not in self.static:
@@ -130,7 +133,7 @@ class DecodeGraphs:
             max_context=self.max_context,  # fixed: the split-K layout must not change between replays
         )
         s = StaticDecode(size, layout)
-        self._fill(s, [])
+        self._fill(s, [], torch.zeros(0, self.max_blocks, dtype=torch.long))
         if self.capture:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())

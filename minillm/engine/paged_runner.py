@@ -3,7 +3,8 @@
 Each chunk is ``num_tokens`` tokens of a sequence from position ``start`` on. The runner lays
 their tokens out flat (decodes first, sorted by context length so the reference backend can
 attend in buckets of similar lengths; then prefill chunks), computes each token's **slot**
-in the pool from its block table, and pads the block tables into one tensor. What each
+in the pool from its block table, and gathers the block tables, padded, into one tensor (kept
+up to date step by step: ``block_table_rows.py``). What each
 attention backend needs beyond that it builds itself (``attention/layout.py``). There is no
 padding of tokens anywhere.
 """
@@ -15,6 +16,7 @@ from collections.abc import Hashable
 import torch
 
 from minillm.attention.layout import KVPool, StepLayout
+from minillm.engine.block_table_rows import BlockTableRows
 from minillm.engine.cuda_graphs import DecodeGraphs
 from minillm.engine.runner import ChunkInput, StepInputs, select_logit_rows
 from minillm.kvcache import addressing
@@ -38,13 +40,14 @@ class PagedRunner:
         self.window = window
         self.graphs = graphs
         self.device = model.device
+        self.block_tables = BlockTableRows(cache.null_block, cache.block_size)
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Copy-on-write copies first, then the forward pass; logits chunk by chunk."""
         self.cache.copy_blocks(inputs.block_copies)
         chunks = inputs.chunks
         if self.graphs is not None and self.graphs.supports(chunks):
-            logits = self.graphs.run(chunks)
+            logits = self.graphs.run(chunks, self.block_tables)
             rows = [i for i, c in enumerate(chunks) if c.num_logits]
             if len(rows) < len(chunks):  # a one-token chunk in the middle of a prompt: no logits wanted
                 logits = logits[torch.tensor(rows, device=logits.device, dtype=torch.long)]
@@ -52,7 +55,9 @@ class PagedRunner:
         return self.model(self.layout(chunks))
 
     def release(self, request_id: Hashable) -> None:
-        pass  # blocks belong to the block manager, which the scheduler updates
+        """Blocks belong to the block manager (the scheduler frees them); only our copy of the
+        sequence's block table goes."""
+        self.block_tables.release(request_id)
 
     def layout(self, chunks: list[ChunkInput]) -> StepLayout:
         """The flat layout of ``chunks`` (see ``StepLayout``)."""
@@ -73,8 +78,7 @@ class PagedRunner:
             query_lens.append(n)
             context_lens.append(c.start + n)
             end_of[id(c)] = len(ids)
-        width = addressing.blocks_for(max(context_lens), bs)
-        tables = addressing.padded_block_tables([c.block_table for c in order], width, self.cache.null_block)
+        tables = self.block_tables.gather(order, addressing.blocks_for(max(context_lens), bs))
         logit_rows = select_logit_rows(chunks, [end_of[id(c)] for c in chunks])
         return StepLayout(
             input_ids=self._tensor(ids)[None],
@@ -82,7 +86,7 @@ class PagedRunner:
             slot_mapping=self._tensor(slots),
             query_lens=query_lens,
             context_lens=context_lens,
-            block_tables=self._tensor(tables),
+            block_tables=tables.to(self.device),
             num_decodes=len(decodes),
             logit_index=self._tensor(logit_rows),
             pool=self.pool,

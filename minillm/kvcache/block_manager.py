@@ -419,14 +419,20 @@ class BlockManager:
 
         The next query sits at position ``num_computed_tokens`` and sees keys from
         ``num_computed_tokens - window + 1`` on; blocks entirely before that are released (their
-        table entries become ``RELEASED``). Returns how many were released."""
+        table entries become ``RELEASED``). Returns how many were released.
+
+        Released entries always form a prefix of the table (every earlier call released all the
+        blocks behind its window), so the walk goes back from the window's edge and stops at the
+        first entry already released: per step, work for the newly released blocks only, not
+        for every block of a long sequence."""
         table = self.tables[seq.request_id]
         released = 0
-        for j in range(min(len(table), blocks_behind_window(seq.num_computed_tokens, window, self.block_size))):
-            if table[j] != RELEASED:
-                self._release(table[j])
-                table[j] = RELEASED
-                released += 1
+        j = min(len(table), blocks_behind_window(seq.num_computed_tokens, window, self.block_size)) - 1
+        while j >= 0 and table[j] != RELEASED:
+            self._release(table[j])
+            table[j] = RELEASED
+            released += 1
+            j -= 1
         return released
 
     def reserve_imported(self, token_ids: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
@@ -485,7 +491,11 @@ class BlockManager:
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` describing the first broken invariant."""
         counts = [0] * self.num_blocks
-        for table in self.tables.values():
+        for rid, table in self.tables.items():
+            released = sum(b == RELEASED for b in table)
+            assert all(b == RELEASED for b in table[:released]), (
+                f"request {rid!r}: released entries are not a prefix of its table {table}"
+            )
             for b in table:
                 if b != RELEASED:
                     counts[b] += 1

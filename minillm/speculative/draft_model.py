@@ -132,6 +132,7 @@ class DraftModelProposer:
         state = self.states.pop(request_id, None)
         if state is not None:
             self.blocks.free(state)
+            self.runner.release(request_id)
 
     def _state(self, seq: Sequence) -> DraftState:
         state = self.states.get(seq.request_id)
