@@ -510,6 +510,8 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend='cpu' is a paged decode kernel: it needs mode='paged' (got {self.mode!r})"
             )
+        if self.attention_backend == "cpu" and str(self.device).split(":")[0] not in ("auto", "cpu"):
+            raise ValueError(f"attention_backend='cpu' runs on the CPU, not on device={self.device!r}")
         if self.attention_backend == "cpu" and self.kv_cache_dtype != "auto":
             raise ValueError(
                 f"attention_backend='cpu' reads fp32/bf16/fp16 pools, not kv_cache_dtype={self.kv_cache_dtype!r}: "

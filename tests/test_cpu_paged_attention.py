@@ -117,14 +117,23 @@ def test_a_row_does_not_depend_on_its_batch_or_the_thread_count():
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (dict(k_pool=torch.zeros(32, 2, 8, dtype=torch.int8)), "reads"),
+        (dict(k_pool=torch.zeros(32, 2, 8, dtype=torch.int8)), "k_pool is torch.int8"),
+        (dict(v_pool=torch.zeros(32, 2, 8, dtype=torch.bfloat16)), "shapes do not match"),  # K and V differ
+        (dict(v_pool=torch.zeros(40, 2, 8)), "shapes do not match"),
         (dict(q=torch.zeros(2, 3, 8)), "shapes do not match"),  # 3 heads over 2 KV heads
         (dict(q=torch.zeros(2, 4, 16)), "shapes do not match"),  # head size differs from the pool's
         (dict(context_lens=torch.tensor([1, 2, 3])), "shapes do not match"),
-        (dict(block_tables=torch.zeros(2, 8, dtype=torch.long)[:, ::2]), "block_tables must be contiguous"),
+        (dict(k_pool=torch.zeros(32, 4, 8)[:, ::2]), "k_pool must be contiguous"),
+        (dict(context_lens=torch.tensor([1, 33])), "33 tokens needs 5 blocks of 8; block_tables has 4"),
+        (dict(context_lens=torch.tensor([0, 2])), "context_lens must be >= 1"),
+        (dict(block_tables=torch.tensor([[0, 1, 2, 3], [0, -1, 0, 0]])), r"block ids must be in \[0, 4\)"),
+        (dict(block_tables=torch.tensor([[0, 1, 2, 3], [4, 0, 0, 0]])), r"block ids must be in \[0, 4\)"),
+        (dict(q=torch.zeros(2, 4, 8, device="meta")), "reads CPU tensors; q is on meta"),
     ],
 )
 def test_bad_arguments_are_named(change, message):
+    """The kernel reads memory through raw pointers: whatever would make it read outside the
+    pool is refused by name first."""
     args = dict(
         q=torch.zeros(2, 4, 8),
         k_pool=torch.zeros(32, 2, 8),
@@ -137,6 +146,29 @@ def test_bad_arguments_are_named(change, message):
         args["v_pool"] = args["k_pool"]
     with pytest.raises(ValueError, match=message):
         paged_decode_attention(**args, block_size=8, scale=1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_short_last_chunk_reads_nothing_past_the_row(dtype):
+    """A head size that is not a multiple of the SIMD width (20: 16 + 4 with AVX-512, 8 + 8 + 4
+    with AVX2) loads its last few values alone. The pool here is the front of a buffer whose
+    rest is NaN, and the sequence's last key is the pool's last row: a load past that row would
+    bring NaN into the result."""
+    gen = torch.Generator().manual_seed(4)
+    slots, kv_heads, dim, bs = 16, 2, 20, 4
+    pools = []
+    for _ in range(2):
+        buffer = torch.full((slots * kv_heads * dim + 64,), float("nan"), dtype=dtype)
+        pool = buffer[: slots * kv_heads * dim].view(slots, kv_heads, dim)
+        pool.copy_(torch.randn(slots, kv_heads, dim, generator=gen).to(dtype))
+        pools.append(pool)
+    table, lens = [1, 3], torch.tensor([8])  # positions 4-7 in block 3: slots 12-15, the last the pool's last row
+    q = torch.randn(1, 4, dim, generator=gen)
+    out = paged_decode_attention(q, pools[0], pools[1], torch.tensor([table]), lens, bs, 0.2)
+    slot_ids = torch.tensor([1 * bs + i for i in range(bs)] + [3 * bs + i for i in range(bs)])
+    want = reference(q, [pools[0][slot_ids]], [pools[1][slot_ids]], 0.2)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
 PROMPTS = ["To be, or not to be", "Caches keep keys and values; attention reads them back.", "café", "the slings"]
@@ -188,6 +220,21 @@ def test_auto_picks_the_kernel_for_the_paged_cpu_engine_only():
         builder.resolve_backend(EngineConfig(attention_backend="cpu"), cuda)
 
 
+def test_a_build_failure_is_reported_with_the_compilers_words(monkeypatch):
+    def broken():
+        raise RuntimeError(
+            "C++ compile error\n\nCommand:\ng++ kernel.cpp -O3\n\nOutput:\nkernel.cpp:3: error: no omp.h"
+        )
+
+    monkeypatch.setattr(cpu_paged, "_library", broken)
+    cpu_paged.kernel_unavailable_reason.cache_clear()
+    try:
+        reason = cpu_paged.kernel_unavailable_reason()
+    finally:
+        cpu_paged.kernel_unavailable_reason.cache_clear()
+    assert reason.startswith("RuntimeError: C++ compile error") and "no omp.h" in reason
+
+
 def test_a_kernel_that_does_not_build_falls_back_with_a_warning(monkeypatch):
     monkeypatch.setattr(builder, "kernel_unavailable_reason", lambda: "CalledProcessError: no C++ compiler")
     with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
@@ -201,6 +248,7 @@ def test_a_kernel_that_does_not_build_falls_back_with_a_warning(monkeypatch):
     [
         (dict(mode="contiguous"), "needs mode='paged'"),
         (dict(kv_cache_dtype="int8"), "not kv_cache_dtype='int8'"),
+        (dict(device="cuda"), "runs on the CPU, not on device='cuda'"),
     ],
 )
 def test_config_refuses_the_kernel_where_it_does_not_apply(args, message):

@@ -5,13 +5,14 @@ upcasts it to fp32 where that is faster (``precision.py``) and calls SDPA: three
 the keys per layer, over padding too. For a 32-sequence SmolLM2-135M step that was ~60% of the
 step (``benchmarks/bench_cpu_attention.py`` times both). The kernel
 (``cpu_paged_decode.cpp``) reads each sequence's blocks in place, once for K and once for V,
-for exactly its own context, computing in fp32 — the same arithmetic as the fp32 reference, in
-another summation order.
+for exactly its own context, computing in fp32 — the fp32 reference's arithmetic in another
+summation order.
 
 It is compiled at first use with PyTorch's own C++ toolchain (inductor's, the one
 ``torch.compile`` uses on CPU: same compiler flags, OpenMP runtime and SIMD headers) and kept in
 inductor's on-disk cache (under the project's cache folder), so later starts load it in
-milliseconds. Prefill chunks and 8-bit pools use the reference path.
+milliseconds. Prefill chunks use the reference path; an 8-bit pool is not read here (``auto``
+picks ``sdpa`` for it, whose reference dequantizes as it gathers).
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ def kernel_unavailable_reason() -> str | None:
     try:
         _library()
     except Exception as error:  # any build failure means: use the reference path
-        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        return f"{type(error).__name__}: {first_line[:300]}"
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [""]
+        # The first line says what failed; the compiler's own complaint is at the end.
+        said = lines[0] if len(lines) == 1 else f"{lines[0]} ... {' / '.join(lines[-3:])}"
+        return f"{type(error).__name__}: {said[:600]}"
     return None
 
 
@@ -59,25 +62,43 @@ def paged_decode_attention(
     block_size: int,
     scale: float,
     window: int | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """``q[B, H, D]`` (one query per sequence) against ``k_pool, v_pool[slots, KV, D]``: row ``b``
     attends to the keys at positions ``0 .. context_lens[b]-1`` (the last ``window`` of them with
-    a sliding window), found through ``block_tables[b]``. Returns ``[B, H, D]`` in ``q``'s dtype."""
-    if k_pool.dtype not in POOL_DTYPES or v_pool.dtype != k_pool.dtype:
-        raise ValueError(f"the CPU decode kernel reads {list(POOL_DTYPES)} pools, not {k_pool.dtype}")
+    a sliding window), found through ``block_tables[b]``. Returns ``[B, H, D]`` in ``q``'s dtype.
+
+    The kernel trusts its arguments (it reads memory through raw pointers), so they are checked
+    here first; ``check=False`` skips the checks that read the tables' values, for a caller that
+    checked them once for many calls (``CpuPagedStep``, once per step rather than per layer)."""
+    for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool), ("block_tables", block_tables)):
+        if t.device.type != "cpu":
+            raise ValueError(f"the CPU decode kernel reads CPU tensors; {name} is on {t.device}")
+    for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
+        if pool.dtype not in POOL_DTYPES:
+            raise ValueError(f"the CPU decode kernel reads {list(POOL_DTYPES)} pools; {name} is {pool.dtype}")
+        if not pool.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
     batch, heads, dim = q.shape
     kv_heads = k_pool.shape[1]
-    if heads % kv_heads or k_pool.shape[2] != dim or block_tables.shape[0] != batch or context_lens.shape != (batch,):
+    if (
+        v_pool.shape != k_pool.shape
+        or v_pool.dtype != k_pool.dtype
+        or heads % kv_heads
+        or k_pool.shape[2] != dim
+        or block_tables.shape[0] != batch
+        or context_lens.shape != (batch,)
+    ):
         raise ValueError(
-            f"shapes do not match: q {tuple(q.shape)}, pool {tuple(k_pool.shape)}, "
-            f"block_tables {tuple(block_tables.shape)}, context_lens {tuple(context_lens.shape)}"
+            f"shapes do not match: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)} {k_pool.dtype}, v_pool "
+            f"{tuple(v_pool.shape)} {v_pool.dtype}, block_tables {tuple(block_tables.shape)}, "
+            f"context_lens {tuple(context_lens.shape)}"
         )
-    for name, t in (("k_pool", k_pool), ("v_pool", v_pool), ("block_tables", block_tables)):
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
+    tables = block_tables.to(torch.long).contiguous()
+    lens = context_lens.to(torch.long).contiguous()
+    if check and batch:
+        check_tables(tables, lens, block_size, k_pool.shape[0] // block_size)
     q32 = q.float().contiguous()
-    tables = block_tables.long().contiguous()
-    lens = context_lens.long().contiguous()
     out = torch.empty_like(q32)
     kernel = getattr(_library(), f"paged_decode_{POOL_DTYPES[k_pool.dtype]}")
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -89,18 +110,39 @@ def paged_decode_attention(
     return out.to(q.dtype)
 
 
+def check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, num_blocks: int) -> None:
+    """``ValueError`` unless every row's context fits its table and the blocks it reads are in
+    the pool (a released entry, ``-1``, must have been replaced by the null block)."""
+    if int(context_lens.min()) < 1:
+        raise ValueError(
+            f"context_lens must be >= 1 (a decode row sees at least its own key); got {context_lens.tolist()}"
+        )
+    longest = int(context_lens.max())
+    if longest > block_tables.shape[1] * block_size:
+        raise ValueError(
+            f"a context of {longest} tokens needs {-(-longest // block_size)} blocks of {block_size}; "
+            f"block_tables has {block_tables.shape[1]} per row"
+        )
+    lowest, highest = int(block_tables.min()), int(block_tables.max())
+    if lowest < 0 or highest >= num_blocks:
+        raise ValueError(f"block ids must be in [0, {num_blocks}) (the pool's blocks); got {lowest}..{highest}")
+
+
 class CpuPagedStep(ReferencePagedStep):
     """The reference step (prefill spans, K/V writes) with every decode row attended by the
     kernel in one call per layer — exact per-row lengths, so no length buckets and no masks."""
 
     def plan_decodes(self, layout: StepLayout) -> None:
         nd = layout.num_decodes
-        self.decode_tables = layout.block_tables[:nd]
+        self.decode_tables = layout.block_tables[:nd].contiguous()
         self.decode_lens = torch.tensor(layout.context_lens[:nd], dtype=torch.long)
+        if nd:  # once per step, not per layer
+            pool = layout.pool
+            check_tables(self.decode_tables, self.decode_lens, pool.block_size, len(pool.k_slots[0]) // pool.block_size)
 
     def _decode(self, q: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
         pool = self.pool
         return paged_decode_attention(
             q, pool.k_slots[layer], pool.v_slots[layer], self.decode_tables, self.decode_lens,
-            pool.block_size, scale, self.layout.window,
+            pool.block_size, scale, self.layout.window, check=False,
         )  # fmt: skip

@@ -20,13 +20,23 @@
 
 using Vec = at::vec::Vectorized<float>;
 
+// `count` values from p as fp32 lanes: a full vector straight from memory; a short last chunk
+// (a head size that is not a multiple of the vector width) through a zeroed buffer, so the unused
+// lanes are 0 whatever is in memory after the row.
 template <typename T>
 static inline Vec load_as_float(const T* p, int64_t count) {
-  if constexpr (std::is_same_v<T, float>) {
-    return Vec::loadu(p, count);
-  } else {
-    return at::vec::convert<float>(at::vec::Vectorized<T>::loadu(p, count));
+  if (count == Vec::size()) {
+    if constexpr (std::is_same_v<T, float>) {
+      return Vec::loadu(p);
+    } else {
+      Vec out;
+      at::vec::load_to_float(p, out);  // exactly one float vector's worth of 16-bit values
+      return out;
+    }
   }
+  alignas(64) float buffer[Vec::size()] = {};
+  for (int64_t i = 0; i < count; i++) buffer[i] = static_cast<float>(p[i]);
+  return Vec::loadu(buffer);
 }
 
 // q[B, H, D] fp32; k_pool, v_pool[slots, KV, D]; block_tables[B, max_blocks]; context_lens[B];
@@ -58,7 +68,7 @@ static void paged_decode(const float* q, const T* k_pool, const T* v_pool, const
       // task's keys are re-read from the CPU's cache for the next head of the group, not from memory).
       for (int64_t g = 0; g < G; g++) {
         const float* qg = q + (b * H + kv * G + g) * D;
-        for (int64_t c = 0; c < chunks; c++) qv[c] = Vec::loadu(qg + c * W, width(c)) * Vec(scale);
+        for (int64_t c = 0; c < chunks; c++) qv[c] = load_as_float(qg + c * W, width(c)) * Vec(scale);
         float* s = scores.data() + g * n;
         for (int64_t t = 0; t < n; t++) {
           const T* key = k_pool + rows[t];
@@ -68,7 +78,7 @@ static void paged_decode(const float* q, const T* k_pool, const T* v_pool, const
         }
         // softmax over the keys, in place
         const float top = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, s, n);
-        at::vec::map([top](Vec x) { return (x - Vec(top)).exp_u20(); }, s, s, n);
+        at::vec::map([top](Vec x) { return (x - Vec(top)).exp(); }, s, s, n);
         const float inv = 1.f / at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s, n);
         at::vec::map([inv](Vec x) { return x * Vec(inv); }, s, s, n);
       }
