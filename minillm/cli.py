@@ -562,8 +562,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quantization",
         default=None,
-        choices=["int8"],
-        help="minillm's engines with int8 weights (HF stays unquantized)",
+        choices=["int8", "int4", "awq", "w8a8"],
+        help="minillm's engines with quantized weights (HF stays unquantized)",
     )
     p.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary: add llama.cpp as the anchor")
     p.add_argument("--gguf", default=None, help="the same model as a GGUF file (bf16) for --llama-bench")

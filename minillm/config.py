@@ -490,11 +490,6 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: expected one of {KV_CACHE_DTYPES}")
         if self.kv_cache_dtype != "auto" and self.mode != "paged":
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} needs mode='paged' (got mode={self.mode!r})")
-        if self.quantization not in (None, "int8") and self.compile:
-            raise ValueError(
-                f"quantization={self.quantization!r} cannot be combined with compile=True (of the quantized "
-                "linears, only int8's compiles)"
-            )
         if self.world_size > 1:
             self._check_parallel()
         if self.weight_offload is not None:

@@ -16,8 +16,10 @@ fixed, because inductor's generated GEMMs need a static row count: there is one 
 batch size in ``batch_sizes`` (default 1 and 8), and a batch of 2-8 rows is padded to 8 with
 rows that read and write only the null block (a GEMV streams the same weights for 1 row or 8,
 so the padding costs little). Larger batches and prompt steps stay eager: each graph costs a
-compile, and prompt steps are dominated by large matrix products. int8 linear layers compile
-too (``_weight_int8pack_mm`` inside the graph); the other quantized methods are refused.
+compile, and prompt steps are dominated by large matrix products. Quantized linear layers
+compile too: their matmuls (``_weight_int8pack_mm`` for int8, ``_weight_int4pack_mm_for_cpu``
+for int4 and AWQ, W8A8's int8 × int8 product) are calls inside the graph, with the quantized
+weights folded in as constants.
 
 The graphs are compiled with AOTInductor (``torch.export`` + ``aoti_compile_and_package``)
 into a package file under ``<cache>/compiled/``, named by a digest of everything the compiled
