@@ -125,10 +125,12 @@ def test_compile_is_on_by_default_for_a_big_enough_model_on_cpu(engines, tiny_mo
 
 
 @pytest.mark.parametrize("method", ["int8", "int4", "awq", "w8a8"])
-def test_quantized_weights_compile_too(tiny_model, method):
+def test_quantized_weights_compile_too(tiny_model, method, tmp_path, monkeypatch):
     """Quantized linears inside the compiled graph (int8's and int4's packed matmuls, AWQ's
     scaled int4, W8A8's int8 x int8): the eager engine's tokens with the same method, alone and
-    in a padded batch."""
+    in a padded batch. (Their packages go to a folder of their own: eight more packages in the
+    module's folder would prune the ones the other tests load.)"""
+    monkeypatch.setattr(compiled_decode, "packages_dir", lambda: tmp_path)
     memory = (
         POOL_BLOCKS * 4 * ENGINE["block_size"] * kv_bytes_per_token(ModelConfig.from_folder(tiny_model), torch.float32)
     )
