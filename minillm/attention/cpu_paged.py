@@ -2,11 +2,12 @@
 
 On CPU the reference decode (``paged.py``) gathers each bucket's blocks into a padded copy,
 upcasts it to fp32 where that is faster (``precision.py``) and calls SDPA: three passes over
-the keys per layer, over padding too. For a 32-sequence SmolLM2-135M step that was ~60% of the
-step (``benchmarks/bench_cpu_attention.py`` times both). The kernel
-(``cpu_paged_decode.cpp``) reads each sequence's blocks in place, once for K and once for V,
-for exactly its own context, computing in fp32 — the fp32 reference's arithmetic in another
-summation order.
+the keys per layer, over padding too. In a 32-sequence SmolLM2-135M bf16 step on a 2-core
+CPU without AMX, SDPA, the upcast copies and the gather took ~60% of the CPU time
+(``benchmarks/profile_decode_step.py``). The kernel (``cpu_paged_decode.cpp``) reads each
+sequence's blocks in place, for exactly its own context, computing in fp32 — the fp32
+reference's arithmetic in another summation order (``benchmarks/bench_cpu_attention.py`` times
+the two).
 
 It is compiled at first use with PyTorch's own C++ toolchain (inductor's, the one
 ``torch.compile`` uses on CPU: same compiler flags, OpenMP runtime and SIMD headers) and kept in
