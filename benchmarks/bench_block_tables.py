@@ -24,7 +24,7 @@ import torch
 from minillm.engine.block_table_rows import BlockTableRows
 from minillm.engine.runner import ChunkInput
 from minillm.kvcache.addressing import blocks_for, padded_block_tables
-from minillm.machine import machine_description
+from minillm.machine import machine_description, machine_tag
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -89,8 +89,7 @@ def main(argv=None) -> dict:
     print("\n".join(lines))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = "".join(ch if ch.isalnum() else "_" for ch in machine.get("cpu") or "cpu").strip("_")
-    path = out / f"block-tables-{result['date'][:10]}-{tag}.json"
+    path = out / f"block-tables-{result['date'][:10]}-{machine_tag(machine)}.json"
     path.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {path}")
     return result

@@ -27,7 +27,7 @@ from minillm.attention.layout import KVPool, StepLayout
 from minillm.attention.precision import decode_attention_dtype
 from minillm.config import parse_dtype
 from minillm.kvcache.addressing import padded_block_tables, slot_mapping
-from minillm.machine import machine_description
+from minillm.machine import machine_description, machine_tag
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -142,8 +142,7 @@ def main(argv=None) -> dict:
     print(format_table(result))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = "".join(ch if ch.isalnum() else "_" for ch in machine.get("cpu") or "cpu").strip("_")
-    path = out / f"cpu-attention-{result['date'][:10]}-{tag}-{machine['torch_threads']}t.json"
+    path = out / f"cpu-attention-{result['date'][:10]}-{machine_tag(machine)}-{machine['torch_threads']}t.json"
     path.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {path}")
     return result

@@ -28,6 +28,7 @@ from minillm import LLMEngine
 from minillm.assets import resolve_model
 from minillm.bench import machine_description
 from minillm.config import ModelConfig, parse_memory
+from minillm.machine import machine_tag
 from minillm.metrics import SLO, run_report
 from minillm.outputs import RequestMetrics, RequestOutput
 from minillm.workloads import poisson_workload, replay, shared_prefix_workload
@@ -233,9 +234,7 @@ def main(argv=None) -> dict:
     print(format_table(result))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = machine.get("gpu") or machine.get("cpu") or "cpu"  # runs on two CPUs must not collide
-    tag = "".join(ch if ch.isalnum() else "_" for ch in tag).strip("_")
-    path = out / f"serving-{result['date'][:10]}-{tag}-{machine['torch_threads']}t.json"
+    path = out / f"serving-{result['date'][:10]}-{machine_tag(machine)}-{machine['torch_threads']}t.json"
     path.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {path}")
     return result

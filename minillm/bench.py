@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from minillm.config import parse_dtype
-from minillm.machine import machine_description
+from minillm.machine import machine_description, machine_tag
 
 
 def _prompts(tokenizer, batch: int, prompt_len: int) -> list[list[int]]:
@@ -237,11 +237,9 @@ def run_generate_benchmark(
     if out_dir:
         path = Path(out_dir)
         path.mkdir(parents=True, exist_ok=True)
-        tag = (machine or {}).get("gpu") or (machine or {}).get("cpu") or "cpu"  # runs on two CPUs must not collide
-        tag = "".join(ch if ch.isalnum() else "_" for ch in tag).strip("_")
-        # Other models and int8 runs get their own files: one run must not overwrite another's.
+        # Other models and quantized runs get their own files: one run must not overwrite another's.
         what = "".join(f"-{part}" for part in (Path(model).name, quantization) if part and part != "smollm2-135m")
-        name = f"generate{what}-{result['date'][:10]}-{tag}-{machine['torch_threads']}t.json"
+        name = f"generate{what}-{result['date'][:10]}-{machine_tag(machine)}-{machine['torch_threads']}t.json"
         (path / name).write_text(json.dumps(result, indent=2))
         (path / name.replace(".json", ".md")).write_text(format_table(result) + "\n")
         print(f"\nwrote {path / name}")

@@ -501,17 +501,18 @@ class EngineConfig:
                 raise ValueError(f"weight_offload={self.weight_offload!r} cannot be combined with {what}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r}; expected one of {ATTENTION_BACKENDS}")
-        if self.attention_backend == "cpu" and self.mode != "paged":
-            raise ValueError(
-                f"attention_backend='cpu' is a paged decode kernel: it needs mode='paged' (got {self.mode!r})"
-            )
-        if self.attention_backend == "cpu" and str(self.device).split(":")[0] not in ("auto", "cpu"):
-            raise ValueError(f"attention_backend='cpu' runs on the CPU, not on device={self.device!r}")
-        if self.attention_backend == "cpu" and self.kv_cache_dtype != "auto":
-            raise ValueError(
-                f"attention_backend='cpu' reads fp32/bf16/fp16 pools, not kv_cache_dtype={self.kv_cache_dtype!r}: "
-                "use 'sdpa' (or 'auto')"
-            )
+        if self.attention_backend == "cpu":
+            if self.mode != "paged":
+                raise ValueError(
+                    f"attention_backend='cpu' is a paged decode kernel: it needs mode='paged' (got {self.mode!r})"
+                )
+            if str(self.device).split(":")[0] not in ("auto", "cpu"):
+                raise ValueError(f"attention_backend='cpu' runs on the CPU, not on device={self.device!r}")
+            if self.kv_cache_dtype != "auto":
+                raise ValueError(
+                    f"attention_backend='cpu' reads fp32/bf16/fp16 pools, not kv_cache_dtype={self.kv_cache_dtype!r}: "
+                    "use 'sdpa' (or 'auto')"
+                )
         if self.attention_backend == "triton":
             if self.mode != "paged":
                 raise ValueError(f"attention_backend='triton' needs mode='paged' (got mode={self.mode!r})")

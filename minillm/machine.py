@@ -37,3 +37,10 @@ def machine_description(device: torch.device) -> dict:
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
+
+
+def machine_tag(machine: dict) -> str:
+    """The GPU's or else the CPU's name as a file-name part (``AMD_EPYC``): result files of runs
+    on two machines must not overwrite each other."""
+    name = machine.get("gpu") or machine.get("cpu") or "cpu"
+    return "".join(ch if ch.isalnum() else "_" for ch in name).strip("_")

@@ -35,7 +35,6 @@ from minillm.kvcache.addressing import RELEASED
 class _Row:
     index: int  # the row of the tensor
     source: list[int]  # the block manager's list this row mirrors
-    length: int  # entries written (the list's length when last written)
     released: int  # leading entries known to be RELEASED (already the null block here)
 
 
@@ -51,7 +50,7 @@ class BlockTableRows:
         self.table = torch.full((16, 64), null_block, dtype=torch.long)
         self.rows: OrderedDict[Hashable, _Row] = OrderedDict()  # least recently used first
         self.free_rows = list(range(16))[::-1]
-        self.row_lengths = [0] * 16  # entries that may be non-null in each tensor row
+        self.row_lengths = [0] * 16  # per tensor row: the length of the list it last mirrored
         self.last_writes = 0  # entries the last gather wrote (tests and benchmarks read it)
 
     def gather(self, chunks: list[ChunkInput], width: int) -> torch.Tensor:
@@ -79,13 +78,13 @@ class BlockTableRows:
         table, null = chunk.block_table, self.null_block
         row = self.rows.get(chunk.request_id)
         if row is None:
-            row = self.rows[chunk.request_id] = _Row(self.free_rows.pop(), table, 0, 0)
+            row = self.rows[chunk.request_id] = _Row(self.free_rows.pop(), [], 0)
         self.rows.move_to_end(chunk.request_id)
-        if row.source is table:
-            first = min(row.length, chunk.start // self.block_size)  # copy-on-write, appended blocks
-        else:
-            row.source, row.length, row.released, first = table, 0, 0, 0
         i, n = row.index, len(table)
+        if row.source is table:
+            first = min(self.row_lengths[i], chunk.start // self.block_size)  # copy-on-write, appended blocks
+        else:  # written whole (a new row's list is a fresh object too)
+            row.source, row.released, first = table, 0, 0
         row.released = min(row.released, n)  # a rollback may cut into the released prefix
         for j in range(first, n):
             rows.append(i), cols.append(j), values.append(table[j] if table[j] >= 0 else null)
@@ -94,7 +93,7 @@ class BlockTableRows:
         while row.released < n and table[row.released] == RELEASED:  # fell behind a sliding window
             rows.append(i), cols.append(row.released), values.append(null)
             row.released += 1
-        row.length = self.row_lengths[i] = n
+        self.row_lengths[i] = n
         return i
 
     def _grow(self, num_rows: int, num_cols: int) -> None:
