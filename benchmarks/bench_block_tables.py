@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from minillm.engine.block_table_rows import BlockTableRows
-from minillm.engine.runner import ChunkInput
 from minillm.kvcache.addressing import blocks_for, padded_block_tables
 from minillm.machine import machine_description, machine_tag
+from minillm.runtime.block_table_rows import BlockTableRows
+from minillm.runtime.runner import ChunkInput
 
 RESULTS = Path(__file__).parent / "results"
 

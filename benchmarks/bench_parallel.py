@@ -124,7 +124,7 @@ def _interference_workload(short: int, long: int, short_tokens: int) -> list[Wor
 
 
 def part_disagg(model: str, dtype: str, short_tokens: int) -> dict:
-    from minillm.parallel.disagg import DisaggregatedLLM
+    from minillm.cluster.disagg import DisaggregatedLLM
 
     work = _interference_workload(6, 3, short_tokens)
     result = {}
@@ -162,7 +162,7 @@ def _latencies(work, ttfts, tpots, token_times) -> dict:
 
 
 def part_offload(model: str, dtype: str, tokens: int, device: str = "cpu") -> list[dict]:
-    from minillm.parallel.offload import evict_page_cache, memory_map_weights
+    from minillm.layers.offload import evict_page_cache, memory_map_weights
 
     rows = []
     if device != "cpu":  # a GPU: resident against every layer copied in from (pinned) host memory

@@ -181,8 +181,8 @@ def cmd_serve(args) -> int:
 
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size={args.data_parallel_size} must be >= 1")
-    if args.data_parallel_size > 1:  # replicas behind a router: minillm/parallel/data.py
-        from minillm.parallel.data import serve_data_parallel
+    if args.data_parallel_size > 1:  # replicas behind a router: minillm/cluster/data_parallel.py
+        from minillm.cluster.data_parallel import serve_data_parallel
 
         serve_data_parallel(
             args.model or ["smollm2-135m"], args.data_parallel_size, _replica_argv(args.argv), args.router_policy,

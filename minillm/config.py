@@ -206,7 +206,7 @@ SCHEDULING_POLICIES = ("static", "dynamic", "continuous")
 ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "cpu", "triton")
 QUANTIZATION_METHODS = ("int8", "int4", "awq", "w8a8")  # the linear-layer methods of minillm/quantization
 SPARSITY_METHODS = ("2:4", "2:4-wanda")  # 2:4 pruning by magnitude or by Wanda scores (quantization/sparsity.py)
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # the paged pool's storage (minillm/quantization/kv.py)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # the paged pool's storage (minillm/kvcache/quantization.py)
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's CPU int4 kernel accepts
 INT4_METHODS = ("int4", "awq")  # the methods that store int4 groups
 
@@ -399,7 +399,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     pipeline_microbatches: int | None = None
-    # The last resort when the weights do not fit (minillm/parallel/offload.py): "host" keeps each
+    # The last resort when the weights do not fit (minillm/layers/offload.py): "host" keeps each
     # decoder layer's weights in host memory and copies them in per layer; "disk" maps them from a
     # file (CPU), read in by the OS as each layer runs. None: weights resident (the default).
     weight_offload: str | None = None

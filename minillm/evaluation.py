@@ -61,7 +61,7 @@ def engine_perplexity(engine, token_ids: list[int], window: int = 256, chunk: in
 
 def _window_nll(engine, bm, ids: list[int], chunk: int, request_id) -> float:
     """Summed negative log-likelihood of ``ids[1:]``, prefilled ``chunk`` tokens per step."""
-    from minillm.engine.runner import ChunkInput, StepInputs
+    from minillm.runtime.runner import ChunkInput, StepInputs
     from minillm.sampling import SamplingParams
 
     window, total = len(ids) - 1, 0.0

@@ -18,7 +18,7 @@ os.environ.setdefault("MINILLM_COMPILE", "0")
 
 # Every step checks the runner's incrementally updated block tables against the block manager's
 # lists: preemption, prefix caching, forks, rollbacks and sliding windows all run through them.
-from minillm.engine.block_table_rows import BlockTableRows  # noqa: E402
+from minillm.runtime.block_table_rows import BlockTableRows  # noqa: E402
 
 BlockTableRows.verify = True
 

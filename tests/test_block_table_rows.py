@@ -14,9 +14,9 @@ import random
 
 import torch
 
-from minillm.engine.block_table_rows import BlockTableRows
-from minillm.engine.runner import ChunkInput
 from minillm.kvcache.addressing import RELEASED, padded_block_tables
+from minillm.runtime.block_table_rows import BlockTableRows
+from minillm.runtime.runner import ChunkInput
 
 NULL, BS = 0, 4
 

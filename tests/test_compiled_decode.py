@@ -20,10 +20,10 @@ from minillm.attention import precision as attention_precision
 from minillm.attention.layout import KVPool, StepLayout
 from minillm.attention.paged import ReferencePagedStep, StaticDecodeStep
 from minillm.config import EngineConfig, ModelConfig
-from minillm.engine import compiled_decode
-from minillm.engine.compiled_decode import CompiledDecode
 from minillm.kvcache import addressing
 from minillm.kvcache.addressing import kv_bytes_per_token
+from minillm.runtime import compiled_decode
+from minillm.runtime.compiled_decode import CompiledDecode
 
 PROMPTS = ["To be, or not to be", "Caches keep keys and values; attention reads them back.", "café", "the slings"]
 # A pool of 14 blocks of 4 tokens: four sequences of ~40 tokens cannot all fit, so some are preempted.

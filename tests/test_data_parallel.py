@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from minillm import LLM, SamplingParams
-from minillm.parallel.data import prompt_ids_for_routing
+from minillm.cluster.data_parallel import prompt_ids_for_routing
 from minillm.server.launch import ServerProcess
 from minillm.tokenizer import Tokenizer
 
@@ -92,7 +92,7 @@ def test_offline_data_parallel_llm(tiny_model):
     """LLM(model, data_parallel_size=2): replicas in worker processes behind the router; outputs
     in prompt order, equal to one engine; a shared prefix stays on one replica; a bad prompt is
     refused by name and the replicas keep serving."""
-    from minillm.parallel.replicas import DataParallelLLM
+    from minillm.cluster.replicas import DataParallelLLM
 
     shared = list(range(3, 40))
     prompts = [shared + [50 + i] for i in range(3)] + [[7, 8, 9], [60, 61, 62, 63]]

@@ -10,9 +10,9 @@ import signal
 import pytest
 
 from minillm import LLM, SamplingParams
+from minillm.cluster.disagg import DisaggregatedLLM
 from minillm.config import ModelConfig
 from minillm.kvcache.block_manager import BlockManager
-from minillm.parallel.disagg import DisaggregatedLLM
 from minillm.parallel.launch import RankFailed
 
 GREEDY = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)

@@ -15,7 +15,7 @@ import torch
 from minillm import LLM, SamplingParams
 from minillm.attention import triton_available
 from minillm.attention.torch_ref import attention, causal_mask
-from minillm.quantization.kv import FP8_MAX, STORAGE, dequantize_kv, quantize_kv
+from minillm.kvcache.quantization import FP8_MAX, STORAGE, dequantize_kv, quantize_kv
 
 if not triton_available():
     pytest.skip("triton is not installed", allow_module_level=True)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from minillm import LLM, SamplingParams
+from minillm.layers.offload import evict_page_cache, is_memory_mapped, memory_map_weights, stream_layers
 from minillm.models import load_model
-from minillm.parallel.offload import evict_page_cache, is_memory_mapped, memory_map_weights, stream_layers
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

@@ -16,8 +16,8 @@ import torch
 from conftest import build_tiny_model
 
 from minillm import LLM, SamplingParams
+from minillm.layers.tensor_parallel import heads_of_rank, split_evenly
 from minillm.parallel.launch import RankFailed
-from minillm.parallel.tensor import heads_of_rank, split_evenly
 from minillm.parallel.worker import split_microbatches
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -218,7 +218,7 @@ def test_head_assignment_rules():
 
 
 def test_microbatches_keep_order_and_balance_tokens():
-    from minillm.engine.runner import ChunkInput
+    from minillm.runtime.runner import ChunkInput
 
     chunks = [ChunkInput(i, [0] * n, 0) for i, n in enumerate([30, 1, 1, 1, 1, 30])]
     groups = split_microbatches(chunks, 2)

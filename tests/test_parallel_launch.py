@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 from minillm.config import ModelConfig
 from minillm.layers import Linear
+from minillm.layers.tensor_parallel import ParallelContext, VocabParallelEmbedding, split_evenly
 from minillm.models.llama import SwiGLU
 from minillm.parallel.launch import RankFailed, run_ranks
-from minillm.parallel.tensor import ParallelContext, VocabParallelEmbedding, split_evenly
 
 HIDDEN, INTERMEDIATE = 32, 64
 

@@ -152,7 +152,7 @@ def test_cli_generates_with_quantized_weights(capsys):
 
 
 def test_kv_quantization_error_is_half_a_step_per_token_and_head():
-    from minillm.quantization.kv import dequantize_kv, quantize_kv
+    from minillm.kvcache.quantization import dequantize_kv, quantize_kv
 
     x = torch.randn(5, 3, 64, generator=torch.Generator().manual_seed(0))
     x[2, 1] *= 100  # an outlier token-head does not cost the others precision
@@ -190,7 +190,7 @@ KV_PROMPTS = [
 
 
 def test_fp8_kv_quantization_keeps_relative_precision():
-    from minillm.quantization.kv import dequantize_kv, quantize_kv
+    from minillm.kvcache.quantization import dequantize_kv, quantize_kv
 
     x = torch.randn(5, 3, 64, generator=torch.Generator().manual_seed(0))
     q, scale = quantize_kv(x, "fp8")

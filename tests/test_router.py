@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from minillm.cluster.router import Router, prompt_block_hashes
 from minillm.kvcache.block_manager import block_hash
-from minillm.parallel.router import Router, prompt_block_hashes
 from minillm.workloads import shared_prefix_workload
 
 

@@ -24,7 +24,7 @@ import torch
 from minillm.attention.layout import KVPool, StepLayout
 from minillm.attention.torch_ref import attention, causal_mask
 from minillm.kvcache.addressing import blocks_for
-from minillm.quantization.kv import dequantize_kv, quantize_kv
+from minillm.kvcache.quantization import dequantize_kv, quantize_kv
 
 
 @dataclass

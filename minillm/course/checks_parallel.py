@@ -347,8 +347,8 @@ def _greedy(model, prompt: list[int], steps: int) -> list[int]:
 def _kv_tokens_rank(rank, world, source, name, folder, prompt, steps):
     """One rank: build this rank's shard with the learner's head split in the model, then decode."""
     import minillm.models.llama as llama
+    from minillm.layers.tensor_parallel import ParallelContext
     from minillm.models.loader import load_model
-    from minillm.parallel.tensor import ParallelContext
 
     fn = _as_learner(_learner_fn, source, name)
 
@@ -414,7 +414,7 @@ def route_all(prompts, policy: str = "prefix_aware", rule=None) -> float:
     """Route every prompt (finishing the oldest request beyond ``OUTSTANDING``); the share of full
     prompt blocks the chosen replica already held. A rule that chooses a replica more than
     ``MAX_IMBALANCE`` busier than the lightest is stopped there."""
-    from minillm.parallel.router import Router
+    from minillm.cluster.router import Router
 
     router = Router(REPLICAS, policy, BLOCK, MAX_IMBALANCE, remembered_blocks=REMEMBERED, rule=rule)
     flight, blocks = [], 0

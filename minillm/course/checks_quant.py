@@ -350,7 +350,7 @@ def _kv_test_input(dtype=torch.float32) -> torch.Tensor:
 
 
 def _check_kv(fn, x: torch.Tensor, label: str) -> None:
-    from minillm.quantization.kv import quantize_kv
+    from minillm.kvcache.quantization import quantize_kv
 
     tokens, heads, dim = x.shape
     q, scale = _pair(fn(x.clone()), "quantize_kv_on_write")

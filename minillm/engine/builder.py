@@ -20,19 +20,20 @@ import torch
 
 from minillm.attention.cpu_paged import kernel_unavailable_reason
 from minillm.config import EngineConfig, ModelConfig, triton_available
-from minillm.engine.compiled_decode import CompiledDecode
-from minillm.engine.contiguous_runner import ContiguousRunner
-from minillm.engine.cuda_graphs import DecodeGraphs
-from minillm.engine.naive_runner import NaiveRunner
-from minillm.engine.paged_runner import PagedRunner
-from minillm.engine.runner import ModelRunner
 from minillm.engine.scheduler import Scheduler
-from minillm.engine.weight_methods import apply_weight_methods
 from minillm.kvcache.addressing import blocks_for, kv_bytes_per_token
 from minillm.kvcache.block_manager import BlockManager
 from minillm.kvcache.paged import PagedKVCache
 from minillm.kvcache.unpaged import NoBlockPool
 from minillm.models.llama import LlamaForCausalLM
+from minillm.runtime.compiled_decode import CompiledDecode
+from minillm.runtime.contiguous_runner import ContiguousRunner
+from minillm.runtime.cuda_graphs import DecodeGraphs
+from minillm.runtime.fast_path import DecodeFastPath
+from minillm.runtime.naive_runner import NaiveRunner
+from minillm.runtime.paged_runner import PagedRunner
+from minillm.runtime.runner import ModelRunner
+from minillm.runtime.weight_methods import apply_weight_methods
 from minillm.speculative.speculator import NoSpeculation, Speculator
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -45,7 +46,7 @@ class EngineParts:
     attention_backend: str
     block_manager: BlockManager | None = None  # the paged pool's
     kv_cache: PagedKVCache | None = None
-    graphs: DecodeGraphs | CompiledDecode | None = None  # the decode fast path, if any
+    graphs: DecodeFastPath | None = None  # the decode fast path, if any
     speculator: Speculator | NoSpeculation = field(default_factory=NoSpeculation)
 
 
@@ -146,8 +147,8 @@ def build_parallel_parts(
     ``pipeline_parallel_size`` ways, in worker processes (``minillm.parallel``). Every rank's
     pool has the same number of blocks — as many as the fullest rank's share of ``kv_cache_memory``
     holds — so a block id means the same slot on every rank."""
+    from minillm.layers.tensor_parallel import heads_of_rank, stage_layers
     from minillm.parallel.executor import DistributedRunner
-    from minillm.parallel.tensor import heads_of_rank, stage_layers
     from minillm.parallel.worker import ShardSpec
 
     device = config.resolve_device()
@@ -338,7 +339,7 @@ def release_plain_weights(model) -> None:
 
 def decode_fast_path(
     config: EngineConfig, model, kv_cache, backend: str, max_model_len: int, window, compile_by_choice: bool = True
-) -> DecodeGraphs | CompiledDecode | None:
+) -> DecodeFastPath | None:
     """Pure decode steps through CUDA graphs (CUDA + Triton) or compiled (CPU), else eager.
     ``compile_by_choice=False``: compiling is only the default, so if it fails (say, no C++
     compiler on this machine) the engine warns and runs eagerly instead of refusing to start."""

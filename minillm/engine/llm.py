@@ -22,7 +22,8 @@ from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from minillm.engine.llm_engine import LLMEngine, Prompt
+from minillm.engine.llm_engine import LLMEngine
+from minillm.inputs import Prompt
 from minillm.outputs import RequestOutput, StreamDelta
 from minillm.sampling import SamplingParams
 from minillm.sequence import Sequence
@@ -33,7 +34,7 @@ class LLM:
         """``data_parallel_size=N`` (N > 1) builds a ``DataParallelLLM`` instead: N replicas in
         worker processes behind a router (``router_policy``), for offline ``generate``."""
         if engine_args.get("data_parallel_size", 1) != 1:
-            from minillm.parallel.replicas import DataParallelLLM
+            from minillm.cluster.replicas import DataParallelLLM
 
             return DataParallelLLM(model, _serve_replica, **engine_args)
         return super().__new__(cls)

@@ -30,24 +30,21 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from pathlib import Path
-from typing import Union
 
 import torch
 
 from minillm.assets import resolve_model
 from minillm.config import EngineConfig, ModelConfig
 from minillm.engine.builder import build_engine_parts, build_parallel_parts
-from minillm.engine.runner import ChunkInput, StepInputs
 from minillm.engine.scheduler import ScheduledChunk, SchedulerOutput
-from minillm.errors import PromptTooLongError
+from minillm.inputs import InputProcessor, Prompt
 from minillm.metrics import StepRecord
 from minillm.models import load_model
 from minillm.outputs import RequestOutput, SampleId, StreamDelta, TokenLogprob
+from minillm.runtime.runner import ChunkInput, StepInputs
 from minillm.sampling import SamplingParams, sample, token_logprobs
 from minillm.sequence import Sequence
-from minillm.tokenizer import ChatMessages, Tokenizer
-
-Prompt = Union[str, list[int], ChatMessages]
+from minillm.tokenizer import Tokenizer
 
 
 class LLMEngine:
@@ -65,6 +62,7 @@ class LLMEngine:
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}")
         self.tokenizer = Tokenizer(self.model_dir)
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
         # Sliding-window attention: the engine's option, else the checkpoint's (Mistral).
         self.sliding_window = config.sliding_window or self.model_config.sliding_window
         if config.world_size > 1:  # the model lives in worker processes, one shard each
@@ -152,24 +150,6 @@ class LLMEngine:
     # Requests
     # ----------------------------------------------------------------------------------------
 
-    def _prompt_ids(self, prompt: Prompt, where: str) -> tuple[str, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError(f"{where} is an empty string")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            text = self.tokenizer.render_chat(prompt)
-            return text, self.tokenizer.encode(text, add_special_tokens=False)
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if not prompt:
-                raise ValueError(f"{where} is an empty list of token ids")
-            vocab = self.model_config.vocab_size
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"{where} has token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
-            return self.tokenizer.decode(prompt, skip_special_tokens=False), list(prompt)
-        raise TypeError(f"{where} must be a string, a list of token ids or a list of chat messages, got {prompt!r:.80}")
-
     def make_sequence(
         self,
         prompt: Prompt,
@@ -208,14 +188,7 @@ class LLMEngine:
             or not math.isfinite(arrival_time)
         ):
             raise TypeError(f"arrival_time for {where} must be a time.perf_counter() value, got {arrival_time!r}")
-        text, ids = self._prompt_ids(prompt, where)
-        if not ids:
-            raise ValueError(f"{where} ({text!r:.40}) encodes to zero tokens")
-        if len(ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"{where} has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room "
-                f"to generate (at most {self.max_model_len - 1} prompt tokens)"
-            )
+        text, ids = self.input_processor.process(prompt, where)
         if request_id is not None:
             try:
                 hash(request_id)

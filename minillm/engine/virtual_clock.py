@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minillm.engine.runner import StepInputs
 from minillm.outputs import RequestOutput
+from minillm.runtime.runner import StepInputs
 from minillm.sampling import SamplingParams
 from minillm.workloads import WorkloadRequest
 

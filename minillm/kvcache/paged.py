@@ -31,7 +31,7 @@ class PagedKVCache:
         shape = (config.num_layers, num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
         # kv_cache_dtype="int8" | "fp8": 8-bit values plus one scale per (token, head)
         # (quantization/kv.py); attention computes in ``dtype`` after dequantizing.
-        from minillm.quantization.kv import SCALE_DTYPE, STORAGE
+        from minillm.kvcache.quantization import SCALE_DTYPE, STORAGE
 
         self.kv_cache_dtype, self.dtype = kv_cache_dtype, dtype
         stored = STORAGE.get(kv_cache_dtype, dtype)

@@ -28,8 +28,8 @@ from minillm.attention import AttentionBackend, get_backend
 from minillm.attention.contiguous import AttentionMask, ForwardBatch
 from minillm.config import ModelConfig
 from minillm.layers import Linear, LinearMethod
+from minillm.layers.tensor_parallel import SINGLE, ParallelContext, VocabParallelEmbedding, heads_of_rank, split_evenly
 from minillm.models.rope import RotaryEmbedding, apply_rope
-from minillm.parallel.tensor import SINGLE, ParallelContext, VocabParallelEmbedding, heads_of_rank, split_evenly
 
 __all__ = ["AttentionMask", "ForwardBatch", "LlamaForCausalLM"]
 

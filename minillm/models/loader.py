@@ -22,8 +22,8 @@ from safetensors import SafetensorError, safe_open
 from minillm.config import ModelConfig
 from minillm.errors import ModelLoadError
 from minillm.layers import Linear
+from minillm.layers.tensor_parallel import SINGLE, ParallelContext
 from minillm.models.llama import LlamaForCausalLM
-from minillm.parallel.tensor import SINGLE, ParallelContext
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 

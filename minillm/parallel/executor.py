@@ -17,9 +17,9 @@ from collections.abc import Hashable
 
 import torch
 
-from minillm.engine.runner import StepInputs
 from minillm.parallel.processes import STEP_TIMEOUT, WorkerGroup
 from minillm.parallel.worker import ShardSpec, ShardWorker
+from minillm.runtime.runner import StepInputs
 
 
 class DistributedRunner:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from minillm.parallel.tensor import heads_of_rank, stage_layers
+from minillm.layers.tensor_parallel import heads_of_rank, stage_layers
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 
 from minillm.config import EngineConfig, ModelConfig
-from minillm.engine.paged_runner import PagedRunner
-from minillm.engine.runner import ChunkInput, StepInputs
 from minillm.kvcache.paged import PagedKVCache
-from minillm.parallel.tensor import COMM, ParallelContext
+from minillm.layers.tensor_parallel import COMM, ParallelContext
+from minillm.runtime.paged_runner import PagedRunner
+from minillm.runtime.runner import ChunkInput, StepInputs
 
 
 @dataclass(frozen=True)
@@ -78,8 +78,8 @@ class ShardWorker:
     """This rank's shard of the model and pool, and its part of each step."""
 
     def __init__(self, spec: ShardSpec, rank: int):
-        from minillm.engine.weight_methods import apply_weight_methods
         from minillm.models import load_model
+        from minillm.runtime.weight_methods import apply_weight_methods
 
         self.spec, self.rank = spec, rank
         tp, pp = spec.tp_size, spec.pp_size

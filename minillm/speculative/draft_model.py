@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 import torch
 
 from minillm.config import ModelConfig
-from minillm.engine.paged_runner import PagedRunner
-from minillm.engine.runner import ChunkInput, StepInputs
 from minillm.kvcache.block_manager import BlockManager
 from minillm.kvcache.paged import PagedKVCache
+from minillm.runtime.paged_runner import PagedRunner
+from minillm.runtime.runner import ChunkInput, StepInputs
 from minillm.sampling import filtered_logits
 from minillm.sequence import Sequence
 

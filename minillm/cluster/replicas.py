@@ -4,7 +4,8 @@ processes, each ``generate`` call's prompts routed over them by the router of ``
 
 from __future__ import annotations
 
-from minillm.parallel.router import Router
+from minillm.cluster.router import Router
+from minillm.inputs import routing_ids
 
 
 class DataParallelLLM:
@@ -49,13 +50,6 @@ class DataParallelLLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _ids(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            return self.tokenizer.encode(self.tokenizer.render_chat(prompt), add_special_tokens=False)
-        return list(prompt) if isinstance(prompt, list) else []
-
     def generate(self, prompts, sampling_params=None) -> list:
         """Like ``LLM.generate``: one ``RequestOutput`` per prompt, in prompt order (a replica
         validates its prompts as one engine would; a bad one raises its ``ValueError``)."""
@@ -69,7 +63,7 @@ class DataParallelLLM:
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt")
         shares: dict[int, list[int]] = {}
         for i, prompt in enumerate(prompts):
-            replica = self.router.route(self.router.num_routed, self._ids(prompt))
+            replica = self.router.route(self.router.num_routed, routing_ids(self.tokenizer, prompt))
             shares.setdefault(replica, []).append(i)
         self._job += 1
         try:

@@ -11,17 +11,18 @@ padding of tokens anywhere.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable
 
 import torch
 
 from minillm.attention.layout import KVPool, StepLayout
-from minillm.engine.block_table_rows import BlockTableRows
-from minillm.engine.cuda_graphs import DecodeGraphs
-from minillm.engine.runner import ChunkInput, StepInputs, select_logit_rows
 from minillm.kvcache import addressing
 from minillm.kvcache.paged import PagedKVCache
 from minillm.models.llama import LlamaForCausalLM
+from minillm.runtime.block_table_rows import BlockTableRows
+from minillm.runtime.fast_path import DecodeFastPath, flat_inputs
+from minillm.runtime.runner import ChunkInput, StepInputs, select_logit_rows
 
 
 class PagedRunner:
@@ -30,10 +31,10 @@ class PagedRunner:
         model: LlamaForCausalLM,
         cache: PagedKVCache,
         window: int | None = None,
-        graphs: DecodeGraphs | None = None,
+        graphs: DecodeFastPath | None = None,
     ):
-        """``window``: sliding-window attention. ``graphs``: run pure decode steps through
-        static buffers / CUDA graphs."""
+        """``window``: sliding-window attention. ``graphs``: the decode fast path (CUDA graphs
+        or compiled CPU graphs) for the pure decode steps it supports."""
         self.model = model
         self.cache = cache
         self.pool = KVPool.of(cache)
@@ -64,28 +65,16 @@ class PagedRunner:
         bs = self.cache.block_size
         decodes = sorted((c for c in chunks if c.is_decode), key=lambda c: c.start)
         order = decodes + [c for c in chunks if not c.is_decode]
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        context_lens: list[int] = []
-        end_of: dict[int, int] = {}
-        for c in order:
-            n = c.num_tokens
-            ids.extend(c.token_ids)
-            positions.extend(range(c.start, c.start + n))
-            slots.extend(addressing.slot_mapping(c.block_table, c.start, n, bs))
-            query_lens.append(n)
-            context_lens.append(c.start + n)
-            end_of[id(c)] = len(ids)
-        tables = self.block_tables.gather(order, addressing.blocks_for(max(context_lens), bs))
-        logit_rows = select_logit_rows(chunks, [end_of[id(c)] for c in chunks])
+        flat = flat_inputs(order, bs)
+        ends = dict(zip(map(id, order), itertools.accumulate(flat.query_lens)))
+        tables = self.block_tables.gather(order, addressing.blocks_for(max(flat.context_lens), bs))
+        logit_rows = select_logit_rows(chunks, [ends[id(c)] for c in chunks])
         return StepLayout(
-            input_ids=self._tensor(ids)[None],
-            positions=self._tensor(positions)[None],
-            slot_mapping=self._tensor(slots),
-            query_lens=query_lens,
-            context_lens=context_lens,
+            input_ids=self._tensor(flat.input_ids)[None],
+            positions=self._tensor(flat.positions)[None],
+            slot_mapping=self._tensor(flat.slot_mapping),
+            query_lens=flat.query_lens,
+            context_lens=flat.context_lens,
             block_tables=tables.to(self.device),
             num_decodes=len(decodes),
             logit_index=self._tensor(logit_rows),

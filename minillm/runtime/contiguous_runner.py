@@ -14,10 +14,10 @@ from collections.abc import Hashable
 import torch
 
 from minillm.attention.contiguous import ForwardBatch
-from minillm.engine.naive_runner import run_padded
-from minillm.engine.runner import StepInputs
 from minillm.kvcache import ContiguousKVCache
 from minillm.models.llama import LlamaForCausalLM
+from minillm.runtime.naive_runner import run_padded
+from minillm.runtime.runner import StepInputs
 
 
 class ContiguousRunner:

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from minillm.engine.runner import ChunkInput
 from minillm.kvcache.addressing import RELEASED
+from minillm.runtime.runner import ChunkInput
 
 
 @dataclass

@@ -61,7 +61,7 @@ def apply_weight_methods(
 
 def _offload(config: EngineConfig, model: LlamaForCausalLM, device: torch.device) -> None:
     from minillm.assets import cache_dir
-    from minillm.parallel.offload import memory_map_weights, stream_layers
+    from minillm.layers.offload import memory_map_weights, stream_layers
 
     if config.weight_offload == "host":
         stream_layers(model, device)

@@ -22,11 +22,12 @@ from dataclasses import dataclass
 import torch
 
 from minillm.attention.layout import KVPool, StepLayout
-from minillm.engine.block_table_rows import BlockTableRows
-from minillm.engine.runner import ChunkInput
 from minillm.kvcache import addressing
 from minillm.kvcache.paged import PagedKVCache
 from minillm.models.llama import LlamaForCausalLM
+from minillm.runtime.block_table_rows import BlockTableRows
+from minillm.runtime.fast_path import pad_decode_rows, pad_table_rows
+from minillm.runtime.runner import ChunkInput
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -51,6 +52,8 @@ class StaticDecode:
 
 
 class DecodeGraphs:
+    """Pure decode steps through static buffers, replayed as CUDA graphs on CUDA (a ``DecodeFastPath``)."""
+
     def __init__(
         self,
         model: LlamaForCausalLM,
@@ -92,22 +95,20 @@ class DecodeGraphs:
         return self.model(s.layout)[:n]
 
     def _fill(self, s: StaticDecode, chunks: list[ChunkInput], tables: torch.Tensor) -> None:
-        """Real rows first, then padding rows pointed at the null block (``tables``: the real
-        rows' block tables, ``[len(chunks), max_blocks]``)."""
-        bs, null, pad = self.cache.block_size, self.cache.null_block, s.size - len(chunks)
-        positions = [c.start for c in chunks] + [0] * pad
+        """Real rows first, then padding rows by the padding rule (``fast_path.py``;
+        ``tables``: the real rows' block tables, ``[len(chunks), max_blocks]``)."""
+        null = self.cache.null_block
+        rows = pad_decode_rows(chunks, s.size, self.cache.block_size, null)
         values = {
-            "input_ids": [c.token_ids[0] for c in chunks] + [0] * pad,
-            "positions": positions,
-            "slot_mapping": [addressing.slot_mapping(c.block_table, c.start, 1, bs)[0] for c in chunks]
-            + [null * bs] * pad,
-            "context_lens_tensor": [p + 1 for p in positions],
+            "input_ids": rows.input_ids,
+            "positions": rows.positions,
+            "slot_mapping": rows.slot_mapping,
+            "context_lens_tensor": rows.context_lens,
         }
-        for name, rows in values.items():
+        for name, row_values in values.items():
             buffer = getattr(s.layout, name)
-            buffer.copy_(torch.tensor(rows, dtype=torch.long).view(buffer.shape), non_blocking=True)
-        s.layout.block_tables[: len(chunks)].copy_(tables, non_blocking=True)
-        s.layout.block_tables[len(chunks) :].fill_(null)
+            buffer.copy_(torch.tensor(row_values, dtype=torch.long).view(buffer.shape), non_blocking=True)
+        s.layout.block_tables.copy_(pad_table_rows(tables, s.size, null), non_blocking=True)
 
     def _get(self, size: int) -> StaticDecode:
         if size not in self.static:

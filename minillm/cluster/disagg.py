@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from minillm.config import ModelConfig
+from minillm.inputs import InputProcessor
 from minillm.kvcache.block_manager import prompt_block_hashes
 from minillm.parallel.processes import START_TIMEOUT, STEP_TIMEOUT, WorkerGroup
 from minillm.sampling import SamplingParams
@@ -100,8 +101,8 @@ class DisaggregatedLLM:
         folder = resolve_model(model)
         self.tokenizer = Tokenizer(folder)
         model_config = ModelConfig.from_folder(folder)
-        self.vocab_size = model_config.vocab_size
-        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        max_model_len = config.max_model_len or model_config.max_position_embeddings
+        self.inputs = InputProcessor(self.tokenizer, model_config.vocab_size, max_model_len)
         self.spec = DisaggSpec(str(model), dict(engine_args, device="cpu"), (prefill_threads, decode_threads))
         self.workers = WorkerGroup(_disagg_main, self.spec, 2, "gloo", stop_ranks=(PREFILL, DECODE))
         self.info = self.workers.gather_ready("load the model")
@@ -125,15 +126,7 @@ class DisaggregatedLLM:
         params.validate()
         if params.n != 1 or params.logprobs is not None or params.stop:
             raise ValueError(f"{where}: DisaggregatedLLM serves n=1 without logprobs or stop strings")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError(f"{where} must be a non-empty string or list of token ids")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"{where} has token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"{where} has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate")
-        return list(ids)
+        return self.inputs.process(prompt, where)[1]
 
     def submit(self, prompt: str | list[int], params: SamplingParams, arrival_time: float | None = None) -> int:
         """Send one request to the prefill worker; returns its id."""

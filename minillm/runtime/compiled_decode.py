@@ -50,11 +50,12 @@ from pathlib import Path
 import torch
 
 from minillm.attention.layout import KVPool, StepLayout
-from minillm.engine.block_table_rows import BlockTableRows
-from minillm.engine.runner import ChunkInput
 from minillm.kvcache import addressing
 from minillm.kvcache.paged import PagedKVCache
 from minillm.models.llama import LlamaForCausalLM
+from minillm.runtime.block_table_rows import BlockTableRows
+from minillm.runtime.fast_path import pad_decode_rows, pad_table_rows
+from minillm.runtime.runner import ChunkInput
 
 # The narrowest block window compiled: the tracer specialises dynamic sizes 0 and 1.
 MIN_WINDOW = 2
@@ -86,7 +87,7 @@ def packages_dir() -> Path:
 
 class CompiledDecode:
     """Pure decode steps of up to ``max(batch_sizes)`` rows through compiled graphs, one per
-    batch size (a batch is padded up to the next one)."""
+    batch size (a batch is padded up to the next one): a ``DecodeFastPath``."""
 
     def __init__(
         self,
@@ -192,19 +193,16 @@ class CompiledDecode:
 
     def inputs(self, chunks: list[ChunkInput], tables: torch.Tensor, write: bool = True) -> tuple:
         """The static layout of a decode step — ``tables[rows, window]`` its block tables — padded
-        to the next compiled batch size with rows that attend to (and, like ``write=False``
-        rows, write to) the null block only."""
-        bs, null = self.cache.block_size, self.cache.null_block
+        to the next compiled batch size by the padding rule (``fast_path.py``)."""
+        null = self.cache.null_block
         batch = next(b for b in self.batch_sizes if b >= len(chunks))
-        pad = batch - len(chunks)
-        tables = torch.cat([tables, torch.full((pad, tables.shape[1]), null, dtype=torch.long)])
-        slots = [addressing.slot_mapping(c.block_table, c.start, 1, bs)[0] if write else null * bs for c in chunks]
+        rows = pad_decode_rows(chunks, batch, self.cache.block_size, null, write)
         return (
-            torch.tensor([[c.token_ids[0] for c in chunks] + [0] * pad]),
-            torch.tensor([[c.start for c in chunks] + [0] * pad]),
-            torch.tensor(slots + [null * bs] * pad),
-            tables,
-            torch.tensor([c.start + 1 for c in chunks] + [1] * pad),
+            torch.tensor([rows.input_ids]),
+            torch.tensor([rows.positions]),
+            torch.tensor(rows.slot_mapping),
+            pad_table_rows(tables, batch, null),
+            torch.tensor(rows.context_lens),
             self.pool_tensors,
         )
 

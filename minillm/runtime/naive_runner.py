@@ -13,8 +13,8 @@ from collections.abc import Hashable
 import torch
 
 from minillm.attention.contiguous import ForwardBatch
-from minillm.engine.runner import ChunkInput, StepInputs, select_logit_rows
 from minillm.models.llama import LlamaForCausalLM
+from minillm.runtime.runner import ChunkInput, StepInputs, select_logit_rows
 
 
 def padded(rows: list[list[int]], device: torch.device, pad: int = 0) -> torch.Tensor:

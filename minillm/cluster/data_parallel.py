@@ -23,7 +23,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from minillm.parallel.router import Router
+from minillm.cluster.router import Router
+from minillm.inputs import routing_ids
 from minillm.server.body_limit import BodyLimit
 from minillm.server.protocol import error_body
 
@@ -37,13 +38,11 @@ def prompt_ids_for_routing(body: bytes, tokenizers: dict) -> list[int]:
         request = json.loads(body)
         tokenizer = tokenizers.get(request.get("model")) or next(iter(tokenizers.values()))
         if "messages" in request:
-            return tokenizer.encode(tokenizer.render_chat(request["messages"]), add_special_tokens=False)
+            return routing_ids(tokenizer, request["messages"])
         prompt = request["prompt"]
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]  # a batch: route by its first prompt
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return prompt
-        return tokenizer.encode(prompt) if isinstance(prompt, str) else []
+        return routing_ids(tokenizer, prompt)
     except Exception:  # noqa: BLE001 (any unreadable body: route it anyway)
         return []
 

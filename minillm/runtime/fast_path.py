@@ -1,0 +1,91 @@
+"""Decode fast paths: one protocol, and the one input builder every paged step uses.
+
+A pure decode step (one new token per sequence) has the same shape step after step, which
+two fast paths exploit: CUDA graphs replay recorded kernel launches (``cuda_graphs.py``), and
+on a CPU ahead-of-time compiled graphs run the whole step as generated code
+(``compiled_decode.py``). Both need *static* shapes, so both pad a batch up to a fixed row
+count, and both implement ``DecodeFastPath``: the paged runner asks ``supports(chunks)`` and,
+if so, calls ``run(chunks, block_tables)`` instead of the eager model.
+
+**The padding rule** lives here, once (``pad_decode_rows``, ``pad_table_rows``): a padding row
+decodes token 0 at position 0, writes its K/V into the pool's *null block* (slot
+``null_block * block_size``), attends over a context of one token, and its block table is all
+null blocks — so it never reads or writes a real sequence's K/V. Released block-table entries
+(behind a sliding window) become the null block too (``kvcache/addressing.py``).
+
+``flat_inputs`` lays out any step's chunks — the paged runner's ragged steps as well as the
+fast paths' decode rows — so token ids, positions and slots are computed one way everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from minillm.kvcache import addressing
+from minillm.runtime.block_table_rows import BlockTableRows
+from minillm.runtime.runner import ChunkInput
+
+
+class DecodeFastPath(Protocol):
+    """A static-shape path for pure decode steps (``DecodeGraphs``, ``CompiledDecode``)."""
+
+    def supports(self, chunks: list[ChunkInput]) -> bool:
+        """Whether ``run`` takes this step: pure decode, at most the largest static row count."""
+
+    def run(self, chunks: list[ChunkInput], block_tables: BlockTableRows) -> torch.Tensor:
+        """Logits ``[len(chunks), vocab]`` (``block_tables``: the runner's persistent rows)."""
+
+
+@dataclass
+class FlatInputs:
+    """A step's tokens laid out flat, chunk after chunk (plain lists; the caller makes tensors)."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)  # tokens per chunk
+    context_lens: list[int] = field(default_factory=list)  # tokens each chunk's sequence has after this step
+
+
+def flat_inputs(chunks: list[ChunkInput], block_size: int) -> FlatInputs:
+    """Token ids, positions and pool slots of ``chunks``, in order."""
+    out = FlatInputs()
+    for c in chunks:
+        n = c.num_tokens
+        out.input_ids.extend(c.token_ids)
+        out.positions.extend(range(c.start, c.start + n))
+        out.slot_mapping.extend(addressing.slot_mapping(c.block_table, c.start, n, block_size))
+        out.query_lens.append(n)
+        out.context_lens.append(c.start + n)
+    return out
+
+
+def pad_decode_rows(chunks: list[ChunkInput], rows: int, block_size: int, null_block: int,
+                    write: bool = True) -> FlatInputs:  # fmt: skip
+    """The decode rows of ``chunks`` padded to ``rows`` rows by the padding rule (module
+    docstring). ``write=False``: the real rows write their K/V into the null block too (a
+    compile's example step, which must not touch the pool's real blocks)."""
+    if not all(c.is_decode for c in chunks):
+        raise ValueError("pad_decode_rows takes decode chunks only (one token each)")
+    if len(chunks) > rows:
+        raise ValueError(f"{len(chunks)} decode rows do not fit a static batch of {rows}")
+    out = flat_inputs(chunks, block_size)
+    null_slot = null_block * block_size
+    if not write:
+        out.slot_mapping = [null_slot] * len(chunks)
+    pad = rows - len(chunks)
+    out.input_ids += [0] * pad
+    out.positions += [0] * pad
+    out.slot_mapping += [null_slot] * pad
+    out.query_lens += [1] * pad
+    out.context_lens += [1] * pad
+    return out
+
+
+def pad_table_rows(tables: torch.Tensor, rows: int, null_block: int) -> torch.Tensor:
+    """``tables[n, width]`` with ``rows - n`` rows of null blocks appended."""
+    pad = torch.full((rows - tables.shape[0], tables.shape[1]), null_block, dtype=tables.dtype, device=tables.device)
+    return torch.cat([tables, pad])
