@@ -28,93 +28,49 @@ def _add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) -
         )
     else:
         g.add_argument("--model", default="smollm2-135m", help="short name or HF-format folder (default: smollm2-135m)")
-    g.add_argument("--dtype", default="auto", help="fp32 | bf16 | fp16 | auto (default: auto)")
-    g.add_argument("--device", default="auto", help="cpu | cuda | auto (default: auto)")
-    g.add_argument(
-        "--mode",
-        default="paged",
-        choices=["paged", "contiguous", "naive", "kv_cache"],
-        help="execution mode (kv_cache: old name of contiguous)",
-    )
-    g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
-    g.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
-    g.add_argument(
-        "--scheduling-policy", default="continuous", choices=["static", "dynamic", "continuous"], help="batching policy"
-    )
-    g.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (paged mode)")
-    g.add_argument(
-        "--kv-cache-memory",
-        type=_memory,
-        default=None,
-        help="KV pool size: bytes (2e9, 2GB, 1.5GiB) or a fraction of free memory (0.5, 50%%)",
-    )
-    g.add_argument(
-        "--compile",
-        default="auto",
-        choices=["auto", "on", "off"],
-        help="compiled CPU decode steps (auto: on for a paged CPU engine of a model with >= 64 MiB of weights; "
-        "the first start on a machine compiles for minutes, later starts load the graphs from the cache)",
-    )
-    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    g.add_argument("--no-chunked-prefill", action="store_true", help="prefill whole prompts in one step")
-    g.add_argument(
-        "--quantization",
-        default=None,
-        choices=["int8", "int4", "awq", "w8a8"],
-        help="quantized linear layers: weight-only int8/int4/awq, or int8 weights and activations (default: none)",
-    )
-    g.add_argument(
-        "--sparsity",
-        default=None,
-        choices=["2:4", "2:4-wanda"],
-        help="prune the decoder's linear layers to 2 of every 4 weights, by magnitude or Wanda scores (default: none)",
-    )
-    g.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=["auto", "int8", "fp8"],
-        help="KV pool storage (default: the model's dtype)",
-    )
-    g.add_argument(
-        "--quantization-group-size",
-        type=int,
-        default=None,
-        help="int4 group size: 32 | 64 | 128 | 256 (default: the largest <= 128 that divides every layer)",
-    )
-    g.add_argument(
-        "--speculative-config",
-        type=_json_object,
-        default=None,
-        help='speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
-        '\'{"method": "draft", "model": "NAME_OR_PATH", "num_speculative_tokens": 4}\'',
-    )
-
-    g.add_argument(
-        "--tensor-parallel-size", type=int, default=1, help="split every layer over this many worker processes"
-    )
-    g.add_argument(
-        "--pipeline-parallel-size", type=int, default=1, help="split the layers into this many stages (processes)"
-    )
+    add_engine_flags(g)
 
 
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"not JSON ({err}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
+def _flag(f) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
-def _memory(text: str) -> int | float:
-    from minillm.config import parse_memory
+def _engine_fields():
+    """The ``EngineConfig`` fields that are command-line flags (their metadata says how)."""
+    import dataclasses
 
-    try:
-        return parse_memory(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+    from minillm.config import EngineConfig
+
+    return [f for f in dataclasses.fields(EngineConfig) if f.metadata.get("cli", False)]
+
+
+def _parser_of(parse):
+    """An argparse ``type`` from a config parser: its ``ValueError`` becomes a usage error."""
+
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    convert.__name__ = getattr(parse, "__name__", "value")  # argparse names it in "invalid <name> value"
+    return convert
+
+
+def add_engine_flags(group) -> None:
+    """One flag per ``EngineConfig`` field marked for the command line, generated from the
+    field's metadata (``minillm/config/engine.py::option``), so a new option needs no CLI code."""
+    for f in _engine_fields():
+        meta, flag = f.metadata, _flag(f)
+        if f.default is True:  # on by default: the flag turns it off
+            group.add_argument(flag, dest=f.name, action="store_false", help=meta["help"])
+        elif f.name == "compile":  # three states: auto (None), on, off
+            group.add_argument(flag, dest=f.name, default="auto", choices=meta["choices"], help=meta["help"])
+        else:
+            kind = _parser_of(meta["parse"]) if meta["parse"] else None
+            choices = list(meta["choices"]) if meta["choices"] else None
+            group.add_argument(flag, dest=f.name, default=f.default, type=kind, choices=choices, help=meta["help"],
+                               metavar=meta.get("metavar"))  # fmt: skip
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -147,27 +103,10 @@ def _sampling_params(args):
 
 
 def _engine_kwargs(args) -> dict:
-    return dict(
-        dtype=args.dtype,
-        device=args.device,
-        mode=args.mode,
-        max_model_len=args.max_model_len,
-        num_threads=args.threads,
-        max_num_seqs=args.max_num_seqs,
-        scheduling_policy=args.scheduling_policy,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        enable_prefix_caching=not args.no_prefix_caching,
-        enable_chunked_prefill=not args.no_chunked_prefill,
-        quantization=args.quantization,
-        quantization_group_size=args.quantization_group_size,
-        sparsity=args.sparsity,
-        kv_cache_dtype=args.kv_cache_dtype,
-        compile={"auto": None, "on": True, "off": False}[args.compile],
-        speculative_config=args.speculative_config,
-        tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-    )
+    """``EngineConfig`` keyword arguments from the parsed engine flags."""
+    out = {f.name: getattr(args, f.name) for f in _engine_fields()}
+    out["compile"] = {"auto": None, "on": True, "off": False}[out["compile"]]
+    return out
 
 
 def _llm(args):

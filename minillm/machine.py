@@ -44,3 +44,11 @@ def machine_tag(machine: dict) -> str:
     on two machines must not overwrite each other."""
     name = machine.get("gpu") or machine.get("cpu") or "cpu"
     return "".join(ch if ch.isalnum() else "_" for ch in name).strip("_")
+
+
+def triton_available() -> bool:
+    """Whether the ``triton`` package is installed (its kernels then run on CUDA, or on the CPU
+    in Triton's interpreter). A probe of this environment, not a setting."""
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None

@@ -37,7 +37,7 @@ def solo(llm):
 def assert_clean(llm):
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.block_manager.num_used_blocks == 0
-    assert not llm._mailboxes
+    assert llm.client.num_open == 0
     llm.engine.block_manager.check_invariants()
 
 

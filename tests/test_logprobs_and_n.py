@@ -238,7 +238,7 @@ def test_a_stream_of_n_samples_ends_after_the_last(llm):
     deltas = list(llm.stream(PROMPT, SamplingParams(n=2, seed=4, **SAMPLED)))
     assert {d.index for d in deltas} == {0, 1} and deltas[-1].request_finished
     assert sum(d.finish_reason is not None for d in deltas) == 2
-    assert not llm._mailboxes and not llm.engine.requests
+    assert llm.client.num_open == 0 and not llm.engine.requests
 
 
 def test_n_with_speculation(spec_llm, hamlet):

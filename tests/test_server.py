@@ -50,7 +50,7 @@ def assert_idle(server, timeout=10.0):
     deadline = time.monotonic() + timeout
     while True:
         busy = {
-            n: (len(e.engine.requests), e.engine.block_manager.num_used_blocks, len(e._sinks), e._pending)
+            n: (len(e.engine.requests), e.engine.block_manager.num_used_blocks, e.client.num_open, e._pending)
             for n, e in server.engines.items()
         }
         if all(v == (0, 0, 0, 0) for v in busy.values()):

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+import minillm.hooks as hooks
 from minillm.attention.paged import ReferencePagedStep, StaticDecodeStep
 from minillm.attention.torch_ref import attention, causal_mask
 from minillm.config import ATTENTION_BACKENDS, triton_available
@@ -37,11 +38,19 @@ from minillm.config import ATTENTION_BACKENDS, triton_available
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", bool, float], torch.Tensor]
 
 
+@hooks.reference("torch_attention")
 def torch_attention(q, k, v, mask, is_causal, scale):
+    """The ``torch`` backend's arithmetic (the readable reference); the backend calls it through
+    hook ``torch_attention``, where chapters 01 and 05 plug in their attention."""
     if is_causal and mask is None:
         t = q.shape[2]
         mask = causal_mask(torch.arange(k.shape[2] - t, k.shape[2], device=q.device).expand(q.shape[0], -1), k.shape[2])
     return attention(q, k, v, mask, scale)
+
+
+def hooked_torch_attention(q, k, v, mask, is_causal, scale):
+    """The ``torch`` backend's ``padded`` function: whatever hook ``torch_attention`` holds now."""
+    return hooks.torch_attention(q, k, v, mask, is_causal, scale)
 
 
 def sdpa_attention(q, k, v, mask, is_causal, scale):
@@ -84,7 +93,7 @@ def get_backend(name: str, decode_dtype: torch.dtype | None = None) -> Attention
     if name in ("sdpa", "cpu", "triton"):
         return AttentionBackend(name, sdpa_attention, decode_dtype)
     if name == "torch":
-        return AttentionBackend(name, torch_attention, decode_dtype)
+        return AttentionBackend(name, hooked_torch_attention, decode_dtype)
     raise ValueError(f"attention_backend={name!r}; expected one of {ATTENTION_BACKENDS}")
 
 

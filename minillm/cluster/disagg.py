@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from minillm.config import ModelConfig
+from minillm.engine.client import EngineClient
 from minillm.inputs import InputProcessor
 from minillm.kvcache.block_manager import prompt_block_hashes
 from minillm.parallel.processes import START_TIMEOUT, STEP_TIMEOUT, WorkerGroup
@@ -188,6 +189,18 @@ class DisaggregatedLLM:
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass
+class _Request:
+    """A request in a worker: what the worker must remember about it (``data``), and the sink of
+    its deltas, which the worker reads from ``EngineClient.step``'s routed pairs instead."""
+
+    data: tuple
+
+    def put(self, item) -> None:
+        if isinstance(item, BaseException):  # only EngineClient.fail/close send these: not used here
+            raise item
+
+
 def _disagg_main(spec: DisaggSpec, rank: int, conn) -> None:
     from minillm.engine import LLMEngine
 
@@ -199,7 +212,7 @@ def _disagg_main(spec: DisaggSpec, rank: int, conn) -> None:
 
 def _prefill_loop(engine, conn) -> None:
     """Prefill each request (one token), then send its full blocks' K/V to the decode worker."""
-    pending: dict[int, tuple] = {}  # request id → (prompt ids, params, arrival)
+    client = EngineClient(engine)
     bs = engine.block_manager.block_size
     while True:
         if not engine.has_unfinished_requests():
@@ -211,15 +224,15 @@ def _prefill_loop(engine, conn) -> None:
                 return
             _, rid, ids, params, arrival = message
             try:
-                engine.add_request(ids, replace(params, max_tokens=1), request_id=rid, arrival_time=arrival)
+                client.add(ids, replace(params, max_tokens=1), _Request((ids, params, arrival)), request_id=rid,
+                           arrival_time=arrival)  # fmt: skip
             except (ValueError, TypeError) as err:  # refused: the engine and the other requests go on
                 conn.send(("refused", (rid, str(err))))
                 continue
-            pending[rid] = (ids, params, arrival)
-        for delta in engine.step():
+        for request, delta in client.step():
             if not delta.request_finished:
                 continue
-            ids, params, arrival = pending.pop(delta.request_id)
+            ids, params, arrival = request.data
             out = delta.output
             first_time = out.metrics.token_times[0]  # perf_counter: one clock for every process on this machine
             if params.max_tokens == 1 or out.finish_reason == "stop":  # done already: nothing to hand over
@@ -273,7 +286,7 @@ def _decode_loop(engine, conn) -> None:
 
     receiver = threading.Thread(target=receive, daemon=True, name="kv-receiver")
     receiver.start()
-    handed: dict[int, tuple] = {}
+    client = EngineClient(engine)
     while True:
         if conn.poll() and conn.recv()[0] == "stop":
             receiver.join(START_TIMEOUT)
@@ -295,17 +308,17 @@ def _decode_loop(engine, conn) -> None:
             engine.block_manager.release_imported(held)
             written = time.perf_counter()
             tail = replace(params, max_tokens=params.max_tokens - 1)
+            bytes_sent = 0 if k is None else k.nbytes + v.nbytes
+            request = _Request((ids, first, arrival, first_time, bytes_sent, written - sent))
             try:
-                engine.add_request(ids + [first], tail, request_id=rid, arrival_time=arrival)
+                client.add(ids + [first], tail, request, request_id=rid, arrival_time=arrival)
             except (ValueError, TypeError) as err:
                 conn.send(("refused", (rid, str(err))))
                 continue
-            bytes_sent = 0 if k is None else k.nbytes + v.nbytes
-            handed[rid] = (ids, first, arrival, first_time, bytes_sent, written - sent)
-        for delta in engine.step():
+        for request, delta in client.step():
             if not delta.request_finished:
                 continue
-            ids, first, arrival, first_time, bytes_sent, seconds = handed.pop(delta.request_id)
+            ids, first, arrival, first_time, bytes_sent, seconds = request.data
             out = delta.output
             times = [first_time] + list(out.metrics.token_times)
             conn.send(("done", DisaggregatedOutput(

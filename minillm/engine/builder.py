@@ -19,12 +19,13 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from minillm.attention.cpu_paged import kernel_unavailable_reason
-from minillm.config import EngineConfig, ModelConfig, triton_available
+from minillm.config import EngineConfig, ModelConfig, Where, check_compatible, refusal
 from minillm.engine.scheduler import Scheduler
 from minillm.kvcache.addressing import blocks_for, kv_bytes_per_token
 from minillm.kvcache.block_manager import BlockManager
 from minillm.kvcache.paged import PagedKVCache
 from minillm.kvcache.unpaged import NoBlockPool
+from minillm.machine import triton_available
 from minillm.models.llama import LlamaForCausalLM
 from minillm.runtime.compiled_decode import CompiledDecode
 from minillm.runtime.contiguous_runner import ContiguousRunner
@@ -48,6 +49,39 @@ class EngineParts:
     kv_cache: PagedKVCache | None = None
     graphs: DecodeFastPath | None = None  # the decode fast path, if any
     speculator: Speculator | NoSpeculation = field(default_factory=NoSpeculation)
+    resolved: Resolved | None = None  # what the engine's auto choices became
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A default decided for this engine, and why (truthy when on)."""
+
+    on: bool
+    reason: str
+
+    def __bool__(self) -> bool:
+        return self.on
+
+
+@dataclass
+class Resolved:
+    """What an engine actually runs, after every ``auto``/``None`` choice was made — so a
+    learner can print it (``LLMEngine.resolved``) rather than guess from the defaults."""
+
+    device: str
+    dtype: str
+    attention_backend: str
+    decode_attention_dtype: str  # what paged decode attention computes in
+    compile: bool
+    compile_reason: str
+    decode_fast_path: str  # "compiled (1, 8)", "cuda graphs", or "none (eager)"
+    kv_cache_dtype: str
+    num_kv_blocks: int | None  # the paged pool's, in this process (None: no pool here)
+
+    def __str__(self) -> str:
+        rows = [(k, getattr(self, k)) for k in self.__dataclass_fields__]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:{width}s}  {v}" for k, v in rows)
 
 
 def free_memory_bytes(device: torch.device) -> int | None:
@@ -73,8 +107,7 @@ def resolve_backend(config: EngineConfig, device: torch.device) -> str:
     read an 8-bit pool too), ``cpu`` for the paged engine on CPU with a plain pool (when its C++
     decode kernel builds here: else a warning, and ``sdpa``), else ``sdpa``."""
     if config.attention_backend == "cpu":
-        if device.type != "cpu":
-            raise ValueError(f"attention_backend='cpu' runs on the CPU, not on device {str(device)!r}")
+        check_compatible(config, Where(device.type, "cpu"))
         reason = kernel_unavailable_reason()
         if reason:
             raise RuntimeError(f"attention_backend='cpu': the C++ decode kernel did not build here ({reason})")
@@ -106,17 +139,40 @@ def build_engine_parts(
     """Configure ``model`` (backend, window, fast paths) and build what runs it."""
     device, dtype = model.device, model.dtype
     backend = resolve_backend(config, device)
+    check_compatible(config, Where(device.type, backend))  # the rules that needed the device and backend
     compile_by_choice = config.compile is not None  # else a default: a failed compile falls back to eager
+    decision = Decision(bool(config.compile), "asked for (compile=True)" if config.compile else "compile=False")
     if not compile_by_choice:
-        config = replace(config, compile=compile_by_default(config, model, backend))
-    model.set_attention_backend(backend, decode_attention_dtype(config, model_config, device, dtype))
+        decision = compile_by_default(config, model, backend)
+        config = replace(config, compile=decision.on)
+    attention_dtype = decode_attention_dtype(config, model_config, device, dtype)
+    model.set_attention_backend(backend, attention_dtype)
     model.sliding_window = window
     apply_weight_methods(config, model, device, dtype, tokenizer)
+
+    def resolved(graphs=None, num_blocks=None) -> Resolved:
+        compiled = isinstance(graphs, CompiledDecode)
+        if decision.on and not compiled and config.mode == "paged":  # a default compile that failed
+            decision_now = Decision(False, "the compile failed; running eagerly (see the warning)")
+        else:
+            decision_now = decision
+        return Resolved(
+            device=str(device),
+            dtype=str(dtype).removeprefix("torch."),
+            attention_backend=backend,
+            decode_attention_dtype=str(attention_dtype or dtype).removeprefix("torch."),
+            compile=decision_now.on,
+            compile_reason=decision_now.reason,
+            decode_fast_path=fast_path_name(graphs),
+            kv_cache_dtype=config.kv_cache_dtype,
+            num_kv_blocks=num_blocks,
+        )
+
     if config.mode != "paged":  # one static batch at a time, whole prompts, no pool to manage
         runner = NaiveRunner(model) if config.mode == "naive" else ContiguousRunner(model)
         unbounded = config.max_num_seqs * max_model_len
         scheduler = Scheduler(NoBlockPool(), "static", config.max_num_seqs, unbounded, enable_chunked_prefill=False)
-        return EngineParts(scheduler, runner, backend)
+        return EngineParts(scheduler, runner, backend, resolved=resolved())
     num_blocks = num_kv_blocks(config, model_config, max_model_len, device, dtype)  # after the weights loaded
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
     kv_cache = PagedKVCache(model_config, num_blocks, config.block_size, dtype, device, config.kv_cache_dtype)
@@ -124,7 +180,18 @@ def build_engine_parts(
     graphs = decode_fast_path(config, model, kv_cache, backend, max_model_len, window, compile_by_choice)
     runner = PagedRunner(model, kv_cache, window, graphs)
     speculator = build_speculator(config, model_config, tokenizer, device, dtype, max_model_len, num_blocks, backend)
-    return EngineParts(scheduler, runner, backend, block_manager, kv_cache, graphs, speculator)
+    parts = EngineParts(scheduler, runner, backend, block_manager, kv_cache, graphs, speculator)
+    parts.resolved = resolved(graphs, num_blocks)
+    return parts
+
+
+def fast_path_name(graphs) -> str:
+    """How pure decode steps run, in words."""
+    if isinstance(graphs, CompiledDecode):
+        return f"compiled {graphs.batch_sizes}"
+    if isinstance(graphs, DecodeGraphs):
+        return "cuda graphs" if graphs.capture else "static padded steps (cuda_graphs on a CPU)"
+    return "none (eager)"
 
 
 def paged_scheduler(config: EngineConfig, block_manager: BlockManager, window: int | None) -> Scheduler:
@@ -149,7 +216,7 @@ def build_parallel_parts(
     holds — so a block id means the same slot on every rank."""
     from minillm.layers.tensor_parallel import heads_of_rank, stage_layers
     from minillm.parallel.executor import DistributedRunner
-    from minillm.parallel.worker import ShardSpec
+    from minillm.parallel.worker import ShardSpec, shard_quantization
 
     device = config.resolve_device()
     dtype = config.resolve_dtype(model_config, device)
@@ -166,6 +233,10 @@ def build_parallel_parts(
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
     scheduler = paged_scheduler(config, block_manager, window)
     backend = resolve_backend(config, device)
+    check_compatible(config, Where(device.type, backend))
+    group = config.quantization_group_size
+    if config.quantization is not None:  # refused here, naming the layer and slice, not inside a worker
+        group = shard_quantization(model_config, tp, config.quantization, group)
     spec = ShardSpec(
         model_dir=str(model_dir),
         dtype=str(dtype).removeprefix("torch."),
@@ -181,13 +252,26 @@ def build_parallel_parts(
         pp_size=pp,
         num_microbatches=config.pipeline_microbatches or pp,
         threads=config.num_threads or max(1, (os.cpu_count() or 1) // config.world_size),
+        quantization=config.quantization,
+        quantization_group_size=group,
     )
     comm = "nccl" if device.type == "cuda" else "gloo"
     if launched_by_torchrun():
         runner = _join_torchrun(spec, comm)
     else:
         runner = DistributedRunner(spec, backend=comm)
-    return EngineParts(scheduler, runner, backend, block_manager)
+    resolved = Resolved(
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        attention_backend=backend,
+        decode_attention_dtype=str(dtype).removeprefix("torch."),
+        compile=False,
+        compile_reason=refusal(config, Where(device.type, backend), compile=True) or "not with parallel workers",
+        decode_fast_path="none (eager, in the workers)",
+        kv_cache_dtype=config.kv_cache_dtype,
+        num_kv_blocks=num_blocks,
+    )
+    return EngineParts(scheduler, runner, backend, block_manager, resolved=resolved)
 
 
 def launched_by_torchrun() -> bool:
@@ -310,22 +394,30 @@ def decode_attention_dtype(config: EngineConfig, model_config: ModelConfig, devi
 COMPILE_BY_DEFAULT_MIN_BYTES = 64 * 2**20
 
 
-def compile_by_default(config: EngineConfig, model, backend: str) -> bool:
+def compile_by_default(config: EngineConfig, model, backend: str) -> Decision:
     """``compile=None``: compile the paged engine's decode steps on CPU (their graphs are kept on
-    disk, so only the first start on a machine pays) unless something else owns the weights or the
-    decode step, the model is too small to repay the compile, or ``MINILLM_COMPILE=0``."""
+    disk, so only the first start on a machine pays) where the compatibility table allows
+    ``compile=True`` with the rest of the config, the weights are a kind measured faster compiled,
+    and the model is big enough to repay the compile — unless ``MINILLM_COMPILE=0``."""
     if os.environ.get("MINILLM_COMPILE", "1") == "0":
-        return False
+        return Decision(False, "MINILLM_COMPILE=0")
+    if config.mode != "paged":
+        return Decision(False, f"compile by default covers the paged engine's decode steps (mode={config.mode!r})")
+    if config.cuda_graphs:
+        return Decision(False, "cuda_graphs=True is this engine's decode fast path")
+    refused = refusal(config, Where(model.device.type, backend), compile=True)
+    if refused is not None:
+        return Decision(False, refused)
     # Every quantized method compiles (compile=True); on by default where measured faster than eager:
     # int8 and int4 (benchmarks/results/generate-int8-*, generate-int4-*). AWQ and W8A8: not measured.
-    quantized = config.quantization not in (None, "int8", "int4")
-    others = (config.sparsity, config.speculative, config.weight_offload)
-    if config.mode != "paged" or model.device.type != "cpu" or backend == "triton" or config.cuda_graphs:
-        return False
-    if quantized or any(other is not None for other in others) or config.world_size > 1:
-        return False
+    if config.quantization not in (None, "int8", "int4"):
+        return Decision(False, f"quantization={config.quantization!r} compiles when asked (compile=True) but "
+                               "is not measured faster compiled, so not by default")  # fmt: skip
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return weight_bytes >= COMPILE_BY_DEFAULT_MIN_BYTES
+    if weight_bytes < COMPILE_BY_DEFAULT_MIN_BYTES:
+        return Decision(False, f"{weight_bytes / 2**20:.0f} MiB of weights decode fast enough eagerly: a compile "
+                               f"is repaid only from {COMPILE_BY_DEFAULT_MIN_BYTES // 2**20} MiB")  # fmt: skip
+    return Decision(True, "the default for the paged CPU engine (compile=False turns it off)")
 
 
 def release_plain_weights(model) -> None:
@@ -343,12 +435,7 @@ def decode_fast_path(
     """Pure decode steps through CUDA graphs (CUDA + Triton) or compiled (CPU), else eager.
     ``compile_by_choice=False``: compiling is only the default, so if it fails (say, no C++
     compiler on this machine) the engine warns and runs eagerly instead of refusing to start."""
-    if config.compile:  # the paged engine's: validated
-        if kv_cache.k.device.type != "cpu" or backend == "triton":
-            raise ValueError(
-                "compile=True compiles the paged engine's decode step for the CPU; on CUDA the decode "
-                "fast path is cuda_graphs=True (with attention_backend='triton')"
-            )
+    if config.compile:  # the paged CPU engine's (the compatibility table refused the rest)
         compute_dtype = model.attention_backend.decode_dtype or kv_cache.dtype  # as StaticDecodeStep computes
         compiled = CompiledDecode(model, kv_cache, window, compute_dtype, config.compile_batch_sizes)
         try:
@@ -369,11 +456,6 @@ def decode_fast_path(
         wanted = kv_cache.k.device.type == "cuda" and backend == "triton"
     if not wanted:
         return None
-    if backend != "triton":
-        raise ValueError(
-            f"cuda_graphs=True needs attention_backend='triton' (got {backend!r}): the graph "
-            "replays the Triton decode kernels, whose shapes do not change between steps"
-        )
     graphs = DecodeGraphs(
         model, kv_cache, config.max_num_seqs, max_model_len, window, capture=kv_cache.k.device.type == "cuda"
     )

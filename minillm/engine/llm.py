@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Hashable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from minillm.engine.client import EngineClient
 from minillm.engine.llm_engine import LLMEngine
 from minillm.inputs import Prompt
 from minillm.outputs import RequestOutput, StreamDelta
@@ -51,7 +52,7 @@ class LLM:
         if "router_policy" in engine_args:
             raise ValueError(f"router_policy={engine_args['router_policy']!r} needs data_parallel_size > 1")
         self.engine = LLMEngine(model, **engine_args)
-        self._mailboxes: dict[Hashable, _Mailbox] = {}  # deltas waiting for their caller, by request
+        self.client = EngineClient(self.engine)  # each request's deltas into its own mailbox
 
     def close(self) -> None:
         """Stop a parallel engine's worker processes (``with LLM(...) as llm:`` does it too)."""
@@ -65,6 +66,7 @@ class LLM:
 
     # The engine's parts, for notebooks and tools.
     engine_config = property(lambda self: self.engine.engine_config)
+    resolved = property(lambda self: self.engine.resolved, doc="What the engine's auto choices became.")
     model = property(lambda self: self.engine.model)
     model_config = property(lambda self: self.engine.model_config)
     model_dir = property(lambda self: self.engine.model_dir)
@@ -117,10 +119,10 @@ class LLM:
             from tqdm.auto import tqdm
 
             progress = tqdm(total=len(seqs), desc="generating", unit="req")
-        self._submit(seqs, streaming=False)
+        boxes = self._submit(seqs, streaming=False)
         try:
-            for seq in seqs:  # each call steps the engine until this request's last delta arrives
-                while not self._next_delta(seq).request_finished:
+            for box in boxes:  # each call steps the engine until this request's last delta arrives
+                while not self._next_delta(box).request_finished:
                     pass  # another of its samples is still running
                 if progress is not None:
                     progress.update(1)
@@ -140,10 +142,10 @@ class LLM:
         ``request_finished``. Several streams (and ``generate`` calls) may run at
         once, interleaved in one thread or from several: each gets exactly its own deltas."""
         (seq,) = self._make_sequences([prompt], sampling_params)
-        self._submit([seq], streaming=True)
+        (box,) = self._submit([seq], streaming=True)
         try:
             while True:
-                delta = self._next_delta(seq)
+                delta = self._next_delta(box)
                 yield delta
                 if delta.request_finished:
                     return
@@ -154,56 +156,57 @@ class LLM:
     # Shared use: one engine loop, each request's deltas delivered to its own caller
     # ----------------------------------------------------------------------------------------
 
-    def _submit(self, seqs: list[Sequence], streaming: bool) -> None:
+    def _submit(self, seqs: list[Sequence], streaming: bool) -> list[_Mailbox]:
+        """Queue ``seqs``; each one's deltas will wait in the mailbox returned for it."""
         with self.engine._lock:
-            foreign = [rid for rid in self.engine.requests if rid not in self._mailboxes]
+            foreign = self.client.foreign_requests()
             if foreign:
                 raise RuntimeError(
                     f"the engine has requests added through llm.engine ({foreign[:3]}); LLM.generate/stream would "
                     "take their tokens: finish or abort them first, or drive llm.engine yourself"
                 )
-            for seq in seqs:
-                self.engine.enqueue(seq)
-                self._mailboxes[seq.request_id] = _Mailbox(seq, streaming)
+            boxes = [_Mailbox(seq, streaming) for seq in seqs]
+            for box in boxes:
+                self.client.submit(box.seq, box)
+            return boxes
 
-    def _next_delta(self, seq: Sequence) -> StreamDelta:
-        """``seq``'s next delta. When none is waiting, run one engine step, which may produce
-        deltas for every running request: each goes to its own request's mailbox."""
+    def _next_delta(self, box: _Mailbox) -> StreamDelta:
+        """The next delta of ``box``'s request. When none is waiting, run one engine step, which
+        may produce deltas for every running request: each goes to its own request's mailbox."""
+        seq = box.seq
         while True:
             with self.engine._lock:
-                box = self._mailboxes[seq.request_id]
                 if box.deltas:
-                    delta = box.deltas.popleft()
-                    if delta.request_finished:
-                        del self._mailboxes[seq.request_id]
-                    return delta
+                    return box.deltas.popleft()
                 if seq.request_finished:  # aborted from elsewhere (llm.engine.abort): its last word
-                    del self._mailboxes[seq.request_id]
+                    self.client.abort(seq.request_id)
                     text = seq.take_stream_text()
                     return StreamDelta(
                         seq.request_id, None, text, seq.finish_reason, seq.to_output(), request_finished=True
                     )
-                deltas = self.engine.step()
-                for delta in deltas:
-                    other = self._mailboxes.get(delta.request_id)
-                    if other is not None and (other.streaming or delta.finish_reason is not None):
-                        other.deltas.append(delta)
-            if not deltas:
+                routed = self.client.step()
+                for mailbox, delta in routed:
+                    mailbox.put(delta)
+            if not routed:
                 time.sleep(0.001)  # nothing could run yet (a dynamic batch filling up): don't spin
 
     def _cancel(self, seqs: list[Sequence]) -> None:
         with self.engine._lock:
             for seq in seqs:
-                self._mailboxes.pop(seq.request_id, None)
-                if seq.request_id in self.engine.requests:
-                    self.engine.abort(seq.request_id)
+                self.client.abort(seq.request_id)
 
 
 @dataclass
 class _Mailbox:
+    """One request's deltas, waiting for its caller (an ``EngineClient`` sink)."""
+
     seq: Sequence
     streaming: bool  # every delta is kept; otherwise only each sample's last (generate)
     deltas: deque[StreamDelta] = field(default_factory=deque)
+
+    def put(self, delta: StreamDelta) -> None:
+        if self.streaming or delta.finish_reason is not None:
+            self.deltas.append(delta)
 
 
 def _serve_replica(spec, rank: int, conn) -> None:

@@ -20,15 +20,17 @@ fast paths' decode rows — so token ids, positions and slots are computed one w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
-from minillm.kvcache import addressing
+import minillm.hooks as hooks
+from minillm.kvcache import addressing  # noqa: F401  (registers the reference of hook slot_mapping)
 from minillm.runtime.block_table_rows import BlockTableRows
 from minillm.runtime.runner import ChunkInput
 
 
+@runtime_checkable
 class DecodeFastPath(Protocol):
     """A static-shape path for pure decode steps (``DecodeGraphs``, ``CompiledDecode``)."""
 
@@ -57,7 +59,7 @@ def flat_inputs(chunks: list[ChunkInput], block_size: int) -> FlatInputs:
         n = c.num_tokens
         out.input_ids.extend(c.token_ids)
         out.positions.extend(range(c.start, c.start + n))
-        out.slot_mapping.extend(addressing.slot_mapping(c.block_table, c.start, n, block_size))
+        out.slot_mapping.extend(hooks.slot_mapping(c.block_table, c.start, n, block_size))
         out.query_lens.append(n)
         out.context_lens.append(c.start + n)
     return out

@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, Hashable
 from dataclasses import dataclass
 
 from minillm.engine import LLMEngine
+from minillm.engine.client import EngineClient
 from minillm.outputs import StreamDelta
 from minillm.sequence import Sequence
 
@@ -79,7 +80,7 @@ class AsyncEngine:
         self._pending = 0  # orders posted but not yet applied by the engine thread
         self._pending_adds = 0  # of which new requests (what counts as waiting)
         self._pending_lock = threading.Lock()
-        self._sinks: dict[Hashable, _Sink] = {}
+        self.client = EngineClient(engine)  # touched by the engine thread only
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._ids = itertools.count()
@@ -177,14 +178,12 @@ class AsyncEngine:
                 self._pending_adds -= kind == "add"
             if kind == "add":
                 try:
-                    self.engine.enqueue(item)
-                    self._sinks[item.request_id] = sink
+                    self.client.submit(item, sink)
                 except Exception as exc:  # noqa: BLE001 (an id clash: answer this request, keep serving)
                     sink.put(exc)
-            elif item in self._sinks:  # abort: the request may have finished meanwhile
-                self._sinks.pop(item)
-                if item in self.engine.requests:
-                    self.engine.abort(item)
+            else:  # abort: the request may have finished meanwhile (then nothing happens)
+                if self.client.owns(item):
+                    self.client.abort(item)
 
     def _run(self) -> None:
         engine = self.engine
@@ -197,37 +196,27 @@ class AsyncEngine:
                 if not engine.has_unfinished_requests():
                     continue
                 try:
-                    deltas = engine.step()
+                    routed = self.client.step()
                 except Exception as exc:  # noqa: BLE001
                     self._fail_all(exc)
                     continue
-                if not deltas:  # a dynamic batch still filling: don't spin at full speed
+                if not routed:  # a dynamic batch still filling: don't spin at full speed
                     time.sleep(0.001)
-                self._dispatch(deltas)
+                self._dispatch(routed)
         except BaseException as exc:  # noqa: BLE001 (the thread must not die silently)
             self.error = exc
             log.exception("engine thread for %s stopped", self.name)
-            self._fail_sinks(exc)
+            self.client.close(exc)
             return
         self._apply_orders()  # stopped: answer whoever is still waiting rather than leave them hanging
-        self._fail_sinks(EngineDead(f"the engine for {self.name!r} was stopped"))
+        self.client.close(EngineDead(f"the engine for {self.name!r} was stopped"))
 
-    def _fail_sinks(self, exc: BaseException) -> None:
-        for sink in self._sinks.values():
-            sink.put(exc)
-        self._sinks.clear()
-
-    def _dispatch(self, deltas: list[StreamDelta]) -> None:
+    def _dispatch(self, routed: list[tuple[_Sink, StreamDelta]]) -> None:
         """Hand one step's deltas to their requests' queues: one wake-up of each event loop per
         step (``call_soon_threadsafe`` writes to the loop's wake-up pipe), not one per request."""
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StreamDelta]]] = {}
-        for delta in deltas:
-            sink = self._sinks.get(delta.request_id)
-            if sink is None:
-                continue
+        for sink, delta in routed:
             batches.setdefault(sink.loop, []).append((sink.queue, delta))
-            if delta.request_finished:
-                del self._sinks[delta.request_id]
         for loop, items in batches.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
@@ -235,14 +224,8 @@ class AsyncEngine:
                 pass
 
     def _fail_all(self, exc: Exception) -> None:
-        """A step raised: fail every open request (a request that finished inside the failed
-        step is no longer in ``engine.requests`` but its client still waits), abort what is
-        left in the engine, and keep serving new requests."""
+        """A step raised: fail every open request, abort what is left in the engine, and keep
+        serving new requests."""
         self.num_steps_failed += 1
-        log.error("engine step failed for %s: %r; failing its %d open requests", self.name, exc, len(self._sinks))
-        for rid in list(self.engine.requests):
-            try:
-                self.engine.abort(rid)
-            except Exception:  # noqa: BLE001
-                log.exception("abort of %r after a failed step", rid)
-        self._fail_sinks(exc)
+        log.error("engine step failed for %s: %r; failing its %d open requests", self.name, exc, self.client.num_open)
+        self.client.fail(exc)

@@ -1,0 +1,105 @@
+"""The engine's option values, and the checks of values that are structured (speculation,
+quantization): each list here is the one place its choices are written down; ``EngineConfig``,
+the compatibility table and the command line all read them."""
+
+from __future__ import annotations
+
+import numbers
+import os
+from dataclasses import dataclass
+
+EXECUTION_MODES = ("paged", "contiguous", "naive")
+#: Old mode names that still work, with a deprecation warning.
+DEPRECATED_MODES = {"kv_cache": "contiguous"}
+SCHEDULING_POLICIES = ("static", "dynamic", "continuous")
+ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "cpu", "triton")
+QUANTIZATION_METHODS = ("int8", "int4", "awq", "w8a8")  # the linear-layer methods of minillm/quantization
+SPARSITY_METHODS = ("2:4", "2:4-wanda")  # 2:4 pruning by magnitude or by Wanda scores (quantization/sparsity.py)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # the paged pool's storage (minillm/kvcache/quantization.py)
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's CPU int4 kernel accepts
+INT4_METHODS = ("int4", "awq")  # the methods that store int4 groups
+
+
+
+SPECULATIVE_METHODS = ("draft", "ngram")
+
+
+@dataclass
+class SpeculativeConfig:
+    """A checked ``speculative_config``: who proposes (``method``), how many tokens per step."""
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None  # the draft model ("draft")
+    quantization: str | None = None  # the draft's weights ("draft"): e.g. "int8" — its LM head dominates a small draft
+    prompt_lookup_max: int = 4  # the longest n-gram matched ("ngram")
+    prompt_lookup_min: int = 1  # the shortest
+
+    KEYS = {
+        "draft": {"method", "model", "num_speculative_tokens", "quantization"},
+        "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
+    }
+
+    @classmethod
+    def from_dict(cls, raw) -> SpeculativeConfig | None:
+        """``None`` stays None; anything else is checked, every bad field named."""
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raise TypeError(f"speculative_config={raw!r} must be a dict (or None)")
+        method = raw.get("method")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method={method!r}: expected one of {SPECULATIVE_METHODS}")
+        unknown = sorted(set(raw) - cls.KEYS[method])
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown} for method {method!r}")
+        if "num_speculative_tokens" not in raw:
+            raise ValueError("speculative_config needs num_speculative_tokens (the k tokens proposed per step)")
+        check_int("speculative_config num_speculative_tokens", raw["num_speculative_tokens"], 1)
+        if raw["num_speculative_tokens"] > 16:
+            raise ValueError(f"speculative_config num_speculative_tokens={raw['num_speculative_tokens']} is above 16")
+        config = cls(method, raw["num_speculative_tokens"])
+        if method == "draft":
+            if not isinstance(raw.get("model"), (str, os.PathLike)) or not str(raw.get("model")):
+                raise ValueError("speculative_config method='draft' needs model=NAME_OR_PATH (the draft model)")
+            config.model = str(raw["model"])
+            if raw.get("quantization") is not None:
+                try:
+                    check_quantization(raw["quantization"], None)
+                except ValueError as err:
+                    raise ValueError(f"speculative_config {err}") from None
+                config.quantization = raw["quantization"]
+        else:
+            for key in ("prompt_lookup_max", "prompt_lookup_min"):
+                if key in raw:
+                    check_int(f"speculative_config {key}", raw[key], 1)
+                    setattr(config, key, raw[key])
+            if config.prompt_lookup_min > config.prompt_lookup_max:
+                raise ValueError(
+                    f"speculative_config prompt_lookup_min={config.prompt_lookup_min} is above "
+                    f"prompt_lookup_max={config.prompt_lookup_max}"
+                )
+        return config
+
+
+def check_quantization(method: str | None, group_size: int | None) -> None:
+    """A weight-quantization method and group size the engine supports, else ``ValueError``
+    naming the option (checked before any weight is touched)."""
+    if method is None:
+        return
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization={method!r}: expected one of {QUANTIZATION_METHODS} (or None)")
+    if method in INT4_METHODS and group_size is not None and group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"quantization_group_size={group_size!r}: int4 groups must be one of {INT4_GROUP_SIZES}")
+
+
+def check_int(name: str, value, minimum: int, optional: bool = False) -> None:
+    """``ValueError`` naming ``name`` unless ``value`` is an int >= ``minimum`` (or None if optional)."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # numpy ints are integers too
+        raise ValueError(f"{name}={value!r} must be an integer" + (" or None" if optional else ""))
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}")
+
+

@@ -1,0 +1,52 @@
+"""The decode fast paths' one protocol and one input builder (runtime/fast_path.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minillm.runtime.compiled_decode import CompiledDecode
+from minillm.runtime.cuda_graphs import DecodeGraphs
+from minillm.runtime.fast_path import DecodeFastPath, flat_inputs, pad_decode_rows, pad_table_rows
+from minillm.runtime.runner import ChunkInput
+
+BS, NULL = 4, 9
+
+
+def _decode(rid, token, start, table):
+    return ChunkInput(rid, [token], start, 1, table)
+
+
+def test_flat_inputs_lay_out_every_chunk_in_order():
+    chunks = [ChunkInput("a", [5, 6, 7], 2, 1, [3, 4]), _decode("b", 8, 5, [1, 2])]
+    flat = flat_inputs(chunks, BS)
+    assert flat.input_ids == [5, 6, 7, 8]
+    assert flat.positions == [2, 3, 4, 5]
+    assert flat.slot_mapping == [3 * BS + 2, 3 * BS + 3, 4 * BS + 0, 2 * BS + 1]
+    assert flat.query_lens == [3, 1] and flat.context_lens == [5, 6]
+
+
+def test_padding_rows_touch_only_the_null_block():
+    chunks = [_decode("a", 11, 6, [2, 7]), _decode("b", 12, 0, [5])]
+    rows = pad_decode_rows(chunks, 4, BS, NULL)
+    assert rows.input_ids == [11, 12, 0, 0]
+    assert rows.positions == [6, 0, 0, 0]
+    assert rows.slot_mapping == [7 * BS + 2, 5 * BS, NULL * BS, NULL * BS]
+    assert rows.context_lens == [7, 1, 1, 1] and rows.query_lens == [1, 1, 1, 1]
+    silent = pad_decode_rows(chunks, 2, BS, NULL, write=False)  # a compile's example step writes nothing real
+    assert silent.slot_mapping == [NULL * BS, NULL * BS]
+    tables = pad_table_rows(torch.tensor([[2, 7], [5, NULL]]), 4, NULL)
+    assert tables.tolist() == [[2, 7], [5, NULL], [NULL, NULL], [NULL, NULL]]
+
+
+def test_the_builder_refuses_what_is_not_a_static_decode_batch():
+    with pytest.raises(ValueError, match="decode chunks only"):
+        pad_decode_rows([ChunkInput("a", [1, 2], 0, 1, [0])], 2, BS, NULL)
+    with pytest.raises(ValueError, match="3 decode rows do not fit a static batch of 2"):
+        pad_decode_rows([_decode(i, 1, 0, [0]) for i in range(3)], 2, BS, NULL)
+
+
+def test_both_fast_paths_are_decode_fast_paths():
+    for cls in (DecodeGraphs, CompiledDecode):
+        assert {"supports", "run"} <= set(vars(cls)), cls
+    assert issubclass(DecodeGraphs, DecodeFastPath) and issubclass(CompiledDecode, DecodeFastPath)
