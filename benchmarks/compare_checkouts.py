@@ -89,6 +89,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--bench", nargs="+", choices=sorted(BENCHES), default=["generate", "serving"])
     parser.add_argument("--generate-args", default="--repeats 3", help="extra arguments for bench_generate.py")
     parser.add_argument("--serving-args", default="", help="extra arguments for bench_serving.py")
+    parser.add_argument("--decode-args", default="", help="extra arguments for bench_decode_step.py")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
     checkouts = {"baseline": args.baseline.resolve(), "candidate": args.candidate.resolve()}
@@ -99,7 +100,7 @@ def main(argv=None) -> dict:
         for r in range(args.rounds):
             order = list(checkouts) if r % 2 == 0 else list(reversed(checkouts))
             for bench in args.bench:
-                extra = {"generate": args.generate_args, "serving": args.serving_args}.get(bench, "").split()
+                extra = {"generate": args.generate_args, "serving": args.serving_args, "decode": args.decode_args}[bench].split()
                 for name in order:
                     print(f"round {r + 1}, {bench}, {name}", flush=True)
                     for key, value in run_one(checkouts[name], bench, extra, log).items():

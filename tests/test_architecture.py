@@ -110,7 +110,7 @@ def test_no_import_cycles_in_the_package():
 #: The floors of the house, bottom up (docs/architecture.md). A package may import its own floor
 #: and the floors below; every arrow that runs up is listed in UPWARD_ARROWS with its reason.
 FLOORS = [
-    {"errors", "machine", "outputs", "bench_llamacpp"},
+    {"errors", "machine", "outputs", "bench_llamacpp", "hooks"},
     {"config", "tokenizer", "sampling", "assets", "metrics"},
     {"sequence", "inputs", "workloads", "layers", "kv_head_pooling"},
     {"kvcache"},
@@ -155,7 +155,11 @@ def test_imports_only_go_down_the_floors():
 
 
 def test_config_is_pure_data():
-    assert not {d for d in _module_imports()["minillm.config"] if not d.startswith("minillm.errors")}
+    graph = _module_imports()
+    config = {m for m in graph if m == "minillm.config" or m.startswith("minillm.config.")}
+    assert len(config) >= 5
+    outside = {d for m in config for d in graph[m] if d not in config}
+    assert outside <= {"minillm.errors", "minillm.machine"}, outside
 
 
 def _names_used(function) -> set[str]:
@@ -205,13 +209,32 @@ def test_fused_loader_fills_shards_and_names_bad_shapes():
         Linear(4, 6, shards={"q": 2, "k": 2, "v": 2}, tp_dim=0, tp_rank=0, tp_size=4)
 
 
+class _RecordingGroup:
+    """One rank's tensor-parallel group, in one process: records what its layer all-reduces and
+    hands it back unchanged (the test adds the ranks' partial sums itself)."""
+
+    def __init__(self, rank: int, size: int):
+        self.tp_rank, self.tp_size, self.reduced = rank, size, []
+
+    def all_reduce(self, x):
+        self.reduced.append(x.clone())
+        return x
+
+    def all_reduce_max(self, x):
+        return x
+
+
 @pytest.mark.parametrize("tp_dim", [0, 1])
 def test_tensor_parallel_slices_reproduce_the_full_layer(tp_dim):
     gen = torch.Generator().manual_seed(0)
     shards = {"gate": 6, "up": 6} if tp_dim == 0 else None
     full_w, full_b = torch.randn(12, 8, generator=gen), torch.randn(12, generator=gen)
     full = Linear(8, 12, bias=True, shards=shards)
-    parts = [Linear(8, 12, bias=True, shards=shards, tp_dim=tp_dim, tp_rank=r, tp_size=2) for r in range(2)]
+    groups = [_RecordingGroup(r, 2) for r in range(2)]
+    parts = [
+        Linear(8, 12, bias=True, shards=shards, tp_dim=tp_dim, tp_rank=r, tp_size=2, parallel=groups[r])
+        for r in range(2)
+    ]
     for layer in [full, *parts]:
         if shards:  # the checkpoint stores gate and up separately; each rank takes its half of each
             for name, rows in (("gate", slice(0, 6)), ("up", slice(6, 12))):
@@ -229,9 +252,47 @@ def test_tensor_parallel_slices_reproduce_the_full_layer(tp_dim):
             up = torch.cat([o[:, 3:] for o in outs], 1)
             got = torch.cat([gate, up], 1)
         else:  # row parallel: each rank multiplies its input columns; the partial sums add up
-            got = sum(p(x[:, r * 4 : (r + 1) * 4]) for r, p in enumerate(parts))
+            partials = [p(x[:, r * 4 : (r + 1) * 4]) for r, p in enumerate(parts)]
+            got = sum(partials)
     torch.testing.assert_close(got, expected)
     assert parts[0].weight.shape == ((6, 8) if tp_dim == 0 else (12, 4))
+    # a row-parallel layer all-reduces its own partial sum, once per call; a column-parallel one never
+    assert [len(g.reduced) for g in groups] == ([1, 1] if tp_dim == 1 else [0, 0])
+    if tp_dim == 1:
+        assert all(torch.equal(g.reduced[0], out) for g, out in zip(groups, partials))
+
+
+def test_a_row_parallel_layer_needs_its_group():
+    with pytest.raises(ValueError, match="row-parallel layer .* needs parallel="):
+        Linear(8, 12, tp_dim=1, tp_rank=0, tp_size=2)
+    with pytest.raises(ValueError, match="row-parallel layer .* needs parallel="):
+        Linear(8, 12, tp_dim=1, tp_rank=1, tp_size=2, parallel=_RecordingGroup(0, 2))  # another rank's group
+
+
+def test_a_fused_tensor_saved_whole_goes_into_its_shards():
+    layer = Linear(4, 6, bias=True, shards={"q": 2, "k": 2, "v": 2})
+    layer.weight_loader("bias", torch.arange(6.0))
+    assert layer.bias.tolist() == [0, 1, 2, 3, 4, 5]
+    with pytest.raises(ValueError, match=r"has 5 rows, expected the 6"):
+        layer.weight_loader("bias", torch.zeros(5))
+    with pytest.raises(ValueError, match="is not a tensor of a 'plain' layer"):
+        layer.weight_loader("qweight", torch.zeros(6, 4, dtype=torch.int8))
+
+
+def test_a_tied_embedding_reads_its_rows_through_the_head():
+    from minillm.layers.embedding import Embedding
+
+    embed, head = Embedding(10, 4), Linear(4, 10)
+    with torch.no_grad():
+        embed.weight.copy_(torch.randn(10, 4, generator=torch.Generator().manual_seed(0)))
+    head.weight = embed.weight
+    ids = torch.tensor([[3, 0, 9]])
+    want = embed(ids)
+    embed.read_rows_from(head)  # no module swapped: the same embedding, reading through the head's seam
+    assert embed.weight is None and not list(embed.parameters())
+    assert torch.equal(embed(ids), want)
+    with pytest.raises(ValueError, match="holds vocabulary rows range\\(0, 12\\)"):
+        Embedding(10, 4).read_rows_from(Linear(4, 12))
 
 
 def test_weight_bytes_are_the_bytes_held(tiny_model):
@@ -339,3 +400,145 @@ def test_kv_cache_mode_is_a_deprecated_name_for_contiguous(tiny_model):
         new = LLM(tiny_model, dtype="fp32", mode="contiguous")
     prompts = ["ROMEO.\nBut soft", "JULIET.\nO"]
     assert [o.token_ids for o in old.generate(prompts, GREEDY)] == [o.token_ids for o in new.generate(prompts, GREEDY)]
+
+
+# ------------------------------------------------------------------------------------------
+# The course and the visualisations use the engine's public surface only
+# ------------------------------------------------------------------------------------------
+
+#: IPython's display protocol: names IPython itself looks up on an object (``_repr_mimebundle_``
+#: of a widget's bundle, extended by viz/display.py), not private names of the engine.
+IPYTHON_PROTOCOL = {"_repr_mimebundle_", "_ipython_display_", "_render_traceback_", "_repr_html_"}
+#: What the course and the visualisations hold of an engine: assigning an attribute reached
+#: through one of these swaps a part of a live engine (use hooks.override or an engine method).
+ENGINE_HANDLES = {"llm", "engine", "model", "runner", "scheduler", "speculator", "block_manager", "kv_cache", "draft"}
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _names_in(node: ast.AST) -> set[str]:
+    """Every name and attribute name an expression mentions (``a.b[c].d`` → a, b, c, d)."""
+    names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+    return names | {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+
+
+def _imported_bindings(tree: ast.AST) -> set[str]:
+    """Names a module binds by importing (modules and classes), at any depth of the file."""
+    bound = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return bound
+
+
+def public_surface_violations(source: str) -> list[str]:
+    """What in ``source`` (a course or viz module) reaches past the engine's public surface:
+
+    - reading or assigning a private attribute (``x._y``; dunders and IPython's display protocol
+      are fine) of anything but ``self`` / ``cls``;
+    - ``getattr`` / ``hasattr`` / ``setattr`` / ``delattr`` with a private name, and ``setattr`` /
+      ``delattr`` at all unless on ``self`` with a public literal name (a dynamic attribute write
+      can patch anything — ``_patched(obj, name, value)`` did);
+    - importing a private name, or a private module of minillm (a third-party private module,
+      such as torch.utils._python_dispatch for TorchDispatchMode, is that library's contract);
+    - assigning or deleting an attribute of an imported module or class (monkeypatching), or of
+      a live engine's parts (``llm.model.attention_backend = ...``, ``engine.clock = ...``).
+    """
+    tree = ast.parse(source)
+    imported = _imported_bindings(tree)
+    found = []
+    for node in ast.walk(tree):
+        where = f"line {getattr(node, 'lineno', '?')}: "
+        if isinstance(node, ast.Attribute) and _is_private(node.attr) and node.attr not in IPYTHON_PROTOCOL:
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.append(where + f"private attribute {ast.unparse(node)}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            fn, args = node.func.id, node.args
+            name = args[1].value if len(args) > 1 and isinstance(args[1], ast.Constant) else None
+            if fn in ("getattr", "hasattr", "setattr", "delattr") and isinstance(name, str) and _is_private(name):
+                found.append(where + f"{fn} with the private name {name!r}")
+            elif fn in ("setattr", "delattr"):
+                on_self = args and isinstance(args[0], ast.Name) and args[0].id == "self"
+                if not (on_self and isinstance(name, str)):
+                    found.append(where + f"dynamic attribute write {ast.unparse(node)}")
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            private = [a.name for a in node.names if _is_private(a.name)]
+            if private:
+                found.append(where + f"imports private {private} from {module}")
+            if module.startswith("minillm") and any(_is_private(p) for p in module.split(".")):
+                found.append(where + f"imports from the private module {module}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("minillm") and any(_is_private(p) for p in alias.name.split(".")):
+                    found.append(where + f"imports the private module {alias.name}")
+        targets = []
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for target in targets:
+            for attr in [t for t in ast.walk(target) if isinstance(t, ast.Attribute)]:
+                if not isinstance(attr.ctx, (ast.Store, ast.Del)):
+                    continue
+                root = attr.value.id if isinstance(attr.value, ast.Name) else None
+                if root in imported:
+                    found.append(where + f"patches {ast.unparse(attr)} (an imported module or class)")
+                elif _names_in(attr.value) & ENGINE_HANDLES:
+                    found.append(where + f"swaps {ast.unparse(attr)} of a live engine")
+    return found
+
+
+def test_the_public_surface_rule_catches_each_way_round_it():
+    """Each way the checks once reached into the engine is caught (so the rule can fail)."""
+    cases = {
+        "bm._take_free_block()": "private attribute",
+        "saved = getattr(obj, '_unref')": "getattr with the private name",
+        "setattr(obj, name, value)": "dynamic attribute write",
+        "from minillm.course.checks import _patched": "imports private",
+        "import minillm.kvcache._internal": "private module",
+        "import minillm.models.llama as llama\nllama.heads_of_rank = fn": "patches llama.heads_of_rank",
+        "from minillm.kvcache import ContiguousKVCache\nContiguousKVCache.write = spy": "patches",
+        "import torch.distributed as dist\ndist.all_reduce = counting": "patches dist.all_reduce",
+        "llm.model.attention_backend = backend": "swaps llm.model.attention_backend",
+        "engine.clock, engine.runner = clock, timed": "swaps engine.clock",
+        "del speculator.verify": "swaps speculator.verify",
+    }
+    for source, reason in cases.items():
+        found = public_surface_violations(source)
+        assert found and reason in found[0], (source, found)
+    allowed = (
+        "self._now = now\ncls._cache = {}\nbundle = super()._repr_mimebundle_(**kw)\nerr.__cause__\n"
+        "getattr(fn, '__name__', '')\nsetattr(self, 'value', 1)\nfigure.layout.title = 'x'\n"
+        "from torch.utils._python_dispatch import TorchDispatchMode\nwith hooks.override(block_hash=fn): pass"
+    )
+    assert public_surface_violations(allowed) == []
+
+
+@pytest.mark.parametrize("package", ["course", "viz"])
+def test_course_and_viz_touch_no_private_name_and_patch_nothing(package):
+    """A check plugs a learner's function in through ``minillm.hooks`` and reads the engine
+    through its public methods (``LLMEngine.stats``, ``simulated_time``...), so reorganising
+    the engine's insides cannot silently unplug a chapter."""
+    files = sorted((PACKAGE / package).glob("*.py"))
+    assert len(files) > 5
+    found = [f"{path.name} {v}" for path in files for v in public_surface_violations(path.read_text())]
+    assert not found, "\n".join(found)
+
+
+def test_engine_code_calls_hooks_through_the_module():
+    """``from minillm.hooks import block_hash`` would freeze the function at import: an override
+    would never reach that caller (minillm/hooks.py's module docstring)."""
+    import minillm.hooks as hooks
+
+    frozen = []
+    for name, path in _module_names().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "minillm.hooks":
+                frozen += [f"{name}: {a.name}" for a in node.names if a.name in hooks.points()]
+            if isinstance(node, ast.ImportFrom) and node.module == "minillm":
+                if "hooks" in {a.name for a in node.names}:
+                    frozen.append(f"{name}: from minillm import hooks (runs the package's __init__: import minillm.hooks)")
+    assert not frozen, frozen

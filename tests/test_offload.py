@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from minillm import LLM, SamplingParams
-from minillm.layers.offload import evict_page_cache, is_memory_mapped, memory_map_weights, stream_layers
+from minillm.layers import PLAIN
+from minillm.layers.offload import (
+    OffloadMethod,
+    evict_page_cache,
+    is_memory_mapped,
+    memory_map_weights,
+    stream_layers,
+)
 from minillm.models import load_model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -38,11 +45,41 @@ def test_streamed_layers_hold_weights_on_the_host_and_give_the_same_logits(tiny_
     model = load_model(tiny_model, torch.float32)
     ids = [5, 9, 14, 3, 22]
     want = _logits(model, ids)
-    handles = stream_layers(model, "cpu")
-    assert len(handles) == 2 * len(model.layers)
+    before = {id(layer.weight) for layer in model.linear_layers()}
+    layers = stream_layers(model, "cpu")
+    assert len(layers) == 4 * len(model.layers)  # qkv, o, gate_up, down: the head stays resident
+    assert all(isinstance(layer.method, OffloadMethod) and layer.method.inner is PLAIN for layer in layers)
+    assert {id(layer.weight) for layer in layers} <= before  # the same parameters, their data on the host
+    assert all(layer.weight.data_ptr() == layer.host_tensors["weight"].data_ptr() for layer in layers)
     torch.testing.assert_close(_logits(model, ids), want, atol=0, rtol=0)
-    for h in handles:
-        h.remove()
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_offloading_wraps_a_quantized_method_too(tiny_model, tmp_path, method):
+    """Offloading is a weight method around the layer's own: quantized storage streams from the
+    host, or maps from a file, and computes exactly what it computes resident."""
+    from minillm.quantization import quantize_model
+
+    def quantized():
+        model = load_model(tiny_model, torch.float32)
+        quantize_model(model, method, 32 if method == "int4" else None)
+        return model
+
+    ids = [5, 9, 14, 3, 22]
+    streamed, mapped = quantized(), quantized()
+    want = _logits(streamed, ids)
+    inner = type(streamed.layers[0].mlp.down_proj.method)
+    layers = stream_layers(streamed, "cpu")
+    assert all(isinstance(layer.method, OffloadMethod) and isinstance(layer.method.inner, inner) for layer in layers)
+    assert layers[0].method.name == f"{method}, offloaded"
+    torch.testing.assert_close(_logits(streamed, ids), want, atol=0, rtol=0)
+    path = tmp_path / "q.pt"
+    memory_map_weights(mapped, path)
+    held = [t for layer in mapped.linear_layers() for t in layer.held_by_name().values()]
+    assert held and all(is_memory_mapped(t, path) for t in held)  # int8/int4 tensors included
+    torch.testing.assert_close(_logits(mapped, ids), want, atol=0, rtol=0)
+    evict_page_cache(mapped, path)
+    torch.testing.assert_close(_logits(mapped, ids), want, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("offload", ["host", "disk"])
@@ -60,8 +97,11 @@ def test_offload_refuses_packed_or_quantized_weights(tiny_model):
     if not prepack_available(torch.float32):
         pytest.skip("no oneDNN prepacking on this CPU")
     model.layers[0].mlp.down_proj.set_method(CPUPrepackMethod())
-    with pytest.raises(ValueError, match="cpu_prepack=False"):
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.down_proj uses 'cpu_prepack' storage.*cpu_prepack=False"):
         stream_layers(model, "cpu")
+    assert model.layers[0].attn.qkv_proj.method is PLAIN  # checked before any layer changed
+    with pytest.raises(ValueError, match="cpu_prepack=False"):
+        memory_map_weights(model, "/nonexistent/never-written.pt")
     with pytest.raises(ValueError, match="weight_offload='disk' cannot be combined with quantization"):
         LLM(tiny_model, weight_offload="disk", quantization="int8")
     with pytest.raises(ValueError, match="expected 'host', 'disk'"):

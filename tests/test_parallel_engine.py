@@ -195,7 +195,7 @@ def test_close_stops_the_workers(tiny_model):
         (dict(pipeline_parallel_size=3), "pipeline_parallel_size=3 exceeds the model's 2 layers"),
         (dict(tensor_parallel_size=0), "tensor_parallel_size=0 must be >= 1"),
         (dict(tensor_parallel_size=2, mode="contiguous"), "needs mode='paged'"),
-        (dict(tensor_parallel_size=2, quantization="int8"), "quantization='int8' cannot be combined"),
+        (dict(tensor_parallel_size=2, quantization="awq"), "quantization='awq' cannot be combined"),  # int8/int4 run
         (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
          "speculative_config=.* cannot be combined"),
     ],

@@ -291,6 +291,36 @@ def test_saved_quantized_checkpoint_loads_bit_identical(tmp_path, method, group)
         LLM(out, dtype="fp32", quantization="int8")
 
 
+@pytest.mark.parametrize("method,group", [("int8", None), ("int4", 32)])
+def test_a_quantized_checkpoint_loads_through_each_layers_loader(tiny_models, tmp_path, method, group):
+    """Qwen2's fused q/k/v bias, saved whole, goes into its shards; the saved tensors enter the
+    layers through ``weight_loader`` (each layer given its saved method first), bit-identical to
+    the model quantized in memory; a misshapen saved tensor is named with both shapes."""
+    from safetensors.torch import load_file, save_file
+
+    from minillm.course import forward_logits
+    from minillm.errors import ModelLoadError
+    from minillm.models.loader import load_model
+    from minillm.quantization import quantize_model
+    from minillm.quantization.checkpoint import save_quantized
+
+    folder = tiny_models["qwen2_bias"]
+    out = save_quantized(load_model(folder), folder, tmp_path / method, method, group, "fp32")
+    loaded, in_memory = load_model(out), load_model(folder)
+    quantize_model(in_memory, method, group)
+    qkv = loaded.layers[0].attn.qkv_proj
+    assert qkv.method.name == method and qkv.weight is None and qkv.saved_arrived is None
+    assert torch.equal(qkv.bias, in_memory.layers[0].attn.qkv_proj.bias)
+    assert loaded.embed_tokens.reads_from_head  # tied: its float table was never read
+    ids = [5, 9, 14, 3, 22]
+    assert torch.equal(forward_logits(loaded, ids), forward_logits(in_memory, ids))
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors[f"layers.1.mlp.down_proj.{'scales' if method == 'int8' else 'int4_min'}"] = torch.zeros(3)
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"tensor 'layers\.1\.mlp\.down_proj\.\w+' has shape \(3,\), expected"):
+        load_model(out)
+
+
 def test_a_quantized_checkpoint_missing_a_scale_is_refused_by_name(tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -304,7 +334,8 @@ def test_a_quantized_checkpoint_missing_a_scale_is_refused_by_name(tmp_path):
     tensors = load_file(str(out / "model.safetensors"))
     del tensors["layers.0.mlp.down_proj.scales"]
     save_file(tensors, str(out / "model.safetensors"))
-    with pytest.raises(ModelLoadError, match="missing tensor 'layers.0.mlp.down_proj.scales'"):
+    missing = r"incomplete quantized checkpoint, 1 tensor\(s\) missing: layers.0.mlp.down_proj.scales"
+    with pytest.raises(ModelLoadError, match=missing):
         LLM(out, dtype="fp32")
 
 
@@ -368,13 +399,15 @@ def test_a_tied_model_embeds_from_its_int8_head_and_holds_no_float_copy():
     """The tied embedding is the head matrix: once the head is int8, the embedding reads its rows
     (dequantized) instead of keeping a float copy — SmolLM2-135M int4-g64 then holds 88 MB,
     27% of bf16's 326 MB (measured; bench_quant reports it)."""
-    from minillm.quantization.int8 import TiedInt8Embedding
+    from minillm.layers.embedding import Embedding
 
     llm = LLM("tiny-shakespeare-8m", dtype="fp32", quantization="int4")
     embed, head = llm.model.embed_tokens, llm.model.lm_head
-    assert isinstance(embed, TiedInt8Embedding) and not list(embed.parameters())
+    # the same embedding module, reading its rows through the head's int8 method: nothing swapped
+    assert type(embed) is Embedding and embed.reads_from_head and not list(embed.parameters())
     ids = torch.tensor([[0, 5, 17, 300]])
     assert torch.equal(embed(ids), dequantize_int8(head.qweight, head.scales)[ids])
+    assert torch.equal(embed(ids), head.method.embedding_rows(head, ids))
     plain = LLM("tiny-shakespeare-8m", dtype="fp32", cpu_prepack=False).model
     vocab, hidden = plain.config.vocab_size, plain.config.hidden_size
     decoder = sum(m.weight.numel() for m in plain.linear_layers() if m is not plain.lm_head)

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
+import minillm.hooks as hooks
 from minillm.attention.layout import KVPool, StepLayout
 from minillm.attention.torch_ref import attention, causal_mask
 from minillm.kvcache.addressing import blocks_for
-from minillm.kvcache.quantization import dequantize_kv, quantize_kv
+from minillm.kvcache.quantization import dequantize_kv
 
 
 @dataclass
@@ -87,13 +88,14 @@ def write_kv(
         return k, v
     stored = []
     for new, slots, scales in ((k, pool.k_slots, pool.k_scales), (v, pool.v_slots, pool.v_scales)):
-        q, scale = quantize_kv(new, pool.kv_cache_dtype)
+        q, scale = hooks.quantize_kv(new, pool.kv_cache_dtype)  # chapter 07's exercise plugs in here
         slots[layer].index_copy_(0, slot_mapping, q)
         scales[layer].index_copy_(0, slot_mapping, scale)
         stored.append(dequantize_kv(q, scale, new.dtype))
     return stored[0], stored[1]
 
 
+@hooks.reference("gather_kv")  # the attention steps below call it through the hook (chapter 03's exercise)
 def gather_kv(
     pool: KVPool, layer: int, block_tables: torch.Tensor, by_slot: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,7 +185,7 @@ class ReferencePagedStep:
                 vs = v[span.start : span.end].transpose(0, 1).unsqueeze(0)
                 o = self.attention_fn(qs, ks, vs, span.mask, span.mask is None and span.end - span.start > 1, scale)
             else:  # continuing a prefix that is already in the pool
-                ks, vs = gather_kv(self.pool, layer, span.block_table)
+                ks, vs = hooks.gather_kv(self.pool, layer, span.block_table)
                 ks, vs = ks[:, :, : span.context_len], vs[:, :, : span.context_len]
                 o = self.attention_fn(qs, ks, vs, span.mask, False, scale)
             out[span.start : span.end] = o[0].transpose(0, 1)
@@ -200,7 +202,7 @@ class ReferencePagedStep:
         return out
 
     def _decode_bucket(self, q: torch.Tensor, layer: int, bucket: DecodeBucket, scale: float) -> torch.Tensor:
-        ks, vs = gather_kv(self.pool, layer, bucket.block_tables)  # [B, KV, S, D]
+        ks, vs = hooks.gather_kv(self.pool, layer, bucket.block_tables)  # [B, KV, S, D]
         if bucket.length is not None:  # equal lengths (always so for one sequence): no mask needed,
             ks, vs = ks[:, :, : bucket.length], vs[:, :, : bucket.length]  # and fused kernels run faster
         q = q.unsqueeze(2)
@@ -230,7 +232,7 @@ class StaticDecodeStep:
         """``q[1, B, H, D]``, ``k, v[1, B, KV, D]`` (one new token per row) → ``[1, B, H, D]``."""
         q, k, v = q[0], k[0], v[0]
         write_kv(self.pool, layer, self.layout.slot_mapping, k, v)
-        ks, vs = gather_kv(self.pool, layer, self.layout.block_tables, by_slot=True)
+        ks, vs = hooks.gather_kv(self.pool, layer, self.layout.block_tables, by_slot=True)
         dtype = self.compute_dtype
         o = attention(q.unsqueeze(2).to(dtype), ks.to(dtype), vs.to(dtype), self.mask, scale)
         return o.to(q.dtype).squeeze(2)[None]

@@ -14,9 +14,10 @@ import math
 
 import torch
 
+import minillm.hooks as hooks
+from minillm.course.compare import compare_tensors, compare_tokens
 from minillm.course.helpers import forward_logits
 from minillm.course.results import CheckFailed, check
-from minillm.kvcache import ContiguousKVCache
 
 DEFAULT_MODEL = "tiny-shakespeare-1m"
 PROMPT = "ROMEO.\nBut soft, what light"
@@ -41,17 +42,6 @@ def _reference_tokens(model: str, steps: int = STEPS) -> list[int]:
     return llm.generate([_prompt_ids(llm)], SamplingParams(max_tokens=steps, ignore_eos=True))[0].token_ids
 
 
-def _int_cases(fn, name: str, cases, arg_names: tuple[str, ...]) -> None:
-    """Unit cases of a function that returns an int: ``cases`` are ``(*args, expected, why)``."""
-    for *args, expected, why in cases:
-        got = fn(*args)
-        if not isinstance(got, int) or isinstance(got, bool):
-            raise CheckFailed(f"{name} should return an int, got {type(got).__name__}: {got!r}")
-        if got != expected:
-            call = ", ".join(f"{a}={v}" for a, v in zip(arg_names, args))
-            raise CheckFailed(f"{name}({call}) returned {got}, expected {expected}: {why}")
-
-
 def _refuse_prompt_echo(got, prompt: list[int], steps: int, what: str) -> None:
     """Returning prompt + new tokens is the commonest slip: say so instead of "token 0 differs"."""
     if isinstance(got, list) and len(got) == len(prompt) + steps and got[: len(prompt)] == prompt:
@@ -59,53 +49,6 @@ def _refuse_prompt_echo(got, prompt: list[int], steps: int, what: str) -> None:
             f"{what} returned {len(got)} tokens: the {len(prompt)} prompt tokens followed by the {steps} new "
             "ones. Return only the new tokens"
         )
-
-
-def _compare_tokens(got, expected: list[int], what: str, hint: str) -> None:
-    if not isinstance(got, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in got):
-        raise CheckFailed(f"{what} should return a list of Python ints, got {type(got).__name__}: {got!r:.80}")
-    for i, (a, b) in enumerate(zip(got, expected)):
-        if a != b:
-            raise CheckFailed(
-                f"{what}: token {i} is {a}, the reference engine produced {b} (first {i} tokens agree). Hint: {hint}"
-            )
-    if len(got) != len(expected):
-        raise CheckFailed(f"{what} returned {len(got)} tokens, expected {len(expected)}. Hint: {hint}")
-
-
-def _compare_tensors(got, expected: torch.Tensor, what: str, atol: float = 1e-5, nan_hint: str = "") -> None:
-    if not isinstance(got, torch.Tensor):
-        raise CheckFailed(f"{what} should be a torch.Tensor, got {type(got).__name__}")
-    if tuple(got.shape) != tuple(expected.shape):
-        raise CheckFailed(f"{what} has shape {tuple(got.shape)}, expected {tuple(expected.shape)}")
-    if got.dtype != expected.dtype:
-        raise CheckFailed(f"{what} has dtype {got.dtype}, expected {expected.dtype}")
-    got_f, exp_f = got.detach().float().cpu(), expected.detach().float().cpu()
-    bad = ~torch.isfinite(got_f) & torch.isfinite(exp_f)
-    if bool(bad.any()):
-        where = tuple(int(i) for i in torch.nonzero(bad)[0])
-        raise CheckFailed(
-            f"{what} has {got_f[where].item()} at index {where} (and {int(bad.sum()) - 1} more non-finite values) "
-            f"where the reference is {exp_f[where].item():.5g}" + (f". Hint: {nan_hint}" if nan_hint else "")
-        )
-    diff = (got_f - exp_f).abs().nan_to_num(0.0)
-    worst = float(diff.max()) if diff.numel() else 0.0
-    if worst > atol:
-        where = tuple(int(i) for i in torch.nonzero(diff == worst)[0])
-        raise CheckFailed(
-            f"{what} differs from the reference by up to {worst:.3g} at index {where}: "
-            f"got {got_f[where].item():.5g}, expected {exp_f[where].item():.5g}"
-        )
-
-
-@contextlib.contextmanager
-def _patched(obj, name: str, value):
-    saved = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, saved)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,7 +100,7 @@ def check_generate_naive(generate_naive, model: str = DEFAULT_MODEL) -> str:
     got = generate_naive(llm.model, list(ids), STEPS)
     expected = _reference_tokens(model)
     _refuse_prompt_echo(got, ids, STEPS, "generate_naive")
-    _compare_tokens(
+    compare_tokens(
         got,
         expected,
         "generate_naive",
@@ -215,7 +158,7 @@ _NAN_HINT = (
 
 
 def _attention_adapter(causal_attention):
-    """Fit a learner's MHA function ``f(q, k, v)`` into the engine's backend signature (GQA → MHA)."""
+    """Fit a learner's MHA function ``f(q, k, v)`` into hook ``torch_attention``'s signature (GQA → MHA)."""
 
     def backend(q, k, v, mask, is_causal, scale):
         group = q.shape[1] // k.shape[1]
@@ -236,20 +179,13 @@ def check_causal_attention(causal_attention, model: str = DEFAULT_MODEL) -> str:
         for mistake, hint in _attention_mistakes(q, k, v):
             if torch.allclose(got, mistake, atol=1e-5):
                 raise CheckFailed(hint)
-    _compare_tensors(got, expected, "causal_attention(q, k, v) with T = S = 5", nan_hint=_NAN_HINT)
+    compare_tensors(got, expected, "causal_attention(q, k, v) with T = S = 5", nan_hint=_NAN_HINT)
     llm = _engine(model, "naive")
-    from minillm.attention import AttentionBackend
+    from minillm import SamplingParams
 
-    saved = llm.model.attention_backend
-    llm.model.attention_backend = AttentionBackend("learner", _attention_adapter(causal_attention))
-    try:
-        from minillm import SamplingParams
-
-        ids = _prompt_ids(llm)
-        got_tokens = llm.generate([ids], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
-    finally:
-        llm.model.attention_backend = saved
-    _compare_tokens(
+    with hooks.override(torch_attention=_attention_adapter(causal_attention)):  # every layer's attention
+        got_tokens = llm.generate([_prompt_ids(llm)], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
+    compare_tokens(
         got_tokens,
         _reference_tokens(model, 16),
         "the model running your attention",
@@ -264,27 +200,21 @@ def check_causal_attention(causal_attention, model: str = DEFAULT_MODEL) -> str:
 
 
 @contextlib.contextmanager
-def _learner_cache(kv_write=None, kv_read=None):
-    """Route the engine's contiguous cache through the learner's write/read functions."""
-    original_write, original_read = ContiguousKVCache.write, ContiguousKVCache.read
+def _forward_passes(model):
+    """The ``(first position, tokens)`` of every forward pass of ``model`` that runs against a KV
+    cache, in order (a PyTorch forward pre-hook: nothing of the model is replaced)."""
+    passes: list[tuple[int, int]] = []
 
-    def write(self, layer, positions, k, v, same_start=None):
-        if same_start is None:
-            return original_write(self, layer, positions, k, v, same_start)
-        b = positions.shape[0]
-        kv_write(self.k_layers[layer][:b], self.v_layers[layer][:b], k, v, same_start)
+    def record(module, args):
+        batch = args[0]
+        if batch.cache is not None:
+            passes.append((int(batch.positions[0, 0]), batch.positions.shape[1]))
 
-    def read(self, layer, batch, length):
-        return kv_read(self.k_layers[layer][:batch], self.v_layers[layer][:batch], length)
-
-    if kv_write is not None:
-        ContiguousKVCache.write = write
-    if kv_read is not None:
-        ContiguousKVCache.read = read
+    handle = model.register_forward_pre_hook(record)
     try:
-        yield
+        yield passes
     finally:
-        ContiguousKVCache.write, ContiguousKVCache.read = original_write, original_read
+        handle.remove()
 
 
 def _cached_tokens(model: str, steps: int = STEPS) -> list[int]:
@@ -314,11 +244,11 @@ def check_kv_write(kv_write, model: str = DEFAULT_MODEL) -> str:
             f"new keys landed at positions {written_k}, expected [5, 6] (start=5, two new tokens). "
             "Hint: positions start..start+T-1, along the sequence axis (dim 2)"
         )
-    _compare_tensors(k_cache[:, :, 5:7], k_new, "k_cache[:, :, 5:7] after kv_write")
-    _compare_tensors(v_cache[:, :, 5:7], v_new, "v_cache[:, :, 5:7] after kv_write")
-    with _learner_cache(kv_write=kv_write):
+    compare_tensors(k_cache[:, :, 5:7], k_new, "k_cache[:, :, 5:7] after kv_write")
+    compare_tensors(v_cache[:, :, 5:7], v_new, "v_cache[:, :, 5:7] after kv_write")
+    with hooks.override(kv_write=kv_write):  # every cache write of a prefill or an equal-length decode
         got = _cached_tokens(model)
-    _compare_tokens(
+    compare_tokens(
         got,
         _reference_tokens(model),
         "the engine writing through your kv_write",
@@ -337,16 +267,16 @@ def check_kv_read(kv_read, model: str = DEFAULT_MODEL) -> str:
     k, v = got
     if isinstance(k, torch.Tensor) and k.shape[2] == 6:
         raise CheckFailed("kv_read returned 6 positions for length=7: off by one (use [:length], not [:length-1])")
-    _compare_tensors(k, k_cache[:, :, :7], "keys returned by kv_read(..., length=7)")
-    _compare_tensors(v, v_cache[:, :, :7], "values returned by kv_read(..., length=7)")
+    compare_tensors(k, k_cache[:, :, :7], "keys returned by kv_read(..., length=7)")
+    compare_tensors(v, v_cache[:, :, :7], "values returned by kv_read(..., length=7)")
     if k.data_ptr() != k_cache.data_ptr():
         raise CheckFailed(
             "kv_read copied the cache: return a view (slicing), so a decode step does not copy "
             "the whole history every time"
         )
-    with _learner_cache(kv_read=kv_read):
+    with hooks.override(kv_read=kv_read):  # every attention layer's read of the cache
         got_tokens = _cached_tokens(model)
-    _compare_tokens(
+    compare_tokens(
         got_tokens,
         _reference_tokens(model),
         "the engine reading through your kv_read",
@@ -360,19 +290,8 @@ def check_generate_cached(generate_cached, model: str = DEFAULT_MODEL) -> str:
     """``generate_cached(model, prompt_ids, max_new_tokens)``: prefill once, then one token per step."""
     llm = _engine(model, "contiguous")
     ids = _prompt_ids(llm)
-    calls: list[tuple[int, int]] = []
-    original = ContiguousKVCache.write
-
-    def spy(self, layer, positions, k, v, same_start=None):
-        if layer == 0:
-            calls.append((int(positions[0, 0]), positions.shape[1]))
-        return original(self, layer, positions, k, v, same_start)
-
-    ContiguousKVCache.write = spy
-    try:
+    with _forward_passes(llm.model) as calls:
         got = generate_cached(llm.model, list(ids), STEPS)
-    finally:
-        ContiguousKVCache.write = original
     _refuse_prompt_echo(got, ids, STEPS, "generate_cached")
     if not calls:
         raise CheckFailed(
@@ -406,7 +325,7 @@ def check_generate_cached(generate_cached, model: str = DEFAULT_MODEL) -> str:
                 f"decode step {step} ran at position {start}, expected {expected_pos}. Hint: the token "
                 "you feed sits at position len(prompt) + (tokens generated before it) - 1"
             )
-    _compare_tokens(
+    compare_tokens(
         got,
         _reference_tokens(model),
         "generate_cached",

@@ -8,7 +8,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from minillm.course.checks import _compare_tensors, _compare_tokens, _int_cases, _patched
+import minillm.hooks as hooks
+from minillm.course.compare import compare_tensors, compare_tokens, int_cases
 from minillm.course.results import CheckFailed, check
 
 VARIANT_MODEL = "tiny-shakespeare-8m"  # GQA: 8 query heads share 4 K/V heads
@@ -75,7 +76,7 @@ def check_gqa_attention(gqa_attention, model: str = VARIANT_MODEL) -> str:
                     "query heads are matched to the wrong K/V heads: query head h shares K/V head h // G "
                     "(heads 0..G-1 → K/V head 0), not h % KV"
                 )
-        _compare_tensors(got, expected, f"gqa_attention with {heads} query heads and {kv_heads} K/V heads")
+        compare_tensors(got, expected, f"gqa_attention with {heads} query heads and {kv_heads} K/V heads")
         if heads != kv_heads and watch.copied_by:
             raise CheckFailed(
                 f"with {heads} query heads on {kv_heads} K/V heads, your function made a copy of K/V {heads // kv_heads}× "
@@ -95,11 +96,9 @@ def check_gqa_attention(gqa_attention, model: str = VARIANT_MODEL) -> str:
     ids = llm.tokenizer.encode("KING.\nNow is the winter of our discontent")
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     expected_tokens = llm.generate([ids], params)[0].token_ids
-    from minillm.attention import AttentionBackend
-
-    llm.model.attention_backend = AttentionBackend("learner", backend)
-    got_tokens = llm.generate([ids], params)[0].token_ids
-    _compare_tokens(
+    with hooks.override(torch_attention=backend):  # every layer's attention
+        got_tokens = llm.generate([ids], params)[0].token_ids
+    compare_tokens(
         got_tokens,
         expected_tokens,
         "the 8M model (8 query heads, 4 K/V heads) on your attention",
@@ -132,9 +131,8 @@ def check_window_release(blocks_behind_window, model: str = VARIANT_MODEL) -> st
         (100, 16, 16, 5, "the next query (position 100) sees 85..100: blocks 0-4 (positions 0-79) are behind it"),
         (0, 4, 4, 0, "an empty sequence has nothing to release"),
     ]
-    _int_cases(blocks_behind_window, "blocks_behind_window", cases, ("num_computed_tokens", "window", "block_size"))
+    int_cases(blocks_behind_window, "blocks_behind_window", cases, ("num_computed_tokens", "window", "block_size"))
     from minillm import LLM, SamplingParams
-    from minillm.kvcache import block_manager as bm_module
 
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     prompts = ["KING.\nNow is the winter of our discontent", "ROMEO.\nBut soft, what light"]
@@ -142,21 +140,11 @@ def check_window_release(blocks_behind_window, model: str = VARIANT_MODEL) -> st
         o.token_ids for o in LLM(model, dtype="fp32", mode="naive", sliding_window=12).generate(prompts, params)
     ]
     llm = LLM(model, dtype="fp32", attention_backend="torch", sliding_window=12, block_size=4)
-    peak = []
-    original = bm_module.BlockManager.release_behind_window
-
-    def release(self, seq, window):
-        released = original(self, seq, window)
-        peak.append(self.num_used_blocks)
-        return released
-
-    with (
-        _patched(bm_module, "blocks_behind_window", blocks_behind_window),
-        _patched(bm_module.BlockManager, "release_behind_window", release),
-    ):
+    with hooks.override(blocks_behind_window=blocks_behind_window):  # the block manager's release after every step
         outputs = llm.generate(prompts, params)
+    peak = [record.blocks_used for record in llm.engine.step_records]  # each step's, after its release
     for n, (out, ref) in enumerate(zip(outputs, expected_tokens)):
-        _compare_tokens(
+        compare_tokens(
             out.token_ids,
             ref,
             f"request {n} with a 12-token window on your release",
@@ -203,7 +191,7 @@ def check_online_softmax(online_softmax_update) -> str:
     m, l_sum, acc = _tiled_softmax_attention(online_softmax_update, scores, v, block=8)
     expected_m = scores.max(-1).values
     expected_l = torch.exp(scores - expected_m[:, None]).sum(-1)
-    _compare_tensors(m, expected_m, "the running max m after the last tile")
+    compare_tensors(m, expected_m, "the running max m after the last tile")
     l_right = torch.allclose(l_sum, expected_l, rtol=1e-4)
     if l_right and torch.allclose(acc / l_sum[:, None], torch.softmax(scores, -1) @ v, atol=1e-5):
         return "your online softmax, fed 3 tiles of 8 keys, gives exactly softmax(scores) @ V — without ever holding a whole row"
@@ -248,7 +236,7 @@ def check_flash_kernel(flash_forward) -> str:
                 raise CheckFailed(
                     "the kernel ignores causality: hide keys at positions after each query's (offs_n > q_pos → -inf)"
                 )
-        _compare_tensors(
+        compare_tensors(
             got,
             expected,
             f"your kernel's output for T={t}, S={s}, causal={causal}",

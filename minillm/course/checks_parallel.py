@@ -22,8 +22,10 @@ import textwrap
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from minillm.course.results import CheckFailed, _LearnerRaised, check
+import minillm.hooks as hooks
+from minillm.course.results import CheckFailed, LearnerRaised, check
 
 TIMEOUT_S = 120.0  # per run of the ranks: spawning and loading take seconds, a hang is cut off
 
@@ -113,20 +115,31 @@ def _mlp(x, gate, up, down) -> torch.Tensor:
     return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
 
 
+class _AllReduceWatch(TorchDispatchMode):
+    """Sees every all-reduce the learner's code makes, however it is spelled (``dist.all_reduce``,
+    ``torch.distributed.all_reduce``, a process group's own method): each reaches PyTorch's
+    dispatcher as the ``c10d.allreduce_`` operator. Nothing is replaced; the shapes are recorded."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "allreduce" in str(func):
+            tensors = args[0] if args and isinstance(args[0], (list, tuple)) else args[:1]
+            self.shapes += [tuple(t.shape) for t in tensors if isinstance(t, torch.Tensor)]
+        return func(*args, **(kwargs or {}))
+
+
 def _tp_mlp_rank(rank, world, source, name, x, gate, up, down) -> dict:
-    """One rank: count the all-reduces (wrapped in ``torch.distributed`` itself, so every spelling
-    of the call is seen) and return what the learner's function returned."""
-    real, shapes = dist.all_reduce, []
-
-    def all_reduce(tensor, *args, **kwargs):
-        shapes.append(tuple(tensor.shape))
-        return real(tensor, *args, **kwargs)
-
-    dist.all_reduce = all_reduce
+    """One rank: run the learner's function, counting its all-reduces, and return what it
+    returned — as a numpy array, which travels to the parent by value: a tensor would be shared
+    through a file descriptor that the rank, exiting, may close before the parent reads it."""
     fn = _as_learner(_learner_fn, source, name)
-    out = _as_learner(fn, x.clone(), gate.clone(), up.clone(), down.clone(), rank, world)
-    tensor = out.detach().clone() if isinstance(out, torch.Tensor) else None
-    return {"out": tensor, "type": type(out).__name__, "all_reduces": shapes}
+    with _AllReduceWatch() as watch:
+        out = _as_learner(fn, x.clone(), gate.clone(), up.clone(), down.clone(), rank, world)
+    array = out.detach().float().cpu().numpy() if isinstance(out, torch.Tensor) else None
+    return {"out": array, "type": type(out).__name__, "all_reduces": watch.shapes}
 
 
 def _diagnose_mlp(results: list[dict], ref: torch.Tensor, partial: list[torch.Tensor]) -> None:
@@ -213,6 +226,8 @@ def check_tp_mlp(tp_mlp) -> str:
         "columns down[:, lo:hi] (its input dimension)"
     )
     results = _ranks(_tp_mlp_rank, WORLD, source, tp_mlp.__name__, x, gate, up, down, hints={"shapes": hint})
+    for res in results:
+        res["out"] = None if res["out"] is None else torch.from_numpy(res["out"])
     _diagnose_mlp(results, ref, partial)
     nbytes = TOKENS * HIDDEN * 4
     return (
@@ -321,7 +336,7 @@ def _check_impossible(heads_of_rank, nh: int, nkv: int, tp: int) -> None:
     for r in range(tp):
         try:
             out = heads_of_rank(nh, nkv, r, tp)
-        except _LearnerRaised as err:
+        except LearnerRaised as err:
             if isinstance(err.__cause__, ValueError):
                 continue
             raise
@@ -346,7 +361,6 @@ def _greedy(model, prompt: list[int], steps: int) -> list[int]:
 
 def _kv_tokens_rank(rank, world, source, name, folder, prompt, steps):
     """One rank: build this rank's shard with the learner's head split in the model, then decode."""
-    import minillm.models.llama as llama
     from minillm.layers.tensor_parallel import ParallelContext
     from minillm.models.loader import load_model
 
@@ -356,8 +370,8 @@ def _kv_tokens_rank(rank, world, source, name, folder, prompt, steps):
         q, kv = (list(h) for h in _as_learner(fn, *args))
         return range(q[0], q[-1] + 1), range(kv[0], kv[-1] + 1)
 
-    llama.heads_of_rank = heads_of_rank
-    model = load_model(folder, torch.float32, "cpu", 64, parallel=ParallelContext(tp_rank=rank, tp_size=world))
+    with hooks.override(heads_of_rank=heads_of_rank):  # every attention layer's shard
+        model = load_model(folder, torch.float32, "cpu", 64, parallel=ParallelContext(tp_rank=rank, tp_size=world))
     tokens = _greedy(model, prompt, steps)
     return tokens if rank == 0 else None
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from minillm.course.checks import _compare_tokens, _patched
+import minillm.hooks as hooks
+from minillm.course.compare import compare_tokens
 from minillm.course.results import CheckFailed, check
 
 QUANT_MODEL = "tiny-shakespeare-8m"  # trained here in fp32: quantization error is its own, not inherited
@@ -156,22 +157,21 @@ def check_quantize_per_channel(quantize_per_channel, model: str = QUANT_MODEL) -
     from minillm import LLM
     from minillm.assets import heldout_text
     from minillm.evaluation import perplexity
-    from minillm.quantization import int8 as int8_module
 
     _check_int8_values(quantize_per_channel, _int8_test_weight())
     _check_int8_values(quantize_per_channel, torch.randn(64, 32, generator=torch.Generator().manual_seed(8)) * 0.02)
 
     calls = []
 
-    def learner_quantize(weight):  # what Int8Method.process_weights calls for every layer
+    def learner_quantize(weight):  # hook quantize_int8: what Int8Method.process_weights calls for every layer
         calls.append(tuple(weight.shape))
         q, scale = quantize_per_channel(weight)
         return q, scale.float()
 
-    with _patched(int8_module, "quantize_int8", learner_quantize):
+    with hooks.override(quantize_int8=learner_quantize):
         learner = LLM(model, dtype="fp32", quantization="int8")
     if not calls:
-        raise RuntimeError("the engine's int8 layers no longer call minillm.quantization.int8.quantize_int8")
+        raise RuntimeError("the engine's int8 layers no longer call hook quantize_int8")
     reference = LLM(model, dtype="fp32", quantization="int8")
     plain = LLM(model, dtype="fp32")
     ids = plain.tokenizer.encode(heldout_text())[:1025]
@@ -182,7 +182,7 @@ def check_quantize_per_channel(quantize_per_channel, model: str = QUANT_MODEL) -
             f"{ppl['int8']:.2f} (fp32: {ppl['fp32']:.2f}): more than 0.5% apart"
         )
     for n, (got, ref) in enumerate(zip(_tokens(learner), _tokens(reference))):
-        _compare_tokens(got, ref, f"prompt {n} on your int8 weights", "compare your q and scale with quantize_int8's")
+        compare_tokens(got, ref, f"prompt {n} on your int8 weights", "compare your q and scale with quantize_int8's")
     fp32_mb, int8_mb = plain.model_config.num_params * 4 / 1e6, learner.model.weight_bytes() / 1e6
     return (
         f"your int8 quantizer ran on all {len(calls)} linear layers of the {model.split('-')[-1].upper()} model "
@@ -318,14 +318,14 @@ def check_pack_int4(pack_int4, unpack_int4, model: str = QUANT_MODEL) -> str:
     folder = resolve_model(model)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "int4"
-        with _patched(ckpt, "pack_int4", pack_int4):  # write the checkpoint with your packing
+        with hooks.override(pack_int4=pack_int4):  # write the checkpoint with your packing
             ckpt.save_quantized(load_model(folder, torch.bfloat16), folder, out, "int4", dtype="bf16")
-        with _patched(ckpt, "unpack_int4", unpack_int4):  # and read it back with your unpacking
+        with hooks.override(unpack_int4=unpack_int4):  # and read it back with your unpacking
             learner = LLM(str(out), dtype="bf16")
         size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     reference = LLM(model, dtype="bf16", quantization="int4")
     for n, (got, ref) in enumerate(zip(_tokens(learner), _tokens(reference))):
-        _compare_tokens(got, ref, f"prompt {n} on the checkpoint you packed", "compare pack/unpack with the layout")
+        compare_tokens(got, ref, f"prompt {n} on the checkpoint you packed", "compare pack/unpack with the layout")
     full = (folder / "model.safetensors").stat().st_size
     return (
         f"an int4 checkpoint of the {model.split('-')[-1].upper()} model written with your pack_int4 and read back "
@@ -423,14 +423,13 @@ def _check_kv(fn, x: torch.Tensor, label: str) -> None:
 def check_quantize_kv(quantize_kv_on_write, model: str = QUANT_MODEL) -> str:
     """``quantize_kv_on_write(x[tokens, kv_heads, head_dim]) -> (q int8, scale fp32 [tokens, kv_heads])``."""
     from minillm import LLM
-    from minillm.attention import paged
 
     _check_kv(quantize_kv_on_write, _kv_test_input(), "quantize_kv_on_write")
     _check_kv(quantize_kv_on_write, _kv_test_input(torch.bfloat16), "with a bfloat16 x")
 
-    original, writes = paged.quantize_kv, []
+    original, writes = hooks.current("quantize_kv"), []
 
-    def learner_write(x, kind="int8"):  # the name the paged write path looks up
+    def learner_write(x, kind="int8"):  # hook quantize_kv: what the paged write path calls
         if kind != "int8":
             return original(x, kind)
         writes.append(x.shape[0])
@@ -440,13 +439,13 @@ def check_quantize_kv(quantize_kv_on_write, model: str = QUANT_MODEL) -> str:
     # compile=False: every decode step must run your write path, not one compiled into a graph.
     args = dict(dtype="fp32", attention_backend="torch", kv_cache_memory=memory, block_size=16, compile=False)
     learner = LLM(model, kv_cache_dtype="int8", **args)
-    with _patched(paged, "quantize_kv", learner_write):
+    with hooks.override(quantize_kv=learner_write):
         got = _tokens(learner)
     if not writes:
-        raise RuntimeError("the paged KV write path no longer calls minillm.attention.paged.quantize_kv")
+        raise RuntimeError("the paged KV write path no longer calls hook quantize_kv")
     expected = _tokens(LLM(model, kv_cache_dtype="int8", **args))
     for n, (a, b) in enumerate(zip(got, expected)):
-        _compare_tokens(a, b, f"prompt {n} on your int8 KV cache", "compare your q and scale with quantize_kv's")
+        compare_tokens(a, b, f"prompt {n} on your int8 KV cache", "compare your q and scale with quantize_kv's")
     blocks = learner.engine.memory_report()["kv_pool_blocks"]
     plain_blocks = LLM(model, **args).engine.memory_report()["kv_pool_blocks"]
     return (

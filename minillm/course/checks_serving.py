@@ -13,9 +13,10 @@ import functools
 
 import torch
 
-from minillm.course.checks import DEFAULT_MODEL, _compare_tensors, _int_cases, _patched
-from minillm.course.results import CheckError, CheckFailed, _learner_cause, check
-from minillm.kvcache import block_manager as bm_module
+import minillm.hooks as hooks
+from minillm.course.checks import DEFAULT_MODEL
+from minillm.course.compare import compare_tensors, int_cases
+from minillm.course.results import CheckError, CheckFailed, check, learner_cause
 from minillm.kvcache.block_manager import BlockManager
 
 PROMPTS = [
@@ -88,13 +89,13 @@ def _compare_requests(outputs: dict, expected: list[list[int]], what: str, hint:
             )
 
 
-def _run_scattered(model: str, patch: tuple, what: str, hint: str) -> None:
+def _run_scattered(model: str, hook: dict, what: str, hint: str) -> None:
     """Every prompt through a paged engine whose free list is scattered (a sequence's blocks
-    are not adjacent in the pool), with ``patch`` = (object, attribute, the learner's function)
-    in place; each request must match the contiguous cache."""
+    are not adjacent in the pool), with ``hook`` = {hook name: the learner's function} in
+    place; each request must match the contiguous cache."""
     engine = _paged_engine(model, block_size=4)
     engine.block_manager.free_ids.rotate(7)
-    with _patched(*patch):
+    with hooks.override(**hook):
         outputs = _run_all(engine, PROMPTS)
     _compare_requests(outputs, _reference(model, tuple(PROMPTS)), what, hint)
 
@@ -104,10 +105,9 @@ def _check_pool(engine) -> None:
         engine.block_manager.check_invariants()
     except AssertionError as err:
         raise CheckFailed(f"the block manager's bookkeeping is broken: {err}") from None
-    if engine.block_manager.num_used_blocks:
-        raise CheckFailed(
-            f"{engine.block_manager.num_used_blocks} blocks are still referenced after every request finished: a leak"
-        )
+    used = engine.stats().kv_blocks_used
+    if used:
+        raise CheckFailed(f"{used} blocks are still referenced after every request finished: a leak")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,11 +132,9 @@ def check_slot_mapping(slot_mapping, model: str = DEFAULT_MODEL) -> str:
             f"slot_mapping([7, 2, 9], start=3, num_tokens=4, block_size=4) returned {got!r}, expected {expected} "
             "(position 3 is the last slot of block 7, positions 4-6 the first slots of block 2)"
         )
-    from minillm.kvcache import addressing
-
     _run_scattered(
         model,
-        (addressing, "slot_mapping", slot_mapping),
+        {"slot_mapping": slot_mapping},
         "the engine writing K/V through your slot mapping",
         "check positions that cross a block boundary",
     )
@@ -146,8 +144,6 @@ def check_slot_mapping(slot_mapping, model: str = DEFAULT_MODEL) -> str:
 @check
 def check_gather_kv(gather_kv, model: str = DEFAULT_MODEL) -> str:
     """``gather_kv(slots[num_slots, KV, D], block_tables[B, n], block_size) -> [B, KV, n*block_size, D]``."""
-    from minillm.attention import paged as paged_attention
-
     gen = torch.Generator().manual_seed(3)
     block_size, kv, d = 4, 2, 3
     slots = torch.randn(10 * block_size, kv, d, generator=gen)
@@ -172,9 +168,9 @@ def check_gather_kv(gather_kv, model: str = DEFAULT_MODEL) -> str:
             raise CheckFailed(
                 "gather_kv read the blocks in id order, not in block-table order: position p is in table[p // block_size]"
             )
-    _compare_tensors(got, expected, "gather_kv(slots, [[7, 2, 9], [0, 5, 5]], block_size=4)")
+    compare_tensors(got, expected, "gather_kv(slots, [[7, 2, 9], [0, 5, 5]], block_size=4)")
 
-    def engine_gather(pool, layer, block_tables):
+    def engine_gather(pool, layer, block_tables, by_slot=False):  # hook gather_kv's signature
         return (
             gather_kv(pool.k_slots[layer], block_tables, pool.block_size),
             gather_kv(pool.v_slots[layer], block_tables, pool.block_size),
@@ -182,7 +178,7 @@ def check_gather_kv(gather_kv, model: str = DEFAULT_MODEL) -> str:
 
     _run_scattered(
         model,
-        (paged_attention, "gather_kv", engine_gather),
+        {"gather_kv": engine_gather},
         "the paged engine reading K/V through your gather",
         "block j of a row is block_tables[row, j]; keep the table's order",
     )
@@ -224,7 +220,7 @@ def check_block_hash(block_hash, model: str = DEFAULT_MODEL) -> str:
         )
     prompts = [SYSTEM + p for p in PROMPTS[:3]]
     engine = _paged_engine(model, block_size=8)
-    with _patched(bm_module, "block_hash", block_hash):
+    with hooks.override(block_hash=block_hash):
         first = _run_all(engine, prompts[:1])
         rest = _run_all(engine, prompts[1:])
     _compare_requests(
@@ -269,7 +265,7 @@ def check_block_allocation(take_free_block, release_block, model: str = DEFAULT_
     try:
         release_block(bm, taken[0])
     except Exception as err:
-        raised = _learner_cause(err) or err
+        raised = learner_cause(err) or err
         if not isinstance(raised, RuntimeError):
             raise CheckFailed(
                 f"releasing block {taken[0]} twice raised {type(raised).__name__}: {raised}; a double free must "
@@ -316,7 +312,7 @@ def check_block_allocation(take_free_block, release_block, model: str = DEFAULT_
     # The real engine on the learner's allocator: shared prefixes and a pool small enough to preempt.
     prompts = [SYSTEM + p for p in PROMPTS]
     engine = _paged_engine(model, block_size=4, kv_cache_memory=_pool_bytes(model, 40, 4))
-    with _patched(BlockManager, "_take_free_block", take_free_block), _patched(BlockManager, "_unref", release_block):
+    with hooks.override(take_free_block=take_free_block, release_block=release_block):
         outputs = _run_all(engine, prompts)
         _check_pool(engine)
     _compare_requests(
@@ -390,16 +386,17 @@ def check_chunk_tokens(chunk_tokens, model: str = DEFAULT_MODEL) -> str:
             "without chunking, a prompt larger than the whole budget runs alone in an empty step (else it would wait forever)",
         ),
     ]
-    _int_cases(chunk_tokens, "chunk_tokens", cases, ("remaining", "budget", "chunked_prefill", "step_is_empty"))
-    from minillm.engine.scheduler import Scheduler
+    int_cases(chunk_tokens, "chunk_tokens", cases, ("remaining", "budget", "chunked_prefill", "step_is_empty"))
 
-    def tokens_to_run(self, seq, budget, out):
-        return chunk_tokens(len(seq) - seq.num_computed_tokens, budget, self.enable_chunked_prefill, not out.chunks)
+    def tokens_to_run(scheduler, seq, budget, out):  # hook tokens_to_run's signature
+        return chunk_tokens(
+            len(seq) - seq.num_computed_tokens, budget, scheduler.enable_chunked_prefill, not out.chunks
+        )
 
     steps = []
     for chunked in (True, False):
         engine = _paged_engine(model, block_size=4, max_num_batched_tokens=8, enable_chunked_prefill=chunked)
-        with _patched(Scheduler, "tokens_to_run", tokens_to_run):
+        with hooks.override(tokens_to_run=tokens_to_run):
             outputs = _run_arriving(engine, PROMPTS)
         _compare_requests(
             outputs,
@@ -407,7 +404,7 @@ def check_chunk_tokens(chunk_tokens, model: str = DEFAULT_MODEL) -> str:
             f"requests with an 8-token budget, chunked_prefill={chunked}, on your chunk_tokens",
             "the budget is shared by the whole step",
         )
-        steps.append(engine.num_steps)
+        steps.append(engine.stats().num_steps)
     return (
         f"with an 8-token budget every prompt ran in chunks ({steps[0]} steps) or, unchunked, whole and alone "
         f"when too long ({steps[1]} steps); all {len(PROMPTS)} requests match running each alone"
@@ -446,14 +443,12 @@ def check_choose_victim(choose_victim, model: str = DEFAULT_MODEL) -> str:
         got = choose_victim(seq, list(candidates))
         if got is not expected:
             raise CheckFailed(f"choose_victim({seq}, {candidates}) returned {got!r}, expected {expected}: {why}")
-    from minillm.engine.scheduler import Scheduler
-
     engine = _paged_engine(
         model, block_size=4, max_num_batched_tokens=32, max_num_seqs=4, kv_cache_memory=_pool_bytes(model, 24, 4)
     )
     victims = []
 
-    def chooser(self, seq, candidates):
+    def chooser(scheduler, seq, candidates):  # hook choose_victim's signature
         victim = choose_victim(seq, candidates)
         if victim is not seq and victim not in candidates:
             raise CheckFailed(f"choose_victim returned {victim!r}, which is neither seq nor one of the candidates")
@@ -461,7 +456,7 @@ def check_choose_victim(choose_victim, model: str = DEFAULT_MODEL) -> str:
         return victim
 
     priorities = [1, 0, 1, 0, 2]
-    with _patched(Scheduler, "choose_victim", chooser):
+    with hooks.override(choose_victim=chooser):
         outputs = _run_arriving(engine, PROMPTS, priorities)
     _compare_requests(
         outputs,
@@ -481,7 +476,6 @@ def check_choose_victim(choose_victim, model: str = DEFAULT_MODEL) -> str:
 @check
 def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -> str:
     """``schedule_continuous(scheduler) -> SchedulerOutput``: one continuous-batching step."""
-    from minillm.engine.scheduler import Scheduler
     from minillm.sequence import SequenceStatus
 
     budget = 16
@@ -490,8 +484,7 @@ def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -
     )
     steps = []
 
-    def schedule(self, now):
-        self._now = now
+    def schedule(self, now):  # hook schedule's signature: (scheduler, now)
         waiting = self.waiting_in_order()
         decodes = [q for q in self.running if q.is_decoding]
         out = schedule_continuous(self)
@@ -533,7 +526,9 @@ def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -
         steps.append(out)
         return out
 
-    original_reserve, original_admit, original_tokens = Scheduler.reserve, Scheduler.try_admit, Scheduler.tokens_to_run
+    original_reserve, original_admit, original_tokens = (
+        hooks.current(n) for n in ("reserve", "try_admit", "tokens_to_run")
+    )
     refused: list = []  # sequences try_admit could not start in the current step
     admitting: list = []  # inside try_admit (which may look at a waiting, preempted sequence)
 
@@ -548,10 +543,10 @@ def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -
             skipped_preempted(seq, "scheduler.tokens_to_run")
         return original_tokens(self, seq, budget_left, out)
 
-    def reserve(self, seq, n, out):
+    def reserve(self, seq, n, out, drafts=()):
         if seq.status is not SequenceStatus.RUNNING:
             skipped_preempted(seq, "scheduler.reserve")
-        return original_reserve(self, seq, n, out)
+        return original_reserve(self, seq, n, out, drafts)
 
     def try_admit(self, seq, budget_left, out):
         if out.preempted:
@@ -578,12 +573,7 @@ def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -
         refused.clear()
         return schedule(self, now)
 
-    with (
-        _patched(Scheduler, "schedule", schedule_step),
-        _patched(Scheduler, "reserve", reserve),
-        _patched(Scheduler, "try_admit", try_admit),
-        _patched(Scheduler, "tokens_to_run", tokens_to_run),
-    ):
+    with hooks.override(schedule=schedule_step, reserve=reserve, try_admit=try_admit, tokens_to_run=tokens_to_run):
         done = _run_arriving(engine, PROMPTS)
     joined = [out for out in steps if out.admitted and any(c.seq not in out.admitted for c in out.chunks)]
     if not joined:

@@ -2,8 +2,8 @@
 
 Each check first tries the learner's function on hand-made cases built to expose the typical
 mistakes (naming the mistake when it recognises one), then plugs it into the engine where the
-package's own function runs — the speculator's acceptance rule (``minillm.speculative.speculator``)
-or the block manager's rollback (``minillm.kvcache.block_manager``) — and runs the 8M model with
+package's own function runs — the speculator's acceptance rule (hooks ``accept_greedy`` and
+``accept_sampled``) or the block manager's rollback (hook ``blocks_to_roll_back``) — and runs the 8M model with
 the 1M model as its draft. Greedy output must be the 8M model's own, token for token; sampled
 output must reproduce itself under the same seed; the pools must stay consistent after every
 step and be empty at the end.
@@ -20,8 +20,9 @@ import math
 
 import torch
 
-from minillm.course.checks import _compare_tokens, _patched
-from minillm.course.results import CheckFailed, _LearnerRaised, check
+import minillm.hooks as hooks
+from minillm.course.compare import compare_tokens
+from minillm.course.results import CheckFailed, LearnerRaised, check
 
 TARGET, DRAFT = "tiny-shakespeare-8m", "tiny-shakespeare-1m"
 K = 4
@@ -146,8 +147,6 @@ GREEDY_CASES = [
 def check_accept_greedy(accept_greedy, model: str = TARGET) -> str:
     """``accept_greedy(target_tokens[k+1], draft_tokens[k]) -> list[int]``: the longest agreeing
     prefix of the proposals, then the target's own token."""
-    from minillm.speculative import speculator
-
     for target, drafts in GREEDY_CASES:
         _diagnose_greedy(accept_greedy(list(target), list(drafts)), target, drafts)
     gen = torch.Generator().manual_seed(8)
@@ -167,12 +166,12 @@ def check_accept_greedy(accept_greedy, model: str = TARGET) -> str:
 
     reference = [o.token_ids for o in _greedy(_engine(None))]
     llm = _engine(_draft_spec())
-    with _patched(speculator, "accept_greedy", learner):
+    with hooks.override(accept_greedy=learner):
         outs = _greedy(llm)
     if not calls:
-        raise RuntimeError("Speculator.verify no longer calls minillm.speculative.speculator.accept_greedy")
+        raise RuntimeError("Speculator.verify no longer calls hook accept_greedy")
     for n, (out, ref) in enumerate(zip(outs, reference)):
-        _compare_tokens(
+        compare_tokens(
             out.token_ids, ref, f"prompt {n} with your acceptance rule", "the output must be the target's own"
         )
     tokens, passes, proposed, accepted = _spec_summary(outs)
@@ -285,7 +284,7 @@ def _call_sampled(fn, p: torch.Tensor, q: torch.Tensor | None, drafts: list[int]
     call = f"accept_sampled({what})"
     try:
         got = fn(p.clone(), None if q is None else q.clone(), list(drafts), gen)
-    except _LearnerRaised as err:
+    except LearnerRaised as err:
         if q is None and isinstance(err.__cause__, (TypeError, AttributeError, IndexError)):
             raise CheckFailed(
                 f"with draft_probs=None your code raised {type(err.__cause__).__name__}: {err.__cause__}. None means "
@@ -338,7 +337,6 @@ def check_accept_sampled(accept_sampled, model: str = TARGET) -> str:
     """``accept_sampled(target_probs[k+1, V], draft_probs[k, V] | None, draft_tokens, generator)``:
     the emitted tokens follow the target's distribution exactly."""
     from minillm import SamplingParams
-    from minillm.speculative import speculator
 
     _all_accepted_gives_a_bonus(accept_sampled)
     counts, kept = _sampled_histograms(accept_sampled, Q, None, SAMPLES, seed=0)
@@ -393,10 +391,10 @@ def check_accept_sampled(accept_sampled, model: str = TARGET) -> str:
     runs = {}
     for method, spec in (("draft", _draft_spec()), ("ngram", {"method": "ngram", "num_speculative_tokens": 3})):
         llm = _engine(spec)
-        with _patched(speculator, "accept_sampled", learner):
+        with hooks.override(accept_sampled=learner):
             runs[method] = [llm.generate(PROMPTS, params) for _ in range(2)]
     if not calls or all(calls):
-        raise RuntimeError("Speculator.verify no longer calls minillm.speculative.speculator.accept_sampled")
+        raise RuntimeError("Speculator.verify no longer calls hook accept_sampled")
     for method, (first, again) in runs.items():
         for n, (a, b) in enumerate(zip(first, again)):
             if a.token_ids != b.token_ids:
@@ -518,7 +516,6 @@ def check_rollback(blocks_to_roll_back, model: str = TARGET) -> str:
     """``blocks_to_roll_back(table, num_tokens, block_size) -> (kept, freed)``: the blocks a
     rollback keeps and those it gives back, tail first."""
     from minillm import SamplingParams
-    from minillm.kvcache import block_manager as bm_module
 
     for table, num_tokens, block_size in ROLLBACK_CASES:
         _diagnose_rollback(blocks_to_roll_back(list(table), num_tokens, block_size), table, num_tokens, block_size)
@@ -541,7 +538,7 @@ def check_rollback(blocks_to_roll_back, model: str = TARGET) -> str:
         ref.engine.add_request(prompt, params, request_id=n)
     outputs, step = {}, 0
     while mine.engine.has_unfinished_requests():
-        with _patched(bm_module, "blocks_to_roll_back", learner):
+        with hooks.override(blocks_to_roll_back=learner):
             deltas = mine.engine.step()
         ref.engine.step()
         step += 1
@@ -564,16 +561,16 @@ def check_rollback(blocks_to_roll_back, model: str = TARGET) -> str:
                     f"the package's rollback gives {expected.get(rid)}"
                 )
     if not calls:
-        raise RuntimeError("BlockManager.truncate no longer calls minillm.kvcache.block_manager.blocks_to_roll_back")
+        raise RuntimeError("BlockManager.truncate no longer calls hook blocks_to_roll_back")
     for n in range(len(PROMPTS)):
-        _compare_tokens(
+        compare_tokens(
             outputs[n].token_ids, plain[n], f"prompt {n} with your rollback", "roll back only rejected tokens"
         )
-    target_pool, draft_pool = mine.engine.block_manager, mine.engine.speculator.draft.blocks
-    if target_pool.num_used_blocks or draft_pool.num_used_blocks:
+    stats = mine.engine.stats()
+    if stats.kv_blocks_used or stats.draft_kv_blocks_used:
         raise CheckFailed(
-            f"every request finished, but {target_pool.num_used_blocks} blocks of the 8M model's pool and "
-            f"{draft_pool.num_used_blocks} of the draft's are still in use: blocks leaked"
+            f"every request finished, but {stats.kv_blocks_used} blocks of the 8M model's pool and "
+            f"{stats.draft_kv_blocks_used} of the draft's are still in use: blocks leaked"
         )
     freed = sum(calls)
     return (

@@ -8,7 +8,7 @@ code raised, only the learner's own frames) rather than a traceback through the 
 and the notebook carries on.
 
 A check must never blame the learner for its own bug. The learner's functions are wrapped as
-they enter a check (``_LearnerRaised`` marks an exception that came out of them); any other
+they enter a check (``LearnerRaised`` marks an exception that came out of them); any other
 exception inside a check is the check's fault and is reported as "the check itself failed —
 please report", with the exception.
 
@@ -53,7 +53,7 @@ class CheckError(CheckFailed):
     """The check itself crashed: not the learner's fault, reported as such."""
 
 
-class _LearnerRaised(Exception):
+class LearnerRaised(Exception):
     """An exception that came out of the learner's function (its ``__cause__``)."""
 
 
@@ -73,29 +73,29 @@ def _learner_frames(err: BaseException) -> list[str]:
 
 def learner_function(fn: Callable) -> Callable:
     """Wrap one of the learner's functions so that what it raises is known to be theirs."""
-    if getattr(fn, "_minillm_learner", False) or not callable(fn):
+    if getattr(fn, "minillm_learner", False) or not callable(fn):
         return fn
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (CheckFailed, _LearnerRaised):
+        except (CheckFailed, LearnerRaised):
             raise
         except Exception as err:
-            raise _LearnerRaised(f"{type(err).__name__}: {err}") from err
+            raise LearnerRaised(f"{type(err).__name__}: {err}") from err
 
-    call._minillm_learner = True
+    call.minillm_learner = True  # marks the wrapper, so a check handed it again does not wrap it twice
     return call
 
 
-def _learner_cause(err: BaseException) -> BaseException | None:
+def learner_cause(err: BaseException) -> BaseException | None:
     """The learner's original exception if ``err`` came out of their code (possibly re-wrapped
     by the engine or Triton's interpreter on the way out), else None."""
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
-        if isinstance(err, _LearnerRaised):
+        if isinstance(err, LearnerRaised):
             return err.__cause__
         err = err.__cause__ or err.__context__
     return None
@@ -163,7 +163,7 @@ def _failed(name: str, err: Exception) -> NoReturn:
         err.check = name
         _record(CheckResult(name, CHECK_ERROR if isinstance(err, CheckError) else FAIL, str(err)))
         raise err.with_traceback(None) from None
-    cause = _learner_cause(err)
+    cause = learner_cause(err)
     if cause is not None:
         failure = CheckFailed(f"your code raised {type(cause).__name__}: {cause}")
         failure.learner_frames = _learner_frames(cause)

@@ -31,10 +31,10 @@ from minillm.runtime.compiled_decode import CompiledDecode
 from minillm.runtime.contiguous_runner import ContiguousRunner
 from minillm.runtime.cuda_graphs import DecodeGraphs
 from minillm.runtime.fast_path import DecodeFastPath
+from minillm.runtime.model_setup import configure_model
 from minillm.runtime.naive_runner import NaiveRunner
 from minillm.runtime.paged_runner import PagedRunner
 from minillm.runtime.runner import ModelRunner
-from minillm.runtime.weight_methods import apply_weight_methods
 from minillm.speculative.speculator import NoSpeculation, Speculator
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -146,9 +146,7 @@ def build_engine_parts(
         decision = compile_by_default(config, model, backend)
         config = replace(config, compile=decision.on)
     attention_dtype = decode_attention_dtype(config, model_config, device, dtype)
-    model.set_attention_backend(backend, attention_dtype)
-    model.sliding_window = window
-    apply_weight_methods(config, model, device, dtype, tokenizer)
+    configure_model(model, config, backend, window, attention_dtype, tokenizer)
 
     def resolved(graphs=None, num_blocks=None) -> Resolved:
         compiled = isinstance(graphs, CompiledDecode)
@@ -329,9 +327,8 @@ def build_speculator(config: EngineConfig, model_config: ModelConfig, tokenizer,
                 f"fewer than the target's max_model_len={max_model_len}: lower max_model_len"
             )
         model = load_model(folder, dtype, device, max_positions=max_model_len)
-        model.set_attention_backend(backend)
         draft_weights = EngineConfig(cpu_prepack=config.cpu_prepack, quantization=spec.quantization)
-        apply_weight_methods(draft_weights, model, device, dtype, Tokenizer(folder))
+        configure_model(model, draft_weights, backend, model.sliding_window, tokenizer=Tokenizer(folder))
         extra = config.max_num_seqs * blocks_for(spec.num_speculative_tokens + 1, config.block_size)
         draft = DraftModelProposer(model, draft_config, config.block_size, num_blocks + extra)
     return Speculator(spec, max_model_len, draft)

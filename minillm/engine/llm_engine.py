@@ -23,12 +23,14 @@ the earlier rungs (``naive``, ``contiguous``) the same scheduler's static policy
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -37,6 +39,8 @@ from minillm.assets import resolve_model
 from minillm.config import EngineConfig, ModelConfig
 from minillm.engine.builder import build_engine_parts, build_parallel_parts
 from minillm.engine.scheduler import ScheduledChunk, SchedulerOutput
+from minillm.engine.stats import EngineStats
+from minillm.engine.virtual_clock import TimedRunner, VirtualClock
 from minillm.inputs import InputProcessor, Prompt
 from minillm.metrics import StepRecord
 from minillm.models import load_model
@@ -81,6 +85,10 @@ class LLMEngine:
         self.block_manager = parts.block_manager  # None outside the paged mode
         self.kv_cache = parts.kv_cache
         self.graphs = parts.graphs
+        # What every auto/None choice became (print(engine.resolved)); written back into the config
+        # too, so engine_config.compile says whether this engine compiled.
+        self.resolved = parts.resolved
+        self.engine_config = replace(config, compile=parts.resolved.compile)
         self.speculator = parts.speculator  # proposes and verifies; does nothing without speculative_config
         self._rng = random.Random(config.seed)
         self._next_id = 0
@@ -535,3 +543,36 @@ class LLMEngine:
             record.block_hashes = [b.hash is not None for b in bm.blocks]
             record.block_refs = [b.ref_count for b in bm.blocks]
         self.step_records.append(record)
+
+    # ----------------------------------------------------------------------------------------
+    # Public views and instruments (what the course and the visualisations use, instead of
+    # reaching into the scheduler, the pools or the runner)
+    # ----------------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        """A snapshot of what the engine holds now: steps run, requests running and waiting, KV
+        blocks used / cached / free, prefix-cache lookups and hits (``engine/stats.py``)."""
+        with self._lock:
+            return EngineStats.of(self)
+
+    @contextlib.contextmanager
+    def simulated_time(
+        self, cost: Callable[[int], float], draft_cost: Callable[[int], float] | None = None
+    ) -> Iterator[VirtualClock]:
+        """Inside the ``with``, run on simulated time: every timestamp comes from a fresh
+        ``VirtualClock`` (yielded), and each forward pass moves it on by ``cost(tokens in the
+        pass)`` — each pass of a draft model by ``draft_cost(tokens)`` (None: the draft's passes
+        take no time). The engine's decisions and tokens are its own; its clock and runners are
+        restored on the way out, also after an error (``engine/virtual_clock.py``)."""
+        clock = VirtualClock()
+        draft = getattr(self.speculator, "draft", None) if draft_cost is not None else None
+        saved = self.clock, self.runner, getattr(draft, "runner", None)
+        self.clock, self.runner = clock, TimedRunner(self.runner, clock, cost)
+        if draft is not None:
+            draft.runner = TimedRunner(draft.runner, clock, draft_cost)
+        try:
+            yield clock
+        finally:
+            self.clock, self.runner = saved[0], saved[1]
+            if draft is not None:
+                draft.runner = saved[2]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import minillm.hooks as hooks
 from minillm.config import SCHEDULING_POLICIES
 from minillm.kvcache.block_manager import BlockManager
 from minillm.sequence import Sequence, SequenceStatus
@@ -128,31 +129,10 @@ class Scheduler:
     # ----------------------------------------------------------------------------------------
 
     def schedule(self, now: float) -> SchedulerOutput:
-        """Decide this step's work: which sequences run, how many tokens each."""
-        out = SchedulerOutput()
-        self._now = now
-        if self.policy != "continuous" and not self.running and self._batch_ready(now):
-            self._start_batch(out)
-        budget = self.max_num_batched_tokens
-        for seq in self.running_in_order():
-            if budget == 0:
-                break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this step to make room for a sequence ahead of it
-            n = self.tokens_to_run(seq, budget, out)
-            drafts = self.drafts_that_fit(seq, n, budget)
-            if n and self.reserve(seq, n, out, drafts):
-                budget -= n + len(drafts)
-        if self.policy == "continuous" and not out.preempted:  # no newcomers while evicting
-            for seq in self.waiting_in_order():
-                # a request with n samples will fork into n running sequences: room for all of them
-                if len(self.running) + seq.fan_out > self.max_num_seqs or budget == 0:
-                    break
-                n = self.try_admit(seq, budget, out)
-                if n == 0:
-                    break  # FCFS: nobody overtakes the head of the queue
-                budget -= n
-        return out
+        """Decide this step's work: which sequences run, how many tokens each — through hook
+        ``schedule`` (the policy of chapter 04's exercise; the reference is ``schedule`` below)."""
+        self._now = now  # stamps first_scheduled_time of the sequences this step starts
+        return hooks.schedule(self, now)
 
     # ----------------------------------------------------------------------------------------
     # The building blocks of a step (also what the chapter's exercise is written with)
@@ -167,12 +147,9 @@ class Scheduler:
         return sorted(self.waiting, key=lambda s: s.sort_key)
 
     def tokens_to_run(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
-        """How many of ``seq``'s uncomputed tokens fit in what is left of the budget (0: none)."""
-        remaining = len(seq) - seq.num_computed_tokens
-        if self.enable_chunked_prefill:
-            return min(remaining, budget)
-        # Whole prompts only; a prompt larger than the whole budget may run alone in a step.
-        return remaining if remaining <= budget or not out.chunks else 0
+        """How many of ``seq``'s uncomputed tokens fit in what is left of the budget (0: none):
+        hook ``tokens_to_run``."""
+        return hooks.tokens_to_run(self, seq, budget, out)
 
     def drafts_that_fit(self, seq: Sequence, n: int, budget: int) -> list[int]:
         """The speculative proposals a decoding ``seq`` runs this step: as many as the budget
@@ -190,45 +167,41 @@ class Scheduler:
         self.block_manager.truncate(seq, num_tokens)
 
     def reserve(self, seq: Sequence, n: int, out: SchedulerOutput, drafts: list[int] = ()) -> bool:
-        """Schedule ``n`` tokens of running ``seq`` (plus its speculative ``drafts``), allocating
-        blocks for them. When the pool is full, preempt the lowest-priority running sequence not
-        yet scheduled this step — which may be ``seq`` itself (then return False)."""
-        drafts = list(drafts)
-        while (copies := self.block_manager.allocate_slots(seq, n + len(drafts))) is None:
-            scheduled = [c.seq for c in out.chunks]
-            candidates = [s for s in self.running if s is not seq and s not in scheduled]
-            victim = self.choose_victim(seq, candidates)
-            self._preempt(victim, out)
-            if victim is seq:
-                return False
-        out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n + len(drafts), drafts))
-        out.copies.extend(copies)
-        return True
+        """Schedule ``n`` tokens of running ``seq`` (plus its ``drafts``), preempting while the
+        pool is full; False when ``seq`` itself was preempted: hook ``reserve``."""
+        return hooks.reserve(self, seq, n, out, drafts)
 
     def choose_victim(self, seq: Sequence, candidates: list[Sequence]) -> Sequence:
-        """Who gives up its blocks so that ``seq`` can grow: the lowest-priority candidate (the
-        latest to arrive among equals) — or ``seq`` itself when every candidate outranks it or
-        there is none. Sequences already scheduled this step are not candidates: their tokens
-        are in the batch."""
-        victim = max(candidates, key=lambda s: s.sort_key, default=seq)
-        return seq if victim.sort_key < seq.sort_key else victim
+        """Who gives up its blocks so that ``seq`` can grow: hook ``choose_victim``."""
+        return hooks.choose_victim(self, seq, candidates)
 
     def try_admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
-        """Start waiting ``seq`` if its first chunk fits the budget and the pool; return the
-        tokens scheduled (0: it stays waiting, nothing changed)."""
-        self.block_manager.match_prefix(seq)  # cached prefix blocks need no compute
-        n = self.tokens_to_run(seq, budget, out)
-        copies = self.block_manager.allocate_slots(seq, n) if n else None
-        if copies is None:
-            self.block_manager.cancel_prefix(seq)
-            return 0
-        self.waiting.remove(seq)
-        self._start(seq, out)
-        out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
-        out.copies.extend(copies)
-        return n
+        """Start waiting ``seq`` if its first chunk fits; the tokens scheduled: hook ``try_admit``."""
+        return hooks.try_admit(self, seq, budget, out)
 
-    def _batch_ready(self, now: float) -> bool:
+    def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Recompute preemption: free the blocks, keep the tokens, wait again."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.PREEMPTED
+        self.waiting.append(seq)
+        out.preempted.append(seq)
+
+    def start(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Waiting ``seq`` runs from this step on (its blocks are already reserved)."""
+        seq.status = SequenceStatus.RUNNING
+        if seq.metrics.first_scheduled_time is None:
+            seq.metrics.first_scheduled_time = self._now
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = seq.num_computed_tokens
+        self.running.append(seq)
+        out.admitted.append(seq)
+
+    def batch_ready(self, now: float) -> bool:
+        """Static: whenever requests wait. Dynamic: when ``max_num_seqs`` wait or the oldest has
+        waited ``batch_timeout``."""
         if not self.waiting:
             return False
         if self.policy == "static":
@@ -236,7 +209,7 @@ class Scheduler:
         oldest = min(s.metrics.arrival_time for s in self.waiting)
         return len(self.waiting) >= self.max_num_seqs or now - oldest >= self.batch_timeout
 
-    def _start_batch(self, out: SchedulerOutput) -> None:
+    def start_batch(self, out: SchedulerOutput) -> None:
         """Static/dynamic: the batch is fixed now, as many as fit (prompts' blocks) up to ``max_num_seqs``."""
         free = self.block_manager.num_free_blocks
         seats = self.max_num_seqs  # a request with n samples takes n (it forks after its prefill)
@@ -248,23 +221,96 @@ class Scheduler:
             seats -= seq.fan_out
             self.block_manager.match_prefix(seq)
             self.waiting.remove(seq)
-            self._start(seq, out)
+            self.start(seq, out)
 
-    def _start(self, seq: Sequence, out: SchedulerOutput) -> None:
-        seq.status = SequenceStatus.RUNNING
-        if seq.metrics.first_scheduled_time is None:
-            seq.metrics.first_scheduled_time = self._now
-        if seq.num_preemptions == 0:
-            seq.num_cached_tokens = seq.num_computed_tokens
-        self.running.append(seq)
-        out.admitted.append(seq)
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Recompute preemption: free the blocks, keep the tokens, wait again."""
-        self.running.remove(seq)
-        self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
-        seq.status = SequenceStatus.PREEMPTED
-        self.waiting.append(seq)
-        out.preempted.append(seq)
+# ---------------------------------------------------------------------------------------------
+# The reference policy: what hooks schedule, tokens_to_run, reserve, choose_victim and try_admit
+# run unless a chapter-04 exercise overrides them. Each takes the scheduler first and is
+# written with its public building blocks, as a learner's replacement is.
+# ---------------------------------------------------------------------------------------------
+
+
+@hooks.reference("schedule")
+def schedule(scheduler: Scheduler, now: float) -> SchedulerOutput:
+    """One step: static and dynamic batches start when ready; then running sequences, decodes
+    first, each as many tokens as the budget leaves (with its speculative proposals when they
+    fit); then — continuous batching, and only in a step that preempted nobody — waiting
+    sequences in FCFS order while seats, budget and blocks last."""
+    out = SchedulerOutput()
+    if scheduler.policy != "continuous" and not scheduler.running and scheduler.batch_ready(now):
+        scheduler.start_batch(out)
+    budget = scheduler.max_num_batched_tokens
+    for seq in scheduler.running_in_order():
+        if budget == 0:
+            break
+        if seq.status is not SequenceStatus.RUNNING:
+            continue  # preempted earlier in this step to make room for a sequence ahead of it
+        n = scheduler.tokens_to_run(seq, budget, out)
+        drafts = scheduler.drafts_that_fit(seq, n, budget)
+        if n and scheduler.reserve(seq, n, out, drafts):
+            budget -= n + len(drafts)
+    if scheduler.policy == "continuous" and not out.preempted:  # no newcomers while evicting
+        for seq in scheduler.waiting_in_order():
+            # a request with n samples will fork into n running sequences: room for all of them
+            if len(scheduler.running) + seq.fan_out > scheduler.max_num_seqs or budget == 0:
+                break
+            n = scheduler.try_admit(seq, budget, out)
+            if n == 0:
+                break  # FCFS: nobody overtakes the head of the queue
+            budget -= n
+    return out
+
+
+@hooks.reference("tokens_to_run")
+def tokens_to_run(scheduler: Scheduler, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+    """How many of ``seq``'s uncomputed tokens fit in what is left of the budget (0: none)."""
+    remaining = len(seq) - seq.num_computed_tokens
+    if scheduler.enable_chunked_prefill:
+        return min(remaining, budget)
+    # Whole prompts only; a prompt larger than the whole budget may run alone in a step.
+    return remaining if remaining <= budget or not out.chunks else 0
+
+
+@hooks.reference("reserve")
+def reserve(scheduler: Scheduler, seq: Sequence, n: int, out: SchedulerOutput, drafts: list[int] = ()) -> bool:
+    """Schedule ``n`` tokens of running ``seq`` (plus its speculative ``drafts``), allocating
+    blocks for them. When the pool is full, preempt the lowest-priority running sequence not
+    yet scheduled this step — which may be ``seq`` itself (then return False)."""
+    drafts = list(drafts)
+    while (copies := scheduler.block_manager.allocate_slots(seq, n + len(drafts))) is None:
+        scheduled = [c.seq for c in out.chunks]
+        candidates = [s for s in scheduler.running if s is not seq and s not in scheduled]
+        victim = scheduler.choose_victim(seq, candidates)
+        scheduler.preempt(victim, out)
+        if victim is seq:
+            return False
+    out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n + len(drafts), drafts))
+    out.copies.extend(copies)
+    return True
+
+
+@hooks.reference("choose_victim")
+def choose_victim(scheduler: Scheduler, seq: Sequence, candidates: list[Sequence]) -> Sequence:
+    """The lowest-priority candidate (the latest to arrive among equals) — or ``seq`` itself
+    when every candidate outranks it or there is none. Sequences already scheduled this step
+    are not candidates: their tokens are in the batch."""
+    victim = max(candidates, key=lambda s: s.sort_key, default=seq)
+    return seq if victim.sort_key < seq.sort_key else victim
+
+
+@hooks.reference("try_admit")
+def try_admit(scheduler: Scheduler, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+    """Start waiting ``seq`` if its first chunk fits the budget and the pool; return the tokens
+    scheduled (0: it stays waiting, nothing changed)."""
+    scheduler.block_manager.match_prefix(seq)  # cached prefix blocks need no compute
+    n = scheduler.tokens_to_run(seq, budget, out)
+    copies = scheduler.block_manager.allocate_slots(seq, n) if n else None
+    if copies is None:
+        scheduler.block_manager.cancel_prefix(seq)
+        return 0
+    scheduler.waiting.remove(seq)
+    scheduler.start(seq, out)
+    out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+    out.copies.extend(copies)
+    return n

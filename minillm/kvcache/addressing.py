@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+import minillm.hooks as hooks
 from minillm.config import ModelConfig
 
 RELEASED = -1  # a block-table entry whose block was given back (it fell behind a sliding window)
@@ -26,6 +27,7 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+@hooks.reference("slot_mapping")  # the paged runner calls it through the hook (chapter 03's exercise)
 def slot_mapping(block_table: list[int], start: int, num_tokens: int, block_size: int) -> list[int]:
     """Flat pool slots of positions ``start .. start+num_tokens-1``: token ``p`` lives in block
     ``block_table[p // block_size]`` at offset ``p % block_size``."""

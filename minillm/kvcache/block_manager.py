@@ -31,6 +31,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import minillm.hooks as hooks
 from minillm.kvcache.addressing import RELEASED, blocks_for
 
 
@@ -44,6 +45,7 @@ class PagedSequence(Protocol):
     def token_ids(self) -> list[int]: ...
 
 
+@hooks.reference("block_hash")
 def block_hash(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     """The name of a full block: its tokens *and* everything before them (via the parent's hash).
 
@@ -64,11 +66,12 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     (a data-parallel router and a KV hand-over name blocks the same way)."""
     hashes, parent = [], None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_hash(parent, token_ids[start : start + block_size])
+        parent = hooks.block_hash(parent, token_ids[start : start + block_size])
         hashes.append(parent)
     return hashes
 
 
+@hooks.reference("blocks_behind_window")
 def blocks_behind_window(num_computed_tokens: int, window: int, block_size: int) -> int:
     """How many leading blocks of a sequence no future query can see under a sliding window.
 
@@ -78,6 +81,7 @@ def blocks_behind_window(num_computed_tokens: int, window: int, block_size: int)
     return max(0, num_computed_tokens - window + 1) // block_size
 
 
+@hooks.reference("blocks_to_roll_back")
 def blocks_to_roll_back(table: list[int], num_tokens: int, block_size: int) -> tuple[list[int], list[int]]:
     """Split a block table for a rollback to its first ``num_tokens`` tokens (speculative tokens
     the target rejected): ``(kept, freed)``.
@@ -88,6 +92,37 @@ def blocks_to_roll_back(table: list[int], num_tokens: int, block_size: int) -> t
     sliding window (``RELEASED``: no block to give back)."""
     keep = blocks_for(num_tokens, block_size)
     return table[:keep], [b for b in reversed(table[keep:]) if b != RELEASED]
+
+
+@hooks.reference("take_free_block")
+def take_free_block(bm: BlockManager) -> int:
+    """Hand out one block with ``ref_count`` 1: the next on the free list, or — when the list
+    is empty — the least recently used cached block, evicted (its hash forgotten)."""
+    if bm.free_ids:
+        block_id = bm.free_ids.popleft()
+    else:  # evict the least recently used cached block
+        block_id, _ = bm.evictable.popitem(last=False)
+        block = bm.blocks[block_id]
+        del bm.cached[block.hash]
+        block.hash, block.parent_hash, block.token_ids = None, None, ()
+    bm.blocks[block_id].ref_count = 1
+    return block_id
+
+
+@hooks.reference("release_block")
+def release_block(bm: BlockManager, block_id: int) -> None:
+    """Drop one reference to ``block_id``. Unreferenced, it goes back on the free list — or, if
+    it holds a prefix hash, to the evictable cached blocks (newest last), its K/V kept for a
+    later hit. Releasing an unreferenced block is a double free: ``RuntimeError``."""
+    block = bm.blocks[block_id]
+    if block.ref_count <= 0:
+        raise RuntimeError(f"block {block_id} freed while not referenced (double free)")
+    block.ref_count -= 1
+    if block.ref_count == 0:
+        if block.hash is not None:
+            bm.evictable[block_id] = None  # keep its K/V for the prefix cache
+        else:
+            bm.free_ids.append(block_id)
 
 
 @dataclass
@@ -182,39 +217,18 @@ class BlockManager:
     # Allocation
     # ----------------------------------------------------------------------------------------
 
-    def _take_free_block(self) -> int:
-        if self.free_ids:
-            block_id = self.free_ids.popleft()
-        else:  # evict the least recently used cached block
-            block_id, _ = self.evictable.popitem(last=False)
-            block = self.blocks[block_id]
-            del self.cached[block.hash]
-            block.hash, block.parent_hash, block.token_ids = None, None, ()
-        self.blocks[block_id].ref_count = 1
-        return block_id
-
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
             del self.evictable[block_id]  # back in use: no longer evictable
         block.ref_count += 1
 
-    def _unref(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        if block.ref_count <= 0:
-            raise RuntimeError(f"block {block_id} freed while not referenced (double free)")
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            if block.hash is not None:
-                self.evictable[block_id] = None  # keep its K/V for the prefix cache
-            else:
-                self.free_ids.append(block_id)
-
-    # The exercise of chapter 03 replaces the two methods above; the counters are kept here,
+    # Every block is taken and released through hooks take_free_block and release_block (the
+    # allocator of chapter 03's exercise, module functions above); the counters are kept here,
     # around them, so a learner's allocator is measured by the same statistics.
 
     def _take(self) -> int:
-        block_id = self._take_free_block()
+        block_id = hooks.take_free_block(self)
         self.fill[block_id] = 0
         return block_id
 
@@ -224,7 +238,7 @@ class BlockManager:
         self._ref(block_id)
 
     def _release(self, block_id: int) -> None:
-        self._unref(block_id)
+        hooks.release_block(self, block_id)
         if self.blocks[block_id].ref_count == 0:
             self.num_filled_slots -= self.fill[block_id]
             if self.blocks[block_id].hash is None:
@@ -250,7 +264,7 @@ class BlockManager:
         if self.enable_prefix_caching:
             for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
                 chunk = tokens[start : start + self.block_size]
-                h = block_hash(parent, chunk)
+                h = hooks.block_hash(parent, chunk)
                 block_id = self.cached.get(h)
                 if block_id is None:
                     break
@@ -338,7 +352,7 @@ class BlockManager:
         for j in range(len(chain), full):
             chunk = tokens[j * self.block_size : (j + 1) * self.block_size]
             parent = chain[-1] if chain else None
-            h = block_hash(parent, chunk)
+            h = hooks.block_hash(parent, chunk)
             chain.append(h)
             if table[j] == RELEASED:  # gone behind a sliding window: only the hash chain goes on
                 continue
@@ -389,7 +403,7 @@ class BlockManager:
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 0 <= num_tokens <= reserved:
             raise ValueError(f"truncate: num_tokens={num_tokens!r} must be an int in [0, {reserved}]")
         table = self.tables[seq.request_id]
-        kept, freed = blocks_to_roll_back(list(table), num_tokens, self.block_size)  # the chapter-08 exercise
+        kept, freed = hooks.blocks_to_roll_back(list(table), num_tokens, self.block_size)  # the chapter-08 exercise
         keep = len(kept)
         first_needed = 0 if window is None else max(0, num_tokens - window + 1) // self.block_size
         if any(b == RELEASED for b in kept[first_needed:]):
@@ -427,7 +441,7 @@ class BlockManager:
         for every block of a long sequence."""
         table = self.tables[seq.request_id]
         released = 0
-        j = min(len(table), blocks_behind_window(seq.num_computed_tokens, window, self.block_size)) - 1
+        j = min(len(table), hooks.blocks_behind_window(seq.num_computed_tokens, window, self.block_size)) - 1
         while j >= 0 and table[j] != RELEASED:
             self._release(table[j])
             table[j] = RELEASED

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+import minillm.hooks as hooks
 from minillm.config import ModelConfig
 
 
@@ -47,13 +48,12 @@ class ContiguousKVCache:
         step of equal-length rows) a slice assignment does it; otherwise one scatter with
         per-row positions.
         """
-        batch, t = positions.shape
+        batch = positions.shape[0]
         k_cache, v_cache = self.k_layers[layer], self.v_layers[layer]
         if same_start is not None:
             if batch < self.batch_size:
                 k_cache, v_cache = k_cache[:batch], v_cache[:batch]
-            k_cache.narrow(2, same_start, t).copy_(k)
-            v_cache.narrow(2, same_start, t).copy_(v)
+            hooks.kv_write(k_cache, v_cache, k, v, same_start)  # chapter 02's exercise plugs in here
             return
         rows = torch.arange(batch, device=positions.device)[:, None]
         # Advanced indices (rows, positions) broadcast to [B, T]; the sliced head axis goes last.
@@ -65,9 +65,23 @@ class ContiguousKVCache:
         k, v = self.k_layers[layer], self.v_layers[layer]
         if batch < self.batch_size:
             k, v = k[:batch], v[:batch]
-        return k.narrow(2, 0, length), v.narrow(2, 0, length)
+        return hooks.kv_read(k, v, length)  # chapter 02's exercise plugs in here
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of row ``src`` into row ``dst`` (batch compaction)."""
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
+
+@hooks.reference("kv_write")
+def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, start: int) -> None:
+    """Store ``k_new, v_new[B, KV, T, D]`` at positions ``start .. start+T-1`` of the caches, in place."""
+    t = k_new.shape[2]
+    k_cache.narrow(2, start, t).copy_(k_new)
+    v_cache.narrow(2, start, t).copy_(v_new)
+
+
+@hooks.reference("kv_read")
+def kv_read(k_cache: torch.Tensor, v_cache: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views (no copy) of the first ``length`` positions of both caches."""
+    return k_cache.narrow(2, 0, length), v_cache.narrow(2, 0, length)

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+import minillm.hooks as hooks
+
 SCALE_DTYPE = torch.float32
 
 
@@ -33,6 +35,7 @@ FP8_MAX = 448.0  # the largest float8_e4m3fn value
 STORAGE = {"int8": torch.int8, "fp8": torch.uint8}  # what the pool's tensors hold per kind
 
 
+@hooks.reference("quantize_kv")  # the paged write path calls it through the hook (chapter 07's exercise)
 def quantize_kv(x: torch.Tensor, kind: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:
     """``x[..., D]`` → ``(q [..., D], scale [...])`` with ``x ≈ value(q) * scale[..., None]``:
     ``q`` int8, or (``kind="fp8"``) e4m3 bit patterns as uint8."""

@@ -8,7 +8,9 @@ Tensor parallelism (TP) splits every layer's matrices over ``tp_size`` ranks:
   per-head, so nothing is exchanged inside the block;
 - **row parallel** (o, down): each rank holds the matching slice of the *input* columns, so
   its output is a partial sum; one **all-reduce** adds the partial sums and every rank ends
-  with the full hidden state. Two all-reduces per decoder layer are the whole cost of TP;
+  with the full hidden state — the layer does it itself (``Linear(..., parallel=context)``),
+  so the model code is the same split or whole. Two all-reduces per decoder layer are the
+  whole cost of TP;
 - the **vocabulary** is split too: a rank embeds only the ids in its range (zeros elsewhere;
   an all-reduce sums), and as the LM head it scores only its range (the logits are gathered).
 
@@ -32,7 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
+
+import minillm.hooks as hooks
+from minillm.layers.embedding import Embedding
 
 
 def split_evenly(n: int, parts: int, index: int) -> range:
@@ -45,6 +49,7 @@ def split_evenly(n: int, parts: int, index: int) -> range:
     return range(start, start + base + (index < extra))
 
 
+@hooks.reference("heads_of_rank")  # each attention layer's shard is built through the hook (chapter 09)
 def heads_of_rank(num_heads: int, num_kv_heads: int, rank: int, tp_size: int) -> tuple[range, range]:
     """The query heads and the K/V heads rank ``rank`` holds under ``tp_size``-way TP.
 
@@ -125,9 +130,18 @@ class ParallelContext:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the tensor-parallel ranks, in place (nothing to do at TP = 1)."""
+        return self._all_reduce(x, dist.ReduceOp.SUM)
+
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The element-wise maximum of ``x`` over the tensor-parallel ranks, in place: a
+        row-parallel layer's per-row scales, from the whole rows its ranks share (once, when
+        the weights are quantized — never inside a step)."""
+        return self._all_reduce(x, dist.ReduceOp.MAX)
+
+    def _all_reduce(self, x: torch.Tensor, op) -> torch.Tensor:
         if self.tp_size > 1:
             start = time.perf_counter()
-            dist.all_reduce(x, group=self.tp_group)
+            dist.all_reduce(x, op=op, group=self.tp_group)
             COMM.seconds += time.perf_counter() - start
             COMM.calls += 1
             COMM.all_reduce_bytes += x.numel() * x.element_size()
@@ -152,22 +166,22 @@ class ParallelContext:
 SINGLE = ParallelContext()
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(Embedding):
     """The embedding table split by vocabulary rows: this rank holds rows ``vocab_range`` only,
     looks up the ids that fall in it, zeros the rest, and an all-reduce sums the ranks' rows
-    (exactly one rank contributes each id)."""
+    (exactly one rank contributes each id). Tied to an int8 LM head, it reads its rows through
+    the head like the unsplit embedding (``embedding.py``): the head holds the same vocabulary
+    rows, one per-row scale each, so every rank's rows are exactly the one-process model's."""
 
     def __init__(self, vocab_size: int, hidden: int, parallel: ParallelContext):
-        super().__init__()
+        rows = split_evenly(vocab_size, parallel.tp_size, parallel.tp_rank)
+        super().__init__(vocab_size, hidden, rows, requires_grad=False)
         self.parallel = parallel
-        self.vocab_range = split_evenly(vocab_size, parallel.tp_size, parallel.tp_rank)
-        self.vocab_size = vocab_size
-        self.weight = nn.Parameter(torch.empty(len(self.vocab_range), hidden), requires_grad=False)
 
     def weight_loader(self, param: str, loaded, shard: str | None = None) -> None:
         """This rank's rows of the full ``[vocab, hidden]`` checkpoint matrix (read as a slice)."""
-        if tuple(loaded.shape) != (self.vocab_size, self.weight.shape[1]):
-            raise ValueError(f"has shape {tuple(loaded.shape)}, expected {(self.vocab_size, self.weight.shape[1])}")
+        if tuple(loaded.shape) != (self.vocab_size, self.embedding_dim):
+            raise ValueError(f"has shape {tuple(loaded.shape)}, expected {(self.vocab_size, self.embedding_dim)}")
         part = loaded.narrow(0, self.vocab_range.start, len(self.vocab_range))
         with torch.no_grad():
             self.weight.copy_(part if isinstance(part, torch.Tensor) else part.load())
@@ -175,5 +189,5 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_range.start
         mine = (local >= 0) & (local < len(self.vocab_range))
-        out = F.embedding(local.clamp(0, len(self.vocab_range) - 1), self.weight) * mine.unsqueeze(-1)
+        out = self.rows_of(local.clamp(0, len(self.vocab_range) - 1)) * mine.unsqueeze(-1)
         return self.parallel.all_reduce(out)

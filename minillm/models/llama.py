@@ -9,8 +9,8 @@ explicit ``head_dim``, and the RoPE variant.
 
 The same code builds one **shard** of the model for tensor / pipeline parallelism (chapter 09):
 given a ``ParallelContext``, each projection holds only its rank's heads or columns, the
-output projections all-reduce, and a pipeline stage holds only its layers (the first the
-embedding, the last the final norm and LM head). With the default ``SINGLE`` context nothing
+output projections (row parallel) all-reduce inside the layer, and a pipeline stage holds only
+its layers (the first the embedding, the last the final norm and LM head). With the default ``SINGLE`` context nothing
 is split and nothing is communicated.
 
 For speed the q/k/v projections are fused into one matrix (one matmul instead of three), and
@@ -24,11 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import minillm.hooks as hooks
 from minillm.attention import AttentionBackend, get_backend
 from minillm.attention.contiguous import AttentionMask, ForwardBatch
 from minillm.config import ModelConfig
 from minillm.layers import Linear, LinearMethod
-from minillm.layers.tensor_parallel import SINGLE, ParallelContext, VocabParallelEmbedding, heads_of_rank, split_evenly
+from minillm.layers.embedding import Embedding
+from minillm.layers.tensor_parallel import SINGLE, ParallelContext, VocabParallelEmbedding, split_evenly
 from minillm.models.rope import RotaryEmbedding, apply_rope
 
 __all__ = ["AttentionMask", "ForwardBatch", "LlamaForCausalLM"]
@@ -52,9 +54,8 @@ class Attention(nn.Module):
         """``layer_index``: this layer's place in the KV cache (within its pipeline stage)."""
         super().__init__()
         self.layer_index = layer_index
-        self.parallel = parallel
         d = self.head_dim = config.head_dim
-        q_heads, kv_heads = heads_of_rank(config.num_heads, config.num_kv_heads, parallel.tp_rank, parallel.tp_size)
+        q_heads, kv_heads = hooks.heads_of_rank(config.num_heads, config.num_kv_heads, parallel.tp_rank, parallel.tp_size)
         self.num_heads, self.num_kv_heads = len(q_heads), len(kv_heads)  # this rank's
         self.q_size = self.num_heads * d
         self.scale = d**-0.5
@@ -63,7 +64,7 @@ class Attention(nn.Module):
         tp = {}
         if parallel.tp_size > 1:  # column-parallel q/k/v by head, row-parallel o over the same q heads
             q_rows, kv_rows = range(q_heads.start * d, q_heads.stop * d), range(kv_heads.start * d, kv_heads.stop * d)
-            tp = dict(tp_dim=0, tp_rank=parallel.tp_rank, tp_size=parallel.tp_size)
+            tp = dict(tp_dim=0, tp_rank=parallel.tp_rank, tp_size=parallel.tp_size, parallel=parallel)
             tp["tp_slices"] = {"q": q_rows, "k": kv_rows, "v": kv_rows}
         self.qkv_proj = Linear(config.hidden_size, full_q + 2 * full_kv, config.attention_bias, shards, **tp)
         if tp:
@@ -78,7 +79,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(b, t, h + 2 * kv, self.head_dim)
         qk = apply_rope(qkv[:, :, : h + kv], cos, sin)  # q and k heads rotated in one go
         out = step.attend(self.layer_index, qk[:, :, :h], qk[:, :, h:], qkv[:, :, h + kv :], self.scale)
-        return self.parallel.all_reduce(self.o_proj(out.reshape(b, t, self.q_size)))
+        return self.o_proj(out.reshape(b, t, self.q_size))  # row parallel: the layer all-reduces
 
 
 class SwiGLU(nn.Module):
@@ -88,13 +89,13 @@ class SwiGLU(nn.Module):
 
     def __init__(self, config: ModelConfig, parallel: ParallelContext = SINGLE):
         super().__init__()
-        self.parallel = parallel
         full = config.intermediate_size
         shards = {"gate": full, "up": full}
         tp = {}
         if parallel.tp_size > 1:
             keep = split_evenly(full, parallel.tp_size, parallel.tp_rank)
-            tp = dict(tp_dim=0, tp_rank=parallel.tp_rank, tp_size=parallel.tp_size, tp_slices={"gate": keep, "up": keep})
+            tp = dict(tp_dim=0, tp_rank=parallel.tp_rank, tp_size=parallel.tp_size, parallel=parallel)
+            tp["tp_slices"] = {"gate": keep, "up": keep}
         self.gate_up_proj = Linear(config.hidden_size, 2 * full, shards=shards, **tp)
         self.intermediate_size = self.gate_up_proj.out_features // 2  # this rank's
         if tp:
@@ -103,7 +104,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.parallel.all_reduce(self.down_proj(F.silu(gate) * up))
+        return self.down_proj(F.silu(gate) * up)  # row parallel: the layer all-reduces
 
 
 class DecoderLayer(nn.Module):
@@ -127,10 +128,10 @@ class LlamaForCausalLM(nn.Module):
         self.parallel = parallel
         cfg, tp = config, parallel
         self.layer_range = tp.layers(cfg.num_layers)  # this pipeline stage's layers (all of them at PP = 1)
-        self.embed_tokens: nn.Module | None = None
+        self.embed_tokens: Embedding | None = None
         if tp.is_first_stage:
             self.embed_tokens = (
-                nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+                Embedding(cfg.vocab_size, cfg.hidden_size)
                 if tp.tp_size == 1
                 else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
             )
@@ -164,9 +165,11 @@ class LlamaForCausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         """Tied checkpoints use the embedding matrix as the LM head: one tensor, two uses (when
-        one shard holds both; a last pipeline stage alone loads the matrix into its head)."""
-        if self.config.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
-            self.lm_head.weight = self.embed_tokens.weight
+        one shard holds both; a last pipeline stage alone loads the matrix into its head). An
+        embedding that reads its rows through the head (an int8 head) has no table to share."""
+        embed, head = self.embed_tokens, self.lm_head
+        if self.config.tie_word_embeddings and embed is not None and head is not None and embed.weight is not None:
+            head.weight = embed.weight
 
     def checkpoint_targets(self) -> dict[str, tuple[nn.Module, str, str | None]]:
         """HF checkpoint name → (module, parameter, shard of a fused matrix). The loader hands

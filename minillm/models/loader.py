@@ -8,6 +8,10 @@ is the worst possible failure for a learner.
 A **shard** (tensor / pipeline parallelism, ``parallel=``) reads only its part: its layers'
 tensors, and of each split matrix only its rows or columns — safetensors reads a slice
 without the rest (``CheckpointSlice``), so no rank ever holds a full matrix it does not need.
+
+A **quantized** checkpoint (``minillm quantize``) goes the same way: each linear layer is first
+given the method its tensors were saved in (``quantization.checkpoint.prepare_quantized``), then
+its saved tensors (``qweight``, ``scales``, ...) enter through its ``weight_loader`` like any other.
 """
 
 from __future__ import annotations
@@ -88,6 +92,13 @@ def _copy_into(module, param: str, shard: str | None, tensor: CheckpointSlice) -
         dest.copy_(tensor.load())
 
 
+def _plain_in_quantized(module, param: str, shard: str | None) -> bool:
+    """Does a quantized checkpoint still hold this target as a plain tensor under its Hugging
+    Face name? Not a linear layer's (saved in its method's format, under our names), nor a table
+    no longer held (a tied embedding reading its int8 head's rows)."""
+    return not isinstance(module, Linear) and getattr(module, param) is not None
+
+
 def _elsewhere(name: str, model: LlamaForCausalLM) -> bool:
     """Does tensor ``name`` belong to another pipeline stage than ``model``'s?"""
     if model.parallel.pp_size == 1:
@@ -116,17 +127,14 @@ def load_model(
     model.tie_weights()  # to_empty gives each module its own tensor: share the head again
 
     targets = model.checkpoint_targets()
-    from minillm.quantization.checkpoint import install_quantized, quantization_config
+    from minillm.quantization.checkpoint import prepare_quantized, quantization_config
 
     qc = quantization_config(folder)
     if qc is not None and parallel != SINGLE:
         raise ModelLoadError(f"{folder}: a quantized checkpoint cannot be loaded as a tensor/pipeline-parallel shard yet")
-    quantized: dict[str, torch.Tensor] = {}  # a quantized checkpoint's linear layers, by our names
-    if qc is not None:
-        linears = set(model.linear_layers())
-        if config.tie_word_embeddings:  # a tied quantized model embeds from its int8 head
-            linears.add(model.embed_tokens)
-        targets = {name: t for name, t in targets.items() if t[0] not in linears}
+    if qc is not None:  # each linear layer takes its saved method first; its saved tensors then go in like any
+        saved = prepare_quantized(model, folder, qc)
+        targets = {name: t for name, t in targets.items() if _plain_in_quantized(*t)} | saved
     for path in safetensors_files(folder):
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -136,9 +144,6 @@ def load_model(
                     if name == "lm_head.weight" and config.tie_word_embeddings:
                         continue  # some tied checkpoints store a copy; ours is the embedding
                     target = targets.pop(name, None)
-                    if target is None and qc is not None:
-                        quantized[name] = f.get_tensor(name)
-                        continue
                     if target is None and _elsewhere(name, model):
                         continue  # another pipeline stage's
                     if target is None:
@@ -157,8 +162,7 @@ def load_model(
     if targets:
         missing = sorted(targets)
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ModelLoadError(f"{folder}: incomplete checkpoint, {len(missing)} tensor(s) missing: {shown}")
-    if qc is not None:
-        install_quantized(model, folder, quantized, qc)
+        kind = "quantized checkpoint" if qc is not None else "checkpoint"
+        raise ModelLoadError(f"{folder}: incomplete {kind}, {len(missing)} tensor(s) missing: {shown}")
     model.init_rope(max_positions or config.max_position_embeddings)
     return model.eval()

@@ -51,10 +51,29 @@ class ShardSpec:
     pp_size: int = 1
     num_microbatches: int = 1
     threads: int = 1
+    quantization: str | None = None  # int8 / int4: each rank quantizes its own slices
+    quantization_group_size: int | None = None  # int4: resolved by the driver, the same on every rank
 
     @property
     def world_size(self) -> int:
         return self.tp_size * self.pp_size
+
+
+def shard_quantization(model_config: ModelConfig, tp_size: int, method: str, group_size: int | None) -> int | None:
+    """Check, before any worker starts, that every tensor-parallel rank's shard can take
+    ``method`` (a ``ValueError`` naming the layer and the rank's slice — an int4 group that does
+    not cut a row-parallel slice into whole groups, say); each shard is built on the meta device,
+    shapes only. Returns the int4 group size every rank uses (the one-process model's default
+    when none is given), else None."""
+    from minillm.models.llama import LlamaForCausalLM
+    from minillm.quantization import check_quantizable
+
+    group = group_size
+    for rank in range(tp_size):
+        with torch.device("meta"):
+            shard = LlamaForCausalLM(model_config, ParallelContext(tp_rank=rank, tp_size=tp_size))
+        group = check_quantizable(shard, method, group_size)
+    return group
 
 
 def split_microbatches(chunks: list[ChunkInput], parts: int) -> list[list[ChunkInput]]:
@@ -79,7 +98,7 @@ class ShardWorker:
 
     def __init__(self, spec: ShardSpec, rank: int):
         from minillm.models import load_model
-        from minillm.runtime.weight_methods import apply_weight_methods
+        from minillm.runtime.model_setup import configure_model
 
         self.spec, self.rank = spec, rank
         tp, pp = spec.tp_size, spec.pp_size
@@ -92,9 +111,12 @@ class ShardWorker:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
             torch.cuda.set_device(device)
         self.model = load_model(spec.model_dir, dtype, device, spec.max_model_len, parallel=self.parallel)
-        self.model.set_attention_backend(spec.attention_backend)
-        self.model.sliding_window = spec.window
-        apply_weight_methods(EngineConfig(cpu_prepack=spec.cpu_prepack), self.model, device, dtype)
+        weights = EngineConfig(
+            cpu_prepack=spec.cpu_prepack,
+            quantization=spec.quantization,
+            quantization_group_size=spec.quantization_group_size,
+        )
+        configure_model(self.model, weights, spec.attention_backend, spec.window)
         attn = self.model.layers[0].attn
         local = replace(
             ModelConfig.from_folder(spec.model_dir),

@@ -21,9 +21,14 @@ the model code does not change, only the storage and the matmul of its linear la
 What is quantized: every linear layer of the decoder blocks, and the LM head in int8
 (weight-only) for every method — the head is 28% of SmolLM2-135M's parameters and is read
 every step, but it decides every logit, so it gets the gentler 8 bits. A tied model's
-embedding then reads its rows from that int8 head (``TiedInt8Embedding``) instead of keeping
-a float copy of the same matrix; an untied model's embedding stays in the model's dtype (a
-step reads only its tokens' rows, so shrinking it would save memory but no time).
+embedding then reads its rows through that int8 head (``share_int8_head_as_embedding``)
+instead of keeping a float copy of the same matrix; an untied model's embedding stays in the
+model's dtype (a step reads only its tokens' rows, so shrinking it would save memory but no time).
+
+Under tensor parallelism each rank quantizes its own slices, to exactly the values the
+one-process model holds: per-row int8 scales of a column slice are its rows' own; a row slice
+takes its rows' maxima over every rank (``Linear.full_row_absmax``); int4 groups of a row slice
+must be whole groups of the full row (``Int4Method.validate`` says so by layer and slice).
 """
 
 from __future__ import annotations
@@ -42,8 +47,9 @@ from minillm.quantization.int8 import Int8Method, dequantize_int8, quantize_int8
 
 def default_group_size(model) -> int:
     """The largest int4 group (at most 128) that divides every decoder layer's input features:
-    SmolLM2's 576 = 9 × 64 takes 64."""
-    sizes = {m.in_features for name, m in _decoder_linears(model)}
+    SmolLM2's 576 = 9 × 64 takes 64. The full layers' features, also for a tensor-parallel
+    shard: every rank, and the one-process model, pick the same group."""
+    sizes = {m.full_in for name, m in _decoder_linears(model)}
     for group in (128, 64, 32):
         if all(size % group == 0 for size in sizes):
             return group
@@ -68,15 +74,36 @@ def _decoder_linears(model):
     return [(name, m) for name, m in model.named_modules() if isinstance(m, Linear) and name != "lm_head"]
 
 
+def _decoder_method(method: str, group_size: int | None):
+    """A maker of ``method``'s LinearMethod for one decoder layer (``group_size`` resolved)."""
+    from minillm.quantization.w8a8 import W8A8Method
+
+    return {"int8": Int8Method, "w8a8": W8A8Method}.get(method, lambda: Int4Method(group_size))
+
+
+def check_quantizable(model, method: str, group_size: int | None = None) -> int | None:
+    """Raise ``ValueError`` naming the first decoder layer of ``model`` (or of a tensor-parallel
+    shard of it, even one built on the meta device) that ``method`` cannot take; change nothing.
+    Returns the int4 group size used (``group_size``, or the default), else None."""
+    check_quantization(method, group_size)
+    if method in INT4_METHODS and group_size is None:
+        group_size = default_group_size(model)
+    make = _decoder_method(method, group_size)
+    for name, layer in _decoder_linears(model):
+        make().validate(layer, name)
+    return group_size if method in INT4_METHODS else None
+
+
 def quantize_model(model, method: str, group_size: int | None = None, calibration_ids=None, tokenizer=None) -> None:
     """Quantize ``model``'s linear layers in place: the decoder's with ``method``, the LM head
     with int8. Every layer is checked first, so a shape the method cannot take raises
     ``ValueError`` naming the layer before anything changed. ``group_size`` (int4, awq): None
     picks ``default_group_size``. ``awq`` calibrates on ``calibration_ids`` (default: the
-    shipped calibration text, tokenized with ``tokenizer``)."""
+    shipped calibration text, tokenized with ``tokenizer``). A pipeline stage without the LM
+    head quantizes its decoder layers only."""
 
     from minillm.quantization.calibration import calibration_ids as calibration_tokens
-    from minillm.quantization.w8a8 import W8A8Method, w8a8_quantize
+    from minillm.quantization.w8a8 import w8a8_quantize
 
     check_quantization(method, group_size)
     calibrated = method in ("awq", "w8a8")
@@ -84,12 +111,8 @@ def quantize_model(model, method: str, group_size: int | None = None, calibratio
         raise ValueError(
             f"quantization={method!r} needs calibration_ids or a tokenizer to tokenize its calibration text"
         )
+    group_size = check_quantizable(model, method, group_size)
     decoder = _decoder_linears(model)
-    if method in INT4_METHODS and group_size is None:
-        group_size = default_group_size(model)
-    make = {"int8": Int8Method, "w8a8": W8A8Method}.get(method, lambda: Int4Method(group_size))
-    for name, layer in decoder:
-        make().validate(layer, name)
     if calibrated:  # calibrate on the unquantized model first, then convert
         from minillm.quantization.awq import awq_quantize
 
@@ -97,9 +120,11 @@ def quantize_model(model, method: str, group_size: int | None = None, calibratio
         layers = [layer for _, layer in decoder]
         awq_quantize(model, layers, group_size, ids) if method == "awq" else w8a8_quantize(model, layers, ids)
     else:
+        make = _decoder_method(method, group_size)
         for _, layer in decoder:
             layer.set_method(make())
-    model.lm_head.set_method(Int8Method())
+    if model.lm_head is not None:
+        model.lm_head.set_method(Int8Method())
     share_int8_head_as_embedding(model)
 
 
@@ -108,6 +133,7 @@ __all__ = [
     "QUANTIZATION_METHODS",
     "Int4Method",
     "Int8Method",
+    "check_quantizable",
     "check_quantization",
     "default_group_size",
     "prune",

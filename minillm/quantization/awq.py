@@ -46,8 +46,8 @@ class AWQInt4Method(Int4Method):
 
     name = "awq"
 
-    def __init__(self, group_size: int, inv_scale: torch.Tensor | None = None):
-        super().__init__(group_size)
+    def __init__(self, group_size: int, inv_scale: torch.Tensor | None = None, unpack=None):
+        super().__init__(group_size, unpack)
         self.inv_scale = inv_scale
 
     def install(self, layer, q, scale, low, inv_scale=None) -> None:
@@ -57,6 +57,12 @@ class AWQInt4Method(Int4Method):
         if inv_scale is not None:
             self.inv_scale = inv_scale
         layer.awq_inv_scale = self.inv_scale.to(device=device, dtype=dtype)
+
+    def saved_shapes(self, layer) -> dict[str, tuple[int, ...]]:
+        return {**super().saved_shapes(layer), "inv_scale": (layer.in_features,)}
+
+    def install_saved(self, layer, saved: dict[str, torch.Tensor]) -> None:
+        self.install(layer, self.saved_values(saved), saved["int4_scale"], saved["int4_min"], saved["inv_scale"])
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         return super().apply(layer, x * layer.awq_inv_scale)

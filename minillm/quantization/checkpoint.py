@@ -16,9 +16,12 @@ holds), the tokenizer files, and ``model.safetensors`` holding
 The calibrated methods (awq, w8a8) calibrate once, when the checkpoint is written: loading it
 needs neither the calibration text nor its minute of activation statistics.
 
-Loading checks every tensor before the model is returned: a missing or misshapen one is a
-``ModelLoadError`` naming it (nothing half-loaded). The values are the ones saved, bit for bit,
-so a loaded model computes exactly what the model that was quantized in memory computes.
+Loading goes the way every tensor goes into a layer: ``prepare_quantized`` gives each linear
+layer the method it was saved in *before* loading, then the loader hands each saved tensor to
+the layer's ``weight_loader`` (which passes it to the method, ``saved.py``). Every tensor is
+checked before the model is returned: a missing, surplus or misshapen one is a
+``ModelLoadError`` naming it. The values are the ones saved, bit for bit, so a loaded model
+computes exactly what the model that was quantized in memory computes.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ from pathlib import Path
 
 import torch
 
+import minillm.hooks as hooks
 from minillm.errors import ModelLoadError
-from minillm.quantization.int4 import Int4Method, pack_int4, quantize_int4, unpack_int4
+from minillm.quantization.int4 import Int4Method, quantize_int4
 from minillm.quantization.int8 import Int8Method, quantize_int8, share_int8_head_as_embedding
 
 FORMAT = "minillm"
@@ -85,7 +89,7 @@ def save_quantized(model, model_dir: str | Path, out_dir: str | Path, method: st
         else:
             q, scale, low = int4_layers[name] if int4_layers is not None else quantize_int4(weight, group_size)
             tensors[f"{name}.int4"], tensors[f"{name}.int4_scale"], tensors[f"{name}.int4_min"] = (
-                pack_int4(q),
+                hooks.pack_int4(q),
                 scale,
                 low,
             )
@@ -146,50 +150,43 @@ def quantization_config(folder: str | Path) -> dict | None:
     return qc
 
 
-def install_quantized(model, folder: Path, tensors: dict[str, torch.Tensor], qc: dict) -> None:
-    """Give each linear layer of ``model`` its saved quantized storage (pops what it uses)."""
+def prepare_quantized(model, folder: Path, qc: dict) -> dict[str, tuple]:
+    """Before loading: give each linear layer of ``model`` the method its tensors were saved in
+    (``Linear.set_method(..., from_checkpoint=True)``) and a tied embedding its int8 head's rows.
+    Returns the targets of the saved tensors, ``"<layer>.<tensor>" → (layer, tensor, None)``,
+    for the loader to hand to each layer's ``weight_loader`` — the one road into a layer. A bad
+    ``quantization_config`` is a ``ModelLoadError``."""
     from minillm.config import INT4_METHODS, QUANTIZATION_METHODS
-    from minillm.quantization.awq import AWQInt4Method
-    from minillm.quantization.w8a8 import W8A8Method
 
     method, group = qc.get("method"), qc.get("group_size")
     if method not in QUANTIZATION_METHODS:
         raise ModelLoadError(f"{folder}: quantization_config method {method!r} is not one of {QUANTIZATION_METHODS}")
     if method in INT4_METHODS and not (isinstance(group, int) and group > 0):
         raise ModelLoadError(f"{folder}: quantization_config group_size {group!r} is not a positive integer")
-
-    def take(name: str, shape: tuple | None = None) -> torch.Tensor:
-        if name not in tensors:
-            raise ModelLoadError(f"{folder}: quantized checkpoint is missing tensor {name!r}")
-        t = tensors.pop(name)
-        if shape is not None and tuple(t.shape) != shape:
-            raise ModelLoadError(f"{folder}: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
-        return t
-
-    plan = []
-    for name, layer in _linear_layers(model).items():  # read and check everything first
-        out, cols = layer.out_features, layer.in_features
-        bias = take(f"{name}.bias", (out,)) if layer.bias is not None else None
-        if method in ("int8", "w8a8") or name == "lm_head":
-            parts = (take(f"{name}.qweight", (out, cols)), take(f"{name}.scales", (out,)))
-        else:
-            groups = cols // group
-            packed = take(f"{name}.int4", (out, cols // 2))
-            scale, low = take(f"{name}.int4_scale", (out, groups)), take(f"{name}.int4_min", (out, groups))
-            parts = (unpack_int4(packed), scale, low)
-        if name == "lm_head" or method == "int8":
-            quantized = Int8Method()
-        elif method == "int4":
-            quantized = Int4Method(group)
-        else:  # awq, w8a8: the weights are W · s, the layer divides its input by s
-            parts = (*parts, take(f"{name}.inv_scale", (cols,)))
-            quantized = AWQInt4Method(group) if method == "awq" else W8A8Method()
-        plan.append((layer, quantized, parts, bias))
-    if tensors:
-        raise ModelLoadError(f"{folder}: unexpected tensor(s) {sorted(tensors)[:5]} in a quantized checkpoint")
-    for layer, quantized, parts, bias in plan:
-        if bias is not None:
-            with torch.no_grad():
-                layer.bias.copy_(bias)
-        quantized.install(layer, *parts)
+    targets: dict[str, tuple] = {}
+    for name, layer in _linear_layers(model).items():
+        saved = _saved_method(method if name != "lm_head" else "int8", group)
+        layer.set_method(saved, from_checkpoint=True)
+        for tensor in saved.saved_shapes(layer):
+            targets[f"{name}.{tensor}"] = (layer, tensor, None)
+        if layer.bias is not None:  # saved fused (all shards in order), in the model's dtype
+            targets[f"{name}.bias"] = (layer, "bias", None)
     share_int8_head_as_embedding(model)
+    return targets
+
+
+def _saved_method(method: str, group: int | None):
+    """The method a layer saved as ``method`` loads into; int4 bytes are unpacked through the
+    ``unpack_int4`` hook, looked up at each call (chapter 07 reads a checkpoint back with the
+    learner's unpacking)."""
+    from minillm.quantization.awq import AWQInt4Method
+    from minillm.quantization.w8a8 import W8A8Method
+
+    def unpack(packed: torch.Tensor) -> torch.Tensor:
+        return hooks.unpack_int4(packed)
+
+    if method == "int8":
+        return Int8Method()
+    if method == "int4":
+        return Int4Method(group, unpack)
+    return AWQInt4Method(group, unpack=unpack) if method == "awq" else W8A8Method()

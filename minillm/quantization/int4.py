@@ -22,8 +22,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+import minillm.hooks as hooks
 from minillm.config import INT4_GROUP_SIZES  # what the CPU kernel accepts
 from minillm.quantization.int8 import use_triton
+from minillm.quantization.saved import LoadsSavedTensors
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -46,6 +48,7 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
     return w.reshape(out, cols).to(dtype)
 
 
+@hooks.reference("pack_int4")  # the checkpoint writer calls it through the hook (chapter 07)
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """``q uint8 [out, in]`` (values 0..15, ``in`` even) → ``uint8 [out, in/2]``, low nibble first."""
     if q.shape[-1] % 2:
@@ -55,26 +58,40 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     return (q[..., 0::2] | (q[..., 1::2] << 4)).to(torch.uint8)
 
 
+@hooks.reference("unpack_int4")  # the checkpoint reader calls it through the hook (chapter 07)
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of ``pack_int4``."""
     low, high = packed & 0x0F, packed >> 4
     return torch.stack([low, high], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-class Int4Method:
-    """A linear layer stored as group-wise int4 (the CPU kernel's tiled layout on CPU)."""
+class Int4Method(LoadsSavedTensors):
+    """A linear layer stored as group-wise int4 (the CPU kernel's tiled layout on CPU).
+
+    ``unpack``: how saved bytes become values 0..15 when the layer loads a checkpoint (the
+    checkpoint reader passes its own, so the saved format is decoded in one place)."""
 
     name = "int4"
 
-    def __init__(self, group_size: int = 128):
+    def __init__(self, group_size: int = 128, unpack=None):
         if group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"int4 group_size={group_size!r} must be one of {INT4_GROUP_SIZES}")
         self.group_size = group_size
+        self.unpack = unpack  # None: this module's unpack_int4
 
     def validate(self, layer, name: str) -> None:
-        out, cols = layer.out_features, layer.in_features
-        if cols % self.group_size:
-            raise ValueError(f"{name}: int4 group_size={self.group_size} does not divide its {cols} input features")
+        """Groups run along the input, so a row-parallel slice must start and end on a group
+        boundary: then every rank's groups are the one-process layer's groups, scale for scale."""
+        out, cols, g = layer.out_features, layer.in_features, self.group_size
+        keep = layer.tp_slices[None] if layer.tp_dim == 1 and layer.tp_size > 1 else None
+        if keep is not None and (keep.start % g or len(keep) % g):
+            raise ValueError(
+                f"{name}: int4 group_size={g} does not cut tensor-parallel rank {layer.tp_rank}'s input slice "
+                f"{keep.start}:{keep.stop} (of {layer.full_in}) into whole groups — a row-parallel layer's groups run "
+                f"along its input slice; choose a quantization_group_size that divides it"
+            )
+        if cols % g:
+            raise ValueError(f"{name}: int4 group_size={g} does not divide its {cols} input features")
         if out % 16:
             raise ValueError(f"{name}: int4 needs output features divisible by 16 (the CPU kernel's tile), got {out}")
 
@@ -100,7 +117,18 @@ class Int4Method:
             layer.cpu_table = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(table_dtype)
             layer.int4 = None  # the kernel's tiled copy is what the matmul reads
         layer.weight = None
-        layer.method = self
+
+    def saved_shapes(self, layer) -> dict[str, tuple[int, ...]]:
+        out, cols = layer.out_features, layer.in_features
+        groups = (out, cols // self.group_size)
+        return {"int4": (out, cols // 2), "int4_scale": groups, "int4_min": groups}
+
+    def install_saved(self, layer, saved: dict[str, torch.Tensor]) -> None:
+        self.install(layer, self.saved_values(saved), saved["int4_scale"], saved["int4_min"])
+
+    def saved_values(self, saved: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The saved ``int4`` bytes as values 0..15."""
+        return (self.unpack or unpack_int4)(saved["int4"])
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if use_triton(x) and layer.int4 is not None:

@@ -22,7 +22,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
+import minillm.hooks as hooks
 from minillm.config import triton_available
+from minillm.quantization.saved import LoadsSavedTensors
 
 GEMV_ROWS = 32  # from this many rows on, dequantize + F.linear beats the int8 GEMV kernel (see above)
 
@@ -38,10 +40,16 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.device.type == "cuda" and _triton_installed()
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight[out, in]`` → ``(q int8 [out, in], scale fp32 [out])`` with ``weight ≈ q * scale[:, None]``."""
+@hooks.reference("quantize_int8")  # Int8Method.process_weights calls it through the hook (chapter 07)
+def quantize_int8(weight: torch.Tensor, row_absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight[out, in]`` → ``(q int8 [out, in], scale fp32 [out])`` with ``weight ≈ q * scale[:, None]``.
+
+    ``row_absmax``: each row's largest ``|w|`` when ``weight`` holds only some of each row's
+    columns (a row-parallel shard, ``Linear.full_row_absmax``) — the whole row's, so the shard is
+    rounded exactly as the whole matrix is and the ranks' int8 values are the one-process ones."""
     w = weight.detach().float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    absmax = w.abs().amax(dim=1) if row_absmax is None else row_absmax.float()
+    scale = absmax.clamp(min=1e-12) / 127.0
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scale
 
@@ -50,7 +58,7 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
     return (q.float() * scale[:, None]).to(dtype)
 
 
-class Int8Method:
+class Int8Method(LoadsSavedTensors):
     """A linear layer stored as int8 with per-output-channel scales."""
 
     name = "int8"
@@ -66,7 +74,9 @@ class Int8Method:
 
     def process_weights(self, layer) -> None:
         self.validate(layer, repr(layer))
-        q, scale = quantize_int8(layer.weight)
+        row_absmax = layer.full_row_absmax()  # None unless the layer holds a row-parallel slice
+        # One argument unless sliced: the hook's signature (chapter 07 plugs a one-argument quantizer in).
+        q, scale = hooks.quantize_int8(layer.weight) if row_absmax is None else quantize_int8(layer.weight, row_absmax)
         self.install(layer, q, scale)
 
     def install(self, layer, q: torch.Tensor, scale: torch.Tensor) -> None:
@@ -74,8 +84,13 @@ class Int8Method:
         device, layer.dtype = layer.weight.device, layer.weight.dtype
         layer.qweight = q.to(device=device, dtype=torch.int8)
         layer.scales = self.scale_for(scale, layer.dtype).to(device)
-        layer.weight = None  # a tied head's matrix stays alive through the embedding
-        layer.method = self
+        layer.weight = None  # a tied head's matrix stays alive through the embedding until it reads from here
+
+    def saved_shapes(self, layer) -> dict[str, tuple[int, ...]]:
+        return {"qweight": (layer.out_features, layer.in_features), "scales": (layer.out_features,)}
+
+    def install_saved(self, layer, saved: dict[str, torch.Tensor]) -> None:
+        self.install(layer, saved["qweight"], saved["scales"])
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if use_triton(x):
@@ -99,35 +114,36 @@ class Int8Method:
             y = y + layer.bias
         return y.view(*x.shape[:-1], layer.out_features)
 
+    def embedding_rows(self, layer, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` dequantized, ``q[id] · scale[id]``: a tied embedding's lookup (a gather of
+        a few rows per step, so embedding from the int8 head costs no speed)."""
+        return layer.qweight[ids].to(layer.dtype) * layer.scales[ids].to(layer.dtype).unsqueeze(-1)
+
     def held_tensors(self, layer) -> list[torch.Tensor]:
         return [t for t in (layer.qweight, layer.scales, layer.bias) if t is not None]
 
 
-class TiedInt8Embedding(torch.nn.Module):
-    """The embedding of a tied model read from its int8 LM head: one int8 matrix, two uses.
-
-    A tied model's embedding table *is* its head matrix (SmolLM2-135M: 49152 × 576, 28% of the
-    parameters). Once the head is int8, keeping a bf16 copy only for the embedding would hold
-    the same numbers twice; instead a token's embedding is its head row dequantized,
-    ``q[id] · scale[id]`` — a gather of a few rows per step, so no speed is lost.
-    """
-
-    def __init__(self, head):
-        super().__init__()
-        if getattr(head, "qweight", None) is None:
-            raise ValueError("TiedInt8Embedding needs an int8 LM head (Int8Method installed)")
-        self._head = [head]  # a reference, not a submodule: its tensors are counted once
-        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        head = self._head[0]
-        return head.qweight[ids].to(head.dtype) * head.scales[ids].to(head.dtype).unsqueeze(-1)
-
-    def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, rows of the int8 LM head"
+def int8_table(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` rounded as an int8 head holds it, in its own dtype: every row equal to
+    ``Int8Method.embedding_rows`` of that head."""
+    q, scale = quantize_int8(weight)
+    dtype = weight.dtype
+    return q.to(dtype) * Int8Method.scale_for(scale, dtype).to(dtype).unsqueeze(-1)
 
 
 def share_int8_head_as_embedding(model) -> None:
-    """For a tied model whose head is int8: drop the float embedding, embed from the head."""
-    if model.config.tie_word_embeddings and model.lm_head.method.name == "int8":
-        model.embed_tokens = TiedInt8Embedding(model.lm_head)
+    """A tied model whose head is int8 embeds with the head's int8 rows, holding no float copy.
+
+    The tied embedding *is* the head matrix (SmolLM2-135M: 49152 × 576, 28% of the parameters);
+    once the head is int8, its embedding reads its rows through the head
+    (``Embedding.read_rows_from``). A first pipeline stage holds the embedding without the head:
+    it keeps its table, rounded to the same int8 values, so its tokens' rows are the ones the
+    one-process model reads."""
+    embed, head = model.embed_tokens, model.lm_head
+    if not model.config.tie_word_embeddings or embed is None or embed.weight is None:
+        return
+    if head is not None and head.method.name == "int8":
+        embed.read_rows_from(head)
+    elif head is None:
+        with torch.no_grad():
+            embed.weight.copy_(int8_table(embed.weight))

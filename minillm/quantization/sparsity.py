@@ -82,7 +82,6 @@ class SemiStructuredMethod:
 
         layer.sparse_weight = to_sparse_semi_structured(layer.weight.detach())
         layer.weight = None
-        layer.method = self
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, layer.in_features)

@@ -28,6 +28,7 @@ import torch
 
 from minillm.quantization.calibration import collect_activations
 from minillm.quantization.int8 import quantize_int8
+from minillm.quantization.saved import LoadsSavedTensors
 
 ALPHAS = [i / 10 for i in range(0, 10)]  # α = 0: no smoothing; the paper's default is 0.5
 CUDA_MIN_ROWS = 17  # torch._int_mm on CUDA wants more than 16 rows: fewer are padded
@@ -80,21 +81,30 @@ def search_smoothing(weight: torch.Tensor, act_max: torch.Tensor, sample: torch.
     return best[1], best[2]
 
 
-class W8A8Method:
+class W8A8Method(LoadsSavedTensors):
     """A linear layer with int8 weights (per output channel), int8 activations (per token) and
-    a per-input-channel smoothing vector ``1/s``."""
+    a per-input-channel smoothing vector ``1/s``. ``smoothing``: the calibrated ``s``
+    (``w8a8_scales``); None is α = 0, no smoothing."""
 
     name = "w8a8"
+
+    def __init__(self, smoothing: torch.Tensor | None = None):
+        self.smoothing = smoothing
 
     def validate(self, layer, name: str) -> None:
         if layer.weight is None or layer.weight.dim() != 2:
             raise ValueError(f"{name}: w8a8 needs the loaded 2-D weight (was the layer already converted?)")
 
     def process_weights(self, layer) -> None:
-        """Without calibration: α = 0 (no smoothing)."""
+        """Quantize ``W · s`` (just ``W`` without smoothing) and keep ``1/s`` for the input."""
         self.validate(layer, repr(layer))
-        q, scale = quantize_int8(layer.weight)
-        self.install(layer, q, scale, torch.ones(layer.in_features))
+        s = self.smoothing
+        if s is None:
+            q, scale = quantize_int8(layer.weight)
+            self.install(layer, q, scale, torch.ones(layer.in_features))
+        else:
+            q, scale = quantize_int8(layer.weight.detach().float() * s)
+            self.install(layer, q, scale, 1.0 / s)
 
     def install(self, layer, q: torch.Tensor, scale: torch.Tensor, inv_smooth: torch.Tensor) -> None:
         """Hold ``q`` (int8 ``[out, in]`` of ``W · s``), its per-row scale and ``1/s``."""
@@ -103,7 +113,13 @@ class W8A8Method:
         layer.w8a8_scale = scale.float().to(device)
         layer.w8a8_inv_smooth = inv_smooth.float().to(device)
         layer.weight = None
-        layer.method = self
+
+    def saved_shapes(self, layer) -> dict[str, tuple[int, ...]]:
+        out, cols = layer.out_features, layer.in_features
+        return {"qweight": (out, cols), "scales": (out,), "inv_scale": (cols,)}
+
+    def install_saved(self, layer, saved: dict[str, torch.Tensor]) -> None:
+        self.install(layer, saved["qweight"], saved["scales"], saved["inv_scale"])
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, layer.in_features)
@@ -126,7 +142,6 @@ def w8a8_quantize(model, layers: list, token_ids: list[int]) -> dict:
     """Calibrate on ``token_ids`` and convert ``layers`` to ``W8A8Method``; returns each layer's α."""
     chosen = {}
     for layer, (s, alpha) in w8a8_scales(model, layers, token_ids).items():
-        q, scale = quantize_int8(layer.weight.detach().float() * s)
-        W8A8Method().install(layer, q, scale, 1.0 / s)
+        layer.set_method(W8A8Method(s))
         chosen[layer] = alpha
     return chosen

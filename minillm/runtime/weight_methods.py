@@ -40,7 +40,7 @@ def apply_weight_methods(
             if layer.method is PLAIN and layer is not model.lm_head and SemiStructuredMethod.supported(layer):
                 layer.set_method(SemiStructuredMethod())
     prepack = config.cpu_prepack and device.type == "cpu" and prepack_available(dtype)
-    if config.weight_offload is not None:  # offloading moves plain tensors; packed copies would stay resident
+    if config.weight_offload is not None:  # a method around each layer's own; packed tensors are opaque
         _offload(config, model, device)
         prepack = False
     contiguous_compile = config.compile and config.mode == "contiguous"

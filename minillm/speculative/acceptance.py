@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import torch
 
+import minillm.hooks as hooks
 
+
+@hooks.reference("accept_greedy")  # Speculator.verify calls it through the hook (chapter 08's exercise)
 def accept_greedy(target_tokens: list[int], draft_tokens: list[int]) -> list[int]:
     """``target_tokens``: the target's argmax at each of the ``k + 1`` positions; returns the
     tokens to emit — the longest agreeing prefix of ``draft_tokens``, then the target's token."""
@@ -44,6 +47,7 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return r / total if total > 0 else p
 
 
+@hooks.reference("accept_sampled")  # Speculator.verify calls it through the hook (chapter 08's exercise)
 def accept_sampled(
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor | None,

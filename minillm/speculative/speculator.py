@@ -26,10 +26,11 @@ from collections.abc import Hashable
 
 import torch
 
+import minillm.hooks as hooks
 from minillm.config import SpeculativeConfig
 from minillm.sampling import filtered_logits
 from minillm.sequence import Sequence
-from minillm.speculative.acceptance import accept_greedy, accept_sampled
+from minillm.speculative import acceptance  # noqa: F401  (registers hooks accept_greedy and accept_sampled)
 from minillm.speculative.ngram import propose_ngram
 
 
@@ -75,14 +76,14 @@ class Speculator:
 
     def verify(self, seq: Sequence, drafts: list[int], logits: torch.Tensor) -> list[int]:
         """``logits[len(drafts) + 1, V]`` of the target at the verify chunk's positions → the
-        tokens to emit (1 to ``len(drafts) + 1``), exactly as the target alone would choose."""
-        if seq.params.greedy:
-            return accept_greedy(logits.argmax(-1).tolist(), drafts)
-        target = filtered_logits(logits.float(), [seq.params] * len(logits)).softmax(-1)
-        dists = self._draft_dists.get(seq.request_id)
-        if dists is not None:
-            dists = dists[: len(drafts)]  # the scheduler may have kept fewer of them
-        return accept_sampled(target, dists, drafts, seq.generator)
+        tokens to emit (1 to ``len(drafts) + 1``), exactly as the target alone would choose:
+        hook ``verify`` (the reference is ``verify`` below)."""
+        return hooks.verify(self, seq, drafts, logits)
+
+    def draft_distributions(self, seq: Sequence) -> torch.Tensor | None:
+        """The draft model's distributions ``[k, V]`` behind ``seq``'s proposals this step
+        (None: deterministic proposals, as prompt lookup makes)."""
+        return self._draft_dists.get(seq.request_id)
 
     def after_verify(self, seq: Sequence) -> None:
         """The sequence has its new tokens: roll the draft back to where it still agrees."""
@@ -112,3 +113,17 @@ class NoSpeculation:
 
     def release(self, request_id: Hashable) -> None:
         pass
+
+
+@hooks.reference("verify")
+def verify(speculator: Speculator, seq: Sequence, drafts: list[int], logits: torch.Tensor) -> list[int]:
+    """The acceptance rule the request's sampling calls for: greedy requests keep the proposals
+    the target's argmax agrees with (hook ``accept_greedy``); sampled ones run rejection
+    sampling against the draft's distributions (hook ``accept_sampled``)."""
+    if seq.params.greedy:
+        return hooks.accept_greedy(logits.argmax(-1).tolist(), drafts)
+    target = filtered_logits(logits.float(), [seq.params] * len(logits)).softmax(-1)
+    dists = speculator.draft_distributions(seq)
+    if dists is not None:
+        dists = dists[: len(drafts)]  # the scheduler may have kept fewer of them
+    return hooks.accept_sampled(target, dists, drafts, seq.generator)

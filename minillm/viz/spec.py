@@ -6,8 +6,8 @@
 - ``verify_pass_times``: a roofline cost model of one target pass over 1 … n positions — why
   verifying k proposals costs about as much as decoding one token, until it does not;
 - ``trace_speculation`` records, for a real run, every verify pass of every request (what the
-  draft proposed, what the target emitted) through a wrapper around ``Speculator.verify`` —
-  nothing in the engine changes — and ``spec_timeline`` shows the text coloured by each
+  draft proposed, what the target emitted) through a recorder on hook ``verify``
+  (``minillm.hooks``) — the engine's own rule still decides — and ``spec_timeline`` shows the text coloured by each
   token's fate, pass by pass; ``spec_steps_figure`` the same as bars;
 - ``virtual_speculation`` runs the engine on a virtual clock (``StepCost`` per pass, for the
   target and for the draft), so a speed-up is the same on every machine;
@@ -24,6 +24,8 @@ import re
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import minillm.hooks as hooks
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"  # in a checkout of the repository
 
@@ -272,25 +274,23 @@ class SpecTrace:
 
 def trace_speculation(llm, prompts, params) -> SpecTrace:
     """Generate ``prompts`` with ``llm`` (an ``LLM`` built with ``speculative_config``) and record
-    each request's passes: ``Speculator.verify`` is wrapped on this engine's speculator for the
-    run (and restored), so the engine runs unchanged. Steps without proposals (the prefill's
-    token, plain decodes) are the tokens no verify pass emitted."""
+    each request's passes: a recorder on hook ``verify`` sees this engine's verdicts for the run
+    (whatever rule is installed decides them), so the engine runs unchanged. Steps without
+    proposals (the prefill's token, plain decodes) are the tokens no verify pass emitted."""
     speculator = llm.engine.speculator
     if not hasattr(speculator, "k"):
         raise ValueError("trace_speculation needs an LLM built with speculative_config")
     seen: dict[Hashable, list[tuple[int, list[int], list[int]]]] = {}
-    original = speculator.verify
+    rule = hooks.current("verify")
 
-    def verify(seq, drafts, logits):
-        verdict = original(seq, drafts, logits)
-        seen.setdefault(seq.request_id, []).append((len(seq.output_token_ids), list(drafts), list(verdict)))
+    def verify(verifier, seq, drafts, logits):
+        verdict = rule(verifier, seq, drafts, logits)
+        if verifier is speculator:  # another engine's passes are not this trace's
+            seen.setdefault(seq.request_id, []).append((len(seq.output_token_ids), list(drafts), list(verdict)))
         return verdict
 
-    speculator.verify = verify
-    try:
+    with hooks.override(verify=verify):
         outputs = llm.generate(prompts, params)
-    finally:
-        del speculator.verify  # back to the class's method
     steps = {}
     for out in outputs:
         tokens, records = out.token_ids, {start: (d, v) for start, d, v in seen.get(out.request_id, [])}
@@ -487,23 +487,11 @@ def virtual_speculation(llm, prompts, params, target_cost, draft_cost=None) -> d
     ``target_cost(tokens in it)``, every pass of the draft model ``draft_cost(tokens)``; the
     engine's decisions and tokens are real. Returns the row of ``bench_spec.py``'s shape
     (without speed-up): ``seconds`` and ``tok_s`` in simulated time."""
-    from minillm.engine.virtual_clock import TimedRunner, VirtualClock
-
     engine = llm.engine
-    clock = VirtualClock()
-    draft = getattr(engine.speculator, "draft", None)
-    saved = engine.clock, engine.runner, getattr(draft, "runner", None)
-    engine.clock, engine.runner = clock, TimedRunner(engine.runner, clock, target_cost)
-    if draft is not None:
-        if draft_cost is None:
-            raise ValueError("a draft-model proposer needs draft_cost")
-        draft.runner = TimedRunner(draft.runner, clock, draft_cost)
-    try:
+    if draft_cost is None and getattr(engine.speculator, "draft", None) is not None:
+        raise ValueError("a draft-model proposer needs draft_cost")
+    with engine.simulated_time(target_cost, draft_cost) as clock:
         outs = llm.generate(prompts, params)
-    finally:
-        engine.clock, engine.runner = saved[0], saved[1]
-        if draft is not None:
-            draft.runner = saved[2]
     tokens = sum(len(o.token_ids) for o in outs)
     m = [o.metrics for o in outs]
     proposed, accepted = sum(x.spec_proposed for x in m), sum(x.spec_accepted for x in m)

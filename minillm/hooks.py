@@ -1,0 +1,357 @@
+"""Hook points: the named places where the engine calls a function the course may replace.
+
+Why this module exists: every exercise of the course is checked by plugging the learner's
+function into the real engine — their slot mapping writes the K/V, their allocator hands out
+the blocks, their acceptance rule decides which proposals stay. The checks used to do that by
+patching private methods and module globals, so renaming a method or moving a call silently
+unplugged a chapter (the check then graded the package's own code). Now each plug-in point is
+declared here, once, with its signature, the chapter that plugs into it and the engine file
+that calls it; the engine calls it *by name*, and a check installs the learner's function for
+the duration of a ``with``::
+
+    from minillm import hooks
+
+    with hooks.override(block_hash=learner_block_hash):
+        engine.step()  # every block the engine names is named by the learner's function
+
+Three roles:
+
+- this module **declares** each hook (``HookPoint``: doc, signature, chapter, caller, owner);
+- the module that owns the package's own implementation **registers** it as the hook's
+  reference (``@hooks.reference("block_hash")`` above its ``def``), so this module imports
+  nothing from the package and stays on the lowest floor;
+- the engine **calls** ``hooks.<name>(...)``.
+
+Cost on the hot path: a hook is a plain module global holding the current implementation, so
+a call is one module-attribute lookup and a direct call — no wrapper object, no per-call
+allocation. ``override`` rebinds that global and always restores it. That is also why engine
+code must call ``hooks.block_hash(...)`` and never ``from minillm.hooks import block_hash``: the
+imported name would freeze the function at import time and an override would not reach it
+(``tests/test_architecture.py`` refuses such imports).
+
+Overrides are process-wide (every engine and thread of the process sees them) and nest: the
+innermost one wins, and leaving a ``with`` — normally or by an exception — brings back what was
+there before it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+
+@dataclass
+class HookPoint:
+    """One place where the engine calls a replaceable function."""
+
+    name: str
+    signature: str  # the call the engine makes, e.g. "block_hash(parent_hash, token_ids) -> int"
+    doc: str  # what the function decides, and what the engine relies on
+    chapter: str  # the course chapter whose exercise plugs in here
+    owner: str  # the module whose function is the reference (it registers it)
+    caller: str  # the engine file that makes the call
+    default: Callable | None = None  # the package's reference implementation, once registered
+    overrides: list[Callable] = field(default_factory=list)  # innermost last
+
+    def current(self) -> Callable:
+        """What a call runs now: the innermost override, else the reference."""
+        if self.overrides:
+            return self.overrides[-1]
+        return self.default if self.default is not None else self.unregistered
+
+    def unregistered(self, *args, **kwargs):
+        raise RuntimeError(
+            f"hook {self.name!r} has no implementation: its reference is registered when {self.owner} is imported"
+        )
+
+
+_POINTS: dict[str, HookPoint] = {}
+
+
+def _declare(name: str, signature: str, chapter: str, owner: str, caller: str, doc: str) -> Callable:
+    """Declare hook ``name``; returns the placeholder the module global starts as."""
+    point = HookPoint(name, signature, " ".join(doc.split()), chapter, owner, caller)
+    _POINTS[name] = point
+    return point.unregistered
+
+
+def _install(point: HookPoint) -> None:
+    """Point the module global at what a call must run now."""
+    globals()[point.name] = point.current()
+
+
+def _point(name: str) -> HookPoint:
+    if name not in _POINTS:
+        raise ValueError(f"no hook named {name!r}; the hooks are: {', '.join(sorted(_POINTS))}")
+    return _POINTS[name]
+
+
+def reference(name: str) -> Callable[[Callable], Callable]:
+    """Decorator: the decorated function is the package's implementation of hook ``name``
+    (what runs when nothing overrides it). Returns the function unchanged."""
+    point = _point(name)
+
+    def register(fn: Callable) -> Callable:
+        if not callable(fn):
+            raise TypeError(f"the reference of hook {name!r} must be callable, got {type(fn).__name__}")
+        point.default = fn
+        _install(point)
+        return fn
+
+    return register
+
+
+@contextlib.contextmanager
+def override(**implementations: Callable) -> Iterator[None]:
+    """Run the given hooks with these functions inside the ``with``; restore them on the way
+    out, also when the body raises. ``override(take_free_block=mine, release_block=mine_too)``.
+
+    Unknown names raise ``ValueError`` (naming the known hooks) and non-callables ``TypeError``,
+    before anything is installed."""
+    points = [_point(name) for name in implementations]
+    for point, fn in zip(points, implementations.values()):
+        if not callable(fn):
+            raise TypeError(f"hooks.override({point.name}=...) needs a function, got {type(fn).__name__}")
+    installed: list[tuple[HookPoint, Callable]] = []
+    try:
+        for point, fn in zip(points, implementations.values()):
+            point.overrides.append(fn)
+            installed.append((point, fn))
+            _install(point)
+        yield
+    finally:
+        for point, fn in reversed(installed):
+            # by identity from the end: correct even if an inner override was left out of order
+            for i in range(len(point.overrides) - 1, -1, -1):
+                if point.overrides[i] is fn:
+                    del point.overrides[i]
+                    break
+            _install(point)
+
+
+def default(name: str) -> Callable:
+    """The package's reference implementation of hook ``name`` (a learner's wrapper may delegate to it)."""
+    point = _point(name)
+    if point.default is None:
+        raise RuntimeError(f"hook {name!r} has no reference yet: it is registered when {point.owner} is imported")
+    return point.default
+
+
+def current(name: str) -> Callable:
+    """What a call of hook ``name`` runs now (the innermost override, else the reference)."""
+    return _point(name).current()
+
+
+def points() -> dict[str, HookPoint]:
+    """Every hook point by name, in declaration order (chapter by chapter)."""
+    return dict(_POINTS)
+
+
+# ---------------------------------------------------------------------------------------------
+# The hook points, in course order. Each module global below is the function a call runs now.
+# ---------------------------------------------------------------------------------------------
+
+torch_attention = _declare(
+    "torch_attention",
+    "torch_attention(q[B, H, T, D], k[B, KV, S, D], v, mask, is_causal, scale) -> [B, H, T, D]",
+    "01 prefill and decode (causal attention); 05 attention variants (grouped-query attention)",
+    "minillm.attention",
+    "minillm/attention/__init__.py",
+    """The ``torch`` attention backend's arithmetic: causal scaled-dot-product attention with
+    grouped K/V heads, the T queries being the last T of the S key positions. Every layer of
+    the naive and contiguous engines, and the paged reference step, call it.""",
+)
+kv_write = _declare(
+    "kv_write",
+    "kv_write(k_cache[B, KV, L, D], v_cache, k_new[B, KV, T, D], v_new, start) -> None",
+    "02 the KV cache",
+    "minillm.kvcache.contiguous",
+    "minillm/kvcache/contiguous.py",
+    """Store new keys and values at positions ``start .. start+T-1`` of a contiguous cache, in
+    place (the rows of a batch that write the same span: a prefill, an equal-length decode).""",
+)
+kv_read = _declare(
+    "kv_read",
+    "kv_read(k_cache[B, KV, L, D], v_cache, length) -> (k, v)",
+    "02 the KV cache",
+    "minillm.kvcache.contiguous",
+    "minillm/kvcache/contiguous.py",
+    """The first ``length`` positions of a contiguous cache, as views: what attention reads each step.""",
+)
+slot_mapping = _declare(
+    "slot_mapping",
+    "slot_mapping(block_table, start, num_tokens, block_size) -> list[int]",
+    "03 paged KV cache",
+    "minillm.kvcache.addressing",
+    "minillm/runtime/fast_path.py",
+    """The flat pool slots of a sequence's positions ``start ..``: where the paged runner writes
+    every new token's K/V.""",
+)
+gather_kv = _declare(
+    "gather_kv",
+    "gather_kv(pool, layer, block_tables[B, n], by_slot=False) -> (k, v) [B, KV, n*block_size, D]",
+    "03 paged KV cache",
+    "minillm.attention.paged",
+    "minillm/attention/paged.py",
+    """Copy the K/V of each row's blocks out of the pool, in block-table order: what the paged
+    reference attention attends over.""",
+)
+block_hash = _declare(
+    "block_hash",
+    "block_hash(parent_hash | None, token_ids) -> int",
+    "03 paged KV cache (prefix caching)",
+    "minillm.kvcache.block_manager",
+    "minillm/kvcache/block_manager.py",
+    """The name of a full block, chained to its prefix: the prefix cache finds, registers and
+    imports blocks by it.""",
+)
+take_free_block = _declare(
+    "take_free_block",
+    "take_free_block(bm: BlockManager) -> block id",
+    "03 paged KV cache (the allocator)",
+    "minillm.kvcache.block_manager",
+    "minillm/kvcache/block_manager.py",
+    """Hand out one block with ref_count 1: from the free list, else by evicting the least
+    recently used cached block. Every new block of every sequence comes from here.""",
+)
+release_block = _declare(
+    "release_block",
+    "release_block(bm: BlockManager, block_id) -> None",
+    "03 paged KV cache (the allocator)",
+    "minillm.kvcache.block_manager",
+    "minillm/kvcache/block_manager.py",
+    """Drop one reference to a block; at zero it goes to the free list, or — holding a prefix
+    hash — to the evictable cached blocks. A double free raises RuntimeError.""",
+)
+tokens_to_run = _declare(
+    "tokens_to_run",
+    "tokens_to_run(scheduler, seq, budget, out: SchedulerOutput) -> int",
+    "04 batching (chunked prefill)",
+    "minillm.engine.scheduler",
+    "minillm/engine/scheduler.py",
+    """How many of a sequence's uncomputed tokens run this step, given what is left of the
+    token budget (0: none).""",
+)
+choose_victim = _declare(
+    "choose_victim",
+    "choose_victim(scheduler, seq, candidates) -> Sequence",
+    "04 batching (preemption)",
+    "minillm.engine.scheduler",
+    "minillm/engine/scheduler.py",
+    """Who gives up its blocks when ``seq`` needs one and the pool is empty: a candidate, or
+    ``seq`` itself.""",
+)
+schedule = _declare(
+    "schedule",
+    "schedule(scheduler, now) -> SchedulerOutput",
+    "04 batching (continuous batching)",
+    "minillm.engine.scheduler",
+    "minillm/engine/scheduler.py",
+    """One step's decisions: which running sequences run how many tokens, who is admitted. The
+    policy is written with the scheduler's building blocks (tokens_to_run, reserve, try_admit).""",
+)
+reserve = _declare(
+    "reserve",
+    "reserve(scheduler, seq, n, out, drafts=()) -> bool",
+    "04 batching (continuous batching)",
+    "minillm.engine.scheduler",
+    "minillm/engine/scheduler.py",
+    """Schedule n tokens of a running sequence, preempting (choose_victim) until the pool has
+    room; False when the sequence itself was preempted.""",
+)
+try_admit = _declare(
+    "try_admit",
+    "try_admit(scheduler, seq, budget, out) -> int",
+    "04 batching (continuous batching)",
+    "minillm.engine.scheduler",
+    "minillm/engine/scheduler.py",
+    """Start a waiting sequence if its first chunk fits the budget and the pool; the tokens
+    scheduled (0: it keeps waiting, nothing changed).""",
+)
+blocks_behind_window = _declare(
+    "blocks_behind_window",
+    "blocks_behind_window(num_computed_tokens, window, block_size) -> int",
+    "05 attention variants (sliding window)",
+    "minillm.kvcache.block_manager",
+    "minillm/kvcache/block_manager.py",
+    """How many leading blocks no future query can see under a sliding window: the block
+    manager gives them back after every step.""",
+)
+quantize_int8 = _declare(
+    "quantize_int8",
+    "quantize_int8(weight[out, in]) -> (q int8 [out, in], scale fp32 [out])",
+    "07 quantization (per-channel int8 weights)",
+    "minillm.quantization.int8",
+    "minillm/quantization/int8.py",
+    """Quantize one linear layer's weight when a model is loaded with quantization="int8" (called
+    with the weight alone; a row-parallel shard, which needs its whole rows' maxima, is
+    quantized by the reference directly).""",
+)
+pack_int4 = _declare(
+    "pack_int4",
+    "pack_int4(q uint8 [out, in]) -> uint8 [out, in/2]",
+    "07 quantization (int4 storage)",
+    "minillm.quantization.int4",
+    "minillm/quantization/checkpoint.py",
+    """Two 4-bit values per byte, low nibble first: how a quantized checkpoint stores int4 weights.""",
+)
+unpack_int4 = _declare(
+    "unpack_int4",
+    "unpack_int4(packed uint8 [out, in/2]) -> uint8 [out, in]",
+    "07 quantization (int4 storage)",
+    "minillm.quantization.int4",
+    "minillm/quantization/checkpoint.py",
+    """The inverse of pack_int4: how a quantized checkpoint's int4 weights are read back.""",
+)
+quantize_kv = _declare(
+    "quantize_kv",
+    "quantize_kv(x[tokens, kv_heads, head_dim], kind) -> (q, scale fp32 [tokens, kv_heads])",
+    "07 quantization (the KV cache's quantize-on-write)",
+    "minillm.kvcache.quantization",
+    "minillm/attention/paged.py",
+    """Quantize new K or V rows as the paged reference path writes them into an int8/fp8 pool.""",
+)
+accept_greedy = _declare(
+    "accept_greedy",
+    "accept_greedy(target_tokens[k+1], draft_tokens[k]) -> list[int]",
+    "08 speculative decoding",
+    "minillm.speculative.acceptance",
+    "minillm/speculative/speculator.py",
+    """The tokens a greedy verify pass emits: the proposals the target agrees with, then its own token.""",
+)
+accept_sampled = _declare(
+    "accept_sampled",
+    "accept_sampled(target_probs[k+1, V], draft_probs[k, V] | None, draft_tokens, generator) -> list[int]",
+    "08 speculative decoding",
+    "minillm.speculative.acceptance",
+    "minillm/speculative/speculator.py",
+    """Rejection sampling: the tokens a sampled verify pass emits, distributed exactly as the target's.""",
+)
+blocks_to_roll_back = _declare(
+    "blocks_to_roll_back",
+    "blocks_to_roll_back(table, num_tokens, block_size) -> (kept, freed)",
+    "08 speculative decoding (rollback)",
+    "minillm.kvcache.block_manager",
+    "minillm/kvcache/block_manager.py",
+    """Split a block table when rejected proposals are rolled back: the blocks kept, and those
+    given back (tail first).""",
+)
+verify = _declare(
+    "verify",
+    "verify(speculator, seq, draft_tokens, logits[k+1, V]) -> list[int]",
+    "08 speculative decoding (the acceptance timeline, minillm.viz.spec)",
+    "minillm.speculative.speculator",
+    "minillm/speculative/speculator.py",
+    """One verify chunk's verdict: the tokens it emits, by the acceptance rule the request's
+    sampling calls for. A recorder wrapped around it sees every proposal and its fate.""",
+)
+heads_of_rank = _declare(
+    "heads_of_rank",
+    "heads_of_rank(num_heads, num_kv_heads, rank, tp_size) -> (q_heads: range, kv_heads: range)",
+    "09 parallelism (the K/V-head split)",
+    "minillm.layers.tensor_parallel",
+    "minillm/models/llama.py",
+    """Which query and K/V heads a tensor-parallel rank holds: each attention layer's shard is
+    built with it.""",
+)

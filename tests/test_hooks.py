@@ -1,0 +1,538 @@
+"""The hook points (``minillm.hooks``): the registry's contract, and — for every hook — proof
+that the engine really calls it.
+
+For each hook, two tests on the tiny model: a recording wrapper that delegates to what was
+installed is called and leaves the output unchanged; and a deliberately wrong implementation
+changes what the engine does. The second is the one that fails if a refactor makes the engine
+bypass the hook — then a course chapter would silently grade the package's own code.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import minillm.hooks as hooks
+from minillm import LLM, LLMEngine, SamplingParams
+from minillm.engine.scheduler import SchedulerOutput
+
+GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=3)
+PROMPTS = [
+    "Caches keep keys and values; attention reads them back. Caches keep keys",
+    "To be, or not to be, that is the question: whether",
+    "café, naïve, 東京",
+]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+
+
+def tokens(llm, params=GREEDY, prompts=PROMPTS) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+def recorder(name: str, calls: list):
+    """A wrapper around what hook ``name`` runs now that notes each call and changes nothing."""
+    inner = hooks.current(name)
+
+    def record(*args, **kwargs):
+        calls.append(args)
+        return inner(*args, **kwargs)
+
+    return record
+
+
+def pool_bytes(model_dir, blocks: int, block_size: int) -> int:
+    from minillm.config import ModelConfig
+    from minillm.kvcache.addressing import kv_bytes_per_token
+
+    return blocks * block_size * kv_bytes_per_token(ModelConfig.from_folder(model_dir), torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry
+# ---------------------------------------------------------------------------------------------
+
+
+def test_every_hook_has_its_reference_registered_by_its_owner():
+    import minillm.quantization.checkpoint  # noqa: F401  (the quantization modules load lazily)
+
+    for name, point in hooks.points().items():
+        assert point.doc and point.signature.startswith(name + "(") and point.chapter, name
+        assert hooks.default(name).__module__ == point.owner, name
+        assert hooks.current(name) is hooks.default(name) is getattr(hooks, name), name
+
+
+def test_every_hook_is_called_where_its_declaration_says():
+    from pathlib import Path
+
+    root = Path(hooks.__file__).parent.parent
+    for name, point in hooks.points().items():
+        assert re.search(rf"\bhooks\.{name}\(", (root / point.caller).read_text()), (name, point.caller)
+
+
+def test_every_hook_has_its_engine_test_below():
+    tested = {n.split("_calls_")[0].removeprefix("test_") for n in globals() if "_calls_" in n}
+    assert tested == set(hooks.points())
+
+
+def test_an_unknown_hook_is_refused_with_the_known_ones():
+    with pytest.raises(ValueError, match=r"no hook named 'block_hashh'; the hooks are: .*block_hash"):
+        with hooks.override(block_hashh=lambda parent, tokens: 0):
+            pass
+    with pytest.raises(ValueError, match="no hook named 'nope'"):
+        hooks.default("nope")
+
+
+def test_an_override_is_restored_after_an_exception_and_nests():
+    reference = hooks.current("block_hash")
+
+    def first(parent, tokens):
+        return 1
+
+    def second(parent, tokens):
+        return 2
+
+    with pytest.raises(KeyError):
+        with hooks.override(block_hash=first):
+            assert hooks.block_hash(None, [1]) == 1
+            with hooks.override(block_hash=second):
+                assert hooks.block_hash(None, [1]) == 2 and hooks.current("block_hash") is second
+            assert hooks.block_hash(None, [1]) == 1
+            raise KeyError("the body failed")
+    assert hooks.block_hash is reference is hooks.current("block_hash")
+
+
+def test_a_bad_override_installs_nothing():
+    reference = hooks.current("block_hash")
+    with pytest.raises(TypeError, match="needs a function"):
+        with hooks.override(block_hash=lambda p, t: 0, take_free_block=42):
+            pass
+    with pytest.raises(ValueError):
+        with hooks.override(block_hash=lambda p, t: 0, nope=print):
+            pass
+    assert hooks.block_hash is reference
+
+
+def test_an_override_made_before_the_owner_registers_still_wins():
+    hooks.probe = hooks._declare("probe", "probe()", "00", "tests", "tests/test_hooks.py", "a throwaway hook")
+    try:
+        with pytest.raises(RuntimeError, match="has no implementation"):
+            hooks.current("probe")()
+        with hooks.override(probe=lambda: "override"):
+            hooks.reference("probe")(lambda: "reference")  # the owner module imported late
+            assert hooks.probe() == "override"
+        assert hooks.probe() == "reference"
+    finally:
+        del hooks._POINTS["probe"]
+        del hooks.probe
+
+
+# ---------------------------------------------------------------------------------------------
+# Chapters 01, 02, 05: attention and the contiguous cache
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def contiguous(tiny_model):
+    llm = LLM(tiny_model, dtype="fp32", mode="contiguous", attention_backend="torch")
+    return llm, tokens(llm)
+
+
+def test_torch_attention_calls_go_through_the_hook(contiguous, tiny_model):
+    llm, reference = contiguous
+    calls = []
+    with hooks.override(torch_attention=recorder("torch_attention", calls)):
+        assert tokens(llm) == reference
+    assert len(calls) >= 2 * llm.model_config.num_layers  # every layer, every step
+    paged = LLM(tiny_model, dtype="fp32", attention_backend="torch")  # the paged reference step too
+    calls.clear()
+    with hooks.override(torch_attention=recorder("torch_attention", calls)):
+        tokens(paged)
+    assert calls
+    with hooks.override(torch_attention=lambda q, k, v, mask, is_causal, scale: torch.zeros_like(q)):
+        assert tokens(llm) != reference
+
+
+def test_kv_write_calls_go_through_the_hook(contiguous):
+    llm, reference = contiguous
+    calls = []
+    with hooks.override(kv_write=recorder("kv_write", calls)):
+        assert tokens(llm) == reference
+    assert {args[4] for args in calls} >= {0}  # the prefill writes from position 0
+    with hooks.override(kv_write=lambda k_cache, v_cache, k_new, v_new, start: None):  # stores nothing
+        assert tokens(llm) != reference
+
+
+def test_kv_read_calls_go_through_the_hook(contiguous):
+    llm, reference = contiguous
+    calls = []
+    with hooks.override(kv_read=recorder("kv_read", calls)):
+        assert tokens(llm) == reference
+    assert calls
+    with hooks.override(kv_read=lambda k_cache, v_cache, length: (k_cache[:, :, :length] * 0, v_cache[:, :, :length])):
+        assert tokens(llm) != reference
+
+
+# ---------------------------------------------------------------------------------------------
+# Chapter 03: the paged cache
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def paged(tiny_model):
+    """A maker of paged engines (a wrong hook leaves wrong K/V in a prefix cache: each run gets
+    its own engine), and their tokens."""
+
+    def make():
+        return LLM(tiny_model, dtype="fp32", attention_backend="torch", block_size=4)
+
+    return make, tokens(make())
+
+
+def test_slot_mapping_calls_go_through_the_hook(paged):
+    make, reference = paged
+    calls = []
+    with hooks.override(slot_mapping=recorder("slot_mapping", calls)):
+        assert tokens(make()) == reference
+    assert calls
+    with hooks.override(slot_mapping=lambda table, start, n, block_size: [table[0] * block_size] * n):
+        assert tokens(make()) != reference  # every token's K/V written over the same slot
+
+
+def test_gather_kv_calls_go_through_the_hook(paged):
+    make, reference = paged
+    calls = []
+    with hooks.override(gather_kv=recorder("gather_kv", calls)):
+        assert tokens(make()) == reference
+    assert calls
+
+    def empty(pool, layer, block_tables, by_slot=False):
+        k, v = hooks.default("gather_kv")(pool, layer, block_tables, by_slot)
+        return torch.zeros_like(k), torch.zeros_like(v)
+
+    with hooks.override(gather_kv=empty):
+        assert tokens(make()) != reference
+
+
+def test_block_hash_calls_go_through_the_hook(tiny_model):
+    shared = [PROMPTS[0] + " the first", PROMPTS[0] + " the second"]
+
+    def hits(**override) -> tuple[list[list[int]], int]:
+        llm = LLM(tiny_model, dtype="fp32", block_size=4)
+        with hooks.override(**override):
+            out = [tokens(llm, prompts=[p])[0] for p in shared]  # one after the other: the second hits
+        return out, llm.engine.stats().prefix_cache_hits
+
+    reference, reference_hits = hits()
+    calls = []
+    assert hits(block_hash=recorder("block_hash", calls)) == (reference, reference_hits)
+    assert calls and reference_hits > 0
+    constant, constant_hits = hits(block_hash=lambda parent, token_ids: 7)  # every block named alike
+    assert constant == reference and constant_hits < reference_hits
+
+
+def _block_tables(tiny_model, **override) -> list[dict]:
+    engine = LLMEngine(tiny_model, dtype="fp32", block_size=4)
+    engine.record_block_tables = True
+    with hooks.override(**override):
+        for p in PROMPTS:
+            engine.add_request(p, GREEDY)
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert engine.stats().kv_blocks_used == 0
+    return [r.block_tables for r in engine.step_records]
+
+
+def test_take_free_block_calls_go_through_the_hook(tiny_model):
+    reference = _block_tables(tiny_model)
+    calls = []
+    assert _block_tables(tiny_model, take_free_block=recorder("take_free_block", calls)) == reference
+    assert calls
+
+    def newest_first(bm):  # a valid allocator, but it hands out the free list's other end
+        block_id = bm.free_ids.pop()
+        bm.blocks[block_id].ref_count = 1
+        return block_id
+
+    assert _block_tables(tiny_model, take_free_block=newest_first) != reference
+
+
+def test_release_block_calls_go_through_the_hook(paged):
+    make, reference = paged
+    calls = []
+    llm = make()
+    with hooks.override(release_block=recorder("release_block", calls)):
+        assert tokens(llm) == reference
+    assert calls and llm.engine.stats().kv_blocks_used == 0
+    leaky = make()
+    with hooks.override(release_block=lambda bm, block_id: None):
+        assert tokens(leaky) == reference
+    assert leaky.engine.stats().kv_blocks_used > 0  # every block it ever took
+
+
+# ---------------------------------------------------------------------------------------------
+# Chapter 04: batching
+# ---------------------------------------------------------------------------------------------
+
+
+def _run(tiny_model, override: dict, max_steps: int = 500, priorities=(0, 0, 0), **options) -> tuple[list, LLMEngine]:
+    """PROMPTS through a fresh engine with ``options`` (built before ``override`` is installed:
+    its warm-up must finish); outputs in order (None: not finished within ``max_steps``)."""
+    engine = LLMEngine(tiny_model, dtype="fp32", block_size=4, **options)
+    ids = [engine.add_request(p, GREEDY, priority=priority) for p, priority in zip(PROMPTS, priorities)]
+    done = {}
+    with hooks.override(**override):
+        for _ in range(max_steps):
+            if not engine.has_unfinished_requests():
+                break
+            done |= {d.request_id: d.output for d in engine.step() if d.output is not None}
+    return [done.get(i) for i in ids], engine
+
+
+def test_tokens_to_run_calls_go_through_the_hook(tiny_model, paged):
+    reference, calls = paged[1], []
+    outputs, engine = _run(tiny_model, {"tokens_to_run": recorder("tokens_to_run", calls)}, max_num_batched_tokens=8)
+    assert [o.token_ids for o in outputs] == reference and calls
+    steps = engine.stats().num_steps
+    one_each = {"tokens_to_run": lambda scheduler, seq, budget, out: min(1, budget)}  # a token per step
+    outputs, engine = _run(tiny_model, one_each, max_num_batched_tokens=8)
+    assert [o.token_ids for o in outputs] == reference and engine.stats().num_steps > steps
+
+
+def test_choose_victim_calls_go_through_the_hook(tiny_model, paged):
+    reference, calls = paged[1], []
+    # 12 blocks for 3 requests, the shortest urgent: it runs first and others must make room for it
+    small = dict(kv_cache_memory=pool_bytes(tiny_model, 12, 4), max_num_batched_tokens=32, priorities=(0, 0, -1))
+    outputs, _ = _run(tiny_model, {"choose_victim": recorder("choose_victim", calls)}, **small)
+    assert [o.token_ids for o in outputs] == reference and calls
+    preempted = [o.num_preemptions for o in outputs]
+    itself = {"choose_victim": lambda scheduler, seq, candidates: seq}  # always the one that grows
+    outputs, _ = _run(tiny_model, itself, **small)
+    assert [o.token_ids for o in outputs] == reference and [o.num_preemptions for o in outputs] != preempted
+
+
+def test_schedule_calls_go_through_the_hook(tiny_model, paged):
+    reference, calls = paged[1], []
+    outputs, _ = _run(tiny_model, {"schedule": recorder("schedule", calls)})
+    assert [o.token_ids for o in outputs] == reference and calls
+    idle = {"schedule": lambda scheduler, now: SchedulerOutput()}  # a policy that runs nothing
+    outputs, engine = _run(tiny_model, idle, max_steps=5)
+    assert outputs == [None] * len(PROMPTS) and engine.stats().num_waiting == len(PROMPTS)
+
+
+def test_reserve_calls_go_through_the_hook(tiny_model, paged):
+    reference, calls = paged[1], []
+    outputs, engine = _run(tiny_model, {"reserve": recorder("reserve", calls)}, max_num_batched_tokens=8)
+    assert [o.token_ids for o in outputs] == reference and calls
+    steps = engine.stats().num_steps
+
+    def one_token(scheduler, seq, n, out, drafts=()):  # a running prompt continues one token a step
+        return hooks.default("reserve")(scheduler, seq, min(n, 1), out, drafts)
+
+    outputs, engine = _run(tiny_model, {"reserve": one_token}, max_num_batched_tokens=8)
+    assert [o.token_ids for o in outputs] == reference and engine.stats().num_steps > steps
+
+
+def test_try_admit_calls_go_through_the_hook(tiny_model, paged):
+    reference, calls = paged[1], []
+    outputs, engine = _run(tiny_model, {"try_admit": recorder("try_admit", calls)})
+    assert [o.token_ids for o in outputs] == reference and calls
+    steps = engine.stats().num_steps
+
+    def alone(scheduler, seq, budget, out):  # one request at a time
+        return 0 if scheduler.running else hooks.default("try_admit")(scheduler, seq, budget, out)
+
+    outputs, engine = _run(tiny_model, {"try_admit": alone})
+    assert [o.token_ids for o in outputs] == reference and engine.stats().num_steps > steps
+
+
+# ---------------------------------------------------------------------------------------------
+# Chapter 05: the sliding window
+# ---------------------------------------------------------------------------------------------
+
+
+def test_blocks_behind_window_calls_go_through_the_hook(tiny_model):
+    def peak(**override) -> tuple[list[list[int]], int]:
+        llm = LLM(tiny_model, dtype="fp32", attention_backend="torch", sliding_window=8, block_size=4)
+        with hooks.override(**override):
+            out = tokens(llm)
+        return out, max(r.blocks_used for r in llm.engine.step_records)
+
+    reference, reference_peak = peak()
+    calls = []
+    assert peak(blocks_behind_window=recorder("blocks_behind_window", calls)) == (reference, reference_peak)
+    assert calls
+    kept, kept_peak = peak(blocks_behind_window=lambda num_computed_tokens, window, block_size: 0)
+    assert kept == reference and kept_peak > reference_peak  # nothing given back
+
+
+# ---------------------------------------------------------------------------------------------
+# Chapter 07: quantization
+# ---------------------------------------------------------------------------------------------
+
+
+def test_quantize_int8_calls_go_through_the_hook(tiny_model):
+    reference = tokens(LLM(tiny_model, dtype="fp32", quantization="int8"))
+    calls = []
+    with hooks.override(quantize_int8=recorder("quantize_int8", calls)):
+        llm = LLM(tiny_model, dtype="fp32", quantization="int8")
+    assert tokens(llm) == reference and len(calls) >= 4 * llm.model_config.num_layers
+
+    def zero(weight):
+        q, scale = hooks.default("quantize_int8")(weight)
+        return torch.zeros_like(q), scale
+
+    with hooks.override(quantize_int8=zero):
+        assert tokens(LLM(tiny_model, dtype="fp32", quantization="int8")) != reference
+
+
+def _int4_tokens(tiny_model, tmp_path, write: dict, read: dict) -> list[list[int]]:
+    from minillm.models import load_model
+    from minillm.quantization.checkpoint import save_quantized
+
+    out = tmp_path / f"int4-{len(list(tmp_path.iterdir()))}"
+    with hooks.override(**write):
+        save_quantized(load_model(tiny_model, torch.float32), tiny_model, out, "int4", group_size=32, dtype="fp32")
+    with hooks.override(**read):
+        llm = LLM(str(out), dtype="fp32")
+    return tokens(llm)
+
+
+def swapped_nibbles(q):
+    return (q[..., 1::2] | (q[..., 0::2] << 4)).to(torch.uint8)
+
+
+def test_pack_int4_calls_go_through_the_hook(tiny_model, tmp_path):
+    reference = _int4_tokens(tiny_model, tmp_path, {}, {})
+    calls = []
+    assert _int4_tokens(tiny_model, tmp_path, {"pack_int4": recorder("pack_int4", calls)}, {}) == reference
+    assert calls
+    assert _int4_tokens(tiny_model, tmp_path, {"pack_int4": swapped_nibbles}, {}) != reference
+
+
+def test_unpack_int4_calls_go_through_the_hook(tiny_model, tmp_path):
+    reference = _int4_tokens(tiny_model, tmp_path, {}, {})
+    calls = []
+    assert _int4_tokens(tiny_model, tmp_path, {}, {"unpack_int4": recorder("unpack_int4", calls)}) == reference
+    assert calls
+
+    def swapped(packed):
+        return hooks.default("unpack_int4")(swapped_nibbles(hooks.default("unpack_int4")(packed)))
+
+    assert _int4_tokens(tiny_model, tmp_path, {}, {"unpack_int4": swapped}) != reference
+
+
+def test_quantize_kv_calls_go_through_the_hook(tiny_model):
+    llm = LLM(tiny_model, dtype="fp32", attention_backend="torch", kv_cache_dtype="int8", block_size=4)
+    reference = tokens(llm)
+    calls = []
+    with hooks.override(quantize_kv=recorder("quantize_kv", calls)):
+        assert tokens(llm) == reference
+    assert calls and all(args[1] == "int8" for args in calls)
+
+    def zero(x, kind="int8"):
+        q, scale = hooks.default("quantize_kv")(x, kind)
+        return torch.zeros_like(q), scale
+
+    with hooks.override(quantize_kv=zero):
+        assert tokens(llm) != reference
+
+
+# ---------------------------------------------------------------------------------------------
+# Chapter 08: speculative decoding
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def speculating(tiny_model):
+    """A maker of engines speculating by prompt lookup, and their greedy tokens (some of the
+    proposals are rejected, so an acceptance rule that keeps them all shows)."""
+
+    def make():
+        return LLM(tiny_model, dtype="fp32", speculative_config=NGRAM, block_size=4)
+
+    outputs = make().generate(PROMPTS, GREEDY)
+    assert sum(o.metrics.spec_proposed for o in outputs) > sum(o.metrics.spec_accepted for o in outputs)
+    return make, [o.token_ids for o in outputs]
+
+
+def test_accept_greedy_calls_go_through_the_hook(speculating):
+    make, reference = speculating
+    calls = []
+    with hooks.override(accept_greedy=recorder("accept_greedy", calls)):
+        assert tokens(make()) == reference
+    assert calls
+    with hooks.override(accept_greedy=lambda target, drafts: [*drafts, target[len(drafts)]]):  # keeps every proposal
+        assert tokens(make()) != reference
+
+
+def test_accept_sampled_calls_go_through_the_hook(speculating):
+    make, _ = speculating
+    reference = tokens(make(), SAMPLED)
+    calls = []
+    with hooks.override(accept_sampled=recorder("accept_sampled", calls)):
+        assert tokens(make(), SAMPLED) == reference
+    assert calls
+    keep_all = lambda p, q, drafts, generator=None: [*drafts, int(p[len(drafts)].argmax())]  # noqa: E731
+    with hooks.override(accept_sampled=keep_all):
+        assert tokens(make(), SAMPLED) != reference
+
+
+def test_blocks_to_roll_back_calls_go_through_the_hook(speculating):
+    make, reference = speculating
+    calls = []
+    llm = make()
+    with hooks.override(blocks_to_roll_back=recorder("blocks_to_roll_back", calls)):
+        assert tokens(llm) == reference
+    assert calls and llm.engine.stats().kv_blocks_used == 0
+
+    def keep_the_freed(table, num_tokens, block_size):  # forgets to give the rejected blocks back
+        kept, _ = hooks.default("blocks_to_roll_back")(table, num_tokens, block_size)
+        return kept, []
+
+    leaky = make()
+    with hooks.override(blocks_to_roll_back=keep_the_freed):
+        tokens(leaky)
+    assert leaky.engine.stats().kv_blocks_used > 0
+
+
+def test_verify_calls_go_through_the_hook(speculating):
+    make, reference = speculating
+    calls = []
+    llm = make()
+    with hooks.override(verify=recorder("verify", calls)):
+        assert tokens(llm) == reference
+    assert calls and all(args[0] is llm.engine.speculator for args in calls)
+    with hooks.override(verify=lambda speculator, seq, drafts, logits: [*drafts, int(logits[-1].argmax())]):
+        assert tokens(make()) != reference
+
+
+# ---------------------------------------------------------------------------------------------
+# Chapter 09: the K/V-head split
+# ---------------------------------------------------------------------------------------------
+
+
+def test_heads_of_rank_calls_go_through_the_hook(tiny_model):
+    from minillm.layers.tensor_parallel import ParallelContext
+    from minillm.models import load_model
+
+    reference = tokens(LLM(tiny_model, dtype="fp32"))
+    calls = []
+    with hooks.override(heads_of_rank=recorder("heads_of_rank", calls)):
+        llm = LLM(tiny_model, dtype="fp32")
+    assert tokens(llm) == reference and len(calls) == llm.model_config.num_layers
+
+    # A rank's shard (no collective runs while loading): rank 0 of 2 holds the first group.
+    rank0 = ParallelContext(tp_rank=0, tp_size=2)
+    first = load_model(tiny_model, torch.float32, parallel=rank0)
+
+    def second_group_first(num_heads, num_kv_heads, rank, tp_size):  # a valid split, dealt the other way
+        return hooks.default("heads_of_rank")(num_heads, num_kv_heads, tp_size - 1 - rank, tp_size)
+
+    with hooks.override(heads_of_rank=second_group_first):
+        other = load_model(tiny_model, torch.float32, parallel=rank0)
+    attn, other_attn = first.layers[0].attn, other.layers[0].attn
+    assert attn.num_heads == other_attn.num_heads
+    assert not torch.equal(attn.qkv_proj.weight, other_attn.qkv_proj.weight)  # the other heads' rows
