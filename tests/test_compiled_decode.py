@@ -120,6 +120,8 @@ def test_compile_is_on_by_default_for_a_big_enough_model_on_cpu(engines, tiny_mo
     first, eager = engines  # the same model and pool: its graphs load from disk
     default = LLM(tiny_model, kv_cache_memory=first.engine_config.kv_cache_memory, compile_batch_sizes=(1, 4), **ENGINE)
     assert isinstance(default.engine.graphs, CompiledDecode)
+    assert default.engine_config.compile is True  # what the default became, written back
+    assert default.resolved.compile and default.resolved.decode_fast_path == "compiled (1, 4)"
     monkeypatch.setenv("MINILLM_COMPILE", "0")
     assert not builder.compile_by_default(EngineConfig(), model, "sdpa")
 
@@ -177,6 +179,8 @@ def test_a_failed_default_compile_falls_back_to_eager(tiny_model, monkeypatch):
     with pytest.warns(UserWarning, match="compiling the decode step failed .*no C\\+\\+ compiler.*running it eagerly"):
         llm = LLM(tiny_model, **ENGINE)
     assert llm.engine.graphs is None
+    assert llm.resolved.compile is False and "the compile failed" in llm.resolved.compile_reason
+    assert llm.engine_config.compile is False and llm.resolved.decode_fast_path == "none (eager)"
     assert all(getattr(layer, "plain_weight", None) is None for layer in llm.model.linear_layers())
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     assert len(llm.generate(PROMPTS[0], params)[0].token_ids) == 5

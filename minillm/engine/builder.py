@@ -149,22 +149,7 @@ def build_engine_parts(
     configure_model(model, config, backend, window, attention_dtype, tokenizer)
 
     def resolved(graphs=None, num_blocks=None) -> Resolved:
-        compiled = isinstance(graphs, CompiledDecode)
-        if decision.on and not compiled and config.mode == "paged":  # a default compile that failed
-            decision_now = Decision(False, "the compile failed; running eagerly (see the warning)")
-        else:
-            decision_now = decision
-        return Resolved(
-            device=str(device),
-            dtype=str(dtype).removeprefix("torch."),
-            attention_backend=backend,
-            decode_attention_dtype=str(attention_dtype or dtype).removeprefix("torch."),
-            compile=decision_now.on,
-            compile_reason=decision_now.reason,
-            decode_fast_path=fast_path_name(graphs),
-            kv_cache_dtype=config.kv_cache_dtype,
-            num_kv_blocks=num_blocks,
-        )
+        return resolve_choices(config, decision, model, backend, attention_dtype, graphs, num_blocks)
 
     if config.mode != "paged":  # one static batch at a time, whole prompts, no pool to manage
         runner = NaiveRunner(model) if config.mode == "naive" else ContiguousRunner(model)
@@ -181,6 +166,24 @@ def build_engine_parts(
     parts = EngineParts(scheduler, runner, backend, block_manager, kv_cache, graphs, speculator)
     parts.resolved = resolved(graphs, num_blocks)
     return parts
+
+
+def resolve_choices(config: EngineConfig, decision: Decision, model, backend: str, attention_dtype, graphs,
+                    num_blocks: int | None) -> Resolved:  # fmt: skip
+    """What the built engine runs; a default compile that failed (no graphs) reads as off, with why."""
+    if decision.on and config.mode == "paged" and not isinstance(graphs, CompiledDecode):
+        decision = Decision(False, "the compile failed; running eagerly (see the warning)")
+    return Resolved(
+        device=str(model.device),
+        dtype=str(model.dtype).removeprefix("torch."),
+        attention_backend=backend,
+        decode_attention_dtype=str(attention_dtype or model.dtype).removeprefix("torch."),
+        compile=decision.on,
+        compile_reason=decision.reason,
+        decode_fast_path=fast_path_name(graphs),
+        kv_cache_dtype=config.kv_cache_dtype,
+        num_kv_blocks=num_blocks,
+    )
 
 
 def fast_path_name(graphs) -> str:

@@ -119,11 +119,8 @@ def virtual_replay(engine, requests: list[WorkloadRequest], cost: StepCost) -> l
     that starts at or after it. The engine's own clock and runner are restored afterwards.
     """
     pending = sorted(requests, key=lambda r: r.arrival_time)
-    clock = VirtualClock()
-    saved = engine.clock, engine.runner
-    engine.clock, engine.runner = clock, TimedRunner(engine.runner, clock, cost)
     outputs: dict[Hashable, RequestOutput] = {}
-    try:
+    with engine.simulated_time(cost) as clock:  # the engine's clock and runner come back afterwards
         i = 0
         while i < len(pending) or engine.has_unfinished_requests():
             while i < len(pending) and pending[i].arrival_time <= clock.now:
@@ -145,8 +142,6 @@ def virtual_replay(engine, requests: list[WorkloadRequest], cost: StepCost) -> l
                     outputs[delta.request_id] = delta.output
             if engine.num_steps == steps_before:  # nothing could run (a dynamic batch filling up)
                 clock.advance_to(_next_event(engine, pending, i, clock.now))
-    finally:
-        engine.clock, engine.runner = saved
     return [outputs[r.request_id] for r in requests]
 
 
