@@ -1,5 +1,5 @@
 """The runner's per-step block-table work: rebuilding the padded tensor from the block manager's
-lists every step (what the runner did before ``engine/block_table_rows.py``) against updating
+lists every step (what the runner did before ``runtime/block_table_rows.py``) against updating
 persistent rows by what changed, for a pure decode step of many long sequences.
 
     python benchmarks/bench_block_tables.py

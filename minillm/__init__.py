@@ -19,7 +19,7 @@ if not _torch.cuda.is_available():
 
 from minillm.assets import cache_dir as _cache_dir  # noqa: E402
 
-# torch.compile's on-disk caches (compiled decode steps: engine/compiled_decode.py) live in the
+# torch.compile's on-disk caches (compiled decode steps: runtime/compiled_decode.py) live in the
 # project's cache folder, so the minute a compile costs is paid once per machine, not per start.
 # Set before anything asks inductor for its folder (it fixes the default on first use).
 _os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_cache_dir() / "inductor"))

@@ -67,7 +67,8 @@ def add_engine_flags(group) -> None:
         elif f.name == "compile":  # three states: auto (None), on, off
             group.add_argument(flag, dest=f.name, default="auto", choices=meta["choices"], help=meta["help"])
         else:
-            kind = _parser_of(meta["parse"]) if meta["parse"] else None
+            parse = meta["parse"]
+            kind = parse if parse in (int, float) else _parser_of(parse) if parse else None  # argparse words int errors
             choices = list(meta["choices"]) if meta["choices"] else None
             group.add_argument(flag, dest=f.name, default=f.default, type=kind, choices=choices, help=meta["help"],
                                metavar=meta.get("metavar"))  # fmt: skip

@@ -478,3 +478,23 @@ def test_generate_benchmark_reports_mbu_and_engine_starts():
     ]  # fmt: skip
     table = format_table(result)
     assert "| bf16 | 3.5 s | 170.0 s (batch 1: 87 s, batch 8: 80 s) | 7.4 s (graphs loaded in 3.6 s) |" in table
+
+
+def test_no_package_is_compiled_while_a_traced_hook_is_overridden(tiny_model, monkeypatch):
+    """A learner's gather_kv must not be baked into a package every later engine would load."""
+    from minillm import hooks
+    from minillm.engine import builder
+
+    reference = hooks.default("gather_kv")
+
+    def learner(*args, **kwargs):
+        return reference(*args, **kwargs)
+
+    with hooks.override(gather_kv=learner):
+        with pytest.raises(RuntimeError, match=r"hook override\(s\) \['gather_kv'\] active"):
+            LLM(tiny_model, compile=True, **ENGINE)
+        monkeypatch.setenv("MINILLM_COMPILE", "1")
+        monkeypatch.setattr(builder, "COMPILE_BY_DEFAULT_MIN_BYTES", 0)
+        with pytest.warns(UserWarning, match="hook override"):
+            llm = LLM(tiny_model, **ENGINE)  # the default runs eagerly, through the learner's function
+    assert llm.engine.graphs is None and not llm.resolved.compile

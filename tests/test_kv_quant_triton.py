@@ -1,4 +1,4 @@
-"""The 8-bit KV cache in the Triton kernels against the PyTorch reference (``quantization/kv.py``).
+"""The 8-bit KV cache in the Triton kernels against the PyTorch reference (``kvcache/quantization.py``).
 
 ``write_kv`` must store exactly what ``quantize_kv`` computes — the same int8 values or e4m3 bit
 patterns, the same fp32 scales, ties rounded half to even — so the kernels and the reference

@@ -62,7 +62,7 @@ class StepLayout:
     max_context: int | None = None  # a fixed bound on context_lens (CUDA graphs); None: their max
     context_lens_tensor: torch.Tensor | None = None  # [S] on the device, for backends that want it
     # A pure decode step over a fixed window of blocks (block_tables[S, W]), context_lens_tensor
-    # masking each row: the compiled CPU decode step's shape (engine/compiled_decode.py).
+    # masking each row: the compiled CPU decode step's shape (runtime/compiled_decode.py).
     static_decode: bool = False
 
     @property

@@ -9,7 +9,7 @@ padded-batch attention function (``torch`` or ``sdpa``) does the arithmetic.
 
 ``StaticDecodeStep`` is the same decode with every shape fixed by its inputs' tensors — no
 buckets, no Python lists — so ``torch.compile`` traces it once and the graph serves every
-context length (``engine/compiled_decode.py``).
+context length (``runtime/compiled_decode.py``).
 
 The Triton backend (``triton_paged.py``) does the same step with kernels that read the blocks
 in place instead of gathering copies.

@@ -17,7 +17,7 @@ paged pool through block tables — and never build the ``[T, S]`` score matrix 
 - ``write_kv``: the new tokens' K and V into the pool through the slot mapping, one program
   per token.
 
-**An 8-bit pool** (``kv_cache_dtype="int8"`` or ``"fp8"``, ``quantization/kv.py``): ``write_kv``
+**An 8-bit pool** (``kv_cache_dtype="int8"`` or ``"fp8"``, ``kvcache/quantization.py``): ``write_kv``
 quantizes each new token's K and V per head as it stores them (the scale ``max|x| / 127``, or
 ``/ 448`` for fp8 e4m3, goes to the pool's scale tensor), and both attention kernels load the
 8-bit values with their scales and dequantize **in registers**, right after the load. That is
@@ -74,7 +74,7 @@ def _kv_quant(kv_cache_dtype: str, k_scales: torch.Tensor | None, v_scales: torc
     return code
 
 
-# ---- 8-bit K/V: the same numbers as quantization/kv.py, in registers --------------------------
+# ---- 8-bit K/V: the same numbers as kvcache/quantization.py, in registers --------------------------
 
 
 @triton.jit

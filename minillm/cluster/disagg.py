@@ -225,7 +225,7 @@ def _prefill_loop(engine, conn) -> None:
             _, rid, ids, params, arrival = message
             try:
                 client.add(ids, replace(params, max_tokens=1), _Request((ids, params, arrival)), request_id=rid,
-                           arrival_time=arrival)  # fmt: skip
+                           arrival_time=arrival, where=f"request {rid!r}")  # fmt: skip
             except (ValueError, TypeError) as err:  # refused: the engine and the other requests go on
                 conn.send(("refused", (rid, str(err))))
                 continue
@@ -311,7 +311,7 @@ def _decode_loop(engine, conn) -> None:
             bytes_sent = 0 if k is None else k.nbytes + v.nbytes
             request = _Request((ids, first, arrival, first_time, bytes_sent, written - sent))
             try:
-                client.add(ids + [first], tail, request, request_id=rid, arrival_time=arrival)
+                client.add(ids + [first], tail, request, request_id=rid, arrival_time=arrival, where=f"request {rid!r}")
             except (ValueError, TypeError) as err:
                 conn.send(("refused", (rid, str(err))))
                 continue

@@ -1,6 +1,6 @@
 """Data parallelism offline: ``LLM(model, data_parallel_size=N)`` — N replica engines in worker
 processes, each ``generate`` call's prompts routed over them by the router of ``router.py``
-(the served version, replicas behind an HTTP router, is ``data.py``)."""
+(the served version, replicas behind an HTTP router, is ``data_parallel.py``)."""
 
 from __future__ import annotations
 

@@ -180,14 +180,16 @@ def resolve_choices(config: EngineConfig, decision: Decision, model, backend: st
         decode_attention_dtype=str(attention_dtype or model.dtype).removeprefix("torch."),
         compile=decision.on,
         compile_reason=decision.reason,
-        decode_fast_path=fast_path_name(graphs),
+        decode_fast_path=fast_path_name(graphs, config),
         kv_cache_dtype=config.kv_cache_dtype,
         num_kv_blocks=num_blocks,
     )
 
 
-def fast_path_name(graphs) -> str:
+def fast_path_name(graphs, config: EngineConfig | None = None) -> str:
     """How pure decode steps run, in words."""
+    if config is not None and config.mode == "contiguous" and config.compile:
+        return "torch.compile (the contiguous engine's steps)"
     if isinstance(graphs, CompiledDecode):
         return f"compiled {graphs.batch_sizes}"
     if isinstance(graphs, DecodeGraphs):

@@ -18,11 +18,14 @@ thread (the server's engine thread).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable
 from typing import Protocol
 
 from minillm.outputs import StreamDelta
 from minillm.sequence import Sequence
+
+log = logging.getLogger("minillm.engine")
 
 
 class Sink(Protocol):
@@ -69,6 +72,11 @@ class EngineClient:
         if request_id in self.engine.requests:
             self.engine.abort(request_id)
 
+    def forget(self, request_id: Hashable) -> None:
+        """Stop routing ``request_id``'s deltas without touching the engine (the request already
+        ended there — aborted by someone else — and its id may since belong to another request)."""
+        self._sinks.pop(request_id, None)
+
     def step(self) -> list[tuple[Sink, StreamDelta]]:
         """Run one engine step; its deltas paired with their requests' sinks, in step order. A
         request's sink is dropped after its last delta (``request_finished``); deltas of requests
@@ -90,7 +98,7 @@ class EngineClient:
             try:
                 self.engine.abort(rid)
             except Exception:  # noqa: BLE001 (one that cannot be aborted must not keep the others waiting)
-                pass
+                log.exception("abort of %r after a failed step", rid)
         self.close(error)
 
     def close(self, error: BaseException) -> None:

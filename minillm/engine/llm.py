@@ -179,7 +179,7 @@ class LLM:
                 if box.deltas:
                     return box.deltas.popleft()
                 if seq.request_finished:  # aborted from elsewhere (llm.engine.abort): its last word
-                    self.client.abort(seq.request_id)
+                    self.client.forget(seq.request_id)
                     text = seq.take_stream_text()
                     return StreamDelta(
                         seq.request_id, None, text, seq.finish_reason, seq.to_output(), request_finished=True

@@ -30,7 +30,7 @@ class PagedKVCache:
         self.null_block = num_blocks
         shape = (config.num_layers, num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
         # kv_cache_dtype="int8" | "fp8": 8-bit values plus one scale per (token, head)
-        # (quantization/kv.py); attention computes in ``dtype`` after dequantizing.
+        # (kvcache/quantization.py); attention computes in ``dtype`` after dequantizing.
         from minillm.kvcache.quantization import SCALE_DTYPE, STORAGE
 
         self.kv_cache_dtype, self.dtype = kv_cache_dtype, dtype

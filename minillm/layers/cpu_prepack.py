@@ -9,7 +9,7 @@ idea as llama.cpp's weight repacking. The ops are PyTorch's private ``torch.ops.
 entry points (the ones its compiler emits), so we check that they work and fall back to
 plain ``F.linear`` when they do not.
 
-The compiled decode step (``engine/compiled_decode.py``) cannot use these opaque packed
+The compiled decode step (``runtime/compiled_decode.py``) cannot use these opaque packed
 tensors; with ``keep_plain_for_compile`` the method also keeps the plain matrix, as a
 parameter, for the compiler to fold in and pack in its own layout.
 """

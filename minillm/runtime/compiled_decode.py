@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+import minillm.hooks as hooks
 from minillm.attention.layout import KVPool, StepLayout
 from minillm.kvcache import addressing
 from minillm.kvcache.paged import PagedKVCache
@@ -85,6 +86,11 @@ def packages_dir() -> Path:
     return cache_dir() / "compiled"
 
 
+#: The hooks a compiled decode step traces into its graph (attention's K/V gather, the 8-bit
+#: pool's quantize-on-write, the reference attention): their implementation is fixed at compile time.
+TRACED_HOOKS = ("gather_kv", "quantize_kv", "torch_attention")
+
+
 class CompiledDecode:
     """Pure decode steps of up to ``max(batch_sizes)`` rows through compiled graphs, one per
     batch size (a batch is padded up to the next one): a ``DecodeFastPath``."""
@@ -113,7 +119,12 @@ class CompiledDecode:
 
     def prepare(self, progress: bool = True) -> None:
         """Load each batch size's package, compiling the ones not yet on disk, so no request
-        waits for the compiler. Weights are fingerprinted once for all of them."""
+        waits for the compiler. Weights are fingerprinted once for all of them. Refused while a
+        course hook the graph would trace is overridden: the package would bake the learner's
+        function in, for every later engine that loads it (a default compile then runs eagerly)."""
+        active = [name for name in TRACED_HOOKS if hooks.current(name) is not hooks.default(name)]
+        if active:
+            raise RuntimeError(f"hook override(s) {active} active: a compiled decode step would keep them")
         weights = weights_digest(self.module.model)
         for batch in self.batch_sizes:
             path = packages_dir() / f"decode-b{batch}-{self.digest(weights, batch)}.pt2"

@@ -26,7 +26,7 @@ from minillm.kvcache import addressing
 from minillm.kvcache.paged import PagedKVCache
 from minillm.models.llama import LlamaForCausalLM
 from minillm.runtime.block_table_rows import BlockTableRows
-from minillm.runtime.fast_path import pad_decode_rows, pad_table_rows
+from minillm.runtime.fast_path import pad_decode_rows
 from minillm.runtime.runner import ChunkInput
 
 
@@ -108,7 +108,9 @@ class DecodeGraphs:
         for name, row_values in values.items():
             buffer = getattr(s.layout, name)
             buffer.copy_(torch.tensor(row_values, dtype=torch.long).view(buffer.shape), non_blocking=True)
-        s.layout.block_tables.copy_(pad_table_rows(tables, s.size, null), non_blocking=True)
+        # Only the real rows cross from the host; padding rows are filled in place (same rule as pad_table_rows).
+        s.layout.block_tables[: len(chunks)].copy_(tables, non_blocking=True)
+        s.layout.block_tables[len(chunks) :].fill_(null)
 
     def _get(self, size: int) -> StaticDecode:
         if size not in self.static:
