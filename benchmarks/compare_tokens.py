@@ -3,10 +3,11 @@
     git worktree add /tmp/before <commit>
     python benchmarks/compare_tokens.py /tmp/before . --model smollm2-135m
 
-Each checkout runs in its own process importing its own ``minillm`` (``PYTHONPATH``), eager
-(``MINILLM_COMPILE=0``: the compiled step has its own token tests), fp32, three prompts (text, a
-chat, code) × 16 greedy tokens per rung: naive, contiguous, paged with each CPU attention
-backend, int8 and int4 weights, an int8 KV pool, prompt-lookup speculation. Prints each rung as
+Each checkout runs in its own process importing its own ``minillm`` (``PYTHONPATH``), fp32, three
+prompts (text, a chat, code) × 16 greedy tokens per rung: the default engine (compiled decode
+steps on a CPU, as a learner gets it; the first run on a machine compiles), then the eager
+rungs (``compile=False``): naive, contiguous, paged with each CPU attention backend, int8 and
+int4 weights, an int8 KV pool, prompt-lookup speculation. Prints each rung as
 identical or not and writes ``compare-tokens-<date>.json``. Not a test: it needs two checkouts.
 """
 
@@ -22,15 +23,17 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PROMPTS = ["The capital of France is", [{"role": "user", "content": "Name three colours."}], "def fib(n):"]
+EAGER = {"compile": False}  # the ladder below the compiled step
 RUNGS = {
-    "naive": {"mode": "naive"},
-    "contiguous": {"mode": "contiguous"},
-    "paged sdpa": {"attention_backend": "sdpa"},
-    "paged cpu kernel": {"attention_backend": "cpu"},
-    "paged torch": {"attention_backend": "torch"},
-    "int8": {"quantization": "int8"},
-    "int4 g32": {"quantization": "int4", "quantization_group_size": 32},
-    "int8 KV pool": {"kv_cache_dtype": "int8"},
+    "default (compiled)": {},
+    "naive": {"mode": "naive", **EAGER},
+    "contiguous": {"mode": "contiguous", **EAGER},
+    "paged sdpa": {"attention_backend": "sdpa", **EAGER},
+    "paged cpu kernel": {"attention_backend": "cpu", **EAGER},
+    "paged torch": {"attention_backend": "torch", **EAGER},
+    "int8": {"quantization": "int8", **EAGER},
+    "int4 g32": {"quantization": "int4", "quantization_group_size": 32, **EAGER},
+    "int8 KV pool": {"kv_cache_dtype": "int8", **EAGER},
     "ngram k=3": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
 }
 
@@ -48,7 +51,7 @@ print(json.dumps({name: [o.token_ids for o in LLM(model, dtype="fp32", **options
 
 
 def tokens(checkout: Path, model: str) -> dict[str, list[list[int]]]:
-    env = dict(os.environ, PYTHONPATH=str(checkout), MINILLM_COMPILE="0")
+    env = dict(os.environ, PYTHONPATH=str(checkout))
     env.setdefault("MINILLM_CACHE", str(HERE.parent / ".cache" / "minillm"))
     cmd = [sys.executable, "-c", WORKER, model, json.dumps(PROMPTS), json.dumps(RUNGS)]
     proc = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True)

@@ -149,7 +149,7 @@ def build_engine_parts(
     configure_model(model, config, backend, window, attention_dtype, tokenizer)
 
     def resolved(graphs=None, num_blocks=None) -> Resolved:
-        return resolve_choices(config, decision, model, backend, attention_dtype, graphs, num_blocks)
+        return resolve_choices(config, decision, device, dtype, backend, attention_dtype, graphs, num_blocks)
 
     if config.mode != "paged":  # one static batch at a time, whole prompts, no pool to manage
         runner = NaiveRunner(model) if config.mode == "naive" else ContiguousRunner(model)
@@ -168,16 +168,16 @@ def build_engine_parts(
     return parts
 
 
-def resolve_choices(config: EngineConfig, decision: Decision, model, backend: str, attention_dtype, graphs,
-                    num_blocks: int | None) -> Resolved:  # fmt: skip
+def resolve_choices(config: EngineConfig, decision: Decision, device: torch.device, dtype: torch.dtype, backend: str,
+                    attention_dtype, graphs, num_blocks: int | None) -> Resolved:  # fmt: skip
     """What the built engine runs; a default compile that failed (no graphs) reads as off, with why."""
     if decision.on and config.mode == "paged" and not isinstance(graphs, CompiledDecode):
         decision = Decision(False, "the compile failed; running eagerly (see the warning)")
     return Resolved(
-        device=str(model.device),
-        dtype=str(model.dtype).removeprefix("torch."),
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
         attention_backend=backend,
-        decode_attention_dtype=str(attention_dtype or model.dtype).removeprefix("torch."),
+        decode_attention_dtype=str(attention_dtype or dtype).removeprefix("torch."),
         compile=decision.on,
         compile_reason=decision.reason,
         decode_fast_path=fast_path_name(graphs, config),
@@ -263,17 +263,9 @@ def build_parallel_parts(
         runner = _join_torchrun(spec, comm)
     else:
         runner = DistributedRunner(spec, backend=comm)
-    resolved = Resolved(
-        device=str(device),
-        dtype=str(dtype).removeprefix("torch."),
-        attention_backend=backend,
-        decode_attention_dtype=str(dtype).removeprefix("torch."),
-        compile=False,
-        compile_reason=refusal(config, Where(device.type, backend), compile=True) or "not with parallel workers",
-        decode_fast_path="none (eager, in the workers)",
-        kv_cache_dtype=config.kv_cache_dtype,
-        num_kv_blocks=num_blocks,
-    )
+    reason = refusal(config, Where(device.type, backend), compile=True) or "not with parallel workers"
+    resolved = resolve_choices(config, Decision(False, reason), device, dtype, backend, None, None, num_blocks)
+    resolved.decode_fast_path = "none (eager, in the workers)"
     return EngineParts(scheduler, runner, backend, block_manager, resolved=resolved)
 
 
