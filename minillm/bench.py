@@ -160,9 +160,13 @@ def run_generate_benchmark(
             for when in ("first", "warm"):
                 engines.pop("minillm compiled", None)
                 clock = time.perf_counter()
-                engines["minillm compiled"] = LLM(model, compile=True, **common)
+                engines["minillm compiled"] = llm = LLM(model, compile=True, **common)
+                start[f"compiled_{when}_answers_s"] = time.perf_counter() - clock  # it decodes eagerly from here
+                status = llm.wait_for_fast_path()  # the compiled step, built in the background
+                if status.state != "ready":
+                    raise RuntimeError(f"the compiled decode step of {model} ({dtype_name}) did not build: {status}")
                 start[f"compiled_{when}_s"] = time.perf_counter() - clock
-                graphs = engines["minillm compiled"].engine.graphs
+                graphs = llm.engine.graphs
                 if when == "first":
                     start["compile_s"] = graphs.compile_seconds
                 else:
@@ -294,12 +298,15 @@ def format_table(result: dict) -> str:
             lines.append(f"| {r['dtype']} | {r['prompt_len']} | " + " | ".join(cells) + " |")
     starts = [s for s in result.get("engine_start", []) if "compiled_warm_s" in s]
     if starts:
-        lines += ["", "| dtype | engine start: eager | compiled, first start (compiling) | compiled, warm start |"]
+        lines += ["", "| dtype | engine start: eager | compiled, first start: answers / compiled step ready "
+                  "(compiling in the background) | compiled, warm start: answers / ready |"]  # fmt: skip
         lines.append("|---|---:|---:|---:|")
         for s in starts:
             compiled = ", ".join(f"batch {b}: {t:.0f} s" for b, t in s["compile_s"].items()) or "on disk already"
+            first_answer = f"{s['compiled_first_answers_s']:.1f} s / " if "compiled_first_answers_s" in s else ""
+            warm_answer = f"{s['compiled_warm_answers_s']:.1f} s / " if "compiled_warm_answers_s" in s else ""
             lines.append(
-                f"| {s['dtype']} | {s['minillm_s']:.1f} s | {s['compiled_first_s']:.1f} s ({compiled}) "
-                f"| {s['compiled_warm_s']:.1f} s (graphs loaded in {sum(s['load_s'].values()):.1f} s) |"
+                f"| {s['dtype']} | {s['minillm_s']:.1f} s | {first_answer}{s['compiled_first_s']:.1f} s ({compiled}) "
+                f"| {warm_answer}{s['compiled_warm_s']:.1f} s (graphs loaded in {sum(s['load_s'].values()):.1f} s) |"
             )
     return "\n".join(lines)

@@ -165,6 +165,46 @@ def cmd_batch(args) -> int:
     return 0 if summary["failed"] == 0 else 1
 
 
+# The engines the course starts whose decode step compiles by default: chapters 00-01's
+# LLM("smollm2-135m") (bf16) and chapter 09's LLM("smollm2-135m", dtype="float32", num_threads=2).
+COURSE_WARMUP = (("smollm2-135m", {}), ("smollm2-135m", {"dtype": "float32", "num_threads": 2}))
+
+
+def cmd_warmup(args) -> int:
+    """Build (or load) the compiled decode steps of MODELs — by default the course's — with a
+    progress bar, so a classroom's machines have them before the first lesson."""
+    import time
+
+    from tqdm import tqdm
+
+    from minillm.engine import LLMEngine
+
+    kwargs = {**_engine_kwargs(args), "compile": True}
+    targets = [(m, {}) for m in args.models] if args.models else list(COURSE_WARMUP)
+    failed = 0
+    for model, extra in targets:
+        options = {**kwargs, **extra}
+        start = time.perf_counter()
+        engine = LLMEngine(model, **options)
+        label = f"{model} ({engine.resolved.dtype})"
+        status = engine.fast_path_status()
+        with tqdm(total=len(status.batch_sizes), desc=label, unit="graph", file=sys.stderr) as bar:
+            while status.state == "building":
+                status = engine.wait_for_fast_path(timeout=0.5)
+                bar.update(len(status.ready) - bar.n)
+                bar.set_postfix_str(status.detail[:60])
+        compiled = engine.graphs.compile_seconds if engine.graphs is not None else {}
+        took = time.perf_counter() - start
+        if status.state != "ready":
+            print(f"{label}: {status}", file=sys.stderr)
+            failed += 1
+        else:
+            how = f"compiled {sorted(compiled)} in {sum(compiled.values()):.0f} s" if compiled else "already compiled"
+            print(f"{label}: ready in {took:.0f} s ({how}; batch sizes {status.batch_sizes})")
+        engine.close()
+    return 1 if failed else 0
+
+
 def cmd_generate(args) -> int:
     params = _sampling_params(args)  # validate before the slow model load
     llm = _llm(args)
@@ -419,6 +459,17 @@ def build_parser() -> argparse.ArgumentParser:
         prog="minillm", description="A compact LLM inference engine and course.", allow_abbrev=False
     )
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser(
+        "warmup",
+        help="compile the decode steps of MODELs (default: the course's) ahead of a class",
+        description="Build the compiled decode step of each MODEL with the engine options given (default: the "
+        "course's engines, SmolLM2-135M in bf16 and in fp32), so that no learner waits for it. Graphs go to "
+        "<cache>/compiled; a second run loads them in seconds.",
+    )
+    p.add_argument("models", nargs="*", metavar="MODEL", help="short name or HF-format folder")
+    add_engine_flags(p.add_argument_group("engine"))
+    p.set_defaults(func=cmd_warmup)
 
     p = sub.add_parser("generate", help="generate text for one or more prompts")
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable: runs batched)")

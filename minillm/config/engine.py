@@ -86,6 +86,10 @@ class EngineConfig:
     mode: str = option("paged", "execution mode (kv_cache: old name of contiguous)",
                        choices=(*EXECUTION_MODES, *DEPRECATED_MODES))  # fmt: skip
     num_threads: int | None = option(None, "CPU threads for torch", flag="--threads", parse=int)
+    # runtime/thread_governor.py: two threads on a 2-core laptop with one core taken by another
+    # process decode ~5x slower than one thread (every parallel region waits for the descheduled one).
+    adapt_threads: bool = option(True, "run steps on fewer CPU threads while other processes keep cores busy "
+                                 "(Linux)", flag="--no-adapt-threads")  # fmt: skip
     seed: int = option(0, "the engine's seed (requests without their own seed draw from it)", cli=False)
     attention_backend: str = option("auto", "attention kernels (default: auto)", choices=ATTENTION_BACKENDS)
     cpu_prepack: bool = option(True, "oneDNN-prepacked linears on CPU where supported (measured faster)",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
@@ -25,8 +26,10 @@ from minillm.kvcache.addressing import blocks_for, kv_bytes_per_token
 from minillm.kvcache.block_manager import BlockManager
 from minillm.kvcache.paged import PagedKVCache
 from minillm.kvcache.unpaged import NoBlockPool
+from minillm.layers.cpu_prepack import release_plain_weights
 from minillm.machine import triton_available
 from minillm.models.llama import LlamaForCausalLM
+from minillm.runtime.background_compile import BackgroundBuild, CompileJob
 from minillm.runtime.compiled_decode import CompiledDecode
 from minillm.runtime.contiguous_runner import ContiguousRunner
 from minillm.runtime.cuda_graphs import DecodeGraphs
@@ -135,8 +138,11 @@ def build_engine_parts(
     max_model_len: int,
     window: int | None,
     tokenizer=None,
+    model_dir: str | Path | None = None,
 ) -> EngineParts:
-    """Configure ``model`` (backend, window, fast paths) and build what runs it."""
+    """Configure ``model`` (backend, window, fast paths) and build what runs it. ``model_dir``:
+    the checkpoint ``model`` was loaded from, for a background compile to rebuild it from (without
+    one, a compiled decode step is built in this process before the engine starts)."""
     device, dtype = model.device, model.dtype
     backend = resolve_backend(config, device)
     check_compatible(config, Where(device.type, backend))  # the rules that needed the device and backend
@@ -160,7 +166,9 @@ def build_engine_parts(
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
     kv_cache = PagedKVCache(model_config, num_blocks, config.block_size, dtype, device, config.kv_cache_dtype)
     scheduler = paged_scheduler(config, block_manager, window)
-    graphs = decode_fast_path(config, model, kv_cache, backend, max_model_len, window, compile_by_choice)
+    setup = CompileJob(str(model_dir), config, dtype, backend, window, attention_dtype, dtype, max_model_len,
+                       config.compile_batch_sizes, torch.get_num_threads(), {}) if model_dir else None  # fmt: skip
+    graphs = decode_fast_path(config, model, kv_cache, backend, max_model_len, window, compile_by_choice, setup)
     runner = PagedRunner(model, kv_cache, window, graphs)
     speculator = build_speculator(config, model_config, tokenizer, device, dtype, max_model_len, num_blocks, backend)
     parts = EngineParts(scheduler, runner, backend, block_manager, kv_cache, graphs, speculator)
@@ -414,26 +422,33 @@ def compile_by_default(config: EngineConfig, model, backend: str) -> Decision:
     return Decision(True, "the default for the paged CPU engine (compile=False turns it off)")
 
 
-def release_plain_weights(model) -> None:
-    """Drop the plain weight copies kept for the compiler (``CPUPrepackMethod(keep_plain_for_compile)``)
-    once the compiled decode step holds its own, packed, copy."""
-    for module in model.modules():
-        method = getattr(module, "method", None)
-        if getattr(method, "keep_plain_for_compile", False):
-            module.plain_weight = None
-
-
 def decode_fast_path(
-    config: EngineConfig, model, kv_cache, backend: str, max_model_len: int, window, compile_by_choice: bool = True
+    config: EngineConfig,
+    model,
+    kv_cache,
+    backend: str,
+    max_model_len: int,
+    window,
+    compile_by_choice: bool = True,
+    setup: CompileJob | None = None,
 ) -> DecodeFastPath | None:
     """Pure decode steps through CUDA graphs (CUDA + Triton) or compiled (CPU), else eager.
-    ``compile_by_choice=False``: compiling is only the default, so if it fails (say, no C++
-    compiler on this machine) the engine warns and runs eagerly instead of refusing to start."""
+
+    A compiled step is built in the background (``runtime/background_compile.py``) when
+    ``setup`` says how to rebuild the model, so the engine answers eagerly at once; else here,
+    before the engine starts. ``compile_by_choice=False``: compiling is only the default, so if it
+    cannot start (a course hook the graph would trace is overridden) the engine warns and runs
+    eagerly instead of refusing to start."""
     if config.compile:  # the paged CPU engine's (the compatibility table refused the rest)
         compute_dtype = model.attention_backend.decode_dtype or kv_cache.dtype  # as StaticDecodeStep computes
         compiled = CompiledDecode(model, kv_cache, window, compute_dtype, config.compile_batch_sizes)
         try:
-            compiled.prepare()
+            compiled.check_hooks()
+            if setup is None:
+                compiled.prepare()
+            else:
+                paths = {b: str(p) for b, p in compiled.package_paths().items()}
+                job = replace(setup, compute_dtype=compute_dtype, paths=paths)
         except Exception as error:
             if compile_by_choice:
                 raise
@@ -443,7 +458,10 @@ def decode_fast_path(
                 stacklevel=2,
             )
             compiled = None
-        release_plain_weights(model)
+        if compiled is not None and setup is not None:
+            compiled.build = BackgroundBuild(compiled, job)  # releases the plain weights when it is done
+        else:
+            release_plain_weights(model)
         return compiled
     wanted = config.cuda_graphs
     if wanted is None:

@@ -76,6 +76,14 @@ class LLM:
     max_model_len = property(lambda self: self.engine.max_model_len)
     mode = property(lambda self: self.engine.mode)
 
+    def fast_path_status(self):
+        """Where the compiled decode step stands: building / ready / failed / off (``LLMEngine``)."""
+        return self.engine.fast_path_status()
+
+    def wait_for_fast_path(self, timeout: float | None = None):
+        """Block until the compiled decode step is ready or failed (``LLMEngine``)."""
+        return self.engine.wait_for_fast_path(timeout)
+
     def _make_sequences(self, prompts, sampling_params) -> list[Sequence]:
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and all(isinstance(p, (int, dict)) for p in prompts)

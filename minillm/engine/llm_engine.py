@@ -45,7 +45,9 @@ from minillm.inputs import InputProcessor, Prompt
 from minillm.metrics import StepRecord
 from minillm.models import load_model
 from minillm.outputs import RequestOutput, SampleId, StreamDelta, TokenLogprob
+from minillm.runtime.background_compile import FastPathStatus
 from minillm.runtime.runner import ChunkInput, StepInputs
+from minillm.runtime.thread_governor import ThreadGovernor
 from minillm.sampling import SamplingParams, sample, token_logprobs
 from minillm.sequence import Sequence
 from minillm.tokenizer import Tokenizer
@@ -77,7 +79,8 @@ class LLMEngine:
         else:
             self.model = load_model(self.model_dir, self.dtype, self.device, max_positions=self.max_model_len)
             parts = build_engine_parts(
-                config, self.model, self.model_config, self.max_model_len, self.sliding_window, self.tokenizer
+                config, self.model, self.model_config, self.max_model_len, self.sliding_window, self.tokenizer,
+                self.model_dir,
             )
         self.scheduler = parts.scheduler
         self.runner = parts.runner
@@ -90,6 +93,9 @@ class LLMEngine:
         self.resolved = parts.resolved
         self.engine_config = replace(config, compile=parts.resolved.compile)
         self.speculator = parts.speculator  # proposes and verifies; does nothing without speculative_config
+        # Fewer OpenMP threads while other processes keep cores busy (a busy laptop); one process only.
+        adapt = config.adapt_threads and self.device.type == "cpu" and config.world_size == 1
+        self.threads = ThreadGovernor(config.num_threads, enabled=adapt)
         self._rng = random.Random(config.seed)
         self._next_id = 0
         # Every unfinished request, by the id add_request returned: its sequence, or for n > 1 its
@@ -137,11 +143,33 @@ class LLMEngine:
         return report
 
     def close(self) -> None:
-        """Stop the worker processes of a parallel engine (nothing to do for one process). An
-        engine dropped without ``close()`` stops them when it is garbage-collected."""
+        """Stop the worker processes of a parallel engine, and a compile still running in the
+        background. An engine dropped without ``close()`` stops them when it is garbage-collected
+        (a background compile: when this process exits)."""
         shutdown = getattr(self.runner, "shutdown", None)
         if shutdown is not None:
             shutdown()
+        build = getattr(self.graphs, "build", None)
+        if build is not None:
+            build.close()
+
+    def fast_path_status(self) -> FastPathStatus:
+        """Where the decode fast path stands: ``building`` (a compile or load behind the running
+        engine, with what it is doing), ``ready``, ``failed`` (with why; decode runs eagerly), or
+        ``off`` (with why: ``resolved.compile_reason``)."""
+        build = getattr(self.graphs, "build", None)
+        if build is not None:
+            return build.status()
+        if self.graphs is None:
+            return FastPathStatus("off", self.resolved.compile_reason)
+        sizes = tuple(getattr(self.graphs, "batch_sizes", ()))
+        return FastPathStatus("ready", self.resolved.decode_fast_path, sizes, sizes)
+
+    def wait_for_fast_path(self, timeout: float | None = None) -> FastPathStatus:
+        """Block until the decode fast path is ready or has failed (at most ``timeout`` seconds),
+        e.g. before measuring the compiled speed; its status then."""
+        build = getattr(self.graphs, "build", None)
+        return build.wait(timeout) if build is not None else self.fast_path_status()
 
     def _warm_up(self) -> None:
         """One tiny request through the whole path, so one-time costs (kernel selection, oneDNN
@@ -320,6 +348,7 @@ class LLMEngine:
             self.speculator.release(seq.request_id)
         if not scheduled.chunks:
             return []
+        self.threads.adjust()  # in the thread that runs the step: OpenMP's thread count is per thread
         logits = self.runner.execute(self._step_inputs(scheduled))
         sampling = [c for c in scheduled.chunks if c.num_logits]
         try:

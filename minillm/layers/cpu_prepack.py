@@ -78,3 +78,12 @@ class CPUPrepackMethod:
     def held_tensors(self, layer) -> list[torch.Tensor]:
         kept = (layer.packed_weight, layer.single_row_weight, layer.plain_weight, layer.bias)
         return [t for t in kept if t is not None]
+
+
+def release_plain_weights(model) -> None:
+    """Drop the plain weight copies kept for the compiler (``keep_plain_for_compile``) once the
+    compiled decode step holds its own, packed, copy — or will not be built."""
+    for module in model.modules():
+        method = getattr(module, "method", None)
+        if getattr(method, "keep_plain_for_compile", False):
+            module.plain_weight = None

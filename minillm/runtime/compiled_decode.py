@@ -39,10 +39,12 @@ the ``KEEP_PACKAGES`` most recently used packages are kept on disk.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -109,41 +111,100 @@ class CompiledDecode:
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.pool_tensors = pool_tensors(KVPool.of(cache))
         self.module = StaticDecodeModule(model, KVPool.of(cache), window).eval()
-        self.graphs: dict[int, object] = {}
+        self.graphs: dict[int, object] = {}  # batch size -> loaded graph, swapped in at step boundaries
+        self._offered: dict[int, object] = {}  # loaded by another thread, not yet swapped in
+        self._offer_lock = threading.Lock()
         self.compile_seconds: dict[int, float] = {}  # batch size -> seconds it took to compile (not load)
         self.load_seconds: dict[int, float] = {}  # batch size -> seconds to load its package
+        self.build = None  # the BackgroundBuild getting the graphs ready behind a running engine
 
     def supports(self, chunks: list[ChunkInput]) -> bool:
-        """A pure decode step of at most the largest compiled batch size."""
-        return len(chunks) <= self.batch_sizes[-1] and all(c.is_decode for c in chunks)
+        """A pure decode step whose padded row count has a graph loaded. Called at the start of
+        every step, so graphs a background build offered since the last step are swapped in here,
+        at a step boundary, never in the middle of one."""
+        self.swap_in()
+        rows = self.rows_for(len(chunks))
+        return rows is not None and all(c.is_decode for c in chunks)
 
-    def prepare(self, progress: bool = True) -> None:
-        """Load each batch size's package, compiling the ones not yet on disk, so no request
-        waits for the compiler. Weights are fingerprinted once for all of them. Refused while a
-        course hook the graph would trace is overridden: the package would bake the learner's
-        function in, for every later engine that loads it (a default compile then runs eagerly)."""
+    def rows_for(self, n: int) -> int | None:
+        """The smallest loaded graph's row count that fits ``n`` rows (None: none does)."""
+        return next((b for b in sorted(self.graphs) if b >= n), None)
+
+    def swap_in(self) -> None:
+        """Start using the graphs offered since the last call (and say, once, if the background
+        build failed: decode then stays eager)."""
+        failure = self.build.take_failure() if self.build is not None else None
+        if failure:
+            warnings.warn(f"minillm: the compiled decode step is not available: {failure}", stacklevel=3)
+        if self._offered:
+            with self._offer_lock:
+                self.graphs.update(self._offered)
+                self._offered.clear()
+
+    def offer(self, batch: int, graph) -> None:
+        """Hand over a loaded graph from another thread (``background_compile.py``); the next
+        step's ``supports`` swaps it in."""
+        with self._offer_lock:
+            self._offered[batch] = graph
+
+    def check_hooks(self) -> None:
+        """Refuse while a course hook the graph would trace is overridden: the package would bake
+        the learner's function in, for every later engine that loads it."""
         active = [name for name in TRACED_HOOKS if hooks.current(name) is not hooks.default(name)]
         if active:
             raise RuntimeError(f"hook override(s) {active} active: a compiled decode step would keep them")
+
+    def package_paths(self) -> dict[int, Path]:
+        """Each batch size's package file (weights fingerprinted once for all of them)."""
         weights = weights_digest(self.module.model)
-        for batch in self.batch_sizes:
-            path = packages_dir() / f"decode-b{batch}-{self.digest(weights, batch)}.pt2"
-            if path.is_file():
-                try:
-                    self._load(batch, path)
-                    continue
-                except Exception as error:  # a truncated or foreign file: compile it again, once
-                    warnings.warn(f"minillm: {path} could not be loaded ({error}); compiling it again", stacklevel=2)
-                    path.unlink(missing_ok=True)
-            self.compile_seconds[batch] = self._compile(batch, path, progress)
-            self._load(batch, path)
+        return {b: packages_dir() / f"decode-b{b}-{self.digest(weights, b)}.pt2" for b in self.batch_sizes}
+
+    def prepare(self, progress: bool = True) -> None:
+        """Load each batch size's package, compiling the ones not yet on disk, in this process
+        (``minillm warmup`` and the background worker; an engine builds in the background,
+        ``background_compile.py``)."""
+        self.check_hooks()
+        for batch, path in self.package_paths().items():
+            if not self.try_load(batch, path):
+                self.compile_seconds[batch] = self.compile_package(batch, path, progress)
+                self.load(batch, path)
+        self.swap_in()
         prune_packages(KEEP_PACKAGES)
 
-    def _load(self, batch: int, path: Path) -> None:
+    def try_load(self, batch: int, path: Path) -> bool:
+        """Load ``path`` if it is on disk; a truncated or foreign file is deleted (to be compiled again)."""
+        if not path.is_file():
+            return False
+        try:
+            self.load(batch, path)
+            return True
+        except Exception as error:
+            warnings.warn(f"minillm: {path} could not be loaded ({error}); compiling it again", stacklevel=2)
+            path.unlink(missing_ok=True)
+            return False
+
+    def load(self, batch: int, path: Path) -> object:
+        """Load one package and offer its graph (swapped in at the next step boundary)."""
         start = time.perf_counter()
-        self.graphs[batch] = torch._inductor.aoti_load_package(str(path))
+        graph = torch._inductor.aoti_load_package(str(path))
         self.load_seconds[batch] = time.perf_counter() - start
         os.utime(path)  # newest first when old packages are pruned
+        self.offer(batch, graph)
+        return graph
+
+    def compile_package(self, batch: int, path: Path, progress: bool = True) -> float:
+        """Compile one package unless another process did while we waited for its lock; the
+        seconds it took (0 when it was already there)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = path.with_suffix(".lock")
+        with open(lock, "w") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)  # two engines of one model compile it once
+            try:
+                if path.is_file():
+                    return 0.0
+                return self._compile(batch, path, progress)
+            finally:
+                lock.unlink(missing_ok=True)
 
     def digest(self, weights: str, batch: int) -> str:
         """What the compiled code depends on, hashed: a change to any of it compiles anew."""
@@ -174,7 +235,7 @@ class CompiledDecode:
         start = time.perf_counter()
         example = [ChunkInput("__compile__", [0], 0, 1, [self.cache.null_block])] * batch
         tables = torch.full((batch, self.window_blocks(example)), self.cache.null_block, dtype=torch.long)
-        inputs = self.inputs(example, tables, write=False)
+        inputs = self.inputs(example, tables, batch, write=False)
         # Free dimensions: the window's width, and the pool's size (one package serves every pool
         # size: a few multiples of the block size in a test, gigabytes on a server).
         width = torch.export.Dim("blocks", min=MIN_WINDOW, max=MAX_WINDOW)
@@ -202,11 +263,10 @@ class CompiledDecode:
         """Blocks per row of the step's static window: enough for its longest row."""
         return max(MIN_WINDOW, *(addressing.blocks_for(c.start + 1, self.cache.block_size) for c in chunks))
 
-    def inputs(self, chunks: list[ChunkInput], tables: torch.Tensor, write: bool = True) -> tuple:
+    def inputs(self, chunks: list[ChunkInput], tables: torch.Tensor, batch: int, write: bool = True) -> tuple:
         """The static layout of a decode step — ``tables[rows, window]`` its block tables — padded
-        to the next compiled batch size by the padding rule (``fast_path.py``)."""
+        to ``batch`` rows by the padding rule (``fast_path.py``)."""
         null = self.cache.null_block
-        batch = next(b for b in self.batch_sizes if b >= len(chunks))
         rows = pad_decode_rows(chunks, batch, self.cache.block_size, null, write)
         return (
             torch.tensor([rows.input_ids]),
@@ -219,9 +279,10 @@ class CompiledDecode:
 
     def run(self, chunks: list[ChunkInput], block_tables: BlockTableRows) -> torch.Tensor:
         """Logits ``[rows, V]`` for a pure decode step (``block_tables``: the runner's)."""
-        inputs = self.inputs(chunks, block_tables.gather(chunks, self.window_blocks(chunks)))
+        batch = self.rows_for(len(chunks))
+        inputs = self.inputs(chunks, block_tables.gather(chunks, self.window_blocks(chunks)), batch)
         with torch.no_grad():
-            return self.graphs[inputs[0].shape[1]](*inputs)[: len(chunks)]
+            return self.graphs[batch](*inputs)[: len(chunks)]
 
 
 def pool_tensors(pool: KVPool) -> list[torch.Tensor]:
@@ -269,24 +330,49 @@ class StaticDecodeModule(torch.nn.Module):
         return self.model._forward(layout)[0]  # [1, B, V] -> [B, V]
 
 
-def weights_digest(model: torch.nn.Module) -> str:
-    """A hash of every tensor the compiled graph folds in (~0.4 s for SmolLM2-135M in bf16): parameters,
-    buffers, and tensors held as plain attributes (an int8 layer's ``qweight`` and ``scales``,
-    the rotary tables, whose length follows ``max_model_len``) — and the model's config."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(repr(getattr(model, "config", None)).encode())
+def folded_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor the compiled graph folds in, by name: parameters, buffers, and tensors held
+    as plain attributes (an int8 layer's ``qweight`` and ``scales``, the rotary tables, whose
+    length follows ``max_model_len``). oneDNN-packed copies are left out: each is a packed
+    copy of a plain matrix listed under its own name."""
+    out = {}
     holders = [*model.named_modules(), ("rope", getattr(model, "rope", None))]
     for prefix, module in [(p, m) for p, m in holders if m is not None]:
         held = vars(module)
         if isinstance(module, torch.nn.Module):
             held = {**held, **module._parameters, **module._buffers}
         for name, tensor in sorted((k, v) for k, v in held.items() if isinstance(v, torch.Tensor)):
-            if tensor.is_mkldnn:
-                continue  # a packed copy of a plain matrix that is hashed under its own name
-            t = tensor.detach().contiguous()
-            h.update(f"{prefix}.{name}{tuple(t.shape)}{t.dtype}".encode())
-            h.update(t.view(-1).view(torch.uint8).numpy().data if t.numel() else b"")
+            if not tensor.is_mkldnn:
+                out[f"{prefix}.{name}"] = tensor
+    return out
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """A hash of every tensor the compiled graph folds in (``folded_tensors``; ~0.4 s for
+    SmolLM2-135M in bf16) — and the model's config."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr(getattr(model, "config", None)).encode())
+    for name, tensor in folded_tensors(model).items():
+        t = tensor.detach().contiguous()
+        h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().data if t.numel() else b"")
     return h.hexdigest()
+
+
+def copy_folded_tensors(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    """Overwrite ``model``'s folded tensors with ``saved`` (another process's, same set-up):
+    calibrated quantization (AWQ, W8A8) searches scales over float results that differ in the
+    last bit between processes (MKL's kernels depend on memory alignment), so a model rebuilt
+    from the checkpoint is not bit-for-bit the engine's."""
+    mine = folded_tensors(model)
+    if mine.keys() != saved.keys():
+        raise RuntimeError(f"the rebuilt model holds other tensors than the engine's: {sorted(mine.keys() ^ saved.keys())[:5]}")
+    with torch.inference_mode():  # some are inference tensors (computed under inference mode)
+        for name, tensor in mine.items():
+            if tensor.shape != saved[name].shape or tensor.dtype != saved[name].dtype:
+                raise RuntimeError(f"{name}: {tuple(saved[name].shape)} {saved[name].dtype} in the engine, "
+                                   f"{tuple(tensor.shape)} {tensor.dtype} rebuilt")  # fmt: skip
+            tensor.copy_(saved[name])
 
 
 _SOURCE_DIGEST: str | None = None
@@ -305,9 +391,10 @@ def source_digest() -> str:
     return _SOURCE_DIGEST
 
 
-def prune_packages(keep: int) -> None:
-    """Delete all but the ``keep`` most recently used packages (each holds a model's weights)."""
-    folder = packages_dir()
+def prune_packages(keep: int, folder: Path | None = None) -> None:
+    """Delete all but the ``keep`` most recently used packages (each holds a model's weights)
+    in ``folder`` (default: ``packages_dir()``)."""
+    folder = folder or packages_dir()
     if not folder.is_dir():
         return
     packages = sorted(

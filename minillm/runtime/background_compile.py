@@ -1,0 +1,213 @@
+"""The compiled decode step, built while the engine already answers: tiered start-up.
+
+Compiling SmolLM2-135M's decode step takes minutes on a laptop CPU (``compiled_decode.py``);
+a learner's first cell should not wait for it. So an engine starts on the eager path at once
+and a ``BackgroundBuild`` gets the compiled step ready behind it, the way a JIT runtime tiers
+up from an interpreter:
+
+1. packages already on disk (a warm machine) are loaded by a thread of this process, in ~2 s each;
+2. the missing ones are compiled by a separate, low-priority process (``compile_worker.py``),
+   which shares no Python state with the engine and never holds its GIL;
+3. each loaded graph is *offered* to the ``CompiledDecode``, which swaps it in at the start of
+   the next step (``CompiledDecode.supports``) — never during one. A request in flight simply
+   has its next token computed by the graph; its tokens are the same (the tests check it).
+
+``status()`` says where it stands — building (which step, for how long), ready, or failed
+(and why; the engine keeps decoding eagerly) — and ``LLM.fast_path_status()`` shows it.
+``wait()`` blocks until it is ready, for benchmarks and ``minillm warmup``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from minillm.config import EngineConfig
+from minillm.layers.cpu_prepack import release_plain_weights
+from minillm.runtime.compiled_decode import CompiledDecode, folded_tensors, packages_dir
+
+
+@dataclass(frozen=True)
+class FastPathStatus:
+    """Where an engine's decode fast path stands (``LLM.fast_path_status()``)."""
+
+    state: str  # "off" | "building" | "ready" | "failed"
+    detail: str  # what it is doing, or why it failed / is off
+    ready: tuple[int, ...] = ()  # batch sizes whose graphs run now (or from the next step)
+    batch_sizes: tuple[int, ...] = ()  # all it builds
+    seconds: float = 0.0  # since the build started (its total once ready or failed)
+
+    @property
+    def progress(self) -> float:
+        """The share of the batch sizes ready, 0..1."""
+        return len(self.ready) / len(self.batch_sizes) if self.batch_sizes else 1.0
+
+    def __str__(self) -> str:
+        return f"{self.state}: {self.detail}"
+
+
+@dataclass
+class CompileJob:
+    """What the worker needs to rebuild the engine's model exactly and compile its step."""
+
+    model_dir: str
+    config: EngineConfig
+    dtype: torch.dtype
+    backend: str
+    window: int | None
+    attention_dtype: torch.dtype | None
+    compute_dtype: torch.dtype
+    max_model_len: int
+    batch_sizes: tuple[int, ...]
+    threads: int
+    paths: dict[int, str]  # batch size -> package the worker must produce
+    tensors: str | None = None  # the engine's folded tensors, saved for the worker to copy in
+    parent_pid: int = field(default_factory=os.getpid)
+
+
+class BackgroundBuild:
+    """Loads or compiles ``compiled``'s packages behind a running engine (module docstring)."""
+
+    def __init__(self, compiled: CompiledDecode, job: CompileJob):
+        self.compiled, self.job = compiled, job
+        self._lock = threading.Lock()
+        self._state, self._detail = "building", "starting"
+        self._started, self._finished = time.perf_counter(), None
+        self._worker: subprocess.Popen | None = None
+        self._log_tail: deque[str] = deque(maxlen=8)
+        self._closed = False
+        self._failure_reported = False
+        self._thread = threading.Thread(target=self._run, daemon=True, name="minillm-fast-path")
+        self._thread.start()
+
+    # ----------------------------------------------------------------------------------------
+    # What the engine and the learner see
+    # ----------------------------------------------------------------------------------------
+
+    def status(self) -> FastPathStatus:
+        with self._lock:
+            end = self._finished or time.perf_counter()
+            ready = tuple(sorted(set(self.compiled.graphs) | set(self.compiled._offered)))
+            return FastPathStatus(self._state, self._detail, ready, self.compiled.batch_sizes, end - self._started)
+
+    def wait(self, timeout: float | None = None) -> FastPathStatus:
+        """Block until ready or failed (or ``timeout`` seconds); the status then."""
+        self._thread.join(timeout)
+        self.compiled.swap_in()
+        return self.status()
+
+    def take_failure(self) -> str | None:
+        """Why the build failed, the first time it is asked after it did (the engine warns once)."""
+        with self._lock:
+            if self._state != "failed" or self._failure_reported:
+                return None
+            self._failure_reported = True
+            return self._detail
+
+    def close(self) -> None:
+        """Stop the worker (an engine closed before its step was compiled)."""
+        self._closed = True
+        worker = self._worker
+        if worker is not None and worker.poll() is None:
+            worker.terminate()
+            try:
+                worker.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+
+    # ----------------------------------------------------------------------------------------
+    # The build, on its own thread
+    # ----------------------------------------------------------------------------------------
+
+    def _set(self, state: str, detail: str) -> None:
+        with self._lock:
+            self._state, self._detail = state, detail
+            if state in ("ready", "failed"):
+                self._finished = time.perf_counter()
+
+    def _run(self) -> None:
+        try:
+            missing = {}
+            for batch, path in self.job.paths.items():
+                self._set("building", f"loading the compiled {rows(batch)} step")
+                if not self.compiled.try_load(batch, Path(path)):
+                    missing[batch] = path
+            if missing:
+                self._compile(missing)
+            self._set("ready", f"compiled decode steps for {', '.join(rows(b) for b in self.compiled.batch_sizes)}")
+        except Exception as error:
+            self._set("failed", f"{error}; decoding eagerly")
+        finally:  # the graphs hold their own packed copies; eager steps read the oneDNN-packed ones
+            release_plain_weights(self.compiled.module.model)
+
+    def _compile(self, missing: dict[int, str]) -> None:
+        self._set("building", "starting the compiler in a low-priority process")
+        job = CompileJob(**{**vars(self.job), "paths": missing})
+        folder = packages_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        # The engine's exact tensors travel with the job: a model rebuilt from the checkpoint can
+        # differ in the last bit (calibrated quantization), and the graph must fold in these.
+        with tempfile.NamedTemporaryFile("wb", dir=folder, prefix="tensors-", suffix=".pt", delete=False) as saved:
+            torch.save(folded_tensors(self.compiled.module.model), saved)
+        job.tensors = saved.name
+        with tempfile.NamedTemporaryFile("wb", dir=folder, prefix="job-", suffix=".pkl", delete=False) as handle:
+            pickle.dump(job, handle)
+        try:
+            self._worker = subprocess.Popen(
+                [sys.executable, "-m", "minillm.runtime.compile_worker", handle.name],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "OMP_NUM_THREADS": str(job.threads)},
+            )
+            threading.Thread(target=self._read_log, daemon=True, name="minillm-fast-path-log").start()
+            self._follow(self._worker)
+        finally:
+            Path(handle.name).unlink(missing_ok=True)
+            Path(saved.name).unlink(missing_ok=True)
+
+    def _follow(self, worker: subprocess.Popen) -> None:
+        """Turn the worker's events into status, loading each package as it is reported."""
+        failure = None
+        for line in worker.stdout:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a stray print from a library
+            if event["event"] == "compiling":
+                self._set("building", f"compiling the {rows(event['batch'])} step ({event['index']} of {event['of']}), "
+                                      "in a low-priority process; decoding eagerly meanwhile")  # fmt: skip
+            elif event["event"] == "compiled":
+                self._set("building", f"loading the compiled {rows(event['batch'])} step")
+                self.compiled.load(event["batch"], Path(event["path"]))
+                if event["seconds"]:
+                    self.compiled.compile_seconds[event["batch"]] = event["seconds"]
+            elif event["event"] == "failed":
+                failure = event["error"]
+        code = worker.wait()
+        if self._closed:
+            raise RuntimeError("the engine was closed before its decode step compiled")
+        if failure or code != 0:
+            tail = " | ".join(self._log_tail)
+            raise RuntimeError(f"compiling the decode step failed ({failure or f'exit code {code}'})"
+                               + (f"; the compiler's last words: {tail}" if tail and not failure else ""))  # fmt: skip
+
+    def _read_log(self) -> None:
+        for line in self._worker.stderr:
+            if line.strip():
+                self._log_tail.append(line.strip()[-300:])
+
+
+def rows(batch: int) -> str:
+    return f"{batch}-row"

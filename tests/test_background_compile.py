@@ -1,0 +1,246 @@
+"""The compiled decode step as it ships: built behind a running engine, swapped in between two
+steps, reported as it goes; ``minillm warmup``; the thread governor of a busy machine; and a
+cold ``LLM("smollm2-135m")`` answering without waiting for its compile."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from minillm import LLM, SamplingParams
+from minillm.runtime import compiled_decode, thread_governor
+from minillm.runtime.compile_worker import cache_inductor_templates
+
+ENGINE = dict(dtype="fp32", block_size=4, max_num_seqs=4, enable_prefix_caching=False)
+PROMPTS = ["To be, or not to be", "Caches keep keys and values; attention reads them back."]
+
+
+@pytest.fixture
+def packages(tmp_path, monkeypatch):
+    """A folder of packages of its own: each test starts cold."""
+    monkeypatch.setattr(compiled_decode, "packages_dir", lambda: tmp_path)
+    return tmp_path
+
+
+def test_the_engine_answers_while_its_step_compiles_then_swaps_it_in(tiny_model, packages):
+    llm = LLM(tiny_model, compile=True, compile_batch_sizes=(1, 4), **ENGINE)
+    status = llm.fast_path_status()
+    assert status.state == "building" and status.batch_sizes == (1, 4) and status.progress < 1, status
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    eager_tokens = llm.generate(PROMPTS[0], params)[0].token_ids  # answered before any graph exists
+    assert len(eager_tokens) == 8
+    status = llm.wait_for_fast_path(timeout=600)
+    assert status.state == "ready" and status.ready == (1, 4) and status.progress == 1, status
+    assert status.seconds > 0 and "1-row, 4-row" in status.detail
+    assert set(llm.engine.graphs.compile_seconds) == {1, 4}  # compiled by the worker, loaded here
+    assert sorted(p.name.split("-")[1] for p in packages.glob("decode-*.pt2")) == ["b1", "b4"]
+    assert not list(packages.glob("job-*")) and not list(packages.glob("tensors-*"))  # the hand-over files are gone
+    assert llm.generate(PROMPTS[0], params)[0].token_ids == eager_tokens
+    assert all(getattr(layer, "plain_weight", None) is None for layer in llm.model.linear_layers())
+    again = LLM(tiny_model, compile=True, compile_batch_sizes=(1, 4), **ENGINE)  # warm: loads, compiles nothing
+    assert again.wait_for_fast_path(timeout=60).state == "ready"
+    assert again.engine.graphs.compile_seconds == {}
+
+
+def test_tokens_are_identical_across_the_swap_in_the_middle_of_a_request(tiny_model, packages):
+    """A request decodes eagerly for some steps, the graphs arrive between two steps, and the
+    rest of its tokens come from them: the same tokens as an engine that never compiled."""
+    llm = LLM(tiny_model, compile=True, compile_batch_sizes=(1, 4), **ENGINE)
+    assert llm.wait_for_fast_path(timeout=600).state == "ready"
+    compiled = llm.engine.graphs
+    loaded, compiled.graphs = dict(compiled.graphs), {}  # back to "still building"
+    calls = []
+    run = compiled.run
+    compiled.run = lambda chunks, tables: calls.append(len(chunks)) or run(chunks, tables)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    engine = llm.engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(prompt, params, request_id=f"r{i}")
+    outputs = {}
+    for step in range(60):
+        if step == 6:  # mid-request: both are decoding
+            assert not calls
+            for batch, graph in loaded.items():
+                compiled.offer(batch, graph)
+        for delta in engine.step():
+            if delta.request_finished:
+                outputs[delta.request_id] = delta.output.token_ids
+        if not engine.has_unfinished_requests():
+            break
+    assert calls and set(calls) == {2}  # both rows (padded to the 4-row graph), from the swap on
+    assert len(calls) >= 10
+    eager = LLM(tiny_model, compile=False, **ENGINE)
+    expected = [o.token_ids for o in eager.generate(PROMPTS, params)]
+    assert [outputs["r0"], outputs["r1"]] == expected
+
+
+def test_close_stops_the_compiler_and_says_so(tiny_model, packages):
+    llm = LLM(tiny_model, compile=True, compile_batch_sizes=(1,), **ENGINE)
+    build = llm.engine.graphs.build
+    deadline = time.monotonic() + 30
+    while build._worker is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    llm.close()
+    status = llm.wait_for_fast_path(timeout=30)
+    assert status.state == "failed" and "closed before its decode step compiled" in status.detail
+    assert build._worker.poll() is not None
+    assert len(llm.generate(PROMPTS[0], SamplingParams(max_tokens=3))[0].token_ids) >= 1  # still answers eagerly
+
+
+def test_the_compiler_leaves_with_the_engine_process(tiny_model, tmp_path):
+    """A notebook kernel that dies (or is restarted) leaves no compiler running."""
+    script = textwrap.dedent(f"""
+        import os, time
+        from pathlib import Path
+        from minillm import LLM
+        from minillm.runtime import compiled_decode
+        compiled_decode.packages_dir = lambda: Path({str(tmp_path)!r})
+        llm = LLM({str(tiny_model)!r}, compile=True, compile_batch_sizes=(1,), dtype="fp32")
+        build = llm.engine.graphs.build
+        while build._worker is None:
+            time.sleep(0.05)
+        print(build._worker.pid, flush=True)
+        os._exit(0)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    pid = int(done.stdout.strip().splitlines()[-1])
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        os.kill(pid, 9)
+        pytest.fail("the compile worker outlived its engine's process")
+
+
+def test_inductor_templates_are_parsed_once_per_source():
+    from torch._inductor.codegen.common import KernelTemplate
+
+    cache_inductor_templates()
+    cache_inductor_templates()  # idempotent
+    parse = KernelTemplate._template_from_string
+    first = parse("{{ a }} + {{ b }}")
+    assert parse("{{ a }} + {{ b }}") is first and first.render(a=1, b=2) == "1 + 2"
+    assert parse.cache_info().hits >= 1
+
+
+def test_warmup_builds_then_finds_the_graphs(tiny_model, packages, capsys):
+    from minillm.cli import main
+
+    args = ["warmup", str(tiny_model), "--dtype", "fp32", "--block-size", "4"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "ready in" in out and "compiled [1, 8]" in out, out
+    assert len(list(packages.glob("decode-*.pt2"))) == 2
+    assert main(args) == 0
+    assert "already compiled" in capsys.readouterr().out
+    assert main(["warmup", str(tiny_model), "--mode", "naive"]) == 2  # the table's refusal, by name
+    assert "compile=True needs mode='paged' or 'contiguous'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# A busy machine
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "others,cores,max_threads,expected",
+    [(0.0, 2, 2, 2), (0.5, 2, 2, 2), (0.7, 2, 2, 1), (1.0, 2, 2, 1), (2.0, 2, 2, 1), (1.0, 8, 8, 7), (3.0, 8, 4, 4)],
+)
+def test_threads_follow_the_cores_left_free(others, cores, max_threads, expected):
+    assert thread_governor.threads_for(others, cores, max_threads) == expected
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="the governor reads Linux's /proc")
+def test_a_competing_process_takes_a_thread_and_gives_it_back(monkeypatch):
+    monkeypatch.setattr(thread_governor, "CHECK_SECONDS", 0.2)
+    cores = len(os.sched_getaffinity(0))
+    if cores < 2:
+        pytest.skip("one core: nothing to give up")
+    saved = torch.get_num_threads()
+    governor = thread_governor.ThreadGovernor(cores)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores - 1)]
+    try:
+        deadline = time.monotonic() + 15
+        while governor.adjust() > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert governor.threads == 1 and torch.get_num_threads() == 1, governor.others_busy
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    try:
+        deadline = time.monotonic() + 15
+        while governor.adjust() < cores and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert governor.threads == cores
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_a_niced_process_is_not_a_competitor(monkeypatch):
+    """The engine's own background compile runs niced: it must not cost the engine a thread."""
+    if not Path("/proc/stat").exists() or len(os.sched_getaffinity(0)) != 2:
+        pytest.skip("measured on a 2-core Linux machine")
+    monkeypatch.setattr(thread_governor, "CHECK_SECONDS", 0.2)
+    saved = torch.get_num_threads()
+    governor = thread_governor.ThreadGovernor(2)
+    niced = subprocess.Popen([sys.executable, "-c", "import os; os.nice(19)\nwhile True: pass"])
+    try:
+        time.sleep(0.5)
+        for _ in range(10):
+            time.sleep(0.2)
+            assert governor.adjust() == 2, governor.others_busy
+    finally:
+        niced.kill()
+        niced.wait()
+        torch.set_num_threads(saved)
+
+
+def test_adapt_threads_off_keeps_the_count(tiny_model):
+    llm = LLM(tiny_model, adapt_threads=False, **ENGINE)
+    assert not llm.engine.threads.enabled
+
+
+# ---------------------------------------------------------------------------------------------
+# What a learner's first cell gets
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_cold_first_start_answers_without_waiting_for_the_compile(smollm2_dir, tmp_path):
+    """A fresh cache holding only the converted model, the default engine, a new process: the
+    first answer comes well before the compiled step could (minutes on 2 cores), on the eager
+    path, while the status says the compiled step is being built. Bounded generously (60 s; the
+    target is 30 s on 2 cores)."""
+    (tmp_path / smollm2_dir.name).symlink_to(smollm2_dir)
+    script = textwrap.dedent("""
+        import json, time
+        start = time.perf_counter()
+        from minillm import LLM, SamplingParams
+        llm = LLM("smollm2-135m")
+        out = llm.generate([{"role": "user", "content": "What is the capital of France?"}],
+                           SamplingParams(max_tokens=16))[0]
+        status = llm.fast_path_status()
+        print(json.dumps({"seconds": time.perf_counter() - start, "text": out.text, "state": status.state,
+                          "compile": llm.resolved.compile, "detail": status.detail}))
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("MINILLM_COMPILE", "TORCHINDUCTOR_CACHE_DIR")}
+    env["MINILLM_CACHE"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["compile"] is True  # what ships: compile on by default
+    assert result["state"] == "building", result
+    assert "Paris" in result["text"]
+    assert result["seconds"] < 60, result
