@@ -244,3 +244,17 @@ def test_a_cold_first_start_answers_without_waiting_for_the_compile(smollm2_dir,
     assert result["state"] == "building", result
     assert "Paris" in result["text"]
     assert result["seconds"] < 60, result
+
+
+def test_a_count_lowered_on_a_busy_moment_does_not_cap_the_next_engine():
+    """A governor that dropped to one thread leaves torch at one thread; the next engine's
+    governor still starts from the process's own setting (a user's explicit count is kept)."""
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        thread_governor.set_threads(1)  # what a governor does under load
+        assert thread_governor.ThreadGovernor().max_threads == 2
+        torch.set_num_threads(3)  # the user's own choice since
+        assert thread_governor.ThreadGovernor().max_threads == 3
+    finally:
+        torch.set_num_threads(saved)

@@ -38,6 +38,7 @@ from minillm.runtime.model_setup import configure_model
 from minillm.runtime.naive_runner import NaiveRunner
 from minillm.runtime.paged_runner import PagedRunner
 from minillm.runtime.runner import ModelRunner
+from minillm.runtime.thread_governor import configured_threads
 from minillm.speculative.speculator import NoSpeculation, Speculator
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -167,7 +168,7 @@ def build_engine_parts(
     kv_cache = PagedKVCache(model_config, num_blocks, config.block_size, dtype, device, config.kv_cache_dtype)
     scheduler = paged_scheduler(config, block_manager, window)
     setup = CompileJob(str(model_dir), config, dtype, backend, window, attention_dtype, dtype, max_model_len,
-                       config.compile_batch_sizes, torch.get_num_threads(), {}) if model_dir else None  # fmt: skip
+                       config.compile_batch_sizes, configured_threads(), {}) if model_dir else None  # fmt: skip
     graphs = decode_fast_path(config, model, kv_cache, backend, max_model_len, window, compile_by_choice, setup)
     runner = PagedRunner(model, kv_cache, window, graphs)
     speculator = build_speculator(config, model_config, tokenizer, device, dtype, max_model_len, num_blocks, backend)

@@ -37,6 +37,12 @@ from minillm.config import EngineConfig
 from minillm.layers.cpu_prepack import release_plain_weights
 from minillm.runtime.compiled_decode import CompiledDecode, folded_tensors, packages_dir
 
+# The worker lowers its priority before it imports anything (torch's import is seconds of CPU).
+LAUNCH = (
+    "import os, sys; os.nice(19); "  # compile_worker.NICENESS
+    "from minillm.runtime.compile_worker import main; sys.exit(main(sys.argv[1:]))"
+)
+
 
 @dataclass(frozen=True)
 class FastPathStatus:
@@ -165,7 +171,7 @@ class BackgroundBuild:
             pickle.dump(job, handle)
         try:
             self._worker = subprocess.Popen(
-                [sys.executable, "-m", "minillm.runtime.compile_worker", handle.name],
+                [sys.executable, "-c", LAUNCH, handle.name],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,

@@ -109,7 +109,8 @@ def main(argv: list[str]) -> int:
     with open(argv[0], "rb") as handle:
         job = pickle.load(handle)
     follow_parent(job.parent_pid)
-    os.nice(NICENESS)
+    if os.getpriority(os.PRIO_PROCESS, 0) < NICENESS:  # started some other way than background_compile's LAUNCH
+        os.nice(NICENESS - os.getpriority(os.PRIO_PROCESS, 0))
     cache_inductor_templates()
     try:
         build(job)

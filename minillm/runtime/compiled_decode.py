@@ -59,6 +59,7 @@ from minillm.models.llama import LlamaForCausalLM
 from minillm.runtime.block_table_rows import BlockTableRows
 from minillm.runtime.fast_path import pad_decode_rows, pad_table_rows
 from minillm.runtime.runner import ChunkInput
+from minillm.runtime.thread_governor import configured_threads
 
 # The narrowest block window compiled: the tracer specialises dynamic sizes 0 and 1.
 MIN_WINDOW = 2
@@ -220,7 +221,9 @@ class CompiledDecode:
             "compute_dtype": str(self.compute_dtype),
             "batch": batch,
             "cpu": [machine["cpu"], machine["cpu_flags"]],
-            "threads": torch.get_num_threads(),  # the generated loops are parallelised for this many
+            # The generated loops are parallelised for this many (not for a count the thread
+            # governor lowered for a moment: thread_governor.py).
+            "threads": configured_threads(),
             "torch": torch.__version__,
             "source": source_digest(),
             "options": repr(sorted(INDUCTOR_OPTIONS.items())),

@@ -66,11 +66,32 @@ def _own_times() -> float | None:
     return float(fields[11]) + float(fields[12])  # utime, stime
 
 
+# The thread count a governor last set, and torch's count before the first one did: a count a
+# governor lowered on a busy moment is not the process's setting, and must not cap the next engine.
+_governed: int | None = None
+_ungoverned: int | None = None
+
+
+def set_threads(n: int) -> None:
+    """``torch.set_num_threads(n)``, remembered as the governor's doing."""
+    global _governed, _ungoverned
+    if _ungoverned is None or torch.get_num_threads() != _governed:
+        _ungoverned = torch.get_num_threads()  # a user's own setting since
+    torch.set_num_threads(n)
+    _governed = n
+
+
+def configured_threads() -> int:
+    """The process's thread count as set by the user or torch — not as a governor lowered it."""
+    current = torch.get_num_threads()
+    return _ungoverned if _ungoverned is not None and current == _governed else current
+
+
 class ThreadGovernor:
     """Sets the stepping thread's OpenMP thread count before each step (module docstring)."""
 
     def __init__(self, max_threads: int | None = None, enabled: bool = True):
-        self.max_threads = max_threads or torch.get_num_threads()
+        self.max_threads = max_threads or configured_threads()
         try:
             self.cpus = set(os.sched_getaffinity(0))
         except (AttributeError, OSError):
@@ -89,8 +110,8 @@ class ThreadGovernor:
             return self.threads
         now = time.monotonic()
         if now - self._last[0] < CHECK_SECONDS:
-            if torch.get_num_threads() != self.threads:  # another thread's steps, or a user's call
-                torch.set_num_threads(self.threads)
+            if torch.get_num_threads() != self.threads:  # another engine's steps, or a user's call
+                set_threads(self.threads)
             return self.threads
         sample = self._sample()
         (_, (busy0, total0), own0), (_, (busy1, total1), own1) = self._last, sample
@@ -102,5 +123,5 @@ class ThreadGovernor:
         self.others_busy = others
         self.threads = threads_for(others, cores, self.max_threads)
         if torch.get_num_threads() != self.threads:
-            torch.set_num_threads(self.threads)
+            set_threads(self.threads)
         return self.threads
