@@ -112,7 +112,7 @@ def main() -> int:
     text = "\n".join(table)
     print(text)
     RESULTS.mkdir(exist_ok=True)
-    stem = f"contention-{args.model}-{date.today()}-{machine_tag(machine)}"
+    stem = f"contention-{args.model}-{date.today()}-{machine_tag(machine)}-{threads}t"
     (RESULTS / f"{stem}.json").write_text(json.dumps({"date": str(date.today()), "machine": machine, "rows": rows},
                                                      indent=1))  # fmt: skip
     (RESULTS / f"{stem}.md").write_text(text + "\n")

@@ -34,6 +34,7 @@ def main(argv=None) -> dict:
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     for dtype in args.dtypes:
         llm = LLM(args.model, dtype=dtype, enable_prefix_caching=False)
+        getattr(llm, "wait_for_fast_path", lambda: None)()  # the compiled step, built in the background (issue 27 on)
         for batch in args.batch_sizes:
             prompts = [[(7 * i + j) % 30000 + 100 for j in range(64)] for i in range(batch)]
             llm.generate(prompts, params)  # warm up this shape

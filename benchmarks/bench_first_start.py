@@ -145,7 +145,7 @@ def main() -> int:
     text = "\n".join(table)
     print(text)
     RESULTS.mkdir(exist_ok=True)
-    stem = f"first-start-{args.model}-{result['date']}-{machine_tag(machine)}"
+    stem = f"first-start-{args.model}-{result['date']}-{machine_tag(machine)}-{machine['torch_threads']}t"
     (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=1))
     (RESULTS / f"{stem}.md").write_text(text + "\n")
     print(f"wrote {RESULTS / stem}.json/.md", file=sys.stderr)

@@ -99,6 +99,7 @@ def evaluate(model: str, method: str, reference_tokens: list[list[int]] | None, 
     kwargs = {} if method == "int4-gguf" else method_kwargs(method)
     source = gguf_checkpoint(model) if method == "int4-gguf" else model
     llm = LLM(source, dtype="bf16", enable_prefix_caching=False, kv_cache_memory=KV_POOL_BYTES, **kwargs)
+    llm.wait_for_fast_path()  # int8/int4 compile by default, in the background: measure what they settle on
     row: dict = {"method": method, "weight_bytes": llm.model.weight_bytes()}
     for name, text in (("shakespeare", heldout_text()), ("english", english_prose())):
         ids = llm.tokenizer.encode(text)[:4096]

@@ -218,6 +218,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.ks, args.batches = [2, 4], [1, 4]
     plain = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False)
+    plain.wait_for_fast_path()  # the default's compiled decode step, built in the background
     loads = workloads(plain.tokenizer)
     engines = {"plain": plain}
     engines["ngram"] = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False,

@@ -45,7 +45,12 @@ torch.set_num_threads(2)
 from minillm import LLM, SamplingParams
 model, prompts, rungs = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 greedy = SamplingParams(max_tokens=16, ignore_eos=True)
-print(json.dumps({name: [o.token_ids for o in LLM(model, dtype="fp32", **options).generate(prompts, greedy)]
+
+def ready(llm):  # a compiled step built in the background (checkouts from issue 27 on): use it
+    getattr(llm, "wait_for_fast_path", lambda: None)()
+    return llm
+
+print(json.dumps({name: [o.token_ids for o in ready(LLM(model, dtype="fp32", **options)).generate(prompts, greedy)]
                   for name, options in rungs.items()}))
 """
 

@@ -41,6 +41,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     llm = LLM(args.model, dtype=args.dtype, compile=True, enable_prefix_caching=False)
+    llm.wait_for_fast_path()
     compiled = llm.engine.graphs
     runner_calls: list[float] = []
     graph_calls: list[float] = []

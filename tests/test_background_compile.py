@@ -82,6 +82,22 @@ def test_tokens_are_identical_across_the_swap_in_the_middle_of_a_request(tiny_mo
     assert [outputs["r0"], outputs["r1"]] == expected
 
 
+def test_one_compile_at_a_time_on_a_machine(tiny_model, packages):
+    """A second engine's compiler waits for the machine's compile slot (said in the status)
+    instead of running beside the first, then builds."""
+    import fcntl
+
+    with open(packages / "compiler.lock", "w") as slot:
+        fcntl.flock(slot, fcntl.LOCK_EX)  # another engine's compile holds it
+        llm = LLM(tiny_model, compile=True, compile_batch_sizes=(1,), **ENGINE)
+        deadline = time.monotonic() + 60
+        while "waiting for another engine" not in llm.fast_path_status().detail and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "waiting for another engine's compile" in llm.fast_path_status().detail
+        assert not list(packages.glob("decode-*.pt2"))
+    assert llm.wait_for_fast_path(timeout=600).state == "ready"
+
+
 def test_close_stops_the_compiler_and_says_so(tiny_model, packages):
     llm = LLM(tiny_model, compile=True, compile_batch_sizes=(1,), **ENGINE)
     build = llm.engine.graphs.build

@@ -167,9 +167,8 @@ def build_engine_parts(
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
     kv_cache = PagedKVCache(model_config, num_blocks, config.block_size, dtype, device, config.kv_cache_dtype)
     scheduler = paged_scheduler(config, block_manager, window)
-    setup = CompileJob(str(model_dir), config, dtype, backend, window, attention_dtype, dtype, max_model_len,
-                       config.compile_batch_sizes, configured_threads(), {}) if model_dir else None  # fmt: skip
-    graphs = decode_fast_path(config, model, kv_cache, backend, max_model_len, window, compile_by_choice, setup)
+    graphs = decode_fast_path(config, model, kv_cache, backend, max_model_len, window, compile_by_choice,
+                              model_dir, attention_dtype)  # fmt: skip
     runner = PagedRunner(model, kv_cache, window, graphs)
     speculator = build_speculator(config, model_config, tokenizer, device, dtype, max_model_len, num_blocks, backend)
     parts = EngineParts(scheduler, runner, backend, block_manager, kv_cache, graphs, speculator)
@@ -431,13 +430,15 @@ def decode_fast_path(
     max_model_len: int,
     window,
     compile_by_choice: bool = True,
-    setup: CompileJob | None = None,
+    model_dir: str | Path | None = None,
+    attention_dtype: torch.dtype | None = None,
 ) -> DecodeFastPath | None:
     """Pure decode steps through CUDA graphs (CUDA + Triton) or compiled (CPU), else eager.
 
-    A compiled step is built in the background (``runtime/background_compile.py``) when
-    ``setup`` says how to rebuild the model, so the engine answers eagerly at once; else here,
-    before the engine starts. ``compile_by_choice=False``: compiling is only the default, so if it
+    A compiled step is built in the background (``runtime/background_compile.py``) when the
+    checkpoint's ``model_dir`` is known (a worker rebuilds the model from it, set up the same way:
+    ``attention_dtype`` as ``configure_model`` got it), so the engine answers eagerly at once;
+    else here, before the engine starts. ``compile_by_choice=False``: compiling is only the default, so if it
     cannot start (a course hook the graph would trace is overridden) the engine warns and runs
     eagerly instead of refusing to start."""
     if config.compile:  # the paged CPU engine's (the compatibility table refused the rest)
@@ -445,11 +446,12 @@ def decode_fast_path(
         compiled = CompiledDecode(model, kv_cache, window, compute_dtype, config.compile_batch_sizes)
         try:
             compiled.check_hooks()
-            if setup is None:
+            if model_dir is None:
                 compiled.prepare()
             else:
                 paths = {b: str(p) for b, p in compiled.package_paths().items()}
-                job = replace(setup, compute_dtype=compute_dtype, paths=paths)
+                job = CompileJob(str(model_dir), config, model.dtype, backend, window, attention_dtype, compute_dtype,
+                                 max_model_len, compiled.batch_sizes, configured_threads(), paths)  # fmt: skip
         except Exception as error:
             if compile_by_choice:
                 raise
@@ -459,7 +461,7 @@ def decode_fast_path(
                 stacklevel=2,
             )
             compiled = None
-        if compiled is not None and setup is not None:
+        if compiled is not None and model_dir is not None:
             compiled.build = BackgroundBuild(compiled, job)  # releases the plain weights when it is done
         else:
             release_plain_weights(model)

@@ -123,8 +123,9 @@ class BackgroundBuild:
 
     def close(self) -> None:
         """Stop the worker (an engine closed before its step was compiled)."""
-        self._closed = True
-        worker = self._worker
+        with self._lock:  # a worker started from now on is stopped at once (_compile)
+            self._closed = True
+            worker = self._worker
         if worker is not None and worker.poll() is None:
             worker.terminate()
             try:
@@ -170,13 +171,16 @@ class BackgroundBuild:
         with tempfile.NamedTemporaryFile("wb", dir=folder, prefix="job-", suffix=".pkl", delete=False) as handle:
             pickle.dump(job, handle)
         try:
-            self._worker = subprocess.Popen(
-                [sys.executable, "-c", LAUNCH, handle.name],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env={**os.environ, "OMP_NUM_THREADS": str(job.threads)},
-            )
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("the engine was closed before its decode step compiled")
+                self._worker = subprocess.Popen(
+                    [sys.executable, "-c", LAUNCH, handle.name],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env={**os.environ, "OMP_NUM_THREADS": str(job.threads)},
+                )
             threading.Thread(target=self._read_log, daemon=True, name="minillm-fast-path-log").start()
             self._follow(self._worker)
         finally:
@@ -191,7 +195,11 @@ class BackgroundBuild:
                 event = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a stray print from a library
-            if event["event"] == "compiling":
+            if not isinstance(event, dict) or "event" not in event:
+                continue
+            if event["event"] == "waiting":
+                self._set("building", "waiting for another engine's compile to finish (one at a time)")
+            elif event["event"] == "compiling":
                 self._set("building", f"compiling the {rows(event['batch'])} step ({event['index']} of {event['of']}), "
                                       "in a low-priority process; decoding eagerly meanwhile")  # fmt: skip
             elif event["event"] == "compiled":

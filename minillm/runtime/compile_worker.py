@@ -11,6 +11,7 @@ tensor the graph folds in — are the ones the engine expects (else the engine's
 the checkpoint's, and a package would not match them), then compiles each missing batch size,
 smallest first. It reports on stdout, one JSON object per line::
 
+    {"event": "waiting"}                      (another engine's compile holds the machine's slot)
     {"event": "compiling", "batch": 1, "index": 1, "of": 2}
     {"event": "compiled", "batch": 1, "path": "...", "seconds": 95.2}
     {"event": "failed", "error": "..."}
@@ -21,6 +22,8 @@ compiler running. The engine loads each package as it is reported (``background_
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import json
 import os
@@ -68,6 +71,21 @@ def cache_inductor_templates() -> None:
     KernelTemplate._template_from_string = staticmethod(functools.lru_cache(maxsize=None)(original))
 
 
+@contextlib.contextmanager
+def one_compile_at_a_time(folder: Path):
+    """Hold the machine's compile slot: a chapter that starts several engines (fp32, int8, int4)
+    must not run several compilers side by side, each holding a model and gigabytes of compiler
+    state on a laptop; the others wait here, before loading anything."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "compiler.lock", "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            emit("waiting")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
 def build(job) -> None:
     """Rebuild the engine's model and compile its missing packages (see the module docstring)."""
     import torch
@@ -113,7 +131,8 @@ def main(argv: list[str]) -> int:
         os.nice(NICENESS - os.getpriority(os.PRIO_PROCESS, 0))
     cache_inductor_templates()
     try:
-        build(job)
+        with one_compile_at_a_time(Path(next(iter(job.paths.values()))).parent):
+            build(job)
     except BaseException as error:  # reported to the engine, which keeps running eagerly
         traceback.print_exc(file=sys.stderr)
         emit("failed", error=f"{type(error).__name__}: {error}")
