@@ -25,9 +25,11 @@ The graphs are compiled with AOTInductor (``torch.export`` + ``aoti_compile_and_
 into a package file under ``<cache>/compiled/``, named by a digest of everything the compiled
 code depends on — the weights, the pool's dtype and head layout, the block size, the sliding window,
 the attention's compute dtype, the CPU, the thread count, torch's version and minillm's own
-source. The first start on a machine compiles (80-90 s per batch size for SmolLM2-135M in
-bf16 on 2 cores, with a message on stderr); later starts load the packages (both in ~4 s
-there, ``benchmarks/bench_generate.py``). (``torch.compile``'s own on-disk cache cannot keep a frozen graph whose
+source. An engine never waits for them: it answers eagerly while a low-priority worker process
+compiles the missing packages (``background_compile.py``, ``compile_worker.py``; 67 and 65 s
+for SmolLM2-135M's 1- and 8-row steps in bf16, Intel Xeon, 2 cores, one run), and swaps each graph in
+at a step boundary as it loads (~1-2 s per package on a warm machine; ``benchmarks/bench_first_start.py``).
+(``torch.compile``'s own on-disk cache cannot keep a frozen graph whose
 constants are oneDNN-packed weights, so it would recompile at every start.)
 
 The KV pool is an input of the compiled graph, written in place, and its number of slots is a
@@ -161,8 +163,9 @@ class CompiledDecode:
         return {b: packages_dir() / f"decode-b{b}-{self.digest(weights, b)}.pt2" for b in self.batch_sizes}
 
     def prepare(self, progress: bool = True) -> None:
-        """Load each batch size's package, compiling the ones not yet on disk, in this process
-        (``minillm warmup`` and the background worker; an engine builds in the background,
+        """Load each batch size's package, compiling the ones not yet on disk, in this process,
+        before returning: for an engine built without a checkpoint folder a worker could rebuild
+        the model from (engines built by ``LLMEngine`` build in the background instead,
         ``background_compile.py``)."""
         self.check_hooks()
         for batch, path in self.package_paths().items():
