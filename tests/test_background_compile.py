@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,21 @@ def packages(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_the_engine_answers_while_its_step_compiles_then_swaps_it_in(tiny_model, packages):
+@pytest.fixture(scope="module")
+def shared_folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("shared-packages")
+
+
+@pytest.fixture
+def shared_packages(shared_folder, monkeypatch):
+    """One folder for the module's (1, 4) engines: the first test compiles, the next loads."""
+    monkeypatch.setattr(compiled_decode, "packages_dir", lambda: shared_folder)
+    return shared_folder
+
+
+def test_the_engine_answers_while_its_step_compiles_then_swaps_it_in(tiny_model, shared_packages):
+    packages = shared_packages
+    assert not list(packages.glob("*.pt2"))  # cold: the first of the module's tests to use it
     llm = LLM(tiny_model, compile=True, compile_batch_sizes=(1, 4), **ENGINE)
     status = llm.fast_path_status()
     assert status.state == "building" and status.batch_sizes == (1, 4) and status.progress < 1, status
@@ -50,7 +65,7 @@ def test_the_engine_answers_while_its_step_compiles_then_swaps_it_in(tiny_model,
     assert again.engine.graphs.compile_seconds == {}
 
 
-def test_tokens_are_identical_across_the_swap_in_the_middle_of_a_request(tiny_model, packages):
+def test_tokens_are_identical_across_the_swap_in_the_middle_of_a_request(tiny_model, shared_packages):
     """A request decodes eagerly for some steps, the graphs arrive between two steps, and the
     rest of its tokens come from them: the same tokens as an engine that never compiled."""
     llm = LLM(tiny_model, compile=True, compile_batch_sizes=(1, 4), **ENGINE)
@@ -105,7 +120,9 @@ def test_close_stops_the_compiler_and_says_so(tiny_model, packages):
     while build._worker is None and time.monotonic() < deadline:
         time.sleep(0.05)
     llm.close()
-    status = llm.wait_for_fast_path(timeout=30)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the caller closed it: no warning about a failed compile
+        status = llm.wait_for_fast_path(timeout=30)
     assert status.state == "failed" and "closed before its decode step compiled" in status.detail
     assert build._worker.poll() is not None
     assert len(llm.generate(PROMPTS[0], SamplingParams(max_tokens=3))[0].token_ids) >= 1  # still answers eagerly

@@ -116,7 +116,7 @@ class BackgroundBuild:
     def take_failure(self) -> str | None:
         """Why the build failed, the first time it is asked after it did (the engine warns once)."""
         with self._lock:
-            if self._state != "failed" or self._failure_reported:
+            if self._state != "failed" or self._failure_reported or self._closed:  # closed: the caller knows
                 return None
             self._failure_reported = True
             return self._detail
