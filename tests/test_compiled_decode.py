@@ -1,10 +1,11 @@
-"""The CPU decode fast path: ``compile=True`` (decode steps compiled ahead of time over a
-static block window, one graph per batch size, kept on disk) and decode attention computed in
-the dtype measured fastest.
+"""The CPU decode fast path: ``compile=True`` (decode steps compiled ahead of time: a 1-row
+graph over a static block window, and graphs that take any row count up to their bound, whose
+rows attend in place through the C++ kernel called as an operator; kept on disk) and decode
+attention computed in the dtype measured fastest.
 
-The compiled engine must produce the eager engine's tokens — alone, in ragged batches padded
-to a compiled batch size, and after preemption — with every step's logits close; one graph
-serves every context length; a second start loads the graphs instead of compiling them."""
+The compiled engine must produce the eager engine's tokens — alone, in ragged batches, and
+after preemption — with every step's logits close; one graph serves every context length; a
+second start loads the graphs instead of compiling them."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from minillm import LLM, LLMEngine, SamplingParams
 from minillm.attention import get_backend
 from minillm.attention import precision as attention_precision
 from minillm.attention.layout import KVPool, StepLayout
+from minillm.attention.cpu_paged import StaticKernelDecodeStep
 from minillm.attention.paged import ReferencePagedStep, StaticDecodeStep
 from minillm.config import EngineConfig, ModelConfig
 from minillm.kvcache import addressing
@@ -28,8 +30,10 @@ PROMPTS = ["To be, or not to be", "Caches keep keys and values; attention reads 
 # A pool of 14 blocks of 4 tokens: four sequences of ~40 tokens cannot all fit, so some are preempted.
 ENGINE = dict(dtype="fp32", block_size=4, max_num_seqs=4, enable_prefix_caching=False)
 POOL_BLOCKS = 14
-# Batches of 2-4 rows are padded to the 4-row graph; other engines compile one row only (time).
-COMPILED = dict(compile=True, compile_batch_sizes=(1, 4))
+# The default's shape in miniature (the default is one graph for 1-256 rows): one graph for any
+# batch of 1-4 rows, unpadded (a single row padded to 2). Other engines compile a 1-row graph
+# over the block window (what a graph bounded at 1 row is), or use the default.
+COMPILED = dict(compile=True, compile_batch_sizes=(4,))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -76,7 +80,7 @@ def test_compile_builds_the_compiled_step(engines):
     compiled, eager = engines
     graphs = compiled.engine.graphs
     assert isinstance(graphs, CompiledDecode)
-    assert set(graphs.graphs) == {1, 4}
+    assert set(graphs.graphs) == {4} and graphs.free_rows(4)
     assert eager.engine.graphs is None
     for layer in compiled.model.linear_layers():  # the plain copies kept for the compiler are released
         assert getattr(layer, "plain_weight", None) is None
@@ -91,7 +95,7 @@ def test_a_second_start_loads_the_graphs_without_compiling(engines, tiny_model):
     again = ready(LLM(tiny_model, kv_cache_memory=memory, **COMPILED, **ENGINE))
     assert again.engine.kv_cache.num_blocks != first.engine.kv_cache.num_blocks
     graphs = again.engine.graphs
-    assert graphs.compile_seconds == {} and set(graphs.load_seconds) == {1, 4}
+    assert graphs.compile_seconds == {} and set(graphs.load_seconds) == {4}
     assert sum(graphs.load_seconds.values()) < 10
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     assert again.generate(PROMPTS[0], params)[0].token_ids == eager.generate(PROMPTS[0], params)[0].token_ids
@@ -122,11 +126,11 @@ def test_compile_is_on_by_default_for_a_big_enough_model_on_cpu(engines, tiny_mo
     assert builder.compile_by_default(EngineConfig(quantization="int8"), model, "sdpa")
     assert builder.compile_by_default(EngineConfig(quantization="int4", quantization_group_size=32), model, "sdpa")
     first, eager = engines  # the same model and pool: its graphs load from disk
-    default = ready(LLM(tiny_model, kv_cache_memory=first.engine_config.kv_cache_memory, compile_batch_sizes=(1, 4),
+    default = ready(LLM(tiny_model, kv_cache_memory=first.engine_config.kv_cache_memory, compile_batch_sizes=(4,),
                         **ENGINE))  # fmt: skip
     assert isinstance(default.engine.graphs, CompiledDecode)
     assert default.engine_config.compile is True  # what the default became, written back
-    assert default.resolved.compile and default.resolved.decode_fast_path == "compiled (1, 4)"
+    assert default.resolved.compile and default.resolved.decode_fast_path == "compiled (4,)"
     monkeypatch.setenv("MINILLM_COMPILE", "0")
     assert not builder.compile_by_default(EngineConfig(), model, "sdpa")
 
@@ -197,11 +201,13 @@ def test_a_failed_compile_leaves_the_engine_decoding_eagerly(tiny_model, tmp_pat
 
 def test_a_corrupt_package_is_compiled_again(engines, tiny_model, packages_folder):
     """A truncated package file (a full disk, a killed copy) is replaced, not a crash at every start."""
-    for package in packages_folder.glob("decode-b1-*.pt2"):
+    corrupted = list(packages_folder.glob("decode-b4-*.pt2"))  # the engines fixture's
+    assert corrupted
+    for package in corrupted:
         package.write_bytes(b"not a package")
     with pytest.warns(UserWarning, match="could not be loaded .*compiling it again"):
-        llm = ready(LLM(tiny_model, compile=True, compile_batch_sizes=(1,), **ENGINE))
-    assert set(llm.engine.graphs.compile_seconds) == {1}
+        llm = ready(LLM(tiny_model, **COMPILED, **ENGINE))
+    assert set(llm.engine.graphs.compile_seconds) == {4}
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     _, eager = engines
     assert llm.generate(PROMPTS[2], params)[0].token_ids == eager.generate(PROMPTS[2], params)[0].token_ids
@@ -245,6 +251,8 @@ def test_each_engine_gets_its_own_graph(engines, tiny_models, tiny_model, tmp_pa
     )
     other = ready(LLM(folder, compile=True, compile_batch_sizes=(1,), **ENGINE, **options))
     assert set(other.engine.graphs.compile_seconds) == {1}
+    # Rows attend in place in every batched graph, except over an 8-bit pool the kernel does not read.
+    assert other.engine.graphs.free_rows(4) == ("kv_cache_dtype" not in options)
     calls = _counting(other)
     params = SamplingParams(max_tokens=20, ignore_eos=True)  # past mistral_window's 8-token window
     got = other.generate(PROMPTS[1], params)[0].token_ids
@@ -265,17 +273,30 @@ def test_single_sequence_tokens_identical_over_a_growing_window(engines):
 
 @pytest.mark.parametrize("max_tokens", [[3, 40, 9, 17], [35, 35, 35, 35]])
 def test_ragged_and_preempted_batches_tokens_identical(engines, max_tokens):
-    """Batches of 2-4 rows run through the 4-row graph (padded), a single row through the 1-row
-    graph; 35 tokens each overflow the 14-block pool, so sequences are preempted and recomputed."""
+    """Batches of 2-4 rows run through the 1-4-row graph with exactly their rows (no padding:
+    each row attends in place over its own keys), a single row padded to 2; 35 tokens each
+    overflow the 14-block pool, so sequences are preempted and recomputed."""
     compiled, eager = engines
     calls = _counting(compiled)
+    graphs = compiled.engine.graphs.graphs
+    batched, rows_seen = graphs[4], []
+
+    def recording(*inputs):
+        rows_seen.append(inputs[0].shape[1])  # input_ids [1, rows]
+        return batched(*inputs)
+
+    graphs[4] = recording
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
-    got = compiled.generate(PROMPTS, params)
+    try:
+        got = compiled.generate(PROMPTS, params)
+    finally:
+        graphs[4] = batched
     want = eager.generate(PROMPTS, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert 1 in calls and any(n > 1 for n in calls), "the single-row and batched graphs must both run"
+    assert 1 in calls and any(n > 1 for n in calls), "single rows and batches must both run"
+    assert rows_seen == [max(n, 2) for n in calls]  # unpadded, but for a single row
     if max_tokens[0] == 3:
-        assert {2, 3} <= set(calls)  # shrinking batches, padded to the 4-row graph
+        assert {2, 3} <= set(calls)  # shrinking batches
     if max_tokens[0] == 35:
         assert sum(o.num_preemptions for o in got) > 0
 
@@ -327,6 +348,29 @@ def test_static_decode_step_matches_the_bucketed_reference(window):
     )
     static = StaticDecodeStep(layout(True, list(range(4))), torch.float32).attend(0, q, k, v, d**-0.5)
     torch.testing.assert_close(static[:, order], ref, atol=1e-5, rtol=1e-5)
+    in_place = layout(True, list(range(4)))
+    in_place.in_place_decode = True
+    kernel = get_backend("cpu").paged_step(in_place)
+    assert isinstance(kernel, StaticKernelDecodeStep)
+    torch.testing.assert_close(kernel.attend(0, q, k, v, d**-0.5)[:, order], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_the_kernel_operator_passes_pytorchs_operator_checks():
+    """``minillm::paged_decode``, the kernel as the operator a compiled graph calls: its fake
+    (what the tracer sees) must agree with the kernel on shape, dtype and strides — for a
+    non-contiguous ``q`` too, the model's view (a fake that copied its strides made compiled
+    batches decode wrong tokens) — and it must be traceable (``torch.library.opcheck``)."""
+    torch.manual_seed(0)
+    bs, kv, h, d = 4, 2, 4, 16
+    pool_k, pool_v = torch.randn(10 * bs, kv, d, dtype=torch.bfloat16), torch.randn(10 * bs, kv, d, dtype=torch.bfloat16)
+    q = torch.randn(3, d, h, dtype=torch.bfloat16).transpose(1, 2)  # [3, h, d], not contiguous
+    tables = torch.tensor([[1, 2, 0], [3, 0, 0], [4, 5, 6]])
+    lens = torch.tensor([6, 2, 11])
+    for window in (0, 3):
+        args = (q, pool_k, pool_v, tables, lens, bs, d**-0.5, window)
+        torch.library.opcheck(torch.ops.minillm.paged_decode.default, args)
+        out = torch.ops.minillm.paged_decode(*args)
+        assert out.is_contiguous() and out.dtype == q.dtype and out.shape == q.shape
 
 
 def test_compile_refusals(tiny_model):

@@ -78,6 +78,10 @@ class AttentionBackend:
             from minillm.attention.triton_paged import TritonPagedStep  # imports triton only when used
 
             return TritonPagedStep(layout)
+        if layout.static_decode and layout.in_place_decode:
+            from minillm.attention.cpu_paged import StaticKernelDecodeStep
+
+            return StaticKernelDecodeStep(layout)
         if layout.static_decode:
             # The pool's logical dtype (an 8-bit pool's storage dtype is only how it is stored).
             return StaticDecodeStep(layout, self.decode_dtype or layout.pool.dtype or layout.pool.k_slots[0].dtype)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from minillm.attention.layout import StepLayout
-from minillm.attention.paged import ReferencePagedStep
+from minillm.attention.paged import ReferencePagedStep, write_kv
 
 SOURCE = Path(__file__).with_name("cpu_paged_decode.cpp")
 POOL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -127,6 +127,53 @@ def check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, block_s
     lowest, highest = int(block_tables.min()), int(block_tables.max())
     if lowest < 0 or highest >= num_blocks:
         raise ValueError(f"block ids must be in [0, {num_blocks}) (the pool's blocks); got {lowest}..{highest}")
+
+
+@torch.library.custom_op("minillm::paged_decode", mutates_args=())
+def paged_decode_op(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    window: int,
+) -> torch.Tensor:
+    """The kernel as a PyTorch operator (``window`` 0: none), so that a compiled graph can call
+    it: inductor cannot see into a ``ctypes`` call, but it keeps an operator as a call in the
+    generated code (an AOTInductor package finds it by name through PyTorch's dispatcher, once
+    this module is imported). The compiled decode steps of 2 rows or more attend this way
+    (``StaticKernelDecodeStep``). Unchecked: the compiled step builds its tables itself."""
+    return paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, block_size, scale,
+                                  window or None, check=False)  # fmt: skip
+
+
+@paged_decode_op.register_fake
+def _(q, k_pool, v_pool, block_tables, context_lens, block_size, scale, window):
+    # What the tracer needs: the output's shape, dtype and strides — contiguous, as the kernel
+    # returns it whatever q's strides (``empty_like`` would copy a view's strides, and the graph
+    # would then read the output wrongly).
+    return q.new_empty(q.shape)
+
+
+class StaticKernelDecodeStep:
+    """A static decode step (``layout.static_decode``, the compiled step's shape) whose rows
+    attend through the kernel, as an operator in the graph: each row reads exactly its own
+    ``context_lens[b]`` keys in place, so rows of very different lengths cost what they need —
+    where ``StaticDecodeStep`` makes every row attend over the longest row's window (fine for
+    a few rows, a loss for many)."""
+
+    def __init__(self, layout: StepLayout):
+        self.layout, self.pool = layout, layout.pool
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """``q[1, B, H, D]``, ``k, v[1, B, KV, D]`` (one new token per row) → ``[1, B, H, D]``."""
+        pool, layout = self.pool, self.layout
+        write_kv(pool, layer, layout.slot_mapping, k[0], v[0])
+        out = paged_decode_op(q[0], pool.k_slots[layer], pool.v_slots[layer], layout.block_tables,
+                              layout.context_lens_tensor, pool.block_size, scale, layout.window or 0)  # fmt: skip
+        return out[None]
 
 
 class CpuPagedStep(ReferencePagedStep):

@@ -64,6 +64,9 @@ class StepLayout:
     # A pure decode step over a fixed window of blocks (block_tables[S, W]), context_lens_tensor
     # masking each row: the compiled CPU decode step's shape (runtime/compiled_decode.py).
     static_decode: bool = False
+    # A static decode step whose rows attend through the C++ kernel (an operator in the graph),
+    # each over exactly its own keys, instead of over the whole window (attention/cpu_paged.py).
+    in_place_decode: bool = False
 
     @property
     def logit_rows(self) -> torch.Tensor:

@@ -104,7 +104,10 @@ class EngineConfig:
         choices=("auto", "on", "off"),
     )
     compile_batch_sizes: tuple[int, ...] = option(
-        (1, 8), "the paged engine's compiled decode graphs: one per row count; a batch is padded up to the next",
+        None, "the paged engine's compiled decode graphs, by the most rows each takes: a batch runs in the "
+        "smallest that fits (a 1-row graph exactly; a larger one any row count up to its bound, or, over an 8-bit "
+        "KV cache, padded up to it). Default: (256,), one graph for every batch of 1-256 rows; (1, 8) over an "
+        "8-bit KV cache",
         cli=False,
     )
     quantization: str | None = option(
@@ -214,7 +217,7 @@ class EngineConfig:
         sizes = self.compile_batch_sizes
         if isinstance(sizes, list):
             self.compile_batch_sizes = sizes = tuple(sizes)
-        if (
+        if sizes is not None and (
             not isinstance(sizes, tuple)
             or not sizes
             or any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 256 for b in sizes)

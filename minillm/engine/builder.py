@@ -78,7 +78,7 @@ class Resolved:
     decode_attention_dtype: str  # what paged decode attention computes in
     compile: bool
     compile_reason: str
-    decode_fast_path: str  # "compiled (1, 8)", "cuda graphs", or "none (eager)"
+    decode_fast_path: str  # "compiled (256,)", "cuda graphs", or "none (eager)"
     kv_cache_dtype: str
     num_kv_blocks: int | None  # the paged pool's, in this process (None: no pool here)
 

@@ -147,12 +147,12 @@ class BackgroundBuild:
         try:
             missing = {}
             for batch, path in self.job.paths.items():
-                self._set("building", f"loading the compiled {rows(batch)} step")
+                self._set("building", f"loading the compiled {self.compiled.describe(batch)} step")
                 if not self.compiled.try_load(batch, Path(path)):
                     missing[batch] = path
             if missing:
                 self._compile(missing)
-            self._set("ready", f"compiled decode steps for {', '.join(rows(b) for b in self.compiled.batch_sizes)}")
+            self._set("ready", f"compiled decode steps for {', '.join(self.compiled.describe(b) for b in self.compiled.batch_sizes)}")
         except Exception as error:
             self._set("failed", f"{error}; decoding eagerly")
         finally:  # the graphs hold their own packed copies; eager steps read the oneDNN-packed ones
@@ -200,10 +200,10 @@ class BackgroundBuild:
             if event["event"] == "waiting":
                 self._set("building", "waiting for another engine's compile to finish (one at a time)")
             elif event["event"] == "compiling":
-                self._set("building", f"compiling the {rows(event['batch'])} step ({event['index']} of {event['of']}), "
+                self._set("building", f"compiling the {self.compiled.describe(event['batch'])} step ({event['index']} of {event['of']}), "
                                       "in a low-priority process; decoding eagerly meanwhile")  # fmt: skip
             elif event["event"] == "compiled":
-                self._set("building", f"loading the compiled {rows(event['batch'])} step")
+                self._set("building", f"loading the compiled {self.compiled.describe(event['batch'])} step")
                 self.compiled.load(event["batch"], Path(event["path"]))
                 if event["seconds"]:
                     self.compiled.compile_seconds[event["batch"]] = event["seconds"]
@@ -222,6 +222,3 @@ class BackgroundBuild:
             if line.strip():
                 self._log_tail.append(line.strip()[-300:])
 
-
-def rows(batch: int) -> str:
-    return f"{batch}-row"

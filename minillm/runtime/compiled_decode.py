@@ -8,15 +8,23 @@ constants, inductor packs them for its own generated C++ GEMM micro-kernels (pic
 each shape), and the operations around them fuse into a few loops.
 
 A compiled graph is traced for fixed shapes, while a paged step's shapes change every step
-(ragged batches, growing contexts). So the compiled step reads a *static* layout
-(``StaticDecodeStep``): each row's blocks as a window ``block_tables[B, W]`` padded with the
-null block and its length as a tensor that masks the padding. The window width ``W`` is a
-dynamic dimension — one graph serves every context length — while the row count ``B`` is
-fixed, because inductor's generated GEMMs need a static row count: there is one graph per
-batch size in ``batch_sizes`` (default 1 and 8), and a batch of 2-8 rows is padded to 8 with
-rows that read and write only the null block (a GEMV streams the same weights for 1 row or 8,
-so the padding costs little). Larger batches and prompt steps stay eager: each graph costs a
-compile, and prompt steps are dominated by large matrix products. Quantized linear layers
+(ragged batches, growing contexts). So the compiled step reads a *static* layout: each row's
+blocks as a window ``block_tables[B, W]`` padded with the null block, and its length as a
+tensor. The window width ``W`` is a dynamic dimension — one graph serves every context length.
+There is one graph per bound in ``batch_sizes``, and a batch runs in the smallest graph that
+fits. By default there is one, for every batch of 1-256 rows: its row count is a dynamic
+dimension too (inductor's generated GEMMs handle it; a single row is padded to two, the
+fewest a free dimension takes), and its rows attend *in place* through the C++ paged kernel,
+called inside the graph as an operator (``minillm::paged_decode``, ``StaticKernelDecodeStep``):
+each row over exactly its own keys. Two earlier designs lost to it in one run
+(``benchmarks/results/compiled-rows-*``): a 1-row graph attending in plain PyTorch over the
+window (gather → matmul → mask → softmax → matmul, ``StaticDecodeStep``; still what a graph
+bounded at 1 row does) decoded one row slower, and graphs of 8, 16, ... rows attending over
+the window made every row pay for the longest and every batch pad up to a fixed row count.
+Over an 8-bit pool, which the kernel does not read, graphs still attend over the window, and
+batches are padded: by default a 1-row and an 8-row graph there.
+
+Prompt steps stay eager: they are dominated by large matrix products. Quantized linear layers
 compile too: their matmuls (``_weight_int8pack_mm`` for int8, ``_weight_int4pack_mm_for_cpu``
 for int4 and AWQ, W8A8's int8 × int8 product) are calls inside the graph, with the quantized
 weights folded in as constants.
@@ -26,8 +34,8 @@ into a package file under ``<cache>/compiled/``, named by a digest of everything
 code depends on — the weights, the pool's dtype and head layout, the block size, the sliding window,
 the attention's compute dtype, the CPU, the thread count, torch's version and minillm's own
 source. An engine never waits for them: it answers eagerly while a low-priority worker process
-compiles the missing packages (``background_compile.py``, ``compile_worker.py``; 67 and 65 s
-for SmolLM2-135M's 1- and 8-row steps in bf16, Intel Xeon, 2 cores, one run), and swaps each graph in
+compiles the missing packages (``background_compile.py``, ``compile_worker.py``; XX s for
+SmolLM2-135M's step in bf16, Intel Xeon, 2 cores, one run), and swaps each graph in
 at a step boundary as it loads (~1-2 s per package on a warm machine; ``benchmarks/bench_first_start.py``).
 (``torch.compile``'s own on-disk cache cannot keep a frozen graph whose
 constants are oneDNN-packed weights, so it would recompile at every start.)
@@ -54,6 +62,7 @@ from pathlib import Path
 import torch
 
 import minillm.hooks as hooks
+from minillm.attention.cpu_paged import POOL_DTYPES  # also registers the kernel's operator, which graphs call
 from minillm.attention.layout import KVPool, StepLayout
 from minillm.kvcache import addressing
 from minillm.kvcache.paged import PagedKVCache
@@ -65,9 +74,16 @@ from minillm.runtime.thread_governor import configured_threads
 
 # The narrowest block window compiled: the tracer specialises dynamic sizes 0 and 1.
 MIN_WINDOW = 2
+# The fewest rows of a graph with a free row count (the tracer specialises sizes 0 and 1), and
+# the row count it is autotuned for (inductor picks each GEMM's kernel for an example size).
+MIN_ROWS = 2
+ROW_HINT = 8
 MAX_WINDOW = 2**20  # blocks per row: far beyond any context a CPU decodes
 MAX_POOL_BLOCKS = 2**31 // 1024  # slots stay int32-indexable for block sizes up to 1024
-BATCH_SIZES = (1, 8)
+# One graph for every batch of 1-256 rows (a single row is padded to MIN_ROWS: that graph decodes
+# one row faster than a 1-row graph over the window did — benchmarks/results/compiled-rows-*).
+BATCH_SIZES = (256,)
+WINDOW_BATCH_SIZES = (1, 8)  # over an 8-bit pool, whose graphs pad a batch up to their row count
 KEEP_PACKAGES = 6  # newest package files kept in <cache>/compiled (each holds the model's weights)
 
 INDUCTOR_OPTIONS = {
@@ -106,14 +122,21 @@ class CompiledDecode:
         cache: PagedKVCache,
         window: int | None,
         compute_dtype: torch.dtype,
-        batch_sizes: tuple[int, ...] = BATCH_SIZES,
+        batch_sizes: tuple[int, ...] | None = None,
     ):
+        # Rows attend in place through the C++ kernel, an operator in the graph, in every graph of
+        # 2 rows or more — which then takes any row count up to its bound, unpadded. Not over an
+        # 8-bit pool, which the kernel does not read: those graphs attend over a window, padded.
+        self.in_place = cache.kv_cache_dtype == "auto" and cache.dtype in POOL_DTYPES
+        if batch_sizes is None:
+            batch_sizes = BATCH_SIZES if self.in_place else WINDOW_BATCH_SIZES
         if not batch_sizes or any(b < 1 for b in batch_sizes):
             raise ValueError(f"compile_batch_sizes={batch_sizes!r}: expected positive row counts")
         self.cache, self.window, self.compute_dtype = cache, window, compute_dtype
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.pool_tensors = pool_tensors(KVPool.of(cache))
         self.module = StaticDecodeModule(model, KVPool.of(cache), window).eval()
+        self.in_place_module = StaticDecodeModule(model, KVPool.of(cache), window, in_place=True).eval()
         self.graphs: dict[int, object] = {}  # batch size -> loaded graph, swapped in at step boundaries
         self._offered: dict[int, object] = {}  # loaded by another thread, not yet swapped in
         self._offer_lock = threading.Lock()
@@ -132,6 +155,18 @@ class CompiledDecode:
     def rows_for(self, n: int) -> int | None:
         """The smallest loaded graph's row count that fits ``n`` rows (None: none does)."""
         return next((b for b in sorted(self.graphs) if b >= n), None)
+
+    def free_rows(self, batch: int) -> bool:
+        """Whether the graph for ``batch`` takes any row count from ``MIN_ROWS`` to ``batch``
+        (its rows attend in place), rather than exactly ``batch`` rows (padded up to it)."""
+        return self.in_place and batch >= MIN_ROWS
+
+    def describe(self, batch: int) -> str:
+        """The rows the graph for ``batch`` takes, in words: "1-row", "2-8-row", "1-256-row"."""
+        if not self.free_rows(batch):
+            return f"{batch}-row"
+        lowest = max((b for b in self.batch_sizes if b < batch), default=0) + 1
+        return f"{lowest}-{batch}-row"
 
     def swap_in(self) -> None:
         """Start using the graphs offered since the last call (and say, once, if the background
@@ -223,6 +258,7 @@ class CompiledDecode:
             "window": self.window,
             "compute_dtype": str(self.compute_dtype),
             "batch": batch,
+            "attention": "in place" if self.free_rows(batch) else "window",
             "cpu": [machine["cpu"], machine["cpu_flags"]],
             # The generated loops are parallelised for this many (not for a count the thread
             # governor lowered for a moment: thread_governor.py).
@@ -239,21 +275,30 @@ class CompiledDecode:
                   f"this model on this machine; 1-2 minutes on a small CPU; kept in {path.parent}) ...",
                   end="", file=sys.stderr, flush=True)  # fmt: skip
         start = time.perf_counter()
-        example = [ChunkInput("__compile__", [0], 0, 1, [self.cache.null_block])] * batch
-        tables = torch.full((batch, self.window_blocks(example)), self.cache.null_block, dtype=torch.long)
-        inputs = self.inputs(example, tables, batch, write=False)
+        free = self.free_rows(batch)
+        example_rows = min(batch, ROW_HINT) if free else batch
+        example = [ChunkInput("__compile__", [0], 0, 1, [self.cache.null_block])] * example_rows
+        tables = torch.full((example_rows, self.window_blocks(example)), self.cache.null_block, dtype=torch.long)
+        inputs = self.inputs(example, tables, example_rows, write=False)
         # Free dimensions: the window's width, and the pool's size (one package serves every pool
-        # size: a few multiples of the block size in a test, gigabytes on a server).
+        # size: a few multiples of the block size in a test, gigabytes on a server) — and the
+        # row count, in a graph whose rows attend in place.
         width = torch.export.Dim("blocks", min=MIN_WINDOW, max=MAX_WINDOW)
         slots = {0: self.cache.block_size * torch.export.Dim("pool_blocks", min=2, max=MAX_POOL_BLOCKS)}
-        shapes = (None, None, None, {1: width}, None, [slots] * len(self.pool_tensors))
+        pools = [slots] * len(self.pool_tensors)
+        if free:
+            r = torch.export.Dim("rows", min=MIN_ROWS, max=batch)
+            shapes = ({1: r}, {1: r}, {0: r}, {0: r, 1: width}, {0: r}, pools)
+        else:
+            shapes = (None, None, None, {1: width}, None, pools)
+        module = self.in_place_module if free else self.module
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
         try:
             with torch.no_grad(), warnings.catch_warnings():
                 # torch's own code trips its own deprecation warning while autotuning: not for the user.
                 warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
-                program = torch.export.export(self.module, inputs, dynamic_shapes=shapes, strict=False)
+                program = torch.export.export(module, inputs, dynamic_shapes=shapes, strict=False)
                 torch._inductor.aoti_compile_and_package(
                     program, package_path=str(partial), inductor_configs=dict(INDUCTOR_OPTIONS)
                 )
@@ -286,7 +331,8 @@ class CompiledDecode:
     def run(self, chunks: list[ChunkInput], block_tables: BlockTableRows) -> torch.Tensor:
         """Logits ``[rows, V]`` for a pure decode step (``block_tables``: the runner's)."""
         batch = self.rows_for(len(chunks))
-        inputs = self.inputs(chunks, block_tables.gather(chunks, self.window_blocks(chunks)), batch)
+        rows = max(len(chunks), MIN_ROWS) if self.free_rows(batch) else batch
+        inputs = self.inputs(chunks, block_tables.gather(chunks, self.window_blocks(chunks)), rows)
         with torch.no_grad():
             return self.graphs[batch](*inputs)[: len(chunks)]
 
@@ -302,9 +348,9 @@ class StaticDecodeModule(torch.nn.Module):
     pool's. A module (not a function), so that exporting it sees the model's weights as
     parameters, which freezing folds in as constants."""
 
-    def __init__(self, model: LlamaForCausalLM, pool: KVPool, window: int | None):
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool, window: int | None, in_place: bool = False):
         super().__init__()
-        self.model, self.pool, self.window = model, pool, window
+        self.model, self.pool, self.window, self.in_place = model, pool, window, in_place
 
     def forward(self, input_ids, positions, slot_mapping, block_tables, context_lens, pool_tensors) -> torch.Tensor:
         layers = len(self.pool.k_slots)
@@ -332,6 +378,7 @@ class StaticDecodeModule(torch.nn.Module):
             window=self.window,
             context_lens_tensor=context_lens,
             static_decode=True,
+            in_place_decode=self.in_place,
         )
         return self.model._forward(layout)[0]  # [1, B, V] -> [B, V]
 
