@@ -31,24 +31,33 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = []
-    params = SamplingParams(max_tokens=64, ignore_eos=True)
     for dtype in args.dtypes:
         llm = LLM(args.model, dtype=dtype, enable_prefix_caching=False)
         getattr(llm, "wait_for_fast_path", lambda: None)()  # the compiled step, built in the background (issue 27 on)
-        for batch in args.batch_sizes:
-            prompts = [[(7 * i + j) % 30000 + 100 for j in range(64)] for i in range(batch)]
-            llm.generate(prompts, params)  # warm up this shape
-            samples = []
-            for _ in range(args.repeats):
-                outs = llm.generate(prompts, params)
-                samples.append(statistics.median(o.metrics.tpot for o in outs) * 1000)
-            rows.append({"dtype": dtype, "batch": batch, "tpot_ms": statistics.median(samples), "samples_ms": samples})
-            print(f"{dtype} batch {batch}: TPOT {statistics.median(samples):.2f} ms (runs {samples})", flush=True)
+        for row in measure(llm, args.batch_sizes, args.repeats):
+            rows.append({"dtype": dtype, **row})
+            print(f"{dtype} batch {row['batch']}: TPOT {row['tpot_ms']:.2f} ms (runs {row['samples_ms']})", flush=True)
     result = {"benchmark": "decode_step", "date": time.strftime("%Y-%m-%d"), "rows": rows}
     if args.out:
         path = Path(args.out) / f"decode-step-{result['date']}.json"
         path.write_text(json.dumps(result, indent=2))
     return result
+
+
+def measure(llm: LLM, batch_sizes: list[int], repeats: int) -> list[dict]:
+    """Median TPOT of ``llm`` per batch size: 64-token prompts, 64 new tokens, ``repeats`` runs
+    after one that warms the shape up."""
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    rows = []
+    for batch in batch_sizes:
+        prompts = [[(7 * i + j) % 30000 + 100 for j in range(64)] for i in range(batch)]
+        llm.generate(prompts, params)  # warm up this shape
+        samples = []
+        for _ in range(repeats):
+            outs = llm.generate(prompts, params)
+            samples.append(statistics.median(o.metrics.tpot for o in outs) * 1000)
+        rows.append({"batch": batch, "tpot_ms": statistics.median(samples), "samples_ms": samples})
+    return rows
 
 
 if __name__ == "__main__":

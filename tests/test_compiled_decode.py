@@ -139,7 +139,7 @@ def test_compile_is_on_by_default_for_a_big_enough_model_on_cpu(engines, tiny_mo
 def test_quantized_weights_compile_too(tiny_model, method, tmp_path, monkeypatch):
     """Quantized linears inside the compiled graph (int8's and int4's packed matmuls, AWQ's
     scaled int4, W8A8's int8 x int8): the eager engine's tokens with the same method, alone and
-    in a padded batch. (Their packages go to a folder of their own: eight more packages in the
+    in a batch. (Their packages go to a folder of their own: eight more packages in the
     module's folder would prune the ones the other tests load.)"""
     monkeypatch.setattr(compiled_decode, "packages_dir", lambda: tmp_path)
     memory = (
@@ -353,6 +353,22 @@ def test_static_decode_step_matches_the_bucketed_reference(window):
     kernel = get_backend("cpu").paged_step(in_place)
     assert isinstance(kernel, StaticKernelDecodeStep)
     torch.testing.assert_close(kernel.attend(0, q, k, v, d**-0.5)[:, order], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_default_graphs_one_for_every_batch_but_over_an_8_bit_pool(tiny_model):
+    """By default one graph takes every batch of 1-256 rows, attending in place; the kernel does
+    not read an 8-bit pool, so there the graphs attend over the window, for 1 row and 8 (padded)."""
+    from minillm.kvcache.paged import PagedKVCache
+    from minillm.models.loader import load_model
+
+    model, config = load_model(tiny_model, torch.float32), ModelConfig.from_folder(tiny_model)
+    for kv_cache_dtype, sizes, free in (("auto", (256,), True), ("int8", (1, 8), False), ("fp8", (1, 8), False)):
+        cache = PagedKVCache(config, 4, 4, torch.float32, torch.device("cpu"), kv_cache_dtype)
+        compiled = CompiledDecode(model, cache, None, torch.float32)
+        assert compiled.batch_sizes == sizes and compiled.free_rows(sizes[-1]) == free, kv_cache_dtype
+        assert compiled.describe(sizes[-1]) == ("1-256-row" if free else "8-row")
+        assert compiled.free_rows(1) is False  # a graph bounded at one row attends over the window
+    assert EngineConfig().compile_batch_sizes is None  # "the default for this pool"
 
 
 def test_the_kernel_operator_passes_pytorchs_operator_checks():
