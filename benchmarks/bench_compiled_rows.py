@@ -25,8 +25,8 @@ import json
 from pathlib import Path
 
 import torch
-
 from bench_decode_step import measure
+
 from minillm import LLM
 from minillm.bench import machine_description
 from minillm.machine import machine_tag

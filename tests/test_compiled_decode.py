@@ -17,8 +17,8 @@ import torch
 from minillm import LLM, LLMEngine, SamplingParams
 from minillm.attention import get_backend
 from minillm.attention import precision as attention_precision
-from minillm.attention.layout import KVPool, StepLayout
 from minillm.attention.cpu_paged import StaticKernelDecodeStep
+from minillm.attention.layout import KVPool, StepLayout
 from minillm.attention.paged import ReferencePagedStep, StaticDecodeStep
 from minillm.config import EngineConfig, ModelConfig
 from minillm.kvcache import addressing
