@@ -367,7 +367,7 @@ def test_default_graphs_one_for_every_batch_but_over_an_8_bit_pool(tiny_model):
         compiled = CompiledDecode(model, cache, None, torch.float32)
         assert compiled.batch_sizes == sizes and compiled.free_rows(sizes[-1]) == free, kv_cache_dtype
         assert compiled.describe(sizes[-1]) == ("1-256-row" if free else "8-row")
-        assert compiled.free_rows(1) is False  # a graph bounded at one row attends over the window
+        assert compiled.free_rows(1) is False and compiled.free_rows(2) is False  # bounds of 1, 2: exact rows
     assert EngineConfig().compile_batch_sizes is None  # "the default for this pool"
 
 

@@ -34,8 +34,9 @@ into a package file under ``<cache>/compiled/``, named by a digest of everything
 code depends on — the weights, the pool's dtype and head layout, the block size, the sliding window,
 the attention's compute dtype, the CPU, the thread count, torch's version and minillm's own
 source. An engine never waits for them: it answers eagerly while a low-priority worker process
-compiles the missing packages (``background_compile.py``, ``compile_worker.py``; XX s for
-SmolLM2-135M's step in bf16, Intel Xeon, 2 cores, one run), and swaps each graph in
+compiles the missing packages (``background_compile.py``, ``compile_worker.py``; 87-102 s
+for SmolLM2-135M's one graph in bf16, Intel Xeon, 2 cores, one run each of ``minillm warmup``
+and ``benchmarks/bench_first_start.py``), and swaps each graph in
 at a step boundary as it loads (~1-2 s per package on a warm machine; ``benchmarks/bench_first_start.py``).
 (``torch.compile``'s own on-disk cache cannot keep a frozen graph whose
 constants are oneDNN-packed weights, so it would recompile at every start.)
@@ -158,8 +159,9 @@ class CompiledDecode:
 
     def free_rows(self, batch: int) -> bool:
         """Whether the graph for ``batch`` takes any row count from ``MIN_ROWS`` to ``batch``
-        (its rows attend in place), rather than exactly ``batch`` rows (padded up to it)."""
-        return self.in_place and batch >= MIN_ROWS
+        (its rows attend in place), rather than exactly ``batch`` rows (padded up to it). A bound
+        of ``MIN_ROWS`` itself leaves nothing to be free."""
+        return self.in_place and batch > MIN_ROWS
 
     def describe(self, batch: int) -> str:
         """The rows the graph for ``batch`` takes, in words: "1-row", "2-8-row", "1-256-row"."""
@@ -271,7 +273,7 @@ class CompiledDecode:
 
     def _compile(self, batch: int, path: Path, progress: bool) -> float:
         if progress:
-            print(f"minillm: compiling the decode step for {batch} row{'s' if batch > 1 else ''} (first start with "
+            print(f"minillm: compiling the {self.describe(batch)} decode step (first start with "
                   f"this model on this machine; 1-2 minutes on a small CPU; kept in {path.parent}) ...",
                   end="", file=sys.stderr, flush=True)  # fmt: skip
         start = time.perf_counter()
