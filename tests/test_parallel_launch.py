@@ -89,6 +89,31 @@ def test_a_hung_rank_times_out_and_is_terminated():
     assert not multiprocessing.active_children()
 
 
+def _a_tensor(rank, world_size):
+    return torch.arange(6.0) + rank
+
+
+def test_a_rank_result_outlives_the_rank():
+    """A rank reports and exits at once; the parent may read the report only afterwards. The
+    result must travel by value: a tensor put on the queue as it is is shared through a file
+    descriptor fetched from the (by then gone) rank — a FileNotFoundError, seen in CI."""
+    import pickle
+
+    import torch.multiprocessing as mp
+
+    from minillm.parallel.launch import _rank_main, free_port
+
+    ctx = mp.get_context("spawn")
+    reports = ctx.Queue()
+    rank = ctx.Process(target=_rank_main, args=(_a_tensor, 0, 1, free_port(), "gloo", 1, (), reports))
+    rank.start()
+    rank.join(60)
+    assert rank.exitcode == 0
+    kind, index, payload = reports.get(timeout=10)  # read only after the rank has exited
+    assert (kind, index) == ("ok", 0)
+    assert torch.equal(pickle.loads(payload), torch.arange(6.0))
+
+
 def test_bad_world_size_is_refused():
     with pytest.raises(ValueError, match="world_size"):
         run_ranks(_tp_swiglu, 0)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import pickle
 import queue
 import socket
 import time
@@ -68,7 +69,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, backend: str =
                             raise RankFailed(rank, f"exited with code {p.exitcode} without a result") from None
                         if kind == "error":
                             raise RankFailed(r, payload) from None
-                        results[r] = payload
+                        results[r] = pickle.loads(payload)
                 if time.monotonic() > deadline:
                     missing = [r for r in range(world_size) if r not in results]
                     raise TimeoutError(
@@ -77,7 +78,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, backend: str =
                 continue
             if kind == "error":
                 raise RankFailed(rank, payload)
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
         return [results[r] for r in range(world_size)]
     finally:
         for p in procs:
@@ -95,7 +96,9 @@ def _rank_main(fn, rank, world_size, port, backend, threads, args, reports) -> N
     torch.set_num_threads(threads)
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=dt.timedelta(seconds=60))
-        reports.put(("ok", rank, fn(rank, world_size, *args)))
+        # Pickled here, by value: a tensor put on the queue as it is would be shared through a file
+        # descriptor that the parent fetches from this process, which may have exited by then.
+        reports.put(("ok", rank, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 (reported to the parent, which ends every rank)
         tb = traceback.format_exc(limit=8)
         reports.put(("error", rank, tb.strip().splitlines()[-1] + "\n" + tb))  # the error first, then where
