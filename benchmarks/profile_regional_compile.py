@@ -138,7 +138,8 @@ def main(argv=None) -> None:
     pool = [*cache.k_slots, *cache.v_slots]
     machine = machine_description(torch.device("cpu"))
     print(f"\n{machine['cpu']} ({', '.join(machine['cpu_flags'])}), {args.threads} threads, {args.model} bf16")
-    print("\n| rows | eager step ms | 30 reused layers ms | whole-model graph ms |\n|---:|---:|---:|---:|")
+    print("\n| rows | eager step ms | 30 reused layers ms | whole-model graph ms | max abs logit difference, reused vs eager |")
+    print("|---:|---:|---:|---:|---:|")
     def head(h):
         return model.lm_head(model.norm(h.flatten(0, 1))).float()
 
@@ -159,13 +160,14 @@ def main(argv=None) -> None:
         ids, positions, slots, tables, lens = step_inputs(rows)
         cos, sin = model.rope.lookup(positions, dtype)
         step = (ids, cos, sin, slots, tables, lens)
-        with torch.no_grad():
-            torch.testing.assert_close(regional(*step), eager(*step), atol=0.5, rtol=0.05)  # the same step (bf16)
+        with torch.no_grad():  # the same step, up to bf16 rounding (over a pool of random keys and values)
+            a, b = regional(*step), eager(*step)
+            differ = f"{(a - b).abs().max().item():.2f} of {b.abs().max().item():.1f}"
         whole_ms = "-"
         if whole_graph is not None:
             whole_ms = f"{median_ms(partial(whole_graph, ids, positions, slots, tables, lens, pool)):.2f}"
         print(f"| {rows} | {median_ms(partial(eager, *step)):.2f} | {median_ms(partial(regional, *step)):.2f} | "
-              f"{whole_ms} |", flush=True)  # fmt: skip
+              f"{whole_ms} | {differ} |", flush=True)  # fmt: skip
 
 if __name__ == "__main__":
     main()
