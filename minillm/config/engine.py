@@ -103,7 +103,7 @@ class EngineConfig:
         "the graphs from the cache)",
         choices=("auto", "on", "off"),
     )
-    compile_batch_sizes: tuple[int, ...] = option(
+    compile_batch_sizes: tuple[int, ...] | None = option(
         None, "the paged engine's compiled decode graphs, by the most rows each takes: a batch runs in the "
         "smallest that fits (a 1-row graph exactly; a larger one any row count up to its bound, or, over an 8-bit "
         "KV cache, padded up to it). Default: (256,), one graph for every batch of 1-256 rows; (1, 8) over an "
