@@ -143,7 +143,7 @@ def paged_decode_op(
     """The kernel as a PyTorch operator (``window`` 0: none), so that a compiled graph can call
     it: inductor cannot see into a ``ctypes`` call, but it keeps an operator as a call in the
     generated code (an AOTInductor package finds it by name through PyTorch's dispatcher, once
-    this module is imported). The compiled decode steps of 2 rows or more attend this way
+    this module is imported). The compiled decode graphs with a free row count attend this way
     (``StaticKernelDecodeStep``). Unchecked: the compiled step builds its tables itself."""
     return paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, block_size, scale,
                                   window or None, check=False)  # fmt: skip

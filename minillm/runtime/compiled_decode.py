@@ -125,8 +125,8 @@ class CompiledDecode:
         compute_dtype: torch.dtype,
         batch_sizes: tuple[int, ...] | None = None,
     ):
-        # Rows attend in place through the C++ kernel, an operator in the graph, in every graph of
-        # 2 rows or more — which then takes any row count up to its bound, unpadded. Not over an
+        # Rows attend in place through the C++ kernel, an operator in the graph, in every graph
+        # bounded above MIN_ROWS — which then takes any row count up to its bound (``free_rows``). Not over an
         # 8-bit pool, which the kernel does not read: those graphs attend over a window, padded.
         self.in_place = cache.kv_cache_dtype == "auto" and cache.dtype in POOL_DTYPES
         if batch_sizes is None:
