@@ -387,6 +387,17 @@ def test_the_kernel_operator_passes_pytorchs_operator_checks():
         torch.library.opcheck(torch.ops.minillm.paged_decode.default, args)
         out = torch.ops.minillm.paged_decode(*args)
         assert out.is_contiguous() and out.dtype == q.dtype and out.shape == q.shape
+    # It reads raw pointers, so what would make it read out of bounds is refused by name.
+    bad = {
+        "int32 tables": (q, pool_k, pool_v, tables.int(), lens, bs, 1.0, 0),
+        "a table per row missing": (q, pool_k, pool_v, tables[:2], lens, bs, 1.0, 0),
+        "pools of two dtypes": (q, pool_k, pool_v.float(), tables, lens, bs, 1.0, 0),
+        "a non-contiguous pool": (q, pool_k.transpose(0, 1), pool_v.transpose(0, 1), tables, lens, bs, 1.0, 0),
+        "another head size": (q[..., :8], pool_k, pool_v, tables, lens, bs, 1.0, 0),
+    }
+    for case, args in bad.items():
+        with pytest.raises(ValueError, match="minillm::paged_decode"):
+            torch.ops.minillm.paged_decode(*args)
 
 
 def test_compile_refusals(tiny_model):

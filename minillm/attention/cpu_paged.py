@@ -101,12 +101,9 @@ def paged_decode_attention(
         check_tables(tables, lens, block_size, k_pool.shape[0] // block_size)
     q32 = q.float().contiguous()
     out = torch.empty_like(q32)
-    kernel = getattr(_library(), f"paged_decode_{POOL_DTYPES[k_pool.dtype]}")
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    kernel(
-        ptr(q32.data_ptr()), ptr(k_pool.data_ptr()), ptr(v_pool.data_ptr()), ptr(tables.data_ptr()),
-        ptr(lens.data_ptr()), ptr(out.data_ptr()), i64(batch), i64(heads), i64(kv_heads), i64(dim),
-        i64(tables.shape[1]), i64(block_size), i64(window or 0), ctypes.c_float(scale),
+    _typed_kernel(POOL_DTYPES[k_pool.dtype])(
+        q32.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+        batch, heads, kv_heads, dim, tables.shape[1], block_size, window or 0, scale,
     )  # fmt: skip
     return out.to(q.dtype)
 
@@ -129,7 +126,23 @@ def check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, block_s
         raise ValueError(f"block ids must be in [0, {num_blocks}) (the pool's blocks); got {lowest}..{highest}")
 
 
-@torch.library.custom_op("minillm::paged_decode", mutates_args=())
+OPERATOR = torch.library.Library("minillm", "DEF")  # held for the process: the operator lives as long as it
+OPERATOR.define(
+    "paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor context_lens, "
+    "int block_size, float scale, int window) -> Tensor"
+)
+
+
+@functools.cache
+def _typed_kernel(pool_dtype: str):
+    """The kernel for one pool dtype with its C signature declared, so that ``ctypes`` passes
+    plain Python ints and floats straight through (no ``c_void_p`` objects built per call)."""
+    kernel = getattr(_library(), f"paged_decode_{pool_dtype}")
+    kernel.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+    kernel.restype = None
+    return kernel
+
+
 def paged_decode_op(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -140,16 +153,50 @@ def paged_decode_op(
     scale: float,
     window: int,
 ) -> torch.Tensor:
-    """The kernel as a PyTorch operator (``window`` 0: none), so that a compiled graph can call
-    it: inductor cannot see into a ``ctypes`` call, but it keeps an operator as a call in the
-    generated code (an AOTInductor package finds it by name through PyTorch's dispatcher, once
-    this module is imported). The compiled decode graphs with a free row count attend this way
-    (``StaticKernelDecodeStep``). Unchecked: the compiled step builds its tables itself."""
-    return paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, block_size, scale,
-                                  window or None, check=False)  # fmt: skip
+    """The kernel as a PyTorch operator, ``minillm::paged_decode`` (``window`` 0: none), so that
+    a compiled graph can call it: inductor cannot see into a ``ctypes`` call, but it keeps an
+    operator as a call in the generated code (an AOTInductor package finds it by name through
+    PyTorch's dispatcher, once this module is imported). The compiled decode graphs with a free
+    row count attend this way (``StaticKernelDecodeStep``), once per layer per step.
+
+    Why not ``torch.library.custom_op``: its wrappers (autograd, dynamo's guard, the
+    redispatch) cost about as much again as this whole call, 30 times a step
+    (``benchmarks/bench_kernel_operator.py``). This is the plain ``Library`` registration, and
+    its checks look only at shapes and dtypes — no tensor operations: the compiled step builds
+    its int64 tables itself, and ``paged_decode_attention`` is the checked entry for anyone else."""
+    batch, heads, dim = q.shape
+    if (
+        k_pool.dtype not in POOL_DTYPES
+        or v_pool.dtype != k_pool.dtype
+        or v_pool.shape != k_pool.shape
+        or not (k_pool.is_contiguous() and v_pool.is_contiguous())
+        or k_pool.shape[2] != dim
+        or heads % k_pool.shape[1]
+        or block_tables.dtype != torch.long
+        or context_lens.dtype != torch.long
+        or not (block_tables.is_contiguous() and context_lens.is_contiguous())
+        or block_tables.shape[0] != batch
+        or context_lens.shape != (batch,)
+    ):
+        raise ValueError(
+            f"minillm::paged_decode: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)} {k_pool.dtype}, v_pool "
+            f"{tuple(v_pool.shape)} {v_pool.dtype}, block_tables {tuple(block_tables.shape)} {block_tables.dtype}, "
+            f"context_lens {tuple(context_lens.shape)} {context_lens.dtype}: contiguous pools of one of "
+            f"{list(POOL_DTYPES)} and contiguous int64 tables, one row per query, are needed"
+        )
+    q32 = q.float().contiguous()
+    out = torch.empty_like(q32)
+    _typed_kernel(POOL_DTYPES[k_pool.dtype])(
+        q32.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
+        out.data_ptr(), batch, heads, k_pool.shape[1], dim, block_tables.shape[1], block_size, window, scale,
+    )  # fmt: skip
+    return out.to(q.dtype)
 
 
-@paged_decode_op.register_fake
+OPERATOR.impl("paged_decode", paged_decode_op, "CPU")
+
+
+@torch.library.register_fake("minillm::paged_decode")
 def _(q, k_pool, v_pool, block_tables, context_lens, block_size, scale, window):
     # What the tracer needs: the output's shape, dtype and strides — contiguous, as the kernel
     # returns it whatever q's strides (``empty_like`` would copy a view's strides, and the graph
@@ -171,7 +218,7 @@ class StaticKernelDecodeStep:
         """``q[1, B, H, D]``, ``k, v[1, B, KV, D]`` (one new token per row) → ``[1, B, H, D]``."""
         pool, layout = self.pool, self.layout
         write_kv(pool, layer, layout.slot_mapping, k[0], v[0])
-        out = paged_decode_op(q[0], pool.k_slots[layer], pool.v_slots[layer], layout.block_tables,
+        out = torch.ops.minillm.paged_decode(q[0], pool.k_slots[layer], pool.v_slots[layer], layout.block_tables,
                               layout.context_lens_tensor, pool.block_size, scale, layout.window or 0)  # fmt: skip
         return out[None]
 
