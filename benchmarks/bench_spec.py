@@ -14,10 +14,11 @@ tokens before the first difference is shown.
 - **grounded**: summarise / extract / rewrite a passage given in the prompt; the answer copies
   from the input, where prompt lookup (``ngram``) should shine.
 
-Rows: the plain engine (the baseline of its workload and batch size), then each proposer
-(``ngram``, ``draft``) for k in ``--ks`` at batch 1, and at k = 4 for every batch size in
-``--batches``. Speed-up = output tokens/s of the row ÷ the plain engine's in the same
-workload and batch size. Every configuration runs once untimed first (allocator, oneDNN
+Rows: the plain engine as shipped (compiled decode, the default: the baseline of its workload
+and batch size) and the plain eager engine (``compile=False``), then each proposer (``ngram``,
+``draft``) on the default engine — its verify steps compiled too — for k in ``--ks`` at batch 1,
+and at k = 4 for every batch size in ``--batches``. Speed-up = output tokens/s of the row ÷ the
+plain default engine's in the same workload and batch size; ``vs eager`` ÷ the eager one's. Every configuration runs once untimed first (allocator, oneDNN
 primitives for the new shapes), then ``--repeats`` timed runs (median). HF ``transformers``
 ``generate()`` plain, with ``assistant_model=`` (the same draft) and with
 ``prompt_lookup_num_tokens=`` at batch 1 is the outside anchor.
@@ -173,8 +174,9 @@ def hf_runs(model_dir: Path, draft_dir: Path | None, prompts: list, tokenizer, m
 
 def markdown(rows: list[dict], hf: dict) -> str:
     head = (
-        "| workload | proposer | k | batch | tok/s | speed-up | acceptance | accepted/step | passes/token | identical |\n"
-        "|---|---|---|---|---|---|---|---|---|---|\n"
+        "| workload | proposer | k | batch | tok/s | speed-up | vs eager | acceptance | accepted/step | passes/token "
+        "| identical |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
 
     def fmt(x, spec="{:.2f}"):
@@ -182,7 +184,7 @@ def markdown(rows: list[dict], hf: dict) -> str:
 
     lines = [
         f"| {r['workload']} | {r['proposer']} | {r['k'] or '–'} | {r['batch']} | {r['tok_s']:.1f} | "
-        f"{r['speedup']:.2f}× | {fmt(r['acceptance_rate'], '{:.0%}')} | {fmt(r['mean_accepted_length'])} | "
+        f"{r['speedup']:.2f}× | {r['vs_eager']:.2f}× | {fmt(r['acceptance_rate'], '{:.0%}')} | {fmt(r['mean_accepted_length'])} | "
         f"{r['forward_passes_per_token']:.2f} | {'yes' if r['identical'] else format(r['agreement'], '.0%')} |"
         for r in rows
     ]
@@ -191,7 +193,7 @@ def markdown(rows: list[dict], hf: dict) -> str:
         lines.append(
             f"| {workload} | HF plain / " + " / ".join(n for n in runs if n != "hf") + " | | 1 | "
             + " / ".join(f"{v['tok_s']:.1f}" for v in runs.values())
-            + " | " + " / ".join(f"{v['tok_s'] / base:.2f}×" for v in runs.values()) + " | | | | |"
+            + " | " + " / ".join(f"{v['tok_s'] / base:.2f}×" for v in runs.values()) + " | | | | | |"
         )  # fmt: skip
     return head + "\n".join(lines) + "\n"
 
@@ -219,31 +221,37 @@ def main(argv=None) -> int:
         args.ks, args.batches = [2, 4], [1, 4]
     plain = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False)
     plain.wait_for_fast_path()  # the default's compiled decode step, built in the background
+    eager = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False, compile=False)
     loads = workloads(plain.tokenizer)
     engines = {"plain": plain}
     engines["ngram"] = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False,
                            speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4})  # fmt: skip
     engines["draft"] = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False,
                            speculative_config={"method": "draft", "model": args.draft, "num_speculative_tokens": 4})  # fmt: skip
+    for llm in engines.values():  # the same package: loaded, not compiled again
+        print(f"{llm.resolved.decode_fast_path}: {llm.wait_for_fast_path()}", flush=True)
     rows = []
     for workload, prompts in loads.items():
         for batch in args.batches:
             subset = prompts[: max(batch, args.prompts)]
             base = timed_run(plain, subset, batch, args.max_tokens, args.repeats)
             rows.append({"workload": workload, "proposer": "none", "k": None, "batch": batch, **base})
+            slow = timed_run(eager, subset, batch, args.max_tokens, args.repeats)
+            rows.append({"workload": workload, "proposer": "none (eager)", "k": None, "batch": batch, **slow})
             ks = args.ks if batch == 1 else [4]
             for proposer in ("ngram", "draft"):
                 for k in ks:
                     engines[proposer].engine.speculator.k = k  # the sweep: same engine, k proposals per step
                     run = timed_run(engines[proposer], subset, batch, args.max_tokens, args.repeats)
                     rows.append({"workload": workload, "proposer": proposer, "k": k, "batch": batch, **run})
-            for r in rows[-1 - len(ks) * 2 :]:
+            for r in rows[-2 - len(ks) * 2 :]:
                 r["speedup"] = r["tok_s"] / base["tok_s"]
+                r["vs_eager"] = r["tok_s"] / slow["tok_s"]
                 r["identical"] = r["token_ids"] == base["token_ids"]
                 r["agreement"] = agreement(r["token_ids"], base["token_ids"])
                 print(
                     f"{workload:>8} {r['proposer']:>5} k={r['k'] or '-'} b={batch:<2} {r['tok_s']:7.1f} tok/s "
-                    f"{r['speedup']:.2f}x  accept {r['acceptance_rate'] or 0:.0%}  identical={r['identical']}",
+                    f"{r['speedup']:.2f}x (vs eager {r['vs_eager']:.2f}x)  accept {r['acceptance_rate'] or 0:.0%}  identical={r['identical']}",
                     flush=True,
                 )
     hf = {}

@@ -119,10 +119,11 @@ def test_compile_is_on_by_default_for_a_big_enough_model_on_cpu(engines, tiny_mo
         (dict(quantization="awq"), "sdpa"),  # compiles when asked; not measured faster, so not by default
         (dict(quantization="w8a8"), "sdpa"),
         (dict(sparsity="2:4"), "sdpa"),
-        (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "sdpa"),
         ({}, "triton"),
     ]:
         assert not builder.compile_by_default(EngineConfig(**ruled_out), model, backend), ruled_out
+    speculating = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert builder.compile_by_default(speculating, model, "sdpa")  # verify steps run compiled too
     assert builder.compile_by_default(EngineConfig(quantization="int8"), model, "sdpa")
     assert builder.compile_by_default(EngineConfig(quantization="int4", quantization_group_size=32), model, "sdpa")
     first, eager = engines  # the same model and pool: its graphs load from disk
@@ -153,6 +154,48 @@ def test_quantized_weights_compile_too(tiny_model, method, tmp_path, monkeypatch
     got = compiled.generate(PROMPTS[:3], params)
     assert [o.token_ids for o in got] == [o.token_ids for o in eager.generate(PROMPTS[:3], params)]
     assert 1 in calls and 3 in calls
+
+
+def test_speculation_verifies_on_the_compiled_step(engines, tiny_model):
+    """Speculative decoding stacks on the compiled step: each verify chunk (the last token and
+    its proposals) runs as rows of the compiled graph, one per position. Greedy tokens are the
+    plain engines' (compiled and eager) — one request at a time, in a batch whose pool is too
+    small (preemption), and with prefix caching — across accepted runs and rollbacks."""
+    compiled, eager = engines
+    memory = compiled.engine_config.kv_cache_memory
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    spec = ready(LLM(tiny_model, kv_cache_memory=memory, speculative_config=ngram, **COMPILED, **ENGINE))
+    assert spec.engine.graphs.compile_seconds == {}  # the same package serves the speculating engine
+    verify_rows: list[int] = []  # the tokens of every verify chunk the compiled step ran
+    run = spec.engine.graphs.run
+
+    def counted(chunks, block_tables):
+        verify_rows.extend(c.num_tokens for c in chunks if c.num_tokens > 1)
+        return run(chunks, block_tables)
+
+    spec.engine.graphs.run = counted
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for prompt in PROMPTS:  # alone: 4 rows, the graph's bound
+        expected = eager.generate(prompt, params)[0].token_ids
+        assert compiled.generate(prompt, params)[0].token_ids == expected
+        assert spec.generate(prompt, params)[0].token_ids == expected
+    assert verify_rows and max(verify_rows) == 4
+    outs = spec.generate(PROMPTS, params)  # a batch: its verify steps over 4 rows run eagerly
+    assert [o.token_ids for o in outs] == [o.token_ids for o in eager.generate(PROMPTS, params)]
+    assert sum(o.num_preemptions for o in outs) > 0
+    proposed, accepted = sum(o.metrics.spec_proposed for o in outs), sum(o.metrics.spec_accepted for o in outs)
+    assert 0 < accepted < proposed  # accepted runs and rollbacks both happened
+    spec.engine.block_manager.check_invariants()
+    assert spec.engine.block_manager.num_used_blocks == 0
+
+    cached = ready(LLM(tiny_model, kv_cache_memory=memory * 3, speculative_config=ngram, **COMPILED,
+                       **(ENGINE | {"enable_prefix_caching": True})))  # fmt: skip
+    shared = [PROMPTS[1] + " and again", PROMPTS[1] + " once more"]
+    expected = [o.token_ids for o in eager.generate(shared, params)]
+    for _ in range(2):
+        outs = cached.generate(shared, params)
+        assert [o.token_ids for o in outs] == expected
+    assert sum(o.num_cached_tokens for o in outs) > 0
 
 
 def test_the_package_digest_follows_every_tensor_folded_in(tiny_model):
@@ -398,13 +441,13 @@ def test_the_kernel_operator_passes_pytorchs_operator_checks():
     for case, args in bad.items():
         with pytest.raises(ValueError, match="minillm::paged_decode"):
             torch.ops.minillm.paged_decode(*args)
+            pytest.fail(f"{case}: accepted")
 
 
 def test_compile_refusals(tiny_model):
     cases = [
         (dict(mode="naive", compile=True), "compile=True needs mode='paged' or 'contiguous'"),
         (dict(compile=True, cuda_graphs=True), "compile=True and cuda_graphs=True"),
-        (dict(compile=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
         (dict(compile="yes"), "compile='yes' must be True or False"),
         (dict(compile_batch_sizes=()), "compile_batch_sizes=() must be a non-empty tuple"),
         (dict(compile_batch_sizes=(1, 0)), "compile_batch_sizes=(1, 0) must be"),

@@ -50,3 +50,21 @@ def test_both_fast_paths_are_decode_fast_paths():
     for cls in (DecodeGraphs, CompiledDecode):
         assert {"supports", "run"} <= set(vars(cls)), cls
     assert issubclass(DecodeGraphs, DecodeFastPath) and issubclass(CompiledDecode, DecodeFastPath)
+
+
+def test_a_verify_chunk_runs_as_one_token_rows():
+    """``token_rows``: a chunk that wants logits at each of its tokens (a speculative verify
+    chunk) becomes one decode row per token, at its own position over the same block table;
+    a prompt chunk (logits at its end only) or a long one does not run as rows."""
+    from minillm.runtime.fast_path import MAX_ROWS_PER_CHUNK, runs_as_rows, token_rows
+
+    decode = ChunkInput("a", [5], 9, 1, [0, 1, 2])
+    verify = ChunkInput("b", [7, 8, 9], 4, 3, [3, 4])
+    rows = token_rows([decode, verify])
+    assert rows[0] is decode
+    assert [(r.request_id, r.token_ids, r.start, r.num_logits, r.block_table) for r in rows[1:]] == [
+        ("b", [7], 4, 1, [3, 4]), ("b", [8], 5, 1, [3, 4]), ("b", [9], 6, 1, [3, 4]),
+    ]  # fmt: skip
+    assert runs_as_rows(decode) and runs_as_rows(verify)
+    assert not runs_as_rows(ChunkInput("c", [1, 2, 3], 0, 1, [0]))  # a prompt chunk
+    assert not runs_as_rows(ChunkInput("d", [1] * (MAX_ROWS_PER_CHUNK + 1), 0, MAX_ROWS_PER_CHUNK + 1, [0]))

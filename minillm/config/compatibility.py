@@ -100,13 +100,6 @@ RULES: tuple[Rule, ...] = (
         "cuda_graphs replays the paged decode step: mode='paged' only",
     ),
     Rule(
-        ("speculative_config", "compile"),
-        lambda c, w: c.speculative_config is not None and bool(c.compile),
-        lambda c, w: "speculative_config cannot be combined with compile=True: its verify steps are not "
-        "single-token decode steps, the ones compile=True compiles",
-        "speculation's verify steps are multi-token: not compiled",
-    ),
-    Rule(
         ("speculative_config", "mode"),
         lambda c, w: c.speculative_config is not None and c.mode != "paged",
         lambda c, w: f"speculative_config needs mode='paged' (got mode={c.mode!r})",

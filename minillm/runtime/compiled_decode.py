@@ -24,6 +24,11 @@ the window made every row pay for the longest and every batch pad up to a fixed 
 Over an 8-bit pool, which the kernel does not read, graphs still attend over the window, and
 batches are padded: by default a 1-row and an 8-row graph there.
 
+Speculative decoding's verify steps run here too: a verify chunk (a sequence's last token and
+its k proposals, logits wanted at each) becomes k + 1 decode rows of that sequence, each at its
+own position with its own context length (``fast_path.token_rows``), so speculation stacks on
+the compiled step instead of turning it off.
+
 Prompt steps stay eager: they are dominated by large matrix products. Quantized linear layers
 compile too: their matmuls (``_weight_int8pack_mm`` for int8, ``_weight_int4pack_mm_for_cpu``
 for int4 and AWQ, W8A8's int8 × int8 product) are calls inside the graph, with the quantized
@@ -69,7 +74,7 @@ from minillm.kvcache import addressing
 from minillm.kvcache.paged import PagedKVCache
 from minillm.models.llama import LlamaForCausalLM
 from minillm.runtime.block_table_rows import BlockTableRows
-from minillm.runtime.fast_path import pad_decode_rows, pad_table_rows
+from minillm.runtime.fast_path import pad_decode_rows, pad_table_rows, runs_as_rows, token_rows
 from minillm.runtime.runner import ChunkInput
 from minillm.runtime.thread_governor import configured_threads
 
@@ -146,12 +151,14 @@ class CompiledDecode:
         self.build = None  # the BackgroundBuild getting the graphs ready behind a running engine
 
     def supports(self, chunks: list[ChunkInput]) -> bool:
-        """A pure decode step whose padded row count has a graph loaded. Called at the start of
+        """A step of decode rows — speculative verify chunks included, each token a row
+        (``fast_path.token_rows``) — whose row count has a graph loaded. Called at the start of
         every step, so graphs a background build offered since the last step are swapped in here,
         at a step boundary, never in the middle of one."""
         self.swap_in()
-        rows = self.rows_for(len(chunks))
-        return rows is not None and all(c.is_decode for c in chunks)
+        if not all(runs_as_rows(c) for c in chunks):
+            return False
+        return self.rows_for(sum(c.num_tokens for c in chunks)) is not None
 
     def rows_for(self, n: int) -> int | None:
         """The smallest loaded graph's row count that fits ``n`` rows (None: none does)."""
@@ -331,12 +338,18 @@ class CompiledDecode:
         )
 
     def run(self, chunks: list[ChunkInput], block_tables: BlockTableRows) -> torch.Tensor:
-        """Logits ``[rows, V]`` for a pure decode step (``block_tables``: the runner's)."""
-        batch = self.rows_for(len(chunks))
-        rows = max(len(chunks), MIN_ROWS) if self.free_rows(batch) else batch
-        inputs = self.inputs(chunks, block_tables.gather(chunks, self.window_blocks(chunks)), rows)
+        """Logits ``[rows, V]``, a row per token of ``chunks`` (``block_tables``: the runner's).
+        A verify chunk's tokens are rows of its sequence, each with its own position, slot and
+        context length, all over the sequence's one block table."""
+        rows = token_rows(chunks)
+        batch = self.rows_for(len(rows))
+        padded = max(len(rows), MIN_ROWS) if self.free_rows(batch) else batch
+        tables = block_tables.gather(chunks, self.window_blocks(rows))  # a row per sequence
+        if len(rows) > len(chunks):
+            tables = tables.repeat_interleave(torch.tensor([c.num_tokens for c in chunks]), dim=0)
+        inputs = self.inputs(rows, tables, padded)
         with torch.no_grad():
-            return self.graphs[batch](*inputs)[: len(chunks)]
+            return self.graphs[batch](*inputs)[: len(rows)]
 
 
 def pool_tensors(pool: KVPool) -> list[torch.Tensor]:

@@ -35,10 +35,12 @@ class DecodeFastPath(Protocol):
     """A static-shape path for pure decode steps (``DecodeGraphs``, ``CompiledDecode``)."""
 
     def supports(self, chunks: list[ChunkInput]) -> bool:
-        """Whether ``run`` takes this step: pure decode, at most the largest static row count."""
+        """Whether ``run`` takes this step: decode rows (and, for the compiled CPU step, verify
+        chunks as rows: ``token_rows``), at most the largest static row count."""
 
     def run(self, chunks: list[ChunkInput], block_tables: BlockTableRows) -> torch.Tensor:
-        """Logits ``[len(chunks), vocab]`` (``block_tables``: the runner's persistent rows)."""
+        """Logits ``[rows, vocab]``, one row per token of ``chunks`` in order (a decode step: one
+        per chunk); ``block_tables``: the runner's persistent rows."""
 
 
 @dataclass
@@ -63,6 +65,36 @@ def flat_inputs(chunks: list[ChunkInput], block_size: int) -> FlatInputs:
         out.query_lens.append(n)
         out.context_lens.append(c.start + n)
     return out
+
+
+# A chunk the compiled step runs as rows: every token wants its logits (a speculative verify
+# chunk: the last token and k <= 16 proposals), and it is short.
+MAX_ROWS_PER_CHUNK = 17
+
+
+def runs_as_rows(chunk: ChunkInput) -> bool:
+    """Whether ``chunk`` can run as one-token rows (``token_rows``): a decode, or a short chunk
+    that wants logits at every token — a speculative verify chunk."""
+    return chunk.is_decode or chunk.num_tokens == chunk.num_logits <= MAX_ROWS_PER_CHUNK
+
+
+def token_rows(chunks: list[ChunkInput]) -> list[ChunkInput]:
+    """Each chunk's tokens as one-token rows: token ``i`` of a chunk from ``start`` becomes a
+    decode row at position ``start + i`` whose context is ``start + i + 1`` keys.
+
+    Why this is exact: every layer writes all the step's new keys and values into the pool
+    before any row attends (``write_kv``, then attention), so row ``i`` finds the keys of the
+    chunk's earlier tokens in the pool, and its context length stops it at its own position —
+    the causal mask of a multi-token chunk, as per-row lengths. A verify chunk of ``k + 1``
+    tokens thus runs on a decode step's static shape (``compiled_decode.py``)."""
+    rows = []
+    for c in chunks:
+        if c.is_decode:
+            rows.append(c)
+            continue
+        for i, token in enumerate(c.token_ids):
+            rows.append(ChunkInput(c.request_id, [token], c.start + i, 1, c.block_table, c.max_len))
+    return rows
 
 
 def pad_decode_rows(chunks: list[ChunkInput], rows: int, block_size: int, null_block: int,

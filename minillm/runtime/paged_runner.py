@@ -48,9 +48,9 @@ class PagedRunner:
         self.cache.copy_blocks(inputs.block_copies)
         chunks = inputs.chunks
         if self.graphs is not None and self.graphs.supports(chunks):
-            logits = self.graphs.run(chunks, self.block_tables)
-            rows = [i for i, c in enumerate(chunks) if c.num_logits]
-            if len(rows) < len(chunks):  # a one-token chunk in the middle of a prompt: no logits wanted
+            logits = self.graphs.run(chunks, self.block_tables)  # a row per token
+            rows = select_logit_rows(chunks, list(itertools.accumulate(c.num_tokens for c in chunks)))
+            if len(rows) < len(logits):  # a one-token chunk in the middle of a prompt: no logits wanted
                 logits = logits[torch.tensor(rows, device=logits.device, dtype=torch.long)]
             return logits
         return self.model(self.layout(chunks))
