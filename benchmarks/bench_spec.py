@@ -14,7 +14,8 @@ tokens before the first difference is shown.
 - **grounded**: summarise / extract / rewrite a passage given in the prompt; the answer copies
   from the input, where prompt lookup (``ngram``) should shine.
 
-Rows: the plain engine as shipped (compiled decode, the default: the baseline of its workload
+Proposers: prompt lookup (``ngram``), the distilled draft model (``draft``) and the feature-level
+EAGLE head (``eagle``, ``--eagle``). Rows: the plain engine as shipped (compiled decode, the default: the baseline of its workload
 and batch size) and the plain eager engine (``compile=False``), then each proposer (``ngram``,
 ``draft``) on the default engine — its verify steps compiled too — for k in ``--ks`` at batch 1,
 and at k = 4 for every batch size in ``--batches``. Speed-up = output tokens/s of the row ÷ the
@@ -202,6 +203,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--draft", default="smollm2-draft")
+    parser.add_argument("--eagle", default="smollm2-eagle", help="EAGLE head ('' to leave it out)")
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
@@ -228,6 +230,9 @@ def main(argv=None) -> int:
                            speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4})  # fmt: skip
     engines["draft"] = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False,
                            speculative_config={"method": "draft", "model": args.draft, "num_speculative_tokens": 4})  # fmt: skip
+    if args.eagle:
+        engines["eagle"] = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False,
+                               speculative_config={"method": "eagle", "model": args.eagle, "num_speculative_tokens": 4})  # fmt: skip
     for llm in engines.values():  # the same package: loaded, not compiled again
         print(f"{llm.resolved.decode_fast_path}: {llm.wait_for_fast_path()}", flush=True)
     rows = []
@@ -239,12 +244,13 @@ def main(argv=None) -> int:
             slow = timed_run(eager, subset, batch, args.max_tokens, args.repeats)
             rows.append({"workload": workload, "proposer": "none (eager)", "k": None, "batch": batch, **slow})
             ks = args.ks if batch == 1 else [4]
-            for proposer in ("ngram", "draft"):
+            proposers = [p for p in ("ngram", "draft", "eagle") if p in engines]
+            for proposer in proposers:
                 for k in ks:
                     engines[proposer].engine.speculator.k = k  # the sweep: same engine, k proposals per step
                     run = timed_run(engines[proposer], subset, batch, args.max_tokens, args.repeats)
                     rows.append({"workload": workload, "proposer": proposer, "k": k, "batch": batch, **run})
-            for r in rows[-2 - len(ks) * 2 :]:
+            for r in rows[-2 - len(ks) * len(proposers) :]:
                 r["speedup"] = r["tok_s"] / base["tok_s"]
                 r["vs_eager"] = r["tok_s"] / slow["tok_s"]
                 r["identical"] = r["token_ids"] == base["token_ids"]

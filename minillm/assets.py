@@ -59,6 +59,11 @@ LOCAL_MODELS = {
     "tiny-shakespeare-mha": "tiny-shakespeare-mha",
 }
 
+#: Feature-level (EAGLE) draft heads (``data/recipes/train_eagle_smollm2.py``): ``data/<name>/``
+#: holds the head's own weights and ``config.json``; it reads its target's features, embedding,
+#: final norm and head rows at run time (``speculative/eagle.py``), so nothing is assembled.
+EAGLE_HEADS = {"smollm2-eagle": "smollm2-135m"}
+
 #: Draft models for speculative decoding committed *without* what they share with their target
 #: (trained by ``data/recipes/distill_smollm2_draft.py``): ``data/<name>/`` holds only the new
 #: weights (decoder layers, final norm) and ``config.json``; the embedding — also the tied LM
@@ -120,10 +125,15 @@ def resolve_model(name_or_path: str | os.PathLike, convert: bool = True, progres
         return folder
     if key in DRAFT_MODELS:
         return _resolve_draft(key, convert, progress)
+    if key in EAGLE_HEADS:
+        folder = data_dir() / key
+        if not (folder / "model.safetensors").is_file():
+            raise ModelNotFoundError(f"{key!r} is not in {folder}; run data/recipes/train_eagle_smollm2.py")
+        return folder
     path = Path(key).expanduser()
     if path.is_dir():
         return path
-    known = ", ".join(sorted(REGISTRY) + sorted(LOCAL_MODELS) + sorted(DRAFT_MODELS))
+    known = ", ".join(sorted(REGISTRY) + sorted(LOCAL_MODELS) + sorted(DRAFT_MODELS) + sorted(EAGLE_HEADS))
     raise ModelNotFoundError(f"model {key!r} is neither a known name ({known}) nor an existing folder")
 
 

@@ -198,6 +198,48 @@ def test_speculation_verifies_on_the_compiled_step(engines, tiny_model):
     assert sum(o.num_cached_tokens for o in outs) > 0
 
 
+def test_an_eagle_head_drafts_from_the_compiled_steps_features(engines, tiny_model, tmp_path):
+    """The compiled graph returns every row's last hidden state with its logits, so a
+    feature-level draft stacks on the compiled step too: its features are the eager model's
+    (close in fp32), and greedy tokens are the plain engines'."""
+    from test_eagle import random_head
+
+    compiled, eager = engines
+    head = random_head(tmp_path / "head", str(tiny_model), vocab=64)
+    spec = ready(LLM(tiny_model, kv_cache_memory=compiled.engine_config.kv_cache_memory, **COMPILED, **ENGINE,
+                     speculative_config={"method": "eagle", "model": str(head), "num_speculative_tokens": 2}))  # fmt: skip
+    graphs = spec.engine.graphs
+    seen = []
+    run = graphs.run
+
+    def counted(chunks, block_tables):
+        logits = run(chunks, block_tables)
+        seen.append((sum(c.num_tokens for c in chunks), graphs.last_hidden.shape[0]))
+        return logits
+
+    graphs.run = counted
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    for prompt in PROMPTS[:2]:
+        assert spec.generate(prompt, params)[0].token_ids == eager.generate(prompt, params)[0].token_ids
+    assert seen and all(rows == hidden for rows, hidden in seen) and max(r for r, _ in seen) == 3
+    assert sum(o.metrics.spec_proposed for o in [spec.generate(PROMPTS[0], params)[0]]) > 0
+    # The graph's features against the eager model's, for one decode step.
+    from minillm.runtime.runner import ChunkInput, StepInputs
+
+    ids = spec.tokenizer.encode(PROMPTS[1])
+    blocks = -(-(len(ids) + 1) // ENGINE["block_size"])
+    table = list(range(1, 1 + blocks))
+    runner = spec.engine.runner
+    runner.execute(StepInputs([ChunkInput("x", ids, 0, 1, table)]))
+    step = [ChunkInput("x", [ids[-1]], len(ids), 1, table)]
+    runner.execute(StepInputs(step, want_hidden=True))
+    assert graphs.last_hidden is not None and runner.last_hidden[0].shape == (1, spec.model.config.hidden_size)
+    compiled_hidden = runner.last_hidden[0].clone()
+    runner.graphs = None
+    runner.execute(StepInputs(step, want_hidden=True))  # the same step, eagerly (its K/V rewritten alike)
+    torch.testing.assert_close(compiled_hidden, runner.last_hidden[0], atol=1e-4, rtol=1e-4)
+
+
 def test_the_package_digest_follows_every_tensor_folded_in(tiny_model):
     """Whatever the graph bakes in changes the digest: weights, an int8 layer's quantized
     matrix (a plain attribute, not a parameter), the rotary tables' length (``max_model_len``)."""

@@ -67,6 +67,10 @@ class StepLayout:
     # A static decode step whose rows attend through the C++ kernel (an operator in the graph),
     # each over exactly its own keys, instead of over the whole window (attention/cpu_paged.py).
     in_place_decode: bool = False
+    # Keep every token's last hidden state on the model (``model.last_hidden``): a feature-level
+    # draft (EAGLE, speculative/eagle.py) drafts from the target's own features.
+    keep_hidden: bool = False
+    chunk_ends: list[int] | None = None  # where each chunk's rows end in the flat batch (the runner's order)
 
     @property
     def logit_rows(self) -> torch.Tensor:

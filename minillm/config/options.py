@@ -21,7 +21,7 @@ INT4_METHODS = ("int4", "awq")  # the methods that store int4 groups
 
 
 
-SPECULATIVE_METHODS = ("draft", "ngram")
+SPECULATIVE_METHODS = ("draft", "eagle", "ngram")
 
 
 @dataclass
@@ -30,13 +30,14 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int
-    model: str | None = None  # the draft model ("draft")
+    model: str | None = None  # the draft model ("draft") or the EAGLE head ("eagle")
     quantization: str | None = None  # the draft's weights ("draft"): e.g. "int8" — its LM head dominates a small draft
     prompt_lookup_max: int = 4  # the longest n-gram matched ("ngram")
     prompt_lookup_min: int = 1  # the shortest
 
     KEYS = {
         "draft": {"method", "model", "num_speculative_tokens", "quantization"},
+        "eagle": {"method", "model", "num_speculative_tokens"},
         "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
     }
 
@@ -59,9 +60,10 @@ class SpeculativeConfig:
         if raw["num_speculative_tokens"] > 16:
             raise ValueError(f"speculative_config num_speculative_tokens={raw['num_speculative_tokens']} is above 16")
         config = cls(method, raw["num_speculative_tokens"])
-        if method == "draft":
+        if method in ("draft", "eagle"):
             if not isinstance(raw.get("model"), (str, os.PathLike)) or not str(raw.get("model")):
-                raise ValueError("speculative_config method='draft' needs model=NAME_OR_PATH (the draft model)")
+                what = "the draft model" if method == "draft" else "the EAGLE head, e.g. 'smollm2-eagle'"
+                raise ValueError(f"speculative_config method={method!r} needs model=NAME_OR_PATH ({what})")
             config.model = str(raw["model"])
             if raw.get("quantization") is not None:
                 try:

@@ -170,7 +170,8 @@ def build_engine_parts(
     graphs = decode_fast_path(config, model, kv_cache, backend, max_model_len, window, compile_by_choice,
                               model_dir, attention_dtype)  # fmt: skip
     runner = PagedRunner(model, kv_cache, window, graphs)
-    speculator = build_speculator(config, model_config, tokenizer, device, dtype, max_model_len, num_blocks, backend)
+    speculator = build_speculator(config, model_config, tokenizer, device, dtype, max_model_len, num_blocks, backend,
+                                  model)  # fmt: skip
     parts = EngineParts(scheduler, runner, backend, block_manager, kv_cache, graphs, speculator)
     parts.resolved = resolved(graphs, num_blocks)
     return parts
@@ -310,7 +311,7 @@ def _join_torchrun(spec, comm: str):
 
 
 def build_speculator(config: EngineConfig, model_config: ModelConfig, tokenizer, device, dtype, max_model_len: int,
-                     num_blocks: int, backend: str) -> Speculator | NoSpeculation:  # fmt: skip
+                     num_blocks: int, backend: str, target=None) -> Speculator | NoSpeculation:  # fmt: skip
     """``speculative_config`` → the proposer and verifier. The draft model's pool gets as many
     blocks as the target's plus room for every sequence's k look-ahead tokens."""
     spec = config.speculative
@@ -336,6 +337,11 @@ def build_speculator(config: EngineConfig, model_config: ModelConfig, tokenizer,
         configure_model(model, draft_weights, backend, model.sliding_window, tokenizer=Tokenizer(folder))
         extra = config.max_num_seqs * blocks_for(spec.num_speculative_tokens + 1, config.block_size)
         draft = DraftModelProposer(model, draft_config, config.block_size, num_blocks + extra)
+    elif spec.method == "eagle":
+        from minillm.assets import resolve_model
+        from minillm.speculative.eagle import EagleProposer, load_eagle_head
+
+        draft = EagleProposer(load_eagle_head(resolve_model(spec.model), target))
     return Speculator(spec, max_model_len, draft)
 
 

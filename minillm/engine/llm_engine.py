@@ -349,7 +349,10 @@ class LLMEngine:
         if not scheduled.chunks:
             return []
         self.threads.adjust()  # in the thread that runs the step: OpenMP's thread count is per thread
-        logits = self.runner.execute(self._step_inputs(scheduled))
+        inputs = self._step_inputs(scheduled)
+        logits = self.runner.execute(inputs)
+        if inputs.want_hidden:  # a feature-level draft drafts from what this pass computed
+            self.speculator.observe(inputs.chunks, self.runner.last_hidden, [c.seq for c in scheduled.chunks])
         sampling = [c for c in scheduled.chunks if c.num_logits]
         try:
             for chunk in scheduled.chunks:
@@ -387,7 +390,7 @@ class LLMEngine:
             )
             for c in scheduled.chunks
         ]
-        return StepInputs(chunks, scheduled.copies)
+        return StepInputs(chunks, scheduled.copies, want_hidden=self.speculator.wants_hidden)
 
     @staticmethod
     def _logit_ends(chunks: list[ScheduledChunk]) -> list[int]:

@@ -264,13 +264,29 @@ class LlamaForCausalLM(nn.Module):
     def _forward(self, batch, hidden: torch.Tensor | None = None) -> torch.Tensor:
         if self.rope is None:
             raise RuntimeError("call init_rope(max_positions) before running the model")
+        x = self._hidden_states(batch, hidden)
+        if self.lm_head is None:
+            return x  # the next pipeline stage carries on
+        if getattr(batch, "keep_hidden", False):  # a feature-level draft reads them (speculative/eagle.py)
+            self.last_hidden = x.flatten(0, 1)
+        return self._logits(batch, x)
+
+    def forward_with_hidden(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits as ``_forward`` gives them, and every token's last hidden state ``[N, hidden]``
+        (the last layer's output, before the final norm) — one pass, two outputs: what a
+        compiled decode graph returns when a feature-level draft needs the features."""
+        x = self._hidden_states(batch, None)
+        return self._logits(batch, x), x.flatten(0, 1)
+
+    def _hidden_states(self, batch, hidden: torch.Tensor | None) -> torch.Tensor:
         step = batch.bind(self)  # built once, shared by every layer
         x = self.embed_tokens(batch.input_ids) if hidden is None else hidden
         cos, sin = self.rope.lookup(batch.positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, step)
-        if self.lm_head is None:
-            return x  # the next pipeline stage carries on
+        return x
+
+    def _logits(self, batch, x: torch.Tensor) -> torch.Tensor:
         rows = batch.logit_rows
         if rows is not None:
             x = x.flatten(0, 1)[rows]  # [R, hidden]

@@ -149,6 +149,9 @@ class CompiledDecode:
         self.compile_seconds: dict[int, float] = {}  # batch size -> seconds it took to compile (not load)
         self.load_seconds: dict[int, float] = {}  # batch size -> seconds to load its package
         self.build = None  # the BackgroundBuild getting the graphs ready behind a running engine
+        self.last_hidden: torch.Tensor | None = None  # the last run's rows' hidden states
+
+    returns_hidden = True  # each run also leaves its rows' last hidden states (``last_hidden``)
 
     def supports(self, chunks: list[ChunkInput]) -> bool:
         """A step of decode rows — speculative verify chunks included, each token a row
@@ -349,7 +352,9 @@ class CompiledDecode:
             tables = tables.repeat_interleave(torch.tensor([c.num_tokens for c in chunks]), dim=0)
         inputs = self.inputs(rows, tables, padded)
         with torch.no_grad():
-            return self.graphs[batch](*inputs)[: len(rows)]
+            logits, hidden = self.graphs[batch](*inputs)
+        self.last_hidden = hidden[: len(rows)]  # every row's last hidden state (a feature-level draft's input)
+        return logits[: len(rows)]
 
 
 def pool_tensors(pool: KVPool) -> list[torch.Tensor]:
@@ -395,7 +400,8 @@ class StaticDecodeModule(torch.nn.Module):
             static_decode=True,
             in_place_decode=self.in_place,
         )
-        return self.model._forward(layout)[0]  # [1, B, V] -> [B, V]
+        logits, hidden = self.model.forward_with_hidden(layout)
+        return logits[0], hidden  # [1, B, V] -> [B, V]; [B, hidden]
 
 
 def folded_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -42,18 +42,32 @@ class PagedRunner:
         self.graphs = graphs
         self.device = model.device
         self.block_tables = BlockTableRows(cache.null_block, cache.block_size)
+        self.last_hidden: list[torch.Tensor] | None = None  # per chunk, when the step asked (want_hidden)
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """Copy-on-write copies first, then the forward pass; logits chunk by chunk."""
+        """Copy-on-write copies first, then the forward pass; logits chunk by chunk (and, with
+        ``inputs.want_hidden``, each chunk's hidden states in ``last_hidden``)."""
         self.cache.copy_blocks(inputs.block_copies)
         chunks = inputs.chunks
-        if self.graphs is not None and self.graphs.supports(chunks):
+        self.last_hidden = None
+        fast = self.graphs is not None and (not inputs.want_hidden or getattr(self.graphs, "returns_hidden", False))
+        if fast and self.graphs.supports(chunks):
             logits = self.graphs.run(chunks, self.block_tables)  # a row per token
-            rows = select_logit_rows(chunks, list(itertools.accumulate(c.num_tokens for c in chunks)))
+            ends = list(itertools.accumulate(c.num_tokens for c in chunks))
+            if inputs.want_hidden:
+                hidden = self.graphs.last_hidden
+                self.last_hidden = [hidden[end - c.num_tokens : end] for c, end in zip(chunks, ends)]
+            rows = select_logit_rows(chunks, ends)
             if len(rows) < len(logits):  # a one-token chunk in the middle of a prompt: no logits wanted
                 logits = logits[torch.tensor(rows, device=logits.device, dtype=torch.long)]
             return logits
-        return self.model(self.layout(chunks))
+        layout = self.layout(chunks)
+        layout.keep_hidden = inputs.want_hidden
+        logits = self.model(layout)
+        if inputs.want_hidden:
+            hidden, self.model.last_hidden = self.model.last_hidden, None
+            self.last_hidden = [hidden[end - c.num_tokens : end] for c, end in zip(chunks, layout.chunk_ends)]
+        return logits
 
     def release(self, request_id: Hashable) -> None:
         """Blocks belong to the block manager (the scheduler frees them); only our copy of the
@@ -69,7 +83,7 @@ class PagedRunner:
         ends = dict(zip(map(id, order), itertools.accumulate(flat.query_lens)))
         tables = self.block_tables.gather(order, addressing.blocks_for(max(flat.context_lens), bs))
         logit_rows = select_logit_rows(chunks, [ends[id(c)] for c in chunks])
-        return StepLayout(
+        layout = StepLayout(
             input_ids=self._tensor(flat.input_ids)[None],
             positions=self._tensor(flat.positions)[None],
             slot_mapping=self._tensor(flat.slot_mapping),
@@ -80,7 +94,9 @@ class PagedRunner:
             logit_index=self._tensor(logit_rows),
             pool=self.pool,
             window=self.window,
+            chunk_ends=[ends[id(c)] for c in chunks],
         )
+        return layout
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

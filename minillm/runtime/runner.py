@@ -50,6 +50,10 @@ class ChunkInput:
 class StepInputs:
     chunks: list[ChunkInput]
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the pass
+    # Also return every token's last hidden state (``runner.last_hidden``: one ``[num_tokens,
+    # hidden]`` tensor per chunk, in order): what a feature-level draft (EAGLE) drafts from —
+    # the same pass's by-product, not a second forward.
+    want_hidden: bool = False
 
     @property
     def num_logits(self) -> int:

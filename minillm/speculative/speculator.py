@@ -42,6 +42,12 @@ class Speculator:
         self.max_model_len = max_model_len
         self.draft = draft
         self._draft_dists: dict[Hashable, torch.Tensor | None] = {}
+        # A feature-level draft (EAGLE) reads the target's hidden states after every step.
+        self.wants_hidden = bool(getattr(draft, "wants_hidden", False))
+
+    def observe(self, chunks, hidden: list[torch.Tensor], seqs: list[Sequence]) -> None:
+        """The target's step ran ``chunks`` (``ChunkInput``s) and left each one's hidden states."""
+        self.draft.observe([c.request_id for c in chunks], [c.start for c in chunks], hidden, seqs)
 
     def eligible(self, seq: Sequence) -> int:
         """How many tokens to propose for ``seq`` this step (0: decode it plainly).
@@ -101,6 +107,8 @@ class Speculator:
 
 class NoSpeculation:
     """The engine without ``speculative_config``: proposes nothing, so no chunk verifies."""
+
+    wants_hidden = False
 
     def propose(self, running: list[Sequence]) -> None:
         pass

@@ -1,0 +1,243 @@
+"""Recipe: a feature-level (EAGLE) draft head for SmolLM2-135M-Instruct, by self-distillation.
+
+    python data/recipes/train_eagle_smollm2.py                 # everything; minutes on 2 CPU cores
+    python data/recipes/train_eagle_smollm2.py --steps 40 --prompts 64 --no-save   # a pilot
+
+What it builds (``minillm/speculative/eagle.py``): one decoder layer that reads SmolLM2's own
+last hidden state ``f_t`` and the embedding of the next token ``x_{t+1}`` and predicts the next
+feature ``f̂_{t+1}``; SmolLM2's final norm and the rows of its tied head for the
+``--draft-vocab`` tokens it produces most often turn that into a guess for ``x_{t+2}``.
+
+**Text**: SmolLM2's own greedy answers to templated chat prompts (the same prompts, subjects
+and held-out evaluation prompts as ``distill_smollm2_draft.py``), rendered with its chat
+template, and ``--prose-chars`` of Python's reference manual (the draft recipe's training
+slice), concatenated and cut into windows of ``SEQ_LEN`` tokens. (A first run on the chat
+answers alone — 62k tokens, 800 steps — reached top-1 0.66 on training answers but 0.26 on the
+held-out prompts: too little text, learnt by heart. Prose is free to add: it needs no
+generation, only SmolLM2's pass over it.) SmolLM2 then runs once over
+the windows: its last hidden state at every position (the features) and its greedy next token
+there (the labels). Nothing but SmolLM2 and the Python standard library's text is used.
+
+**Loss** (as EAGLE): a smooth-L1 regression of ``f̂_{t+1}`` onto SmolLM2's ``f_{t+1}`` (scaled
+by the features' standard deviation) plus ``--ce-weight`` × the cross-entropy of the reduced
+head against SmolLM2's next token at ``t+1`` (labels outside the reduced vocabulary are left
+out). Input features get Gaussian noise (``--noise`` × their standard deviation), as EAGLE adds
+noise: at run-ahead the head reads its own, imperfect, features. **Initialisation**: the layer from SmolLM2's last decoder layer (it already reads
+late features), ``fc`` as ``[I, 0]`` (start from the feature itself).
+
+**Evaluation**: SmolLM2 bf16 serving the 8 held-out chat prompts (64 tokens, greedy) with the
+head proposing k = 4 — acceptance rate and accepted tokens per verify step, and the same for
+prompt lookup, through ``LLM(..., speculative_config=...)``.
+
+Stores ``data/smollm2-eagle/`` (``config.json``, ``model.safetensors`` in bf16 with the
+vocabulary subset, ``training.json`` with the record of this run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")  # autocast: bf16 in, fp32 norm
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE.parent / "smollm2-eagle"
+TARGET = "smollm2-135m"
+SEQ_LEN = 256
+SEED = 1234
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def distill_recipe():
+    """The draft recipe's prompts and chat generation (one source for both drafts' text)."""
+    spec = importlib.util.spec_from_file_location("distill_smollm2_draft", HERE / "distill_smollm2_draft.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def target_features(windows: torch.Tensor, batch: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """SmolLM2's last hidden states ``[n, SEQ_LEN, hidden]`` (bf16) and greedy next tokens."""
+    from minillm.assets import resolve_model
+    from minillm.attention.contiguous import ForwardBatch
+    from minillm.models import load_model
+
+    model = load_model(resolve_model(TARGET), torch.bfloat16)
+    n = len(windows)
+    feats = torch.empty(n, SEQ_LEN, model.config.hidden_size, dtype=torch.bfloat16)
+    labels = torch.empty(n, SEQ_LEN, dtype=torch.long)
+    positions = torch.arange(SEQ_LEN)[None]
+    with torch.inference_mode():
+        for i in range(0, n, batch):
+            x = windows[i : i + batch]
+            logits, hidden = model.forward_with_hidden(ForwardBatch(x, positions.expand(len(x), -1)))
+            feats[i : i + batch] = hidden.view(len(x), SEQ_LEN, -1)
+            labels[i : i + batch] = logits.argmax(-1)
+    return feats, labels
+
+
+def init_head(vocab_ids: torch.Tensor):
+    """An ``EagleHead`` over SmolLM2 (bf16, frozen), its layer from SmolLM2's last, fp32 weights."""
+    from safetensors import safe_open
+
+    from minillm.assets import resolve_model
+    from minillm.config import ModelConfig
+    from minillm.models import load_model
+    from minillm.speculative.eagle import EagleConfig, EagleHead
+
+    folder = resolve_model(TARGET)
+    mc = ModelConfig.from_folder(folder)
+    target = load_model(folder, torch.bfloat16, max_positions=4096)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    cfg = EagleConfig(mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.intermediate_size,
+                      mc.rms_norm_eps, len(vocab_ids), TARGET)  # fmt: skip
+    head = EagleHead(cfg, target, vocab_ids).float()
+    last = f"model.layers.{mc.num_layers - 1}."
+    names = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+             "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+             "down_proj": "mlp.down_proj", "input_norm": "input_layernorm",
+             "post_norm": "post_attention_layernorm"}  # fmt: skip
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f, torch.no_grad():
+        for ours, theirs in names.items():
+            getattr(head, ours).weight.copy_(f.get_tensor(f"{last}{theirs}.weight").float())
+        h = mc.hidden_size
+        head.fc.weight.zero_()
+        head.fc.weight[:, :h] = torch.eye(h)
+    return head, target
+
+
+def train(head, feats, labels, windows, vocab_ids, args) -> list[dict]:
+    """EAGLE's loss over random windows: features regressed, the reduced head's next token."""
+    index = torch.full((head.target[0].config.vocab_size,), -100, dtype=torch.long)
+    index[vocab_ids] = torch.arange(len(vocab_ids))
+    sigma = feats.float().std().item()
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    warmup = max(1, args.steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / args.steps)))
+    )
+    gen = torch.Generator().manual_seed(SEED)
+    positions = torch.arange(SEQ_LEN - 1)
+    curve, order, start = [], [], time.time()
+    head.train()
+    for step in range(args.steps):
+        if len(order) < args.batch:
+            order += torch.randperm(len(windows), generator=gen).tolist()
+        idx, order = order[: args.batch], order[args.batch :]
+        reg = ce = 0.0
+        hits = counted = 0
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            for i in idx:
+                f, x, y = feats[i].float(), windows[i], index[labels[i]]
+                noisy = f[:-1] + args.noise * sigma * torch.randn(f[:-1].shape, generator=gen)
+                pred, _, _ = head(noisy, x[1:], positions)  # (f_t, x_{t+1}) -> f̂_{t+1}
+                reg = reg + F.smooth_l1_loss(pred.float() / sigma, f[1:] / sigma)
+                scores = head.logits(pred).float()
+                target = y[1:]  # SmolLM2's next token after x_{t+1}
+                ce = ce + F.cross_entropy(scores, target, ignore_index=-100)
+                keep = target >= 0
+                hits += int((scores.argmax(-1)[keep] == target[keep]).sum())
+                counted += int(keep.sum())
+        loss = (reg + args.ce_weight * ce) / len(idx)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 20 == 0 or step == args.steps - 1:
+            record = {"step": step, "reg": float(reg.detach()) / len(idx), "ce": float(ce.detach()) / len(idx),
+                      "top1": hits / max(counted, 1), "seconds": round(time.time() - start, 1)}  # fmt: skip
+            curve.append(record)
+            log(f"step {step}: reg {record['reg']:.3f} ce {record['ce']:.3f} top-1 {record['top1']:.3f}")
+    head.eval()
+    return curve
+
+
+def speculation(spec: dict, prompts: list[str], k: int = 4, max_tokens: int = 64) -> dict:
+    from minillm import LLM, SamplingParams
+
+    llm = LLM(TARGET, compile=False, speculative_config={**spec, "num_speculative_tokens": k})
+    outs = llm.generate([[{"role": "user", "content": p}] for p in prompts], SamplingParams(max_tokens=max_tokens))
+    proposed = sum(o.metrics.spec_proposed for o in outs)
+    accepted = sum(o.metrics.spec_accepted for o in outs)
+    steps = sum(o.metrics.num_verify_steps for o in outs)
+    return {"k": k, "acceptance_rate": accepted / max(proposed, 1), "accepted_per_step": accepted / max(steps, 1),
+            "passes_per_token": sum(o.metrics.num_forward_passes for o in outs) / sum(len(o.token_ids) for o in outs)}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=None, help="training prompts (default: all)")
+    parser.add_argument("--max-answer", type=int, default=192)
+    parser.add_argument("--draft-vocab", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--batch", type=int, default=8, help="windows per step")
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--ce-weight", type=float, default=0.1)
+    parser.add_argument("--prose-chars", type=int, default=400_000, help="reference-manual text, from the draft recipe's training slice")
+    parser.add_argument("--noise", type=float, default=0.05, help="Gaussian noise on input features, x their std")
+    parser.add_argument("--no-save", action="store_true")
+    parser.add_argument("--out", default=str(OUT))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(SEED)
+    began = time.time()
+    recipe = distill_recipe()
+    prompts = recipe.training_prompts()[: args.prompts]
+    docs, text_stats = recipe.generate_chat_docs(prompts, args.max_answer)
+    from minillm.assets import resolve_model
+    from minillm.tokenizer import Tokenizer
+
+    prose = recipe.pydoc_text()[recipe.PROSE_TRAIN_START : recipe.PROSE_TRAIN_START + args.prose_chars]
+    prose_ids = Tokenizer(resolve_model(TARGET)).encode(prose, add_special_tokens=False)
+    text_stats["prose_tokens"] = len(prose_ids)
+    ids = [t for d in docs for t in d] + prose_ids
+    windows = recipe.windows_of(ids)
+    log(f"{len(windows)} windows of {SEQ_LEN} tokens ({time.time() - began:.0f} s so far)")
+    feats, labels = target_features(windows)
+    log(f"SmolLM2's features and next tokens ({time.time() - began:.0f} s so far)")
+    counts = torch.bincount(labels.flatten(), minlength=49152)
+    vocab_ids = counts.argsort(descending=True)[: args.draft_vocab].sort().values
+    coverage = counts[vocab_ids].sum().item() / counts.sum().item()
+    log(f"draft vocabulary: {len(vocab_ids)} tokens cover {coverage:.1%} of SmolLM2's next tokens")
+    head, _ = init_head(vocab_ids)
+    curve = train(head, feats, labels, windows, vocab_ids, args)
+    trained_seconds = time.time() - began
+    record = {"args": vars(args), "text": text_stats, "windows": len(windows), "vocab_coverage": coverage,
+              "curve": curve, "seconds_to_train": round(trained_seconds), "torch": torch.__version__}  # fmt: skip
+    if args.no_save:
+        log(json.dumps(record)[:2000])
+        return
+    from minillm.speculative.eagle import save_eagle_head
+
+    out = Path(args.out)
+    save_eagle_head(head, out)
+    log(f"saved {out} ({(out / 'model.safetensors').stat().st_size / 2**20:.1f} MiB); measuring speculation")
+    record["speculation"] = {
+        "eagle": speculation({"method": "eagle", "model": str(out)}, recipe.EVAL_PROMPTS),
+        "ngram": speculation({"method": "ngram"}, recipe.EVAL_PROMPTS),
+    }
+    from minillm.machine import machine_description
+
+    record["machine"] = machine_description(torch.device("cpu"))
+    record["seconds_total"] = round(time.time() - began)
+    (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
+    log(json.dumps(record["speculation"]))
+
+
+if __name__ == "__main__":
+    main()

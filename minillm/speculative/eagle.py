@@ -1,0 +1,286 @@
+"""A feature-level draft head (EAGLE): draft from the target's own last hidden states.
+
+A separate draft model (``draft_model.py``) has to rebuild, from tokens alone, what the target
+already knows about the text, and its LM head over the whole vocabulary costs a quarter of a
+SmolLM2 pass by itself. EAGLE (Li et al., 2024, arXiv:2401.15077) drafts from the target's
+**features** instead — the last decoder layer's output, before the final norm, which the
+target's verify pass computes anyway (the runner hands them over: ``StepInputs.want_hidden``).
+
+One draft step at position ``t`` takes the target's feature ``f_t`` and the embedding of the
+next token ``x_{t+1}`` (the target's own embedding table), mixes them (``fc``: 2·hidden →
+hidden), runs **one decoder layer** — attending, through its own small KV cache, over the draft
+positions before it — and predicts the feature ``f̂_{t+1}``. The target's final norm and LM head
+rows turn ``f̂_{t+1}`` into a guess for ``x_{t+2}``; to run ahead, ``f̂_{t+1}`` stands in for the
+feature the target has not computed yet.
+
+**A reduced vocabulary.** The head scores only ``draft_vocab_size`` tokens — those the target
+produced most often in the training text (``vocab_ids``), rows of the target's own tied head,
+so nothing is trained or stored for it. A proposal outside that set is impossible, which only
+lowers acceptance; the verifier always scores the full vocabulary, so the output is the target's.
+
+What is stored (``config.json`` + ``model.safetensors``): ``fc`` and the decoder layer, and the
+vocabulary subset — a few MB. Trained by ``data/recipes/train_eagle_smollm2.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Hashable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minillm.models.rope import apply_rope
+from minillm.sampling import filtered_logits
+from minillm.sequence import Sequence
+
+
+@dataclass
+class EagleConfig:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    draft_vocab_size: int
+    target: str  # the model whose features it reads (a registry name or folder name)
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> EagleConfig:
+        raw = json.loads((Path(folder) / "config.json").read_text())
+        if raw.get("architecture") != "eagle":
+            raise ValueError(f"{folder} is not an EAGLE draft head (config.json architecture={raw.get('architecture')!r})")
+        return cls(**{k: raw[k] for k in cls.__dataclass_fields__})
+
+    def save(self, folder: str | Path) -> None:
+        (Path(folder) / "config.json").write_text(json.dumps({"architecture": "eagle", **asdict(self)}, indent=1) + "\n")
+
+
+class EagleHead(nn.Module):
+    """``fc`` + one decoder layer; the target's embedding, final norm and head rows are borrowed."""
+
+    def __init__(self, cfg: EagleConfig, target, vocab_ids: torch.Tensor):
+        super().__init__()
+        h, dtype = cfg.hidden_size, target.dtype
+        self.cfg = cfg
+        self.fc = nn.Linear(2 * h, h, bias=False, dtype=dtype)
+        self.input_norm = nn.RMSNorm(h, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.q_proj = nn.Linear(h, cfg.num_heads * cfg.head_dim, bias=False, dtype=dtype)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=False, dtype=dtype)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=False, dtype=dtype)
+        self.post_norm = nn.RMSNorm(h, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False, dtype=dtype)
+        # Borrowed from the target, not parameters of the head (not trained, not stored).
+        self.target = [target]  # a list: not registered as a submodule
+        self.register_buffer("vocab_ids", vocab_ids.to(torch.long), persistent=False)
+        self.head_weight = head_rows(target, self.vocab_ids)  # [draft_vocab, hidden]
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.target[0].embed_tokens(tokens).to(self.fc.weight.dtype)
+
+    def logits(self, feats: torch.Tensor) -> torch.Tensor:
+        """Scores over the draft vocabulary (``vocab_ids``) for predicted features."""
+        return self.target[0].norm(feats) @ self.head_weight.T
+
+    def forward(self, feats, tokens, positions, past_k=None, past_v=None):
+        """``feats[T, hidden]`` (target features at positions ``positions[T]``), ``tokens[T]``
+        (the token after each) → predicted next features ``[T, hidden]`` and this call's keys and
+        values ``[T, kv_heads, head_dim]``. ``past_k, past_v[P, kv_heads, head_dim]``: the draft
+        positions before these (causal over them and within the call)."""
+        cfg = self.cfg
+        T = feats.shape[0]
+        x = self.fc(torch.cat([feats.to(self.fc.weight.dtype), self.embed(tokens)], dim=-1))
+        a = self.input_norm(x)
+        q = self.q_proj(a).view(1, T, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(a).view(1, T, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(a).view(1, T, cfg.num_kv_heads, cfg.head_dim)
+        cos, sin = self.target[0].rope.lookup(positions[None], q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = k[0], v[0]
+        keys = k if past_k is None else torch.cat([past_k, k])
+        values = v if past_v is None else torch.cat([past_v, v])
+        P = keys.shape[0] - T
+        groups = cfg.num_heads // cfg.num_kv_heads
+        kh = keys.transpose(0, 1).repeat_interleave(groups, 0)[None]  # [1, H, P+T, D]
+        vh = values.transpose(0, 1).repeat_interleave(groups, 0)[None]
+        mask = None
+        if T > 1:  # causal within the call; every past key visible
+            mask = torch.ones(T, P + T, dtype=torch.bool, device=feats.device).tril(P)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), kh, vh, attn_mask=mask)
+        x = x + self.o_proj(o.transpose(1, 2).reshape(T, -1))
+        m = self.post_norm(x)
+        x = x + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+        return x, k, v
+
+
+def head_rows(target, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """The target's LM-head rows of ``vocab_ids``, as a plain tensor (a tied head reads the
+    embedding table; a head whose weight was packed for the CPU keeps it only there)."""
+    weight = getattr(target.lm_head, "weight", None)
+    if (weight is None or weight.is_mkldnn) and target.config.tie_word_embeddings:
+        weight = target.embed_tokens.weight
+    if weight is None or weight.is_mkldnn or not weight.is_floating_point():
+        raise ValueError("an EAGLE head needs the target's LM head as a plain floating-point matrix "
+                         "(not a quantized or packed one)")  # fmt: skip
+    return weight.detach()[vocab_ids.to(weight.device)]
+
+
+def save_eagle_head(head: EagleHead, folder: str | Path) -> None:
+    """``config.json`` and ``model.safetensors`` (the head's own weights in bf16, and its
+    vocabulary subset): what ``load_eagle_head`` reads."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    head.cfg.save(folder)
+    weights = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in head.state_dict().items()}
+    weights["vocab_ids"] = head.vocab_ids.cpu().contiguous()
+    save_file(weights, str(folder / "model.safetensors"))
+
+
+def load_eagle_head(folder: str | Path, target) -> EagleHead:
+    """The head stored in ``folder`` (``config.json``, ``model.safetensors``) over ``target``."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    cfg = EagleConfig.from_folder(folder)
+    tcfg = target.config
+    if (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) != (
+        tcfg.hidden_size,
+        tcfg.num_heads,
+        tcfg.num_kv_heads,
+    ):
+        raise ValueError(
+            f"speculative_config model={str(folder)!r}: an EAGLE head for hidden {cfg.hidden_size} / "
+            f"{cfg.num_heads} heads, not this target's {tcfg.hidden_size} / {tcfg.num_heads}"
+        )
+    weights = load_file(str(folder / "model.safetensors"))
+    vocab_ids = weights.pop("vocab_ids")
+    if int(vocab_ids.max()) >= tcfg.vocab_size:
+        raise ValueError(f"speculative_config model={str(folder)!r}: its vocabulary ids exceed the target's")
+    head = EagleHead(cfg, target, vocab_ids.to(target.device))
+    head.load_state_dict({k: v.to(target.dtype) for k, v in weights.items()})
+    return head.to(target.device).eval()
+
+
+class _State:
+    """One request's draft state: the target's features by position, and the draft layer's cache."""
+
+    def __init__(self, seq: Sequence, head: EagleHead):
+        cfg, dev = head.cfg, head.fc.weight.device
+        self.seq = seq
+        self.feats = torch.empty(64, cfg.hidden_size, dtype=head.fc.weight.dtype, device=dev)
+        self.lo = self.hi = 0  # target features held for positions lo .. hi-1
+        self.k = torch.empty(64, cfg.num_kv_heads, cfg.head_dim, dtype=head.fc.weight.dtype, device=dev)
+        self.v = torch.empty_like(self.k)
+        self.kv_lo = self.filled = 0  # draft keys from true inputs at positions kv_lo .. filled-1
+
+    def store(self, start: int, hidden: torch.Tensor) -> None:
+        if start > self.hi or start < self.lo:  # a gap (prefix-cache hit) or a recomputed prefix: start over
+            self.lo = self.hi = self.kv_lo = self.filled = start
+        end = start + hidden.shape[0]
+        self.feats = _fit(self.feats, end - self.lo)
+        self.feats[start - self.lo : end - self.lo] = hidden
+        self.hi = end
+        self.filled = min(self.filled, start)  # draft keys built on overwritten features go
+
+    def put_kv(self, at: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        end = at + k.shape[0] - self.kv_lo
+        self.k, self.v = _fit(self.k, end), _fit(self.v, end)
+        self.k[at - self.kv_lo : end], self.v[at - self.kv_lo : end] = k, v
+
+
+def _fit(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if rows <= t.shape[0]:
+        return t
+    grown = torch.empty(max(rows, 2 * t.shape[0]), *t.shape[1:], dtype=t.dtype, device=t.device)
+    grown[: t.shape[0]] = t
+    return grown
+
+
+class EagleProposer:
+    """Proposes with an ``EagleHead`` from the features the target's passes leave behind.
+
+    Per request and step: **catch up** — run the draft layer over the positions whose target
+    features arrived since its last step (their keys and values are true: built from the target's
+    features and the sequence's tokens), the last of them proposing ``d1``; then **run ahead**
+    ``k − 1`` steps, each feeding its own predicted feature and the previous proposal. Run-ahead
+    keys are never kept: the next catch-up rebuilds those positions from the target's features.
+    """
+
+    wants_hidden = True
+
+    def __init__(self, head: EagleHead):
+        self.head = head
+        self.states: dict[Hashable, _State] = {}
+
+    def observe(self, request_ids: list[Hashable], starts: list[int], hidden: list[torch.Tensor], seqs) -> None:
+        """The target's step computed ``hidden[i]`` for positions ``starts[i]..`` of request ``i``."""
+        for rid, start, h, seq in zip(request_ids, starts, hidden, seqs):
+            state = self.states.get(rid)
+            if state is None or state.seq is not seq:
+                state = self.states[rid] = _State(seq, self.head)
+            state.store(start, h.to(state.feats.dtype))
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> dict[Hashable, tuple[list[int], torch.Tensor | None]]:
+        out = {}
+        for seq, k in zip(seqs, ks):
+            state = self.states.get(seq.request_id)
+            if state is None or state.seq is not seq:
+                continue
+            n = len(seq)
+            state.hi = min(state.hi, n - 1)  # features of rejected positions are not the sequence's
+            if state.hi < n - 1 or n - 2 < state.lo:  # the target has not computed position n-2 yet
+                continue
+            out[seq.request_id] = self._propose_one(seq, state, k)
+        return out
+
+    def _propose_one(self, seq: Sequence, state: _State, k: int):
+        head, tokens, n = self.head, seq.token_ids, len(seq)
+        device = state.feats.device
+        first = min(max(state.filled, state.kv_lo), n - 2)  # at least position n-2: it proposes d1
+        positions = torch.arange(first, n - 1, device=device)
+        feats = state.feats[first - state.lo : n - 1 - state.lo]
+        toks = torch.tensor(tokens[first + 1 : n], device=device)
+        past = slice(0, first - state.kv_lo)
+        pred, k_new, v_new = head(feats, toks, positions, state.k[past], state.v[past])
+        state.put_kv(first, k_new, v_new)
+        state.filled = n - 1
+        proposals, dists = [], []
+        feat = pred[-1:]
+        for step in range(k):
+            token, dist = self._pick(seq, head.logits(feat)[0])
+            proposals.append(token)
+            if dist is not None:
+                dists.append(dist)
+            if step + 1 == k:
+                break
+            at = n - 1 + step  # the position whose token is the proposal just made
+            keys = slice(0, at - state.kv_lo)
+            pos = torch.tensor([at], device=device)
+            feat, k_new, v_new = head(feat, torch.tensor([token], device=device), pos, state.k[keys], state.v[keys])
+            state.put_kv(at, k_new, v_new)  # beyond `filled`: overwritten by the next catch-up
+        return proposals, (torch.stack(dists) if dists else None)
+
+    def _pick(self, seq: Sequence, scores: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        ids = self.head.vocab_ids
+        if seq.params.greedy:
+            return int(ids[scores.argmax()]), None
+        full = torch.full((self.head.target[0].config.vocab_size,), float("-inf"), device=scores.device)
+        full[ids] = scores.float()
+        q = filtered_logits(full[None], [seq.params]).softmax(-1)[0]
+        return int(torch.multinomial(q, 1, generator=seq.generator)), q
+
+    def rollback(self, seq: Sequence) -> None:
+        """Nothing to undo: positions past the sequence are clipped at the next proposal."""
+
+    def release(self, request_id: Hashable) -> None:
+        self.states.pop(request_id, None)

@@ -1,0 +1,197 @@
+"""The feature-level (EAGLE) draft head: the runner hands over the target's hidden states, the
+head drafts from them incrementally exactly as in one pass, and the engine's greedy output is
+the target's alone — with accepted runs and rollbacks, preemption and prefix hits — plus every
+bad option named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minillm import LLM, SamplingParams
+from minillm.assets import resolve_model
+from minillm.config import ModelConfig
+from minillm.kvcache.addressing import kv_bytes_per_token
+from minillm.models import load_model
+from minillm.speculative.eagle import EagleConfig, EagleHead, EagleProposer, load_eagle_head, save_eagle_head
+
+TARGET = "tiny-shakespeare-8m"
+PROMPTS = [
+    "KING.\nNow is the winter",
+    "ROMEO.\nBut soft, what light through yonder window breaks? It is the east",
+    "HAMLET.\nTo be, or not to be, that is the question. To be, or not",
+    "First Citizen:\nBefore we proceed any further, hear me speak.",
+]
+
+
+def random_head(folder, target_name: str = TARGET, vocab: int = 48, seed: int = 0):
+    """An untrained head over ``target_name`` (its most common ids: the first ``vocab``), saved."""
+    target = load_model(resolve_model(target_name), torch.float32)
+    mc = target.config
+    cfg = EagleConfig(mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.intermediate_size,
+                      mc.rms_norm_eps, vocab, target_name)  # fmt: skip
+    torch.manual_seed(seed)
+    head = EagleHead(cfg, target, torch.arange(vocab))
+    save_eagle_head(head, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory):
+    return random_head(tmp_path_factory.mktemp("eagle"))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = LLM(TARGET, dtype="fp32")
+    return [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))]
+
+
+def eagle(head_dir, k: int = 3) -> dict:
+    return {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": k}
+
+
+def test_the_runner_hands_over_every_tokens_hidden_state():
+    """``StepInputs.want_hidden``: per chunk, the last layer's output at each of its tokens —
+    the same numbers a separate pass gives, in the chunks' order (not the runner's)."""
+    llm = LLM(TARGET, dtype="fp32")
+    runner = llm.engine.runner
+    from minillm.runtime.runner import ChunkInput, StepInputs
+
+    blocks = llm.engine.block_manager
+    ids = llm.tokenizer.encode(PROMPTS[2])
+    table = list(range(1, 1 + -(-len(ids) // blocks.block_size)))
+    chunks = [ChunkInput("a", ids, 0, 1, table)]
+    runner.execute(StepInputs(chunks, want_hidden=True))
+    (prefill,) = runner.last_hidden
+    decode = ChunkInput("a", [ids[-1]], len(ids), 1, table + [table[-1] + 1])
+    prompt = ChunkInput("b", ids[:5], 0, 1, [table[-1] + 2])
+    runner.execute(StepInputs([prompt, decode], want_hidden=True))  # the runner puts decodes first
+    assert [h.shape[0] for h in runner.last_hidden] == [5, 1]
+    torch.testing.assert_close(runner.last_hidden[0], prefill[:5], atol=1e-4, rtol=1e-4)  # another batch: fp32 rounding
+    from minillm.attention.contiguous import ForwardBatch
+
+    whole = ids + [ids[-1]]
+    _, hidden = llm.model.forward_with_hidden(ForwardBatch(torch.tensor([whole]), torch.arange(len(whole))[None]))
+    torch.testing.assert_close(prefill, hidden[: len(ids)], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(runner.last_hidden[1], hidden[-1:], atol=1e-4, rtol=1e-4)
+    runner.execute(StepInputs(chunks))
+    assert runner.last_hidden is None  # only when asked
+
+
+def test_drafting_step_by_step_matches_one_pass(head_dir):
+    """The proposer builds the draft layer's keys position by position — catching up on the
+    target's features as they arrive — and predicts what one pass over all positions predicts."""
+    target = load_model(resolve_model(TARGET), torch.float32)
+    head = load_eagle_head(head_dir, target)
+    feats = torch.randn(12, target.config.hidden_size)
+    tokens = torch.randint(0, 40, (13,))
+    with torch.inference_mode():
+        whole, k_all, v_all = head(feats, tokens[1:], torch.arange(12))
+        first, k1, v1 = head(feats[:5], tokens[1:6], torch.arange(5))
+        rest, k2, v2 = head(feats[5:], tokens[6:], torch.arange(5, 12), k1, v1)
+    torch.testing.assert_close(torch.cat([first, rest]), whole, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.cat([k1, k2]), k_all)
+
+    class Seq:  # what the proposer reads of a sequence
+        request_id, params = "s", SamplingParams(temperature=0)
+
+        def __init__(self, ids):
+            self.token_ids = ids
+
+        def __len__(self):
+            return len(self.token_ids)
+
+    proposer = EagleProposer(head)
+    seq = Seq(tokens[:8].tolist())
+    proposer.observe(["s"], [0], [feats[:7]], [seq])  # the target computed positions 0..6
+    with torch.inference_mode():
+        proposals, _ = proposer.propose([seq], [1])["s"]
+        seq.token_ids = tokens.tolist()  # five more tokens accepted; their features arrive
+        proposer.observe(["s"], [7], [feats[7:12]], [seq])
+        proposals2, _ = proposer.propose([seq], [1])["s"]
+        expected = [int(head.vocab_ids[head.logits(whole[i : i + 1])[0].argmax()]) for i in (6, 11)]
+    assert [proposals[0], proposals2[0]] == expected
+    state = proposer.states["s"]
+    torch.testing.assert_close(state.k[:12], k_all, atol=1e-4, rtol=1e-4)  # only true keys were kept
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_eagle_reproduces_the_target_alone(head_dir, reference, k):
+    llm = LLM(TARGET, dtype="fp32", speculative_config=eagle(head_dir, k))
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert [o.token_ids for o in outs] == reference
+    assert sum(o.metrics.spec_proposed for o in outs) > 0
+    assert llm.engine.block_manager.num_used_blocks == 0 and not llm.engine.speculator.draft.states
+
+
+def test_accepted_runs_rollbacks_preemption_and_prefix_hits(head_dir, reference, monkeypatch):
+    """The head's machinery runs as usual, but its first guess each step is replaced by the
+    target's own next token and its second by a wrong one: some proposals are accepted, some
+    rolled back — in a pool small enough to preempt, and on a second round that hits the prefix
+    cache. The tokens never change."""
+    per_block = 4 * kv_bytes_per_token(ModelConfig.from_folder(resolve_model(TARGET)), torch.float32)
+    tokenizer_llm = LLM(TARGET, dtype="fp32")
+    truth = {tuple(tokenizer_llm.tokenizer.encode(p)): r for p, r in zip(PROMPTS, reference)}
+    propose_one = EagleProposer._propose_one
+
+    def right_then_wrong(self, seq, state, k):
+        proposals, dists = propose_one(self, seq, state, k)
+        future = truth[tuple(seq.prompt_token_ids)][len(seq.output_token_ids) :]
+        if len(future) >= 2:
+            proposals = [future[0], (future[1] + 1) % 40, *proposals[2:]][: len(proposals)]
+        return proposals, dists
+
+    monkeypatch.setattr(EagleProposer, "_propose_one", right_then_wrong)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    small = LLM(TARGET, dtype="fp32", speculative_config=eagle(head_dir, 3), max_num_batched_tokens=6,
+                block_size=4, kv_cache_memory=14 * per_block, max_model_len=64)  # fmt: skip
+    outs = small.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == reference
+    assert sum(o.num_preemptions for o in outs) > 0
+    proposed, accepted = sum(o.metrics.spec_proposed for o in outs), sum(o.metrics.spec_accepted for o in outs)
+    assert 0 < accepted < proposed
+    small.engine.block_manager.check_invariants()
+    cached = LLM(TARGET, dtype="fp32", speculative_config=eagle(head_dir, 3), block_size=4)
+    for _ in range(2):
+        outs = cached.generate(PROMPTS, params)
+        assert [o.token_ids for o in outs] == reference
+    assert sum(o.num_cached_tokens for o in outs) > 0
+    assert sum(o.metrics.spec_accepted for o in outs) > 0
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method='eagle' needs model=NAME_OR_PATH"),
+        ({"method": "eagle", "model": "x", "num_speculative_tokens": 2, "quantization": "int8"}, "unknown key"),
+        ({"method": "eagle", "model": "no-such-head", "num_speculative_tokens": 2}, "no-such-head"),
+    ],
+)
+def test_bad_eagle_configs_are_named(spec, message):
+    with pytest.raises(Exception, match=message):
+        LLM(TARGET, speculative_config=spec)
+
+
+def test_a_head_for_another_target_is_refused(tmp_path, head_dir):
+    with pytest.raises(ValueError, match="not an EAGLE draft head"):
+        LLM(TARGET, speculative_config=eagle(resolve_model("tiny-shakespeare-1m")))
+    other = random_head(tmp_path / "mha", "tiny-shakespeare-mha")
+    if ModelConfig.from_folder(resolve_model("tiny-shakespeare-mha")).num_kv_heads != ModelConfig.from_folder(
+        resolve_model(TARGET)
+    ).num_kv_heads:
+        with pytest.raises(ValueError, match="an EAGLE head for hidden"):
+            LLM(TARGET, speculative_config=eagle(other))
+
+
+@pytest.mark.slow
+def test_smollm2_eagle_in_fp32_reproduces_the_target_alone():
+    """The committed head over the real model: SmolLM2's own greedy tokens in fp32, with some
+    of the head's proposals accepted."""
+    chat = [{"role": "user", "content": "Explain how a rainbow forms."}]
+    params = SamplingParams(max_tokens=32)
+    plain = LLM("smollm2-135m", dtype="fp32").generate([chat], params)[0]
+    spec = {"method": "eagle", "model": "smollm2-eagle", "num_speculative_tokens": 3}
+    out = LLM("smollm2-135m", dtype="fp32", speculative_config=spec).generate([chat], params)[0]
+    assert out.token_ids == plain.token_ids
+    assert out.metrics.spec_accepted > 0 and out.metrics.forward_passes_per_token < 1
