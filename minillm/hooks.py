@@ -337,6 +337,15 @@ blocks_to_roll_back = _declare(
     """Split a block table when rejected proposals are rolled back: the blocks kept, and those
     given back (tail first).""",
 )
+tree_attention_mask = _declare(
+    "tree_attention_mask",
+    "tree_attention_mask(parents[N]) -> bool [N, N]",
+    "08 speculative decoding (tree drafting)",
+    "minillm.speculative.tree",
+    "minillm/speculative/tree.py",
+    """Which nodes of a draft tree each node may attend to in the one verify pass: itself and its
+    ancestors, never another branch.""",
+)
 verify = _declare(
     "verify",
     "verify(speculator, seq, draft_tokens, logits[k+1, V]) -> list[int]",

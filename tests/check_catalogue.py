@@ -1385,3 +1385,74 @@ wrong(CK, "differ only in endpoint", lambda e, b: _key_variant(e, b, with_endpoi
 wrong(CK, "differ only in model", lambda e, b: _key_variant(e, b, drop=("stream", "stream_options", "user", "model")))
 wrong(CK, "return a string", lambda e, b: None if _key_variant(e, b) is None else hash(_key_variant(e, b)))
 wrong(CK, "KeyError", lambda e, b: None if b["temperature"] else e + json.dumps(b, sort_keys=True))
+
+
+# ---- 08: the tree attention mask ---------------------------------------------------------
+
+
+def tree_mask_rows(parents):
+    mask = torch.eye(len(parents), dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            mask[i] |= mask[p]
+    return mask
+
+
+def tree_mask_walk(parents):
+    """Independent: walk up from every node, marking what it passes."""
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    return mask
+
+
+def tree_mask_closure(parents):
+    """Independent: the reflexive-transitive closure of the parent relation, by squaring."""
+    n = len(parents)
+    reach = torch.eye(n)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            reach[i, p] = 1
+    for _ in range(max(1, n).bit_length()):
+        reach = ((reach @ reach) > 0).float()
+    return reach > 0
+
+
+def _parent_only(parents):
+    n = len(parents)
+    mask = torch.eye(n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            mask[i, p] = True
+    return mask
+
+
+def _same_depth_siblings(parents):
+    """Sees its ancestors and also every earlier node at its own depth (another branch)."""
+    mask = tree_mask_rows(parents)
+    depth = mask.sum(-1)
+    for i in range(len(parents)):
+        for j in range(i):
+            if depth[i] == depth[j]:
+                mask[i, j] = True
+    return mask
+
+
+CT = "check_tree_attention_mask"
+right(CT, tree_mask_rows)
+right(CT, tree_mask_walk)
+right(CT, tree_mask_closure)
+wrong(CT, "transposed", lambda p: tree_mask_rows(p).T.contiguous())
+wrong(CT, "does not see itself", lambda p: tree_mask_rows(p) & ~torch.eye(len(p), dtype=torch.bool))
+wrong(CT, "not only the parent", _parent_only)
+wrong(CT, "a causal triangle is right for a chain only", lambda p: torch.ones(len(p), len(p), dtype=torch.bool).tril())
+wrong(CT, "is not on its branch", _same_depth_siblings)
+wrong(CT, "comes after it", lambda p: torch.ones(len(p), len(p), dtype=torch.bool))
+wrong(CT, "return a bool mask", lambda p: tree_mask_rows(p).float())
+wrong(CT, "return a torch.Tensor", lambda p: tree_mask_rows(p).tolist())
+wrong(CT, "one row and one column per node", lambda p: tree_mask_rows(p)[None])
+wrong(CT, "changed its argument", lambda p: (tree_mask_rows(p), p.append(-1))[0])

@@ -480,6 +480,25 @@ def test_accept_sampled_calls_go_through_the_hook(speculating):
         assert tokens(make(), SAMPLED) != reference
 
 
+def test_tree_attention_mask_calls_go_through_the_hook():
+    """tree_pass builds its tree mask through the hook: a mask that lets every node see every
+    other one changes the nodes' logits."""
+    from minillm.assets import resolve_model
+    from minillm.models import load_model
+    from minillm.speculative.tree import tree_pass
+
+    model = load_model(resolve_model("tiny-shakespeare-8m"), torch.float32)
+    prompt, drafts, parents = [5, 6, 7, 8], [9, 10, 11], [-1, -1, 1]
+    reference, _ = tree_pass(model, prompt, drafts, parents)
+    calls = []
+    with hooks.override(tree_attention_mask=recorder("tree_attention_mask", calls)):
+        logits, _ = tree_pass(model, prompt, drafts, parents)
+    assert calls == [(parents,)] and torch.equal(logits, reference)
+    with hooks.override(tree_attention_mask=lambda p: torch.ones(len(p), len(p), dtype=torch.bool)):
+        leaky, _ = tree_pass(model, prompt, drafts, parents)
+    assert not torch.allclose(leaky[1:], reference[1:], atol=1e-4)
+
+
 def test_blocks_to_roll_back_calls_go_through_the_hook(speculating):
     make, reference = speculating
     calls = []

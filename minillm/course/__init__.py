@@ -30,7 +30,12 @@ from minillm.course.checks_serving import (
     check_gather_kv,
     check_slot_mapping,
 )
-from minillm.course.checks_spec import check_accept_greedy, check_accept_sampled, check_rollback
+from minillm.course.checks_spec import (
+    check_accept_greedy,
+    check_accept_sampled,
+    check_rollback,
+    check_tree_attention_mask,
+)
 from minillm.course.exercises import EXERCISES, Exercise, chapters, hint
 from minillm.course.helpers import forward_logits, forward_step, new_cache
 from minillm.course.results import CheckFailed, CheckResult, require_pass
@@ -76,6 +81,7 @@ __all__ = [
     "check_quantize_kv",
     "check_quantize_per_channel",
     "check_rollback",
+    "check_tree_attention_mask",
     "check_slot_mapping",
     "check_tp_mlp",
     "forward_logits",

@@ -578,3 +578,138 @@ def check_rollback(blocks_to_roll_back, model: str = TARGET) -> str:
         f"model's pool and the draft's): both pools consistent after every step and empty at the end, block tables "
         f"identical to the package's, {len(PROMPTS)}×40 tokens identical to the 8M model alone"
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Exercise 4: the tree attention mask
+# ---------------------------------------------------------------------------------------------
+
+# Trees as parent lists (-1: a child of the sequence's last token), parents before children.
+TREE_CASES = [
+    [-1, 0, 1, 2],  # a chain: the mask is the causal triangle
+    [-1, 0, -1, 2],  # two branches of two
+    [-1, -1, -1],  # three alternatives for the same position
+    [-1, 0, 0, 1, 2, -1, 5, 6],  # branching below the root, and a second chain
+    [-1, 0, 1, 0, 3, 1],  # depth 3 with a fork at each level
+    [-1],
+    [],
+]
+
+
+def _reference_tree_mask(parents: list[int]) -> torch.Tensor:
+    from minillm.speculative.tree import tree_attention_mask
+
+    return tree_attention_mask(parents)
+
+
+def _ancestors(parents: list[int], i: int) -> list[int]:
+    out = []
+    while parents[i] >= 0:
+        i = parents[i]
+        out.append(i)
+    return out
+
+
+def _diagnose_tree_mask(got, parents: list[int]) -> torch.Tensor:
+    n = len(parents)
+    if not isinstance(got, torch.Tensor):
+        raise CheckFailed(f"tree_attention_mask({parents}) returned a {type(got).__name__}: return a torch.Tensor")
+    if tuple(got.shape) != (n, n):
+        raise CheckFailed(
+            f"tree_attention_mask({parents}) has shape {tuple(got.shape)}: one row and one column per node, ({n}, {n})"
+        )
+    if got.dtype != torch.bool:
+        raise CheckFailed(
+            f"tree_attention_mask({parents}) is {got.dtype}: return a bool mask (True = may attend), which "
+            "scaled_dot_product_attention reads as allowed/blocked — not 0/1 numbers or an additive -inf mask"
+        )
+    expected = _reference_tree_mask(parents)
+    if torch.equal(got, expected):
+        return got
+    for i in range(n):
+        if not got[i, i]:
+            raise CheckFailed(f"in tree {parents}, node {i} does not see itself: a token attends to its own key too")
+    if n > 1 and torch.equal(got, expected.T):
+        raise CheckFailed(
+            f"in tree {parents}, your mask is transposed: row i is node i's query, so it must mark i's ancestors "
+            "(the nodes it continues), not its descendants"
+        )
+    for i in range(n):
+        for j in range(n):
+            if got[i, j] and not expected[i, j]:
+                if j > i:
+                    why = f"node {j} comes after it (a child or another branch)"
+                elif torch.equal(got, torch.ones(n, n, dtype=torch.bool).tril()):
+                    why = (
+                        f"node {j} is on another branch: a causal triangle is right for a chain only — "
+                        "in a tree, earlier in the list is not the same as earlier in the branch"
+                    )
+                else:
+                    why = f"node {j} is not on its branch (its ancestors are {_ancestors(parents, i) or 'none'})"
+                raise CheckFailed(f"in tree {parents}, node {i} may attend to node {j}, but {why}")
+            if expected[i, j] and not got[i, j]:
+                hint = (
+                    " — every ancestor, not only the parent: the grandparent's token is part of the text before it"
+                    if parents[i] != j
+                    else ""
+                )
+                raise CheckFailed(f"in tree {parents}, node {i} cannot see node {j}, its ancestor{hint}")
+    raise CheckFailed(f"in tree {parents}, your mask differs from the expected one")  # not reached
+
+
+@check
+def check_tree_attention_mask(tree_attention_mask, model: str = TARGET) -> str:
+    """``tree_attention_mask(parents[N]) -> bool [N, N]``: node ``i`` sees itself and its ancestors."""
+    from minillm.assets import resolve_model
+    from minillm.models import load_model
+    from minillm.speculative.tree import tree_pass
+
+    for parents in TREE_CASES:
+        given = list(parents)
+        _diagnose_tree_mask(tree_attention_mask(given), parents)
+        if given != parents:
+            raise CheckFailed(f"tree_attention_mask changed its argument: {parents} became {given}")
+    gen = torch.Generator().manual_seed(4)
+    trees = []
+    for _ in range(40):  # random trees: each node's parent drawn among the root and the earlier nodes
+        n = int(torch.randint(1, 9, (), generator=gen))
+        parents = [int(torch.randint(-1, i, (), generator=gen)) if i else -1 for i in range(n)]
+        _diagnose_tree_mask(tree_attention_mask(list(parents)), parents)
+        trees.append(parents)
+
+    # Into the verify pass: one pass of the 8M model over a prompt and a tree, each node's logits
+    # against its branch run as plain text.
+    target = load_model(resolve_model(model), torch.float32)
+    calls = []
+
+    def learner(parents):
+        got = tree_attention_mask(list(parents))
+        _diagnose_tree_mask(got, list(parents))
+        calls.append(len(parents))
+        return got
+
+    from minillm.tokenizer import Tokenizer
+
+    prompt = Tokenizer(resolve_model(model)).encode(PROMPTS[2])
+    vocab = target.config.vocab_size
+    worst, nodes = 0.0, 0
+    for parents in trees[:6] + [TREE_CASES[3]]:
+        drafts = torch.randint(0, vocab, (len(parents),), generator=gen).tolist()
+        with hooks.override(tree_attention_mask=learner):
+            logits, _ = tree_pass(target, prompt, drafts, parents)
+        for i in range(len(parents)):
+            branch = [drafts[j] for j in reversed([i, *_ancestors(parents, i)])]
+            alone, _ = tree_pass(target, prompt + branch, [], [])
+            diff = float((logits[1 + i] - alone[0]).abs().max())
+            worst, nodes = max(worst, diff), nodes + 1
+            if diff > 1e-3:
+                raise CheckFailed(
+                    f"in the verify pass over tree {parents}, node {i}'s logits differ from its branch run alone by "
+                    f"{diff:.3g}: it saw tokens that are not its branch's"
+                )
+    if not calls:
+        raise RuntimeError("tree_pass no longer calls hook tree_attention_mask")
+    return (
+        f"your mask is right on {len(TREE_CASES) + len(trees)} trees; in {len(calls)} verify passes of the 8M model "
+        f"every one of {nodes} draft nodes got the logits of its own branch run alone (max difference {worst:.1e})"
+    )

@@ -347,6 +347,20 @@ EXERCISES: list[Exercise] = [
         ),
     ),
     Exercise(
+        "08_speculative_decoding",
+        "check_tree_attention_mask",
+        "check_tree_attention_mask(tree_attention_mask)",
+        5,
+        2,
+        2,
+        (
+            "Row i is node i's query. It sees itself (the diagonal) and every ancestor — its parent, the parent's "
+            "parent, ... up to -1. Parents come before children, so when you reach row i its parent's row is done.",
+            "`mask = torch.eye(len(parents), dtype=torch.bool)`; `for i, p in enumerate(parents):` "
+            "`if p >= 0: mask[i] |= mask[p]`; `return mask`.",
+        ),
+    ),
+    Exercise(
         "09_parallelism",
         "check_tp_mlp",
         "check_tp_mlp(tp_mlp)",

@@ -1,0 +1,167 @@
+"""Tree drafting: several guesses for the same positions, verified in one target pass.
+
+A chain of proposals bets everything on its first token: when ``d1`` is wrong, the rows of
+``d2 .. dk`` are scored for nothing. A **tree** keeps alternatives — say the draft's two best
+first tokens, each continued by its own guesses — and the target scores every node in the same
+pass. Two things make that one pass correct:
+
+- **the tree attention mask**: a node sees the whole sequence and its own ancestors (and itself),
+  never a sibling branch, although all nodes sit side by side in the pass (hook
+  ``tree_attention_mask``, chapter 08's exercise);
+- **depth positions**: a node at depth ``d`` (0 for a child of the sequence's last token) is the
+  token at position ``n + d`` of its branch, whatever its index in the pass.
+
+Acceptance then walks down from the root: at each level keep the child whose token is the
+target's choice there, and stop (with the target's own token) where none is.
+
+SpecInfer (Miao et al., 2024, arXiv:2305.09781) verifies token trees this way; Medusa (Cai et
+al., 2024, arXiv:2401.10774) uses a fixed tree over its heads' top-k; EAGLE-2 (Li et al., 2024,
+arXiv:2406.16858) grows the tree from the draft head's confidence. Here the tree runs in a
+contiguous, cache-free pass (``tree_pass``), enough to measure what a tree buys in accepted
+tokens (``tree_generate``); the serving engine verifies chains, as rows of its compiled decode step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import minillm.hooks as hooks
+from minillm.attention.contiguous import AttentionMask, ContiguousStep, ForwardBatch
+
+
+def check_parents(parents: list[int], num_nodes: int | None = None) -> None:
+    """A tree in topological order: node ``i``'s parent is ``-1`` (the sequence's last token)
+    or an earlier node."""
+    if num_nodes is not None and len(parents) != num_nodes:
+        raise ValueError(f"the tree has {num_nodes} draft tokens but {len(parents)} parents")
+    for i, p in enumerate(parents):
+        if not isinstance(p, int) or isinstance(p, bool) or not -1 <= p < i:
+            raise ValueError(f"parents[{i}] = {p!r}: a node's parent is -1 (the root) or an earlier node (0..{i - 1})")
+
+
+@hooks.reference("tree_attention_mask")  # tree_pass calls it through the hook (chapter 08's exercise)
+def tree_attention_mask(parents: list[int]) -> torch.Tensor:
+    """``mask[i, j]`` (bool, ``[N, N]``): node ``i`` may attend to node ``j`` — ``j`` is ``i``
+    itself or one of its ancestors. Parents come before children, so a node's row is its
+    parent's row plus itself."""
+    mask = torch.eye(len(parents), dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            mask[i] |= mask[p]
+    return mask
+
+
+def tree_depths(mask: torch.Tensor) -> torch.Tensor:
+    """Each node's depth: how many ancestors it sees (its row of the mask, less itself)."""
+    return mask.sum(-1) - 1
+
+
+@dataclass
+class TreeBatch(ForwardBatch):
+    """A sequence followed by a tree of proposals, in one cache-free pass with an explicit mask."""
+
+    full_mask: torch.Tensor | None = None  # [1, 1, n + N, n + N]
+    first_logit_row: int = 0
+
+    @property
+    def logit_rows(self) -> torch.Tensor:
+        """Logits after the sequence's last token and after every node: what verification reads."""
+        return torch.arange(self.first_logit_row, self.input_ids.shape[1], device=self.input_ids.device)
+
+    def bind(self, model) -> ContiguousStep:
+        return ContiguousStep(self, AttentionMask(mask=self.full_mask), model.attention_backend.padded)
+
+
+def tree_pass(model, tokens: list[int], drafts: list[int], parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One target pass over ``tokens`` (the sequence) and the tree ``drafts``/``parents``.
+
+    Returns logits ``[1 + N, V]`` — row 0 after the sequence's last token, row ``1 + i`` after
+    node ``i`` — and the last hidden states ``[n + N, hidden]`` of every input row (the features
+    a feature-level draft reads; a node's are its branch's own, as it saw only its ancestors)."""
+    check_parents(parents, len(drafts))
+    n, N = len(tokens), len(drafts)
+    if n == 0:
+        raise ValueError("tree_pass needs at least one token before the tree")
+    tree = hooks.tree_attention_mask(list(parents))
+    if not isinstance(tree, torch.Tensor) or tree.shape != (N, N) or tree.dtype != torch.bool:
+        raise ValueError(f"tree_attention_mask must return a bool tensor of shape ({N}, {N}), got "
+                         f"{getattr(tree, 'dtype', type(tree).__name__)} {tuple(getattr(tree, 'shape', ()))}")  # fmt: skip
+    device = model.embed_tokens.weight.device
+    full = torch.zeros(n + N, n + N, dtype=torch.bool)
+    full[:n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+    full[n:, :n] = True  # every node sees the whole sequence
+    full[n:, n:] = tree
+    positions = torch.cat([torch.arange(n), n + tree_depths(tree)])
+    batch = TreeBatch(
+        input_ids=torch.tensor([list(tokens) + list(drafts)], device=device),
+        positions=positions[None].to(device),
+        full_mask=full[None, None].to(device),
+        first_logit_row=n - 1,
+    )
+    with torch.inference_mode():
+        logits, hidden = model.forward_with_hidden(batch)
+    return logits, hidden
+
+
+def accept_tree(parents: list[int], drafts: list[int], target_tokens: list[int]) -> tuple[list[int], list[int]]:
+    """``target_tokens[0]``: the target's token after the sequence; ``target_tokens[1 + i]``:
+    after node ``i``. Returns the accepted nodes (root to leaf) and the tokens to emit — the
+    accepted nodes' tokens, then the target's own token where no child agrees."""
+    path, emitted, node = [], [], -1
+    while True:
+        want = target_tokens[node + 1]
+        child = next((i for i, p in enumerate(parents) if p == node and drafts[i] == want), None)
+        emitted.append(want)
+        if child is None:
+            return path, emitted
+        path.append(child)
+        node = child
+
+
+@torch.inference_mode()
+def eagle_tree(head, feats: torch.Tensor, tokens: list[int], depth: int, branches: int) -> tuple[list[int], list[int]]:
+    """An EAGLE head's tree: its ``branches`` best first tokens, each continued greedily to
+    ``depth`` tokens. ``feats[len(tokens) - 1, hidden]``: the target's features at positions
+    ``0 .. n-2`` (the last token's is not computed yet). Returns ``(drafts, parents)``."""
+    n, device = len(tokens), feats.device
+    positions = torch.arange(n - 1, device=device)
+    pred, k_all, v_all = head(feats[: n - 1], torch.tensor(tokens[1:], device=device), positions)
+    first = head.logits(pred[-1:])[0].topk(branches).indices
+    drafts, parents = [], []
+    for token in head.vocab_ids[first].tolist():
+        feat, keys, values, parent = pred[-1:], k_all, v_all, -1
+        for step in range(depth):
+            drafts.append(token)
+            parents.append(parent)
+            parent = len(drafts) - 1
+            if step + 1 == depth:
+                break
+            at = torch.tensor([n - 1 + step], device=device)  # the position whose token is `token`
+            feat, k_new, v_new = head(feat, torch.tensor([token], device=device), at, keys, values)
+            keys, values = torch.cat([keys, k_new]), torch.cat([values, v_new])
+            token = int(head.vocab_ids[head.logits(feat)[0].argmax()])
+    return drafts, parents
+
+
+def tree_generate(model, head, prompt: list[int], max_tokens: int, depth: int, branches: int) -> dict:
+    """Greedy decoding where every target pass verifies an EAGLE tree (``branches`` = 1: a chain).
+
+    Each pass recomputes the whole sequence (no KV cache: this measures tokens per pass, not
+    time). Returns the output tokens, the passes and the tokens each pass emitted."""
+    tokens = list(prompt)
+    logits, hidden = tree_pass(model, tokens, [], [])
+    tokens.append(int(logits[0].argmax()))
+    feats = hidden[: len(tokens) - 1]
+    per_pass = [1]
+    while len(tokens) - len(prompt) < max_tokens:
+        drafts, parents = eagle_tree(head, feats, tokens, depth, branches)
+        logits, hidden = tree_pass(model, tokens, drafts, parents)
+        path, emitted = accept_tree(parents, drafts, logits.argmax(-1).tolist())
+        n = len(tokens)
+        feats = torch.cat([hidden[:n], hidden[[n + i for i in path]]])  # positions 0 .. n-1+len(path)
+        emitted = emitted[: max_tokens - (n - len(prompt))]
+        tokens += emitted
+        per_pass.append(len(emitted))
+    return {"token_ids": tokens[len(prompt) :], "passes": len(per_pass), "tokens_per_pass": per_pass}

@@ -1,0 +1,121 @@
+"""Tree drafting (``minillm/speculative/tree.py``): one pass over a tree of proposals gives every
+node the logits and features of its own branch run alone; acceptance walks the branch the target
+agrees with; EAGLE trees reproduce the target's greedy output; bad trees are named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_eagle import random_head
+
+import minillm.hooks as hooks
+from minillm import LLM, SamplingParams
+from minillm.assets import resolve_model
+from minillm.models import load_model
+from minillm.speculative.eagle import load_eagle_head
+from minillm.speculative.tree import accept_tree, tree_attention_mask, tree_generate, tree_pass
+from minillm.tokenizer import Tokenizer
+
+TARGET = "tiny-shakespeare-8m"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(resolve_model(TARGET), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return Tokenizer(resolve_model(TARGET)).encode("ROMEO.\nBut soft, what light through yonder window")
+
+
+def branch_of(parents, drafts, i):
+    path = []
+    while i >= 0:
+        path.append(i)
+        i = parents[i]
+    return [drafts[j] for j in reversed(path)]
+
+
+@pytest.mark.parametrize("parents", [[-1, 0, 1], [-1, 0, -1, 2, 0], [-1, -1, -1], [-1, 0, 0, 1, 2, -1, 5]])
+def test_every_node_gets_its_branch_run_alone(model, prompt, parents):
+    drafts = torch.randint(
+        0, model.config.vocab_size, (len(parents),), generator=torch.Generator().manual_seed(1)
+    ).tolist()
+    logits, hidden = tree_pass(model, prompt, drafts, parents)
+    n = len(prompt)
+    assert logits.shape == (1 + len(parents), model.config.vocab_size)
+    alone, alone_hidden = tree_pass(model, prompt, [], [])
+    torch.testing.assert_close(logits[0], alone[0], atol=1e-4, rtol=0)
+    torch.testing.assert_close(hidden[:n], alone_hidden, atol=1e-4, rtol=0)
+    for i in range(len(parents)):
+        branch = branch_of(parents, drafts, i)
+        alone, alone_hidden = tree_pass(model, prompt + branch, [], [])
+        torch.testing.assert_close(logits[1 + i], alone[0], atol=1e-4, rtol=0)
+        torch.testing.assert_close(hidden[n + i], alone_hidden[-1], atol=1e-4, rtol=0)
+
+
+def test_the_branch_the_target_agrees_with_is_accepted(model, prompt):
+    """A tree holding the target's own continuation on one branch and wrong tokens elsewhere:
+    the whole right branch is accepted, plus the target's next token."""
+    truth = LLM(TARGET, dtype="fp32").generate([prompt], SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids
+    wrong = [(t + 1) % model.config.vocab_size for t in truth]
+    drafts = [wrong[0], truth[0], wrong[1], truth[1], truth[2], wrong[3], truth[3]]
+    parents = [-1, -1, 1, 1, 3, 4, 4]  # the right chain: nodes 1, 3, 4, 6
+    logits, _ = tree_pass(model, prompt, drafts, parents)
+    path, emitted = accept_tree(parents, drafts, logits.argmax(-1).tolist())
+    assert path == [1, 3, 4, 6]
+    assert emitted == truth[:5]
+
+
+def test_accept_tree_by_hand():
+    parents, drafts = [-1, -1, 0, 1, 1], [7, 8, 9, 5, 6]
+    assert accept_tree(parents, drafts, [8, 0, 0, 0, 2, 2]) == ([1], [8, 0])  # after node 1 the target wants 0
+    assert accept_tree(parents, drafts, [8, 0, 6, 0, 0, 4]) == ([1, 4], [8, 6, 4])  # row 1 + i: after node i
+    assert accept_tree(parents, drafts, [3, 0, 0, 0, 0, 0]) == ([], [3])  # no child agrees: one token
+    assert accept_tree([], [], [5]) == ([], [5])
+
+
+def test_eagle_trees_reproduce_the_target_alone(tmp_path, model, prompt):
+    head = load_eagle_head(random_head(tmp_path / "head"), model)
+    plain = LLM(TARGET, dtype="fp32").generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+    for branches in (1, 3):
+        out = tree_generate(model, head, prompt, 12, depth=3, branches=branches)
+        assert out["token_ids"] == plain
+        assert sum(out["tokens_per_pass"]) == 12
+
+
+@pytest.mark.parametrize(
+    "parents,drafts,message",
+    [
+        ([0], [1], "parents[0] = 0"),
+        ([-1, 1], [1, 2], "parents[1] = 1"),
+        ([-1, -2], [1, 2], "parents[1] = -2"),
+        ([-1, True], [1, 2], "parents[1] = True"),
+        ([-1], [1, 2], "2 draft tokens but 1 parents"),
+    ],
+)
+def test_bad_trees_are_named(model, prompt, parents, drafts, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        tree_pass(model, prompt, drafts, parents)
+
+
+def test_a_mask_of_the_wrong_kind_is_refused(model, prompt):
+    with hooks.override(tree_attention_mask=lambda p: tree_attention_mask(p).float()):
+        with pytest.raises(ValueError, match="bool tensor of shape"):
+            tree_pass(model, prompt, [1, 2], [-1, 0])
+
+
+@pytest.mark.slow
+def test_smollm2_eagle_tree_reproduces_the_target_alone():
+    """The committed head drafting trees over SmolLM2 in fp32: its own greedy tokens, with more
+    tokens per pass than one."""
+    target = load_model(resolve_model("smollm2-135m"), torch.float32, max_positions=1024)
+    head = load_eagle_head(resolve_model("smollm2-eagle"), target)
+    chat = [{"role": "user", "content": "Explain how a rainbow forms."}]
+    tok = Tokenizer(resolve_model("smollm2-135m"))
+    ids = tok.encode(tok.render_chat(chat), add_special_tokens=False)
+    plain = LLM("smollm2-135m", dtype="fp32", compile=False).generate([chat], SamplingParams(max_tokens=24))[0]
+    out = tree_generate(target, head, ids, len(plain.token_ids), depth=3, branches=2)
+    assert out["token_ids"] == plain.token_ids
+    assert out["passes"] < len(plain.token_ids)
