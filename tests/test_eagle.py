@@ -192,3 +192,29 @@ def test_smollm2_eagle_in_fp32_reproduces_the_target_alone():
     out = LLM("smollm2-135m", dtype="fp32", speculative_config=spec).generate([chat], params)[0]
     assert out.token_ids == plain.token_ids
     assert out.metrics.spec_accepted > 0 and out.metrics.forward_passes_per_token < 1
+
+
+def test_a_bf16_head_on_cpu_runs_prepacked_with_the_plain_arithmetic(head_dir):
+    """On CPU a bf16 head holds its matrices prepacked for oneDNN (one or two rows a call, where
+    plain bf16 matmuls are slow); its features, keys, values and scores equal the plain path's."""
+    from minillm.layers.cpu_prepack import prepack_available
+
+    if not prepack_available(torch.bfloat16):
+        pytest.skip("this PyTorch build cannot prepack bf16 linear layers")
+    target = load_model(resolve_model(TARGET), torch.bfloat16)
+    head = load_eagle_head(head_dir, target)
+    assert set(head.packed) == {"fc", "qkv", "o", "gate_up", "down", "head"}
+    gen = torch.Generator().manual_seed(3)
+    h, kv, d = target.config.hidden_size, target.config.num_kv_heads, target.config.head_dim
+    feats = torch.randn(3, h, generator=gen).to(torch.bfloat16)
+    tokens, positions = torch.tensor([4, 9, 2]), torch.tensor([7, 8, 9])
+    past_k = torch.randn(7, kv, d, generator=gen).to(torch.bfloat16)
+    past_v = torch.randn(7, kv, d, generator=gen).to(torch.bfloat16)
+    with torch.inference_mode():
+        packed = [*head(feats, tokens, positions, past_k, past_v)]
+        packed.append(head.logits(packed[0]))
+        head.packed = {}
+        plain = [*head(feats, tokens, positions, past_k, past_v)]
+        plain.append(head.logits(plain[0]))
+    for a, b in zip(packed, plain):
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)

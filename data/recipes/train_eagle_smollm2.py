@@ -8,13 +8,15 @@ last hidden state ``f_t`` and the embedding of the next token ``x_{t+1}`` and pr
 feature ``f̂_{t+1}``; SmolLM2's final norm and the rows of its tied head for the
 ``--draft-vocab`` tokens it produces most often turn that into a guess for ``x_{t+2}``.
 
-**Text**: SmolLM2's own greedy answers to templated chat prompts (the same prompts, subjects
-and held-out evaluation prompts as ``distill_smollm2_draft.py``), rendered with its chat
-template, and ``--prose-chars`` of Python's reference manual (the draft recipe's training
-slice), concatenated and cut into windows of ``SEQ_LEN`` tokens. (A first run on the chat
-answers alone — 62k tokens, 800 steps — reached top-1 0.66 on training answers but 0.26 on the
-held-out prompts: too little text, learnt by heart. Prose is free to add: it needs no
-generation, only SmolLM2's pass over it.) SmolLM2 then runs once over
+**Text**: SmolLM2's own greedy answers to templated chat prompts, rendered with its chat
+template — the draft recipe's 408 prompts (``distill_smollm2_draft.py``) and, unless
+``--narrow``, ``len(MORE_SUBJECTS) x len(MORE_TEMPLATES)`` more over other subjects and
+phrasings, none of them the evaluation prompts of either recipe or ``bench_spec.py`` — generated
+by the default (compiled) engine at up to 128 sequences a step; and ``--prose-chars`` of
+Python's reference manual (the draft recipe's training slice); concatenated and cut into
+windows of ``SEQ_LEN`` tokens. (The first committed head saw only the 408 prompts — 63k answer
+tokens, 1,500 steps of 8 windows: top-1 0.66 on training answers, 0.25 on held-out prompts:
+learnt by heart. Prose is free to add: it needs no generation, only SmolLM2's pass over it.) SmolLM2 then runs once over
 the windows: its last hidden state at every position (the features) and its greedy next token
 there (the labels). Nothing but SmolLM2 and the Python standard library's text is used.
 
@@ -65,6 +67,96 @@ def distill_recipe():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+#: Subjects and phrasings beyond the draft recipe's, for variety (``--narrow`` leaves them out).
+MORE_SUBJECTS = [
+    "glaciers", "tides", "lightning", "tornadoes", "coral reefs", "owls", "whales", "ants", "octopuses",
+    "wolves", "sharks", "butterflies", "mushrooms", "oak trees", "cacti", "sunflowers", "bamboo", "rivers",
+    "caves", "islands", "the Sahara", "the Amazon river", "the Arctic", "Mars", "Jupiter", "comets", "the sun",
+    "telescopes", "satellites", "rockets", "the International Space Station", "electricity", "magnets",
+    "batteries", "wind turbines", "nuclear power", "steam engines", "clocks", "compasses", "bridges",
+    "skyscrapers", "tunnels", "roads", "airports", "ships", "submarines", "hot air balloons", "helicopters",
+    "smartphones", "email", "video games", "robots", "3D printing", "databases", "encryption", "passwords",
+    "spreadsheets", "open source software", "operating systems", "web browsers", "search engines",
+    "social media", "podcasts", "photography", "film making", "painting", "sculpture", "architecture",
+    "poetry", "novels", "fairy tales", "mythology", "theatre", "opera", "the guitar", "the violin", "drums",
+    "singing", "dancing", "knitting", "pottery", "woodworking", "cooking rice", "soup", "pizza", "cheese",
+    "apples", "bananas", "spices", "vegetables", "breakfast", "healthy eating", "vitamins", "the immune system",
+    "the brain", "bones", "muscles", "the lungs", "sleep", "dreams", "memory", "habits", "stress", "happiness",
+    "kindness", "teamwork", "leadership", "negotiation", "job interviews", "writing a resume", "saving money",
+    "budgeting", "taxes", "banks", "inflation", "trade", "markets", "small businesses", "advertising",
+    "city planning", "public transport", "elections", "human rights", "the United Nations", "history museums",
+    "ancient Greece", "the Vikings", "the Middle Ages", "the Renaissance", "the Industrial Revolution",
+    "the Silk Road", "castles", "pyramids", "maps", "languages", "learning a language", "grammar",
+    "punctuation", "mathematics", "fractions", "prime numbers", "geometry", "probability", "statistics",
+    "algebra", "the number zero", "chemistry", "atoms", "acids and bases", "rust", "salt", "plastic", "glass",
+    "paper", "cotton", "wool", "recycling batteries", "composting", "pollution", "oceans", "forests",
+    "biodiversity", "evolution", "genetics", "bacteria", "viruses", "fossils", "weather forecasts", "snow",
+    "clouds", "rainbows", "sunsets", "camping", "hiking", "swimming", "football", "basketball", "tennis",
+    "yoga", "chess openings", "board games", "puzzles", "magic tricks", "birthdays", "holidays", "weddings",
+    "gardening in winter", "houseplants", "pets", "horses", "birds", "fish", "frogs", "snakes", "spiders",
+]  # fmt: skip
+MORE_TEMPLATES = [
+    "What is {x}?",
+    "Why are {x} important?",
+    "How would you describe {x} to a friend?",
+    "Give me five facts about {x}.",
+    "Write a short story about {x}.",
+    "What are the pros and cons of {x}?",
+    "Summarize what people should know about {x}.",
+    "Write a limerick about {x}.",
+    "What questions do children often ask about {x}?",
+    "Describe {x} in three sentences.",
+    "What is a common misconception about {x}?",
+    "List some words related to {x}.",
+    "How has {x} changed over time?",
+    "Write an encouraging note about {x}.",
+]
+
+
+def chat_prompts(narrow: bool) -> list[str]:
+    """The draft recipe's prompts, then (unless ``narrow``) the wider set, in a fixed shuffled
+    order; none is an evaluation prompt of either recipe or of ``benchmarks/bench_spec.py``."""
+    recipe = distill_recipe()
+    prompts = recipe.training_prompts()
+    if not narrow:
+        more = [t.format(x=x) for x in MORE_SUBJECTS for t in MORE_TEMPLATES]
+        order = torch.randperm(len(more), generator=torch.Generator().manual_seed(SEED)).tolist()
+        prompts += [more[i] for i in order if more[i] not in prompts]
+    bench = HERE.parent.parent / "benchmarks" / "bench_spec.py"  # its chat questions stay unseen
+    quoted = bench.read_text() if bench.exists() else ""
+    return [p for p in prompts if p not in recipe.EVAL_PROMPTS and f'"{p}"' not in quoted]
+
+
+def generate_chat_docs(prompts: list[str], max_answer: int) -> tuple[list[list[int]], dict]:
+    """SmolLM2's greedy answers, as token ids of the whole rendered conversation — from the
+    default engine (its compiled decode step, up to 128 sequences a step: ~2x the contiguous
+    engine's rate here)."""
+    from minillm import LLM, SamplingParams
+
+    recipe = distill_recipe()
+    llm = LLM(TARGET, max_num_seqs=128, num_threads=torch.get_num_threads())
+    log(f"decode step: {llm.wait_for_fast_path()}")
+    eos = sorted(llm.tokenizer.eos_token_ids)
+    newline = llm.tokenizer.encode("\n", add_special_tokens=False)
+    docs, finished, answer_tokens = [], 0, 0
+    step = 256
+    for i in range(0, len(prompts), step):
+        outs = llm.generate([recipe.chat(p) for p in prompts[i : i + step]], SamplingParams(max_tokens=max_answer))
+        for out in outs:
+            ids = list(out.token_ids)
+            if out.finish_reason == "stop":
+                finished += 1
+                if not ids or ids[-1] not in eos:
+                    ids.append(eos[0])
+                ids += newline  # the chat template closes every turn with "<|im_end|>\n"
+            answer_tokens += len(out.token_ids)
+            docs.append(list(out.prompt_token_ids) + ids)
+        log(f"generated {min(i + step, len(prompts))}/{len(prompts)} answers ({answer_tokens:,} tokens)")
+    stats = {"prompts": len(prompts), "answer_tokens": answer_tokens, "finished_with_eos": finished,
+             "chat_tokens": sum(len(d) for d in docs), "max_answer_tokens": max_answer}  # fmt: skip
+    return docs, stats
 
 
 def target_features(windows: torch.Tensor, batch: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,12 +276,13 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=None, help="training prompts (default: all)")
     parser.add_argument("--max-answer", type=int, default=192)
     parser.add_argument("--draft-vocab", type=int, default=8192)
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--batch", type=int, default=8, help="windows per step")
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--ce-weight", type=float, default=0.1)
     parser.add_argument("--prose-chars", type=int, default=400_000, help="reference-manual text, from the draft recipe's training slice")
     parser.add_argument("--noise", type=float, default=0.05, help="Gaussian noise on input features, x their std")
+    parser.add_argument("--narrow", action="store_true", help="only the draft recipe's 408 prompts (the first head's text)")
     parser.add_argument("--no-save", action="store_true")
     parser.add_argument("--out", default=str(OUT))
     args = parser.parse_args()
@@ -197,8 +290,8 @@ def main() -> None:
     torch.manual_seed(SEED)
     began = time.time()
     recipe = distill_recipe()
-    prompts = recipe.training_prompts()[: args.prompts]
-    docs, text_stats = recipe.generate_chat_docs(prompts, args.max_answer)
+    prompts = chat_prompts(args.narrow)[: args.prompts]
+    docs, text_stats = generate_chat_docs(prompts, args.max_answer)
     from minillm.assets import resolve_model
     from minillm.tokenizer import Tokenizer
 
