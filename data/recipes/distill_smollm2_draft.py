@@ -166,17 +166,16 @@ def chat(prompt: str) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 
-def generate_chat_docs(prompts: list[str], max_answer: int) -> tuple[list[list[int]], dict]:
-    """SmolLM2's greedy answers, as token ids of the whole rendered conversation."""
+def generate_chat_docs(prompts: list[str], max_answer: int, llm=None, step: int = 64) -> tuple[list[list[int]], dict]:
+    """SmolLM2's greedy answers, as token ids of the whole rendered conversation, ``step``
+    prompts a call to ``llm`` (default: the contiguous engine, as this recipe was run)."""
     from minillm import LLM, SamplingParams
 
-    llm = LLM(
-        TARGET, mode="contiguous", max_num_seqs=32, num_threads=torch.get_num_threads()
-    )  # the fastest batch generation on CPU
+    if llm is None:
+        llm = LLM(TARGET, mode="contiguous", max_num_seqs=32, num_threads=torch.get_num_threads())
     eos = sorted(llm.tokenizer.eos_token_ids)
     newline = llm.tokenizer.encode("\n", add_special_tokens=False)
     docs, finished, answer_tokens = [], 0, 0
-    step = 64
     for i in range(0, len(prompts), step):
         outs = llm.generate([chat(p) for p in prompts[i : i + step]], SamplingParams(max_tokens=max_answer))
         for out in outs:

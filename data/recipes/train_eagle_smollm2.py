@@ -130,33 +130,13 @@ def chat_prompts(narrow: bool) -> list[str]:
 
 
 def generate_chat_docs(prompts: list[str], max_answer: int) -> tuple[list[list[int]], dict]:
-    """SmolLM2's greedy answers, as token ids of the whole rendered conversation — from the
-    default engine (its compiled decode step, up to 128 sequences a step: ~2x the contiguous
-    engine's rate here)."""
-    from minillm import LLM, SamplingParams
+    """SmolLM2's greedy answers (the draft recipe's generation), from the default engine: its
+    compiled decode step at up to 128 sequences a step, ~2x the contiguous engine's rate here."""
+    from minillm import LLM
 
-    recipe = distill_recipe()
     llm = LLM(TARGET, max_num_seqs=128, num_threads=torch.get_num_threads())
     log(f"decode step: {llm.wait_for_fast_path()}")
-    eos = sorted(llm.tokenizer.eos_token_ids)
-    newline = llm.tokenizer.encode("\n", add_special_tokens=False)
-    docs, finished, answer_tokens = [], 0, 0
-    step = 256
-    for i in range(0, len(prompts), step):
-        outs = llm.generate([recipe.chat(p) for p in prompts[i : i + step]], SamplingParams(max_tokens=max_answer))
-        for out in outs:
-            ids = list(out.token_ids)
-            if out.finish_reason == "stop":
-                finished += 1
-                if not ids or ids[-1] not in eos:
-                    ids.append(eos[0])
-                ids += newline  # the chat template closes every turn with "<|im_end|>\n"
-            answer_tokens += len(out.token_ids)
-            docs.append(list(out.prompt_token_ids) + ids)
-        log(f"generated {min(i + step, len(prompts))}/{len(prompts)} answers ({answer_tokens:,} tokens)")
-    stats = {"prompts": len(prompts), "answer_tokens": answer_tokens, "finished_with_eos": finished,
-             "chat_tokens": sum(len(d) for d in docs), "max_answer_tokens": max_answer}  # fmt: skip
-    return docs, stats
+    return distill_recipe().generate_chat_docs(prompts, max_answer, llm=llm, step=256)
 
 
 def target_features(windows: torch.Tensor, batch: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
