@@ -81,7 +81,6 @@ class EagleHead(nn.Module):
         self.target = [target]  # a list: not registered as a submodule
         self.register_buffer("vocab_ids", vocab_ids.to(torch.long), persistent=False)
         self.head_weight = head_rows(target, self.vocab_ids)  # [draft_vocab, hidden]
-
         self.packed: dict[str, torch.Tensor] = {}  # oneDNN-prepacked weights (prepack_for_cpu)
 
     def prepack_for_cpu(self) -> bool:
