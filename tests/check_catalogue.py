@@ -922,6 +922,8 @@ wrong(CK, "q is torch.float32", lambda x: _kv_variant(x, cast=False))
 wrong(CK, "(6, 3, 1)", lambda x: _kv_variant(x, keepdim=True))
 wrong(CK, "the pool stores float32 scales", lambda x: _kv_variant(x, upcast=False))
 wrong(CK, "compute in float32", lambda x: _kv_variant(x, upcast=False, scale_as_float=True))
+wrong(CK, "a floor (or epsilon) on max|x|", lambda x: _kv_variant(x, reduce=lambda x: x.abs().amax(dim=-1).clamp(min=1e-2)))
+wrong(CK, "a floor (or epsilon) on max|x|", lambda x: _kv_variant(x, reduce=lambda x: x.abs().amax(dim=-1) + 1e-3))
 
 # ---- 08: speculative decoding ---------------------------------------------------------------------
 
@@ -1076,10 +1078,11 @@ def blocks_to_roll_back_loop(table, num_tokens, block_size):
     return kept, freed
 
 
-def _rollback_variant(table, num_tokens, block_size, keep=None, order=-1, skip_released=True, free=True, overlap=False):
+def _rollback_variant(table, num_tokens, block_size, keep=None, order=-1, skip_released=True, free=True, overlap=False,
+                      real=lambda b: b >= 0):  # fmt: skip
     n = -(-num_tokens // block_size) if keep is None else keep(num_tokens, block_size)
     tail = table[n - 1 :] if overlap and n else table[n:]
-    freed = [b for b in tail[::order] if b >= 0 or not skip_released]
+    freed = [b for b in tail[::order] if real(b) or not skip_released]
     return table[:n], (freed if free else [])
 
 
@@ -1087,6 +1090,8 @@ CR = "check_rollback"
 right(CR, blocks_to_roll_back)
 right(CR, blocks_to_roll_back_loop)
 wrong(CR, "tail first", lambda *a: _rollback_variant(*a, order=1))
+wrong(CR, "not `b > 0`", lambda *a: _rollback_variant(*a, real=lambda b: b > 0))
+wrong(CR, "not given back", lambda *a: _rollback_variant(*a, real=lambda b: b >= 0 and b != a[0][-1]))
 wrong(CR, "last kept block is only partly filled", lambda *a: _rollback_variant(*a, keep=lambda n, b: n // b))
 wrong(CR, "holds only rejected positions", lambda *a: _rollback_variant(*a, keep=lambda n, b: n // b + 1))
 wrong(CR, "must be kept", lambda *a: _rollback_variant(*a, keep=lambda n, b: max(0, (n - 1) // b)))
@@ -1280,6 +1285,17 @@ def heads_of_rank_rest_to_last(num_heads, num_kv_heads, rank, tp_size):
     return range(kv.start * group, kv.stop * group), kv
 
 
+def heads_of_rank_extra_to_last(num_heads, num_kv_heads, rank, tp_size):
+    """Deals whole groups evenly, but the extra ones go to the last ranks."""
+    group = num_heads // num_kv_heads
+    if num_kv_heads < tp_size:
+        return heads_of_rank(num_heads, num_kv_heads, rank, tp_size)
+    base, extra = divmod(num_kv_heads, tp_size)
+    start = rank * base + max(0, rank - (tp_size - extra))
+    kv = range(start, start + base + (rank >= tp_size - extra))
+    return range(kv.start * group, kv.stop * group), kv
+
+
 def heads_of_rank_interleaved(num_heads, num_kv_heads, rank, tp_size):
     group = num_heads // num_kv_heads
     kv = list(range(rank, num_kv_heads, tp_size)) if num_kv_heads >= tp_size else [rank % num_kv_heads]
@@ -1300,6 +1316,7 @@ wrong(KH, "query head 0 is on ranks [0, 1]", heads_of_rank_whole_group_copies)
 wrong(KH, "instead of raising ValueError", heads_of_rank_never_raises)
 wrong(KH, "deal whole groups as evenly as possible", heads_of_rank_rest_to_last)
 wrong(KH, "are not consecutive", heads_of_rank_interleaved)
+wrong(KH, "gives the 1 extra group to the first ranks: [2, 1]", heads_of_rank_extra_to_last)
 wrong(KH, "return two ranges", heads_of_rank_query_heads_only)
 wrong(KH, "not a lambda", lambda num_heads, num_kv_heads, rank, tp_size: (range(num_heads), range(num_kv_heads)))
 
@@ -1342,6 +1359,28 @@ wrong(PR, "outstanding requests while replica", lambda m, load, k: m.index(min(m
 wrong(PR, "outstanding requests while replica", lambda m, load, k: load.index(max(load)))
 wrong(PR, "of the prompt blocks", prefix_rule_busiest_on_ties)
 wrong(PR, "not a float", lambda m, load, k: float(prefix_rule(m, load, k)))
+
+
+def prefix_rule_absolute_cap(matched_blocks, load, max_imbalance):
+    """Forgot to subtract the lightest replica's load (falls back to every replica when none fits)."""
+    eligible = [r for r in range(len(load)) if load[r] <= max_imbalance] or list(range(len(load)))
+    return max(eligible, key=lambda r: (matched_blocks[r], -load[r], -r))
+
+
+def prefix_rule_absolute_cap_no_fallback(matched_blocks, load, max_imbalance):
+    eligible = [r for r in range(len(load)) if load[r] <= max_imbalance]
+    return max(eligible, key=lambda r: (matched_blocks[r], -load[r], -r))
+
+
+def prefix_rule_ties_to_highest(matched_blocks, load, max_imbalance):
+    lightest = min(load)
+    eligible = [r for r in range(len(load)) if load[r] - lightest <= max_imbalance]
+    return max(eligible, key=lambda r: (matched_blocks[r], -load[r], r))
+
+
+wrong(PR, "you capped load[r] itself", prefix_rule_absolute_cap)
+wrong(PR, "you capped load[r] itself", prefix_rule_absolute_cap_no_fallback)
+wrong(PR, "the lowest index on ties", prefix_rule_ties_to_highest)
 wrong(PR, "numpy integer", lambda m, load, k: np.argmax(m))
 wrong(PR, "expected a replica index in [0, 4)", lambda m, load, k: prefix_rule(m, load, k) + 1)
 
@@ -1385,6 +1424,23 @@ wrong(CK, "differ only in endpoint", lambda e, b: _key_variant(e, b, with_endpoi
 wrong(CK, "differ only in model", lambda e, b: _key_variant(e, b, drop=("stream", "stream_options", "user", "model")))
 wrong(CK, "return a string", lambda e, b: None if _key_variant(e, b) is None else hash(_key_variant(e, b)))
 wrong(CK, "KeyError", lambda e, b: None if b["temperature"] else e + json.dumps(b, sort_keys=True))
+wrong(
+    CK,
+    "differ only in n (how many completions)",
+    lambda e, b: _key_variant(e, b, only=("model", "prompt", "max_tokens", "stop", "temperature")),
+)
+wrong(
+    CK,
+    "differ only in messages (another chat)",
+    lambda e, b: _key_variant(e, b, drop=("stream", "stream_options", "user", "messages")),
+)
+wrong(CK, "differ only in logprobs", lambda e, b: _key_variant(e, b, drop=("stream", "stream_options", "user", "logprobs")))
+wrong(
+    CK,
+    "one turn longer",
+    lambda e, b: _key_variant(e, b | ({"messages": b["messages"][:1]} if "messages" in b else {})),  # first turn only
+)
+wrong(CK, "differ only in stop (one more stop string)", lambda e, b: _key_variant(e, b | {"stop": str(b.get("stop", [""])[0])}))
 
 
 # ---- 08: the tree attention mask ---------------------------------------------------------
@@ -1456,3 +1512,46 @@ wrong(CT, "return a bool mask", lambda p: tree_mask_rows(p).float())
 wrong(CT, "return a torch.Tensor", lambda p: tree_mask_rows(p).tolist())
 wrong(CT, "one row and one column per node", lambda p: tree_mask_rows(p)[None])
 wrong(CT, "changed its argument", lambda p: (tree_mask_rows(p), p.append(-1))[0])
+
+
+def _tree_mask_parent_off_by_one(parents):
+    mask = torch.eye(len(parents), dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if 0 <= p and p + 1 < i:
+            mask[i] |= mask[p + 1]
+    return mask
+
+
+def _tree_mask_child_into_parent(parents):
+    """Swapped the update: the parent's row takes the child's."""
+    mask = torch.eye(len(parents), dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            mask[p] |= mask[i]
+    return mask
+
+
+def _tree_mask_roots_share(parents):
+    """The root-level alternatives see each other (they all follow the same token...)."""
+    mask = tree_mask_rows(parents)
+    roots = [i for i, p in enumerate(parents) if p < 0]
+    for a in roots:
+        for b in roots:
+            if b < a:
+                mask[a, b] = True
+    return mask
+
+
+def _tree_mask_children_first(parents):
+    """Walks the nodes last to first: a parent's row is not complete when its child copies it."""
+    mask = torch.eye(len(parents), dtype=torch.bool)
+    for i in reversed(range(len(parents))):
+        if parents[i] >= 0:
+            mask[i] |= mask[parents[i]]
+    return mask
+
+
+wrong(CT, "node 1 cannot see node 0, its ancestor", _tree_mask_parent_off_by_one)
+wrong(CT, "comes after it", _tree_mask_child_into_parent)
+wrong(CT, "is not on its branch", _tree_mask_roots_share)
+wrong(CT, "not only the parent", _tree_mask_children_first)

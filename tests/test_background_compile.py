@@ -229,6 +229,12 @@ def test_a_niced_process_is_not_a_competitor(monkeypatch):
     monkeypatch.setattr(thread_governor, "CHECK_SECONDS", 0.2)
     saved = torch.get_num_threads()
     governor = thread_governor.ThreadGovernor(2)
+    for _ in range(4):  # a shared machine: another (un-niced) process already busy leaves nothing to tell apart
+        time.sleep(0.2)
+        governor.adjust()
+    if governor.threads < 2:
+        torch.set_num_threads(saved)
+        pytest.skip(f"other processes keep {governor.others_busy:.2f} cores busy before the niced one starts")
     niced = subprocess.Popen([sys.executable, "-c", "import os; os.nice(19)\nwhile True: pass"])
     try:
         time.sleep(0.5)

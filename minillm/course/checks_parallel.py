@@ -332,6 +332,24 @@ def _check_layout(heads_of_rank, nh: int, nkv: int, tp: int, what: str) -> None:
         raise CheckFailed(f"rank {a} holds {sizes[a]} query heads and rank {b} {sizes[b]} {where}: {rule}")
 
 
+def _check_extra_groups_first(heads_of_rank, nh: int, nkv: int, tp: int, what: str) -> None:
+    """Who gets the extra groups when they do not divide: the chapter's stated rule (checked
+    after every layout is otherwise sound, so a structural mistake is named first)."""
+    from minillm.layers.tensor_parallel import split_evenly
+
+    if nkv < tp or not nkv % tp:
+        return
+    where = f"(heads_of_rank({nh}, {nkv}, rank, {tp}): {what})"
+    kv_counts = [len(_heads(heads_of_rank(nh, nkv, r, tp), "")[1]) for r in range(tp)]
+    expected = [len(split_evenly(nkv, tp, r)) for r in range(tp)]
+    if kv_counts != expected:
+        raise CheckFailed(
+            f"the ranks hold {kv_counts} K/V heads {where}; the rule gives the {nkv % tp} extra group"
+            f"{'s' if nkv % tp > 1 else ''} to the first ranks: {expected} (split_evenly — rank r starts at "
+            f"r × {nkv // tp} + min(r, {nkv % tp})), as pipeline stages split the layers (stage_layers)"
+        )
+
+
 def _check_impossible(heads_of_rank, nh: int, nkv: int, tp: int) -> None:
     for r in range(tp):
         try:
@@ -388,6 +406,8 @@ def check_kv_heads(heads_of_rank) -> str:
         _check_layout(heads_of_rank, nh, nkv, tp, what)
     for nh, nkv, tp in IMPOSSIBLE:
         _check_impossible(heads_of_rank, nh, nkv, tp)
+    for nh, nkv, tp, what in HEAD_CASES:
+        _check_extra_groups_first(heads_of_rank, nh, nkv, tp, what)
     for model, tp in TOKEN_RUNS:
         folder = resolve_model(model)
         expected = _greedy(load_model(folder, torch.float32, "cpu", 64), PROMPT_IDS, NEW_TOKENS)
@@ -454,10 +474,27 @@ def route_all(prompts, policy: str = "prefix_aware", rule=None) -> float:
     return sum(d.matched_blocks for d in router.decisions) / blocks
 
 
+#: (matched_blocks, load, max_imbalance, the replica to choose, why): hand-made decisions, loads
+#: far from zero too, where a cap on the load itself instead of on its distance from the lightest shows.
+RULE_CASES = [
+    ([0, 6, 2, 0], [5, 6, 2, 9], 4, 1, "replica 1 (6 matched blocks) is 4 above the lightest (2): within the cap"),
+    ([0, 5, 0, 0], [10, 12, 9, 11], 4, 1, "every replica is busy, all within 4 of the lightest (9)"),
+    ([3, 0, 0, 3], [2, 0, 1, 6], 4, 0, "replica 3 is 6 above the lightest: out; replica 0 matches as much"),
+    ([0, 0, 0, 0], [3, 1, 1, 2], 4, 1, "nothing matches: the least loaded, the lowest index on ties"),
+    ([2, 2, 0, 1], [4, 3, 0, 1], 2, 3, "replicas 0 and 1 are more than 2 above the lightest: out"),
+]
+
+
+def _absolute_cap(matched, load, max_imbalance):
+    """The mistake: the cap applied to the load itself, not to its distance from the lightest."""
+    eligible = [r for r in range(len(load)) if load[r] <= max_imbalance] or list(range(len(load)))
+    return max(eligible, key=lambda r: (matched[r], -load[r], -r))
+
+
 @check
 def check_prefix_rule(rule) -> str:
-    """``rule(matched_blocks, load, max_imbalance) -> int``: the replica for a request, run by the
-    real ``Router`` and compared with its built-in prefix-aware policy."""
+    """``rule(matched_blocks, load, max_imbalance) -> int``: run by the real ``Router`` and compared
+    with its built-in prefix-aware policy, then on hand-made decisions."""
     prompts = routing_workload()
     got = route_all(prompts, rule=rule)
     builtin, round_robin = route_all(prompts, "prefix_aware"), route_all(prompts, "round_robin")
@@ -467,6 +504,25 @@ def check_prefix_rule(rule) -> str:
             f"robin: {round_robin:.0%}) on the same {len(prompts)} requests: among the replicas within max_imbalance "
             "of the least loaded, choose the one with the most matched blocks (ties: the least loaded)"
         )
+    # Decisions by hand, loads far from zero too: a cap on the load itself would pass the workload above.
+    for matched, load, cap, expected, why in RULE_CASES:
+        call = f"rule({matched}, {load}, {cap})"
+        try:
+            chosen = rule(list(matched), list(load), cap)
+        except LearnerRaised as err:
+            raise CheckFailed(
+                f"{call} raised {type(err.__cause__).__name__}: {err.__cause__} — {why}; the cap is relative: "
+                "a replica is eligible when load[r] − min(load) ≤ max_imbalance"
+            ) from None
+        if chosen == expected:
+            continue
+        if chosen == _absolute_cap(matched, load, cap):
+            raise CheckFailed(
+                f"{call} chose replica {chosen}, expected {expected} ({why}): you capped load[r] itself at "
+                "max_imbalance — the cap is on the distance from the least loaded replica, "
+                "load[r] − min(load) ≤ max_imbalance"
+            )
+        raise CheckFailed(f"{call} chose replica {chosen!r}, expected {expected}: {why}")
     return (
         f"your rule reused {got:.0%} of the prompt blocks (built-in prefix-aware: {builtin:.0%}, round robin: "
         f"{round_robin:.0%}) without letting a replica get more than {MAX_IMBALANCE} requests ahead of the lightest"

@@ -346,6 +346,7 @@ def _kv_test_input(dtype=torch.float32) -> torch.Tensor:
     x[2, 1] *= 40  # one loud head of one token
     x[4, :, 0] = -9.0  # token 4's largest magnitude is negative in every head
     x[0] *= 0.05  # a quiet token
+    x[5, 2] *= 1e-4  # a near-silent head: its largest magnitude is ~3e-4 (a floor on max|x| would swallow it)
     return x.to(dtype)
 
 
@@ -410,6 +411,19 @@ def _check_kv(fn, x: torch.Tensor, label: str) -> None:
     ):
         if _near(scale, absmax / divisor):
             raise CheckFailed(f"{label}: scale is max|x| / {divisor}: {why}. Divide by 127")
+    wrong = ~torch.isclose(scale.double(), expected.double(), rtol=1e-4, atol=1e-12)
+    offset = scale.double() * 127 - absmax.double()  # an epsilon added to max|x| shows as a constant offset
+    added = bool(wrong.any()) and float(offset.min()) > 0 and torch.allclose(offset, offset.mean(), rtol=1e-2)
+    floored = bool(wrong.any()) and bool((absmax[wrong] < 1e-2).all()) and bool((scale[wrong] > expected[wrong]).all())
+    if added or floored:
+        t, h = (int(i) for i in torch.nonzero(absmax == absmax.min())[0])
+        raise CheckFailed(
+            f"{label}: the scale of token {t}, head {h} — a head whose values are all below "
+            f"{float(absmax[t, h]):.1e} — is {float(scale[t, h]):.3g}, expected max|x| / 127 = "
+            f"{float(expected[t, h]):.3g}: a floor (or epsilon) on max|x| that large maps the whole head to a "
+            "few levels, its precision gone. Guard only against max|x| = 0 (a floor far below any real value, "
+            "such as 1e-8)"
+        )
     if not _near(scale, expected):
         t, h = (int(i) for i in torch.nonzero((scale - expected).abs() == (scale - expected).abs().max())[0])
         raise CheckFailed(

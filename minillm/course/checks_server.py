@@ -21,9 +21,17 @@ def _key(cache_key, endpoint: str, body: dict, what: str):
     return got
 
 
-def _differs(cache_key, change: dict, field: str, endpoint: str = "/v1/completions") -> None:
-    base = _key(cache_key, "/v1/completions", GREEDY, "a greedy request")
-    other = _key(cache_key, endpoint, GREEDY | change, f"a greedy request with another {field}")
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Who is the king?"}], "max_tokens": 8,
+        "temperature": 0}  # fmt: skip
+
+
+def _differs(cache_key, change: dict, field: str, endpoint: str = "/v1/completions", base_body: dict = GREEDY,
+             base_endpoint: str = "/v1/completions") -> None:  # fmt: skip
+    base = _key(cache_key, base_endpoint, base_body, "a greedy request")
+    other = _key(cache_key, endpoint, base_body | change, f"a greedy request with another {field}")
+    if base is None or other is None:
+        what = "a greedy chat request" if "messages" in base_body else "a greedy request"
+        raise CheckFailed(f"cache_key returned None for {what} (temperature 0): those are the ones to cache")
     if other == base:
         raise CheckFailed(
             f"two requests that differ only in {field} got the same key, so the second would be answered with "
@@ -73,6 +81,17 @@ def check_cache_key(cache_key, model: str = MODEL) -> str:
     _differs(cache_key, {"stop": ["."]}, "stop")
     _differs(cache_key, {"model": "tiny-shakespeare-1m"}, "model")
     _differs(cache_key, {}, "endpoint", endpoint="/v1/chat/completions")
+    _differs(cache_key, {"stop": ["\n\n", "."]}, "stop (one more stop string)")
+    _differs(cache_key, {"n": 3}, "n (how many completions)")
+    _differs(cache_key, {"logprobs": 2}, "logprobs")
+    chat = "/v1/chat/completions"
+    other_chat = {"messages": [{"role": "user", "content": "Who is the queen?"}]}
+    _differs(cache_key, other_chat, "messages (another chat)", chat, CHAT, chat)
+    longer = {"messages": [*CHAT["messages"], {"role": "assistant", "content": "Richard."},
+                           {"role": "user", "content": "And his brother?"}]}  # fmt: skip
+    _differs(cache_key, longer, "messages (the same chat, one turn longer)", chat, CHAT, chat)
+    _differs(cache_key, {"n": 2}, "n in a chat request", chat, CHAT, chat)
+    _differs(cache_key, {"logprobs": True, "top_logprobs": 2}, "logprobs in a chat request", chat, CHAT, chat)
     return _live(cache_key, model)
 
 
@@ -101,7 +120,17 @@ def _live(cache_key, model: str) -> str:
             client.completions.create(**(args | {"temperature": 1.0, "seed": 3}))
         if cache.hits != 2:
             raise CheckFailed("in the live server a sampled request was answered from the cache")
+        for change, what in (({"n": 3}, "n=3"), ({"logprobs": 2}, "logprobs=2"), ({"stop": ["."]}, 'stop ["."]')):
+            out = client.completions.create(**(args | change))
+            if cache.hits != 2:
+                raise CheckFailed(
+                    f"in the live server the greedy request with {what} was answered from the cache of the one "
+                    f"without: {what} changes the answer, so it must change the key"
+                )
+            if "n" in change and len(out.choices) != change["n"]:
+                raise CheckFailed(f"in the live server a request with n=3 got {len(out.choices)} choices back")
     return (
-        f"your key works in a live server: a repeated greedy request and its reordered twin were answered "
-        f"from the cache ({cache.hits} hits, {cache.misses} misses), sampled requests never"
+        f"your key tells apart chats, n, logprobs and stop strings; in a live server a repeated greedy request "
+        f"and its reordered twin were answered from the cache ({cache.hits} hits, {cache.misses} misses), sampled "
+        "requests and requests with another n, logprobs or stop never"
     )

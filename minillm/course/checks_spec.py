@@ -477,10 +477,18 @@ def _diagnose_rollback(got, table: list[int], num_tokens: int, block_size: int) 
         )
     if kept != exp_kept:
         raise CheckFailed(f"{head}: kept must be the table's first {len(exp_kept)} entries, in order")
+    zero = " — block 0 is a real block (only RELEASED, -1, marks a missing one): test `b != RELEASED`, not `b > 0`"
     if not freed and exp_freed:
         raise CheckFailed(
             f"{head}: blocks {exp_freed} hold only rejected tokens and are neither kept nor given back — they would "
-            "leak from the pool: return them as freed"
+            "leak from the pool: return them as freed" + (zero if 0 in exp_freed else "")
+        )
+    missing = [b for b in exp_freed if b not in freed]
+    if missing and set(freed) <= set(exp_freed):
+        raise CheckFailed(
+            f"{head}: block{'s' if len(missing) > 1 else ''} {missing} hold{'' if len(missing) > 1 else 's'} only "
+            f"rejected tokens but {'are' if len(missing) > 1 else 'is'} not given back: it would leak from the pool"
+            + (zero if 0 in missing else "")
         )
     if sorted(freed) == sorted(exp_freed):
         raise CheckFailed(
@@ -500,6 +508,8 @@ ROLLBACK_CASES = [
     ([10, 20, 30, 40], 17, 16),  # larger blocks: tokens 16-16 keep block 20
     ([-1, -1, 4, 11, 12], 13, 4),  # a sliding window released the first two blocks
     ([-1, -1, 4, 11], 0, 4),  # ... and a rollback past them frees only real blocks
+    ([6, 2, 0], 5, 4),  # block 0 is a block like any other: it is given back
+    ([0, 9, 1], 3, 4),  # ... or kept
 ]
 
 
