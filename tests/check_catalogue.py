@@ -1555,3 +1555,18 @@ wrong(CT, "node 1 cannot see node 0, its ancestor", _tree_mask_parent_off_by_one
 wrong(CT, "comes after it", _tree_mask_child_into_parent)
 wrong(CT, "is not on its branch", _tree_mask_roots_share)
 wrong(CT, "not only the parent", _tree_mask_children_first)
+
+
+# ---- more wrong answers, one module per chapter -------------------------------------------------
+
+def _load_chapter_modules() -> None:
+    import importlib
+    import pkgutil
+
+    import catalogue_chapters
+
+    for info in sorted(pkgutil.iter_modules(catalogue_chapters.__path__), key=lambda i: i.name):
+        importlib.import_module(f"catalogue_chapters.{info.name}")
+
+
+_load_chapter_modules()
