@@ -59,8 +59,8 @@ def test_an_int4_group_that_cannot_cut_a_row_slice_is_refused_before_any_worker(
         r"layers\.0\.attn\.o_proj: int4 group_size=64 does not cut tensor-parallel rank 0's input slice 0:32 "
         r"\(of 64\) into whole groups"
     )
-    with pytest.raises(ValueError, match=message):  # 64: the one-process default for this model
-        LLM(tiny_model, dtype="fp32", quantization="int4", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_model, dtype="fp32", quantization="int4", quantization_group_size=64, tensor_parallel_size=2)
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("minillm-rank")]
 
 

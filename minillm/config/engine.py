@@ -116,7 +116,7 @@ class EngineConfig:
         choices=QUANTIZATION_METHODS,
     )
     quantization_group_size: int | None = option(
-        None, "int4 group size: 32 | 64 | 128 | 256 (default: the largest <= 128 that divides every layer)", parse=int
+        None, "int4 group size: 32 | 64 | 128 | 256 (default: 32, which keeps quality)", parse=int
     )
     sparsity: str | None = option(
         None,
