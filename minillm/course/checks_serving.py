@@ -9,7 +9,12 @@ engine of chapter 02.
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import functools
+import numbers
+import threading
+import types
 
 import torch
 
@@ -115,11 +120,74 @@ def _check_pool(engine) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def _slots_of(table: list[int], positions, block_size: int) -> list[int]:
+    return [table[p // block_size] * block_size + p % block_size for p in positions]
+
+
+def _slot_mapping_mistake(got: list, table: list[int], start: int, num_tokens: int, block_size: int) -> str:
+    """Name what a wrong slot mapping did: which positions its slots belong to, a constant block
+    size, or, at the first wrong position, a wrong block or a wrong offset."""
+    odd = next((s for s in got if isinstance(s, bool) or not isinstance(s, numbers.Integral)), None)
+    if odd is not None:
+        return f"the slots must be Python ints, and {odd!r} is a {type(odd).__name__}"
+    got = [int(s) for s in got]
+    expected = _slots_of(table, range(start, start + num_tokens), block_size)
+    position_of = {s: p for p, s in enumerate(_slots_of(table, range(len(table) * block_size), block_size))}
+    positions = [position_of.get(s) for s in got]
+    if got and None not in positions and positions == list(range(positions[0], positions[0] + len(got))):
+        if len(got) != num_tokens or positions[0] != start:
+            span = f"positions {positions[0]}-{positions[-1]}" if len(got) > 1 else f"position {positions[0]} only"
+            return (
+                f"those are the slots of {span}; the call asks for the "
+                f"num_tokens={num_tokens} positions start .. start + num_tokens - 1 = {start}-{start + num_tokens - 1}"
+            )
+    if len(got) != num_tokens:
+        return f"that is {len(got)} slots for num_tokens={num_tokens}: one slot per position"
+    for other in range(1, 65):
+        try:
+            if other != block_size and got == _slots_of(table, range(start, start + num_tokens), other):
+                return f"those are the slots for block_size={other}: use the block_size argument, not a constant"
+        except IndexError:
+            continue
+    i = next(i for i, (g, e) in enumerate(zip(got, expected)) if g != e)
+    p, g, e = start + i, got[i], expected[i]
+    block = table[p // block_size]
+    where = (
+        f"position {p} lives at offset {p} % {block_size} = {p % block_size} of block block_table[{p} // {block_size}] "
+        f"= {block}, slot {e}; you gave slot {g}"
+    )
+    if g == block + p % block_size:
+        return f"{where}: you added the offset to the block id; block {block} starts at slot {block} * block_size"
+    if g == block * block_size + p:
+        return f"{where}: you added the position itself; add its offset inside the block, p % block_size"
+    if i and g == got[i - 1] + 1 and p % block_size == 0:
+        return (
+            f"{where}, the slot after position {p - 1}'s: position {p} starts a new block, and a sequence's blocks "
+            "are not adjacent in the pool; look each position's block up in the table"
+        )
+    if g // block_size == block:
+        return f"{where}: the right block, the wrong offset (p % block_size)"
+    if g % block_size == p % block_size and g // block_size in table:
+        j = table.index(g // block_size)
+        return (
+            f"{where}: the right offset in the wrong block, block_table[{j}] instead of block_table[{p // block_size}] "
+            "(the block index is p // block_size, rounded down)"
+        )
+    return where
+
+
 @check
 def check_slot_mapping(slot_mapping, model: str = DEFAULT_MODEL) -> str:
     """``slot_mapping(block_table, start, num_tokens, block_size) -> list[int]``: pool slots of positions."""
-    got = slot_mapping([7, 2, 9], 3, 4, 4)  # positions 3, 4, 5, 6 in blocks of 4
+    table = [7, 2, 9]
+    given = list(table)
+    got = slot_mapping(given, 3, 4, 4)  # positions 3, 4, 5, 6 in blocks of 4
     expected = [31, 8, 9, 10]
+    if given != table:
+        raise CheckFailed(
+            f"slot_mapping changed the block table it was given, from {table} to {given}: the table belongs to "
+            "the block manager (the engine reuses it every step); read it, never write to it"
+        )
     if got == [3, 4, 5, 6]:
         raise CheckFailed(
             "slot_mapping returned the positions themselves: position p lives in block "
@@ -127,11 +195,13 @@ def check_slot_mapping(slot_mapping, model: str = DEFAULT_MODEL) -> str:
         )
     if got == [3, 0, 1, 2]:
         raise CheckFailed("slot_mapping returned offsets inside blocks; add block_table[p // block_size] * block_size")
-    if not isinstance(got, list) or got != expected:
+    call = f"slot_mapping({table}, start=3, num_tokens=4, block_size=4)"
+    if not isinstance(got, list):
         raise CheckFailed(
-            f"slot_mapping([7, 2, 9], start=3, num_tokens=4, block_size=4) returned {got!r}, expected {expected} "
-            "(position 3 is the last slot of block 7, positions 4-6 the first slots of block 2)"
+            f"{call} returned a {type(got).__name__}, {got!r:.60}; return a list of Python ints, expected {expected}"
         )
+    if got != expected:
+        raise CheckFailed(f"{call} returned {got!r}, expected {expected}: {_slot_mapping_mistake(got, table, 3, 4, 4)}")
     _run_scattered(
         model,
         {"slot_mapping": slot_mapping},
@@ -139,6 +209,55 @@ def check_slot_mapping(slot_mapping, model: str = DEFAULT_MODEL) -> str:
         "check positions that cross a block boundary",
     )
     return f"the paged engine wrote every K/V through your slot mapping: {len(PROMPTS)} requests match the contiguous cache"
+
+
+def _gather_mistake(got: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, block_size: int) -> str:
+    """Where the first wrong entry of a gather came from: which slot (found by its value in the
+    pool), of which block and head, against the slot the block table names."""
+    expected = slots.view(-1, block_size, *slots.shape[1:])[tables].flatten(1, 2).transpose(1, 2)
+    row, head, pos = (int(i) for i in torch.nonzero((got != expected).any(-1))[0])
+    table = tables[row].tolist()
+    want_block, want_offset = table[pos // block_size], pos % block_size
+    at = (
+        f"out[{row}, {head}, {pos}] (row {row}, head {head}, position {pos}) should be slot "
+        f"{want_block * block_size + want_offset}: offset {pos} % {block_size} = {want_offset} of block "
+        f"table[{row}][{pos} // {block_size}] = {want_block}"
+    )
+    found = torch.nonzero((slots == got[row, head, pos]).all(-1))
+    if not len(found):
+        return f"{at}; it holds values found nowhere in the pool" + (
+            " (zeros: never filled)" if not bool(got[row, head, pos].any()) else ""
+        )
+    slot, from_head = (int(i) for i in found[0])
+    block, offset = divmod(slot, block_size)
+    at += f"; it holds slot {slot} (offset {offset} of block {block})"
+    if from_head != head:
+        return (
+            f"{at}, head {from_head}'s values: the heads got mixed with the positions — a reshape to "
+            "[B, KV, S, D] does not move the heads axis; reshape to [B, S, KV, D], then transpose"
+        )
+    if slot == want_block:
+        return f"{at}: the block id used as a slot; block b's slots are b*block_size .. b*block_size + block_size - 1"
+    if block == want_block:
+        return f"{at}: the right block, the wrong offset; position p is at offset p % block_size of its block"
+    if offset == want_offset and block in table:
+        return (
+            f"{at}: the right offset in the wrong block, table entry {table.index(block)} instead of entry "
+            f"{pos // block_size}; position p is in block table[p // block_size]"
+        )
+    j = pos // block_size
+    other = next((r for r, t in enumerate(tables.tolist()) if r != row and t[j] == block), None)
+    if offset == want_offset and other is not None:
+        return f"{at}, row {other}'s block (table[{other}][{j}]): each row reads the blocks of its own table"
+    if block in table:
+        same = torch.equal(got[row, head].flatten().sort().values, expected[row, head].flatten().sort().values)
+        return f"{at}, table entry {table.index(block)}" + (
+            f": row {row} holds the right values in the wrong order — position p is offset p % block_size of "
+            "block table[p // block_size] (all of a block's slots, then the next block's)"
+            if same
+            else ""
+        )
+    return f"{at}, a block that row {row}'s table {table} does not list"
 
 
 @check
@@ -149,7 +268,13 @@ def check_gather_kv(gather_kv, model: str = DEFAULT_MODEL) -> str:
     slots = torch.randn(10 * block_size, kv, d, generator=gen)
     tables = torch.tensor([[7, 2, 9], [0, 5, 5]])
     expected = slots.view(10, block_size, kv, d)[tables].reshape(2, 3 * block_size, kv, d).transpose(1, 2)
-    got = gather_kv(slots, tables, block_size)
+    given = tables.clone()
+    got = gather_kv(slots, given, block_size)
+    if not torch.equal(given, tables):
+        raise CheckFailed(
+            f"gather_kv changed the block_tables it was given, from {tables.tolist()} to {given.tolist()}: the "
+            "engine passes the same tables to every layer; compute indices into a new tensor"
+        )
     if isinstance(got, torch.Tensor) and tuple(got.shape) == (2, 3 * block_size, kv, d):
         raise CheckFailed(
             f"gather_kv returned shape {tuple(got.shape)} = [B, S, KV, D]; attention wants heads before "
@@ -160,6 +285,7 @@ def check_gather_kv(gather_kv, model: str = DEFAULT_MODEL) -> str:
             "gather_kv returned one slot per block table entry: a table lists *blocks*; block b holds the "
             "block_size slots b*block_size .. b*block_size + block_size - 1"
         )
+    what = "gather_kv(slots, [[7, 2, 9], [0, 5, 5]], block_size=4)"
     if isinstance(got, torch.Tensor) and got.shape == expected.shape:
         in_order = slots.view(10, block_size, kv, d)[tables.sort(dim=1).values]
         if not torch.equal(tables.sort(dim=1).values, tables) and torch.equal(
@@ -168,7 +294,22 @@ def check_gather_kv(gather_kv, model: str = DEFAULT_MODEL) -> str:
             raise CheckFailed(
                 "gather_kv read the blocks in id order, not in block-table order: position p is in table[p // block_size]"
             )
-    compare_tensors(got, expected, "gather_kv(slots, [[7, 2, 9], [0, 5, 5]], block_size=4)")
+        if got.dtype == slots.dtype and not torch.equal(got, expected):
+            raise CheckFailed(f"{what} differs from the reference: {_gather_mistake(got, slots, tables, block_size)}")
+    if isinstance(got, torch.Tensor) and got.dim() == 4 and got.shape[:2] == expected.shape[:2]:
+        if got.shape[2] != expected.shape[2] and got.shape[3] == d:
+            raise CheckFailed(
+                f"{what} has shape {tuple(got.shape)}, expected {tuple(expected.shape)}: {got.shape[2]} positions per "
+                f"row, where the rows' tables list 3 blocks of block_size=4 slots each"
+            )
+    compare_tensors(got, expected, what)
+    half = gather_kv(slots.to(torch.bfloat16), tables.clone(), block_size)
+    if isinstance(half, torch.Tensor) and half.dtype != torch.bfloat16:
+        raise CheckFailed(
+            f"gather_kv returned {half.dtype} from bfloat16 slots: K/V must keep the pool's dtype (the engine's "
+            "pool is often bf16); create any buffer with dtype=slots.dtype, device=slots.device"
+        )
+    compare_tensors(half, expected.to(torch.bfloat16), f"{what} on bfloat16 slots")
 
     def engine_gather(pool, layer, block_tables, by_slot=False):  # hook gather_kv's signature
         return (
@@ -188,29 +329,113 @@ def check_gather_kv(gather_kv, model: str = DEFAULT_MODEL) -> str:
     )
 
 
+@contextlib.contextmanager
+def _builtin_hash_calls():
+    """Record what this thread passes to the built-in ``hash()`` inside the ``with`` (a learner's
+    helper functions included)."""
+    calls: list = []
+    real, me = builtins.hash, threading.get_ident()
+
+    def spy(obj):
+        if threading.get_ident() == me:
+            calls.append(obj)
+        return real(obj)
+
+    builtins.hash = spy
+    try:
+        yield calls
+    finally:
+        builtins.hash = real
+
+
 @check
 def check_block_hash(block_hash, model: str = DEFAULT_MODEL) -> str:
     """``block_hash(parent_hash, token_ids) -> int``: a full block's name, chained to its prefix."""
-    a = block_hash(None, [1, 2, 3, 4])
+
+    def call(parent, tokens, why=lambda: ""):
+        """``block_hash(parent, tokens)``; when it raises, say which call and (``why()``) what it shows."""
+        try:
+            return block_hash(parent, tokens)
+        except Exception as err:
+            cause = learner_cause(err)
+            if cause is None or isinstance(cause, NotImplementedError):
+                raise
+            shown = str(parent) if len(str(parent)) <= 24 else f"{str(parent)[:20]}..."
+            raise CheckFailed(
+                f"block_hash({shown}, {list(tokens)}) raised {type(cause).__name__}: {cause}{why()}"
+            ) from None
+
+    def none_parent():
+        try:
+            block_hash(12345, [1, 2, 3, 4])
+        except Exception:
+            return ""
+        return " — it works with parent_hash=12345: a sequence's first block has parent_hash None; hash a stand-in for it (e.g. 0)"
+
+    tokens = [1, 2, 3, 4]
+    with _builtin_hash_calls() as hashed:
+        a = call(None, tokens, none_parent)
+    builtin = (
+        "block_hash uses Python's built-in hash(): it is not stable across processes (hash(None) and "
+        "str hashes change per process before Python 3.12), so two workers would name the same prefix "
+        "differently. Use a real hash function over bytes (hashlib) and return an int"
+    )
+    if hashed:
+        raise CheckFailed(builtin)
     if not isinstance(a, int) or isinstance(a, bool):
         raise CheckFailed(f"block_hash should return an int, got {type(a).__name__}")
+    if tokens != [1, 2, 3, 4]:
+        raise CheckFailed(
+            f"block_hash changed the token list it was given, from [1, 2, 3, 4] to {tokens}: the tokens belong to "
+            "the sequence; hash them (and the parent) without changing them"
+        )
     if block_hash(None, [1, 2, 3, 4]) != a or block_hash(None, (1, 2, 3, 4)) != a:
         raise CheckFailed("block_hash gave different results for the same tokens: hash a tuple of them")
     if block_hash(None, [4, 3, 2, 1]) == a:
         raise CheckFailed("block_hash ignores the order of the tokens")
+    for i in range(4):
+        changed = [1, 2, 3, 4]
+        changed[i] += 10
+        if block_hash(None, changed) == a:
+            raise CheckFailed(
+                f"block_hash gave {changed} the same hash as [1, 2, 3, 4]: it ignores token {i} of the block; "
+                "hash every token"
+            )
+    big = [50000, 100000, 7, 3]
+    call(
+        None,
+        big,
+        lambda: (
+            " — yet [1, 2, 3, 4] hashed fine: token ids go up to the vocabulary size (100000 and more); "
+            "give each token enough bytes (8, as struct format 'q' packs it)"
+        ),
+    )
+    if block_hash(None, [1, 23, 4, 5]) == block_hash(None, [12, 3, 4, 5]):
+        raise CheckFailed(
+            "blocks [1, 23, 4, 5] and [12, 3, 4, 5] got the same hash: their tokens' digits written one after "
+            "another are the same text; separate the tokens, or pack each in a fixed number of bytes"
+        )
+
+    def own_parent(parent):
+        def why():
+            size = f"a {parent.bit_length()}-bit int" + (", negative" if parent < 0 else "")
+            return (
+                f" — parent_hash is a hash your function returned ({size}): block_hash must take its own results "
+                "as parents; return a non-negative int of at most 64 bits (e.g. the first 8 bytes of the digest)"
+            )
+
+        return why
+
     first, second = [1, 2, 3, 4], [5, 6, 7, 8]
-    if block_hash(block_hash(None, first), second) == block_hash(block_hash(None, second), first):
+    h1, h2 = block_hash(None, first), block_hash(None, second)
+    if call(h1, second, own_parent(h1)) == call(h2, first, own_parent(h2)):
         raise CheckFailed(
             "two blocks in swapped order got the same chained hash (as XOR-ing the parent with the block's "
             "hash does): hash the parent together with the tokens, so the chain depends on block order"
         )
     code = getattr(getattr(block_hash, "__wrapped__", block_hash), "__code__", None)
     if code is not None and "hash" in code.co_names and "hashlib" not in code.co_names:
-        raise CheckFailed(
-            "block_hash uses Python's built-in hash(): it is not stable across processes (hash(None) and "
-            "str hashes change per process before Python 3.12), so two workers would name the same prefix "
-            "differently. Use a real hash function over bytes (hashlib) and return an int"
-        )
+        raise CheckFailed(builtin)
     if block_hash(a, [5, 6, 7, 8]) == block_hash(None, [5, 6, 7, 8]) or block_hash(a, [5, 6, 7, 8]) == block_hash(
         block_hash(None, [0, 0, 0, 0]), [5, 6, 7, 8]
     ):
@@ -239,11 +464,35 @@ def check_block_hash(block_hash, model: str = DEFAULT_MODEL) -> str:
     )
 
 
+def _expect_double_free(release_block, bm, block_id: int, what: str) -> None:
+    """Releasing ``block_id`` (unreferenced) again must raise RuntimeError."""
+    try:
+        release_block(bm, block_id)
+    except Exception as err:
+        raised = learner_cause(err) or err
+        if not isinstance(raised, RuntimeError):
+            raise CheckFailed(
+                f"releasing {what} twice raised {type(raised).__name__}: {raised}; a double free must "
+                "raise RuntimeError"
+            ) from None
+    else:
+        raise CheckFailed(
+            f"releasing {what} twice did not raise: a double free must raise RuntimeError (an unreferenced "
+            "block has ref_count 0, whether it is on the free list or cached in bm.evictable)"
+        )
+
+
 @check
 def check_block_allocation(take_free_block, release_block, model: str = DEFAULT_MODEL) -> str:
     """``take_free_block(bm) -> block id`` and ``release_block(bm, block_id)``, the pool's allocator."""
     bm = BlockManager(num_blocks=3, block_size=2)
     taken = [take_free_block(bm) for _ in range(3)]
+    odd = next((b for b in taken if isinstance(b, bool) or not isinstance(b, int)), None)
+    if odd is not None:
+        raise CheckFailed(
+            f"take_free_block returned a {type(odd).__name__} ({odd!r:.40}...), not a block id: return the id, "
+            "an int (bm.blocks[block_id] is the block itself)"
+        )
     if sorted(taken) != [0, 1, 2]:
         raise CheckFailed(f"three allocations from a pool of 3 returned {taken}; each block must be handed out once")
     if any(bm.blocks[b].ref_count != 1 for b in taken):
@@ -262,17 +511,14 @@ def check_block_allocation(take_free_block, release_block, model: str = DEFAULT_
     release_block(bm, taken[0])
     if sorted(bm.free_ids) != sorted([taken[0], taken[1]]):
         raise CheckFailed(f"after releasing blocks {taken[0]} and {taken[1]} the free list is {list(bm.free_ids)}")
-    try:
-        release_block(bm, taken[0])
-    except Exception as err:
-        raised = learner_cause(err) or err
-        if not isinstance(raised, RuntimeError):
-            raise CheckFailed(
-                f"releasing block {taken[0]} twice raised {type(raised).__name__}: {raised}; a double free must "
-                "raise RuntimeError"
-            ) from None
-    else:
-        raise CheckFailed(f"releasing block {taken[0]} twice did not raise: a double free must raise RuntimeError")
+    counts = {b: bm.blocks[b].ref_count for b in taken[:2]}
+    if any(counts.values()):
+        b = next(b for b, n in counts.items() if n)
+        raise CheckFailed(
+            f"block {b} went back on the free list with ref_count {counts[b]}: its last owner's release must bring "
+            "ref_count to 0 (an unreferenced block has no owner)"
+        )
+    _expect_double_free(release_block, bm, taken[0], f"block {taken[0]}")
     # A cached (hashed) block is kept, unreferenced, and evicted only when the free list is empty.
     bm = BlockManager(num_blocks=2, block_size=2)
     first = take_free_block(bm)
@@ -280,19 +526,40 @@ def check_block_allocation(take_free_block, release_block, model: str = DEFAULT_
     bm.cached[1234] = first
     release_block(bm, first)
     if first in bm.free_ids or first not in bm.evictable:
+        both = " — it went to both" if first in bm.free_ids and first in bm.evictable else ""
         raise CheckFailed(
-            "a released block with a prefix hash should go to bm.evictable (kept for the cache), not the free list"
+            "a released block with a prefix hash should go to bm.evictable (kept for the cache), not the free "
+            f"list{both}"
         )
+    _expect_double_free(release_block, bm, first, f"cached block {first}")
     second = take_free_block(bm)
     if second == first:
         raise CheckFailed(
             "a cached block was reused while the free list still had a block: evict only when it is empty"
         )
     third = take_free_block(bm)
-    if third != first or 1234 in bm.cached or bm.blocks[first].hash is not None:
+    evict = (
+        "with the free list empty, evict a cached block: pop it from bm.evictable, delete its hash from "
+        "bm.cached and clear block.hash"
+    )
+    if third != first:
+        raise CheckFailed(f"{evict} (you returned block {third!r}, the cached block is {first})")
+    if first in bm.evictable:
         raise CheckFailed(
-            "with the free list empty, evict a cached block: pop it from bm.evictable, delete its hash from "
-            "bm.cached and clear block.hash"
+            f"you evicted block {first} but left it in bm.evictable, so it can be handed out twice: {evict}"
+        )
+    if 1234 in bm.cached:
+        also = " and clear block.hash" if bm.blocks[first].hash is not None else ""
+        raise CheckFailed(
+            f"you evicted block {first}, but bm.cached still maps its old hash to it: delete its hash from "
+            f"bm.cached{also} (else a later prefix lookup finds block {first}, which will hold other K/V)"
+        )
+    if bm.blocks[first].hash is not None:
+        raise CheckFailed(f"you evicted block {first} but it still has its prefix hash: {evict}")
+    if bm.blocks[first].ref_count != 1:
+        raise CheckFailed(
+            f"block {first}, taken by evicting it, has ref_count {bm.blocks[first].ref_count}: a taken block has "
+            "one owner (ref_count 1) wherever it came from"
         )
     # Several cached blocks: the least recently used goes first (evictable is ordered oldest first).
     bm = BlockManager(num_blocks=4, block_size=2)
@@ -300,14 +567,19 @@ def check_block_allocation(take_free_block, release_block, model: str = DEFAULT_
     for n, b in enumerate(ids[:3]):
         bm.blocks[b].hash = 100 + n
         bm.cached[100 + n] = b
-    for b in ids[:3]:
-        release_block(bm, b)  # released oldest first: ids[0] is the least recently used
+    low, mid, high = sorted(ids[:3])
+    order = [mid, low, high]  # the least recently used is neither the lowest nor the highest id
+    for b in order:
+        release_block(bm, b)
     evicted = take_free_block(bm)
-    if evicted != ids[0]:
-        newest = " (popitem() takes the newest; use popitem(last=False))" if evicted == ids[2] else ""
+    if evicted != order[0]:
+        why = {
+            order[-1]: " (popitem() takes the newest; use popitem(last=False))",
+            low: " (the lowest id is not the oldest: bm.evictable is in release order, oldest first)",
+        }.get(evicted, "")
         raise CheckFailed(
-            f"three cached blocks were released in the order {ids[:3]}; with the free list empty you evicted "
-            f"block {evicted}, not the least recently used {ids[0]}{newest}"
+            f"three cached blocks were released in the order {order}; with the free list empty you evicted "
+            f"block {evicted}, not the least recently used {order[0]}{why}"
         )
     # The real engine on the learner's allocator: shared prefixes and a pool small enough to preempt.
     prompts = [SYSTEM + p for p in PROMPTS]
@@ -356,6 +628,52 @@ def _run_arriving(engine, prompts, priorities=None, on_step=None, max_steps: int
     return {i: done[i] for i in ids}
 
 
+def _chunk_rule(remaining: int, budget: int, chunked_prefill: bool, step_is_empty: bool) -> int:
+    if chunked_prefill:
+        return min(remaining, budget)
+    return remaining if remaining <= budget or step_is_empty else 0
+
+
+def _chunk_tokens_mix_up(chunk_tokens, cases) -> None:
+    """Fail naming the mix-up when every answer is the rule's with two arguments swapped or
+    the chunking flag read backwards, or when the first wrong answer cuts a prompt without
+    chunked prefill (else ``int_cases`` names the first wrong case)."""
+    try:
+        got = [chunk_tokens(*args) for *args, _, _ in cases]
+    except Exception:
+        return  # int_cases reports the call that raised
+    if got == [expected for *_, expected, _ in cases]:
+        return
+    mix_ups = [
+        (
+            lambda r, b, c, e: _chunk_rule(r, b, not c, e),
+            "the rule with chunked_prefill read backwards: you cut prompts into chunks when chunked_prefill is "
+            "False and run them whole when it is True",
+        ),
+        (
+            lambda r, b, c, e: _chunk_rule(r, b, e, c),
+            "the rule with chunked_prefill and step_is_empty swapped: the arguments come in the order "
+            "(remaining, budget, chunked_prefill, step_is_empty)",
+        ),
+        (
+            lambda r, b, c, e: _chunk_rule(b, r, c, e),
+            "the rule with remaining and budget swapped: the arguments come in the order "
+            "(remaining, budget, chunked_prefill, step_is_empty)",
+        ),
+    ]
+    for rule, what in mix_ups:
+        if got == [rule(*args) for *args, _, _ in cases]:
+            raise CheckFailed(f"chunk_tokens returned {got} on the {len(cases)} test calls: that is {what}")
+    (remaining, budget, chunked, empty, _, _), n = next((c, n) for c, n in zip(cases, got) if n != c[4])
+    if not chunked and isinstance(n, int) and 0 < n < remaining:
+        call = f"remaining={remaining}, budget={budget}, chunked_prefill=False, step_is_empty={empty}"
+        raise CheckFailed(
+            f"chunk_tokens({call}) returned {n}, part of the prompt: without chunked prefill a prompt is never cut "
+            f"— it runs whole ({remaining}) or waits for a later step (0)"
+            + (", and alone in an empty step it runs whole even past the budget" if empty else "")
+        )
+
+
 @check
 def check_chunk_tokens(chunk_tokens, model: str = DEFAULT_MODEL) -> str:
     """``chunk_tokens(remaining, budget, chunked_prefill, step_is_empty) -> int``: how many of a
@@ -385,7 +703,16 @@ def check_chunk_tokens(chunk_tokens, model: str = DEFAULT_MODEL) -> str:
             40,
             "without chunking, a prompt larger than the whole budget runs alone in an empty step (else it would wait forever)",
         ),
+        (
+            40,
+            16,
+            True,
+            True,
+            16,
+            "with chunked prefill even the first sequence of a step takes no more than the budget",
+        ),
     ]
+    _chunk_tokens_mix_up(chunk_tokens, cases)
     int_cases(chunk_tokens, "chunk_tokens", cases, ("remaining", "budget", "chunked_prefill", "step_is_empty"))
 
     def tokens_to_run(scheduler, seq, budget, out):  # hook tokens_to_run's signature
@@ -416,6 +743,7 @@ class _Seq:
 
     def __init__(self, name: str, priority: int, arrival: float):
         self.name, self.sort_key = name, (priority, arrival, 0)
+        self.priority, self.metrics = priority, types.SimpleNamespace(arrival_time=arrival)
 
     def __repr__(self) -> str:
         return self.name
@@ -440,9 +768,30 @@ def check_choose_victim(choose_victim, model: str = DEFAULT_MODEL) -> str:
         (a, [], a, "with no candidate left, seq itself must yield"),
     ]
     for seq, candidates, expected, why in cases:
-        got = choose_victim(seq, list(candidates))
+        call = f"choose_victim({seq}, {candidates})"
+        try:
+            got = choose_victim(seq, list(candidates))
+        except Exception as err:
+            cause = learner_cause(err)
+            if candidates or cause is None or isinstance(cause, NotImplementedError):
+                raise
+            raise CheckFailed(
+                f"{call} raised {type(cause).__name__}: {cause} — with no candidate left, seq itself must yield: "
+                "return seq when candidates is empty"
+            ) from None
         if got is not expected:
-            raise CheckFailed(f"choose_victim({seq}, {candidates}) returned {got!r}, expected {expected}: {why}")
+            if got is not seq and not any(got is c for c in candidates):
+                raise CheckFailed(
+                    f"{call} returned {got!r}, which is neither seq nor one of the candidates: return the sequence "
+                    f"to preempt itself (here {expected}), not its position or id"
+                )
+            if got is seq:
+                why += f"; you returned seq itself, yet {expected} ranks below it — seq yields only when every candidate outranks it"
+            elif expected is seq and got.sort_key[0] == seq.sort_key[0]:
+                why += (
+                    f" (with equal priorities the earlier arrival, {got}, outranks {seq}: compare the whole sort_key)"
+                )
+            raise CheckFailed(f"{call} returned {got!r}, expected {expected}: {why}")
     engine = _paged_engine(
         model, block_size=4, max_num_batched_tokens=32, max_num_seqs=4, kv_cache_memory=_pool_bytes(model, 24, 4)
     )
@@ -483,19 +832,36 @@ def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -
         model, block_size=4, max_num_batched_tokens=budget, max_num_seqs=4, kv_cache_memory=_pool_bytes(model, 24, 4)
     )
     steps = []
+    queue: list = []  # the waiting sequences in order, as the current step began
+    tried: list = []  # those try_admit was called for in the current step
 
     def schedule(self, now):  # hook schedule's signature: (scheduler, now)
         waiting = self.waiting_in_order()
+        ranked = self.running_in_order()
         decodes = [q for q in self.running if q.is_decoding]
+        queue[:], tried[:] = waiting, []
         out = schedule_continuous(self)
         if out is None:
             raise CheckFailed("schedule_continuous returned None: return the SchedulerOutput you filled")
-        if out.num_tokens > self.max_num_batched_tokens:
+        limit = self.max_num_batched_tokens
+        if out.num_tokens > limit:
+            new = sum(c.num_tokens for c in out.chunks if c.seq in out.admitted)
+            old = out.num_tokens - new
+            fix = (
+                "pass tokens_to_run what is left of the budget and take each running sequence's tokens off it"
+                if old > limit
+                else f"the running sequences left {limit - old}; newcomers get only what is left — pass try_admit "
+                "the budget left and take each newcomer's tokens off it"
+            )
             raise CheckFailed(
-                f"a step scheduled {out.num_tokens} tokens, over the budget of {self.max_num_batched_tokens}"
+                f"a step scheduled {out.num_tokens} tokens, over the budget of {limit} ({old} for running "
+                f"sequences, {new} for newly admitted ones): {fix}"
             )
         if len(self.running) > self.max_num_seqs:
-            raise CheckFailed(f"{len(self.running)} sequences running, more than max_num_seqs={self.max_num_seqs}")
+            raise CheckFailed(
+                f"{len(self.running)} sequences running, more than max_num_seqs={self.max_num_seqs}: admit only "
+                "while len(scheduler.running) < max_num_seqs"
+            )
         for chunk in out.chunks:
             if chunk.seq.status is not SequenceStatus.RUNNING:
                 raise CheckFailed(
@@ -523,6 +889,34 @@ def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -
                 f"request {starved[0].request_id} waited on its next token while a prompt chunk used the budget: "
                 "schedule decodes first (scheduler.running_in_order())"
             )
+        left = [q for q in ranked if q not in scheduled and q.status is SequenceStatus.RUNNING]
+        if left and self.enable_chunked_prefill:  # (without chunking a prompt that does not fit may wait)
+            unused = limit - out.num_tokens
+            if unused and not any(q in scheduled for q in ranked):
+                raise CheckFailed(
+                    f"the step gave none of the running requests {[q.request_id for q in left]} a token, with "
+                    f"{unused} of its {limit} budget tokens unused: they stay unfinished — each step first gives the "
+                    "running sequences their tokens (decodes first), then admits newcomers"
+                )
+            first = left[0]
+            state = (
+                "decoding"
+                if first.is_decoding
+                else f"prefilling, {len(first) - first.num_computed_tokens} tokens still to compute"
+            )
+            if unused:
+                raise CheckFailed(
+                    f"request {first.request_id} is running ({state}), but the step left it out with {unused} of its "
+                    f"{limit} budget tokens unused: every running sequence — decodes, then prompts still being "
+                    "prefilled — gets tokens while the budget lasts"
+                )
+            behind = next((q for q in ranked[ranked.index(first) + 1 :] if q in scheduled), None)
+            if behind is not None:
+                raise CheckFailed(
+                    f"request {first.request_id} ({state}) was left out of a full step while request "
+                    f"{behind.request_id}, behind it in scheduler.running_in_order() (decodes first, then by priority "
+                    "and arrival), got tokens: go through the running sequences in that order"
+                )
         steps.append(out)
         return out
 
@@ -546,6 +940,12 @@ def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -
     def reserve(self, seq, n, out, drafts=()):
         if seq.status is not SequenceStatus.RUNNING:
             skipped_preempted(seq, "scheduler.reserve")
+        if out.admitted and seq not in out.admitted:
+            raise CheckFailed(
+                f"the step admitted request {out.admitted[0].request_id} before scheduling running request "
+                f"{seq.request_id}: schedule the running sequences first (decodes first), then admit newcomers "
+                "with the budget, seats and blocks left"
+            )
         return original_reserve(self, seq, n, out, drafts)
 
     def try_admit(self, seq, budget_left, out):
@@ -560,6 +960,14 @@ def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -
                 f"not first come, first served: request {refused[0].request_id} did not fit, and the step went on to "
                 f"try request {seq.request_id} behind it — stop at the first request that does not fit"
             )
+        if len(tried) < len(queue) and seq is not queue[len(tried)]:
+            head = queue[len(tried)]
+            raise CheckFailed(
+                f"not first come, first served: the step tried to admit request {seq.request_id} before request "
+                f"{head.request_id}, ahead of it in scheduler.waiting_in_order() (priority, then arrival; a preempted "
+                "request keeps its place): admit from the head of that queue, in order"
+            )
+        tried.append(seq)
         admitting.append(seq)
         try:
             n = original_admit(self, seq, budget_left, out)
@@ -591,6 +999,19 @@ def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -
     preemptions = sum(o.num_preemptions for o in done.values())
     if not preemptions:
         raise CheckError("the workload was meant to run out of blocks, but nothing was preempted")
+    # A hand-made state: request 0 (priority 1) is ahead of the more urgent request 1 (priority 0) in
+    # scheduler.running, both decoding, and one step has a budget of one token: it goes to request 1.
+    small = _paged_engine(model, block_size=4, max_num_batched_tokens=budget, max_num_seqs=4)
+    with hooks.override(schedule=schedule_step, reserve=reserve, try_admit=try_admit, tokens_to_run=tokens_to_run):
+        for priority in (1, 0):
+            small.add_request(PROMPTS[4], _params(), priority=priority)
+            small.step()
+        if [q.priority for q in small.scheduler.running] != [1, 0] or not all(
+            q.is_decoding for q in small.scheduler.running
+        ):
+            raise CheckError("the hand-made state (two decoding requests, the less urgent first) was not reached")
+        small.scheduler.max_num_batched_tokens = 1
+        small.step()
     return (
         f"{len(PROMPTS)} requests arriving mid-run all finished under your scheduler, {len(joined)} steps admitted "
         f"newcomers next to running decodes, {preemptions} preemptions in a 24-block pool; tokens identical to "

@@ -2,4 +2,323 @@
 
 from __future__ import annotations
 
-from check_catalogue import right, wrong  # noqa: F401
+import hashlib
+import struct
+
+import torch
+from check_catalogue import gather_kv, release_block, take_free_block, wrong
+
+# ---- slot_mapping ---------------------------------------------------------------------------
+
+
+def _slots_one_short(block_table, start, num_tokens, block_size):
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, start + num_tokens - 1)]
+
+
+def _slots_from_zero(block_table, start, num_tokens, block_size):
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(num_tokens)]
+
+
+def _slots_end_is_num_tokens(block_table, start, num_tokens, block_size):
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, num_tokens)]
+
+
+def _slots_whole_position(block_table, start, num_tokens, block_size):
+    return [block_table[p // block_size] * block_size + p for p in range(start, start + num_tokens)]
+
+
+def _slots_block_size_16(block_table, start, num_tokens, block_size):
+    block = 16  # the engine's default block size
+    return [block_table[p // block] * block + p % block for p in range(start, start + num_tokens)]
+
+
+def _slots_count_up(block_table, start, num_tokens, block_size):
+    first = block_table[start // block_size] * block_size + start % block_size
+    return [first + i for i in range(num_tokens)]
+
+
+def _slots_rounded_block(block_table, start, num_tokens, block_size):
+    return [block_table[round(p / block_size)] * block_size + p % block_size for p in range(start, start + num_tokens)]
+
+
+def _slots_table_in_place(block_table, start, num_tokens, block_size):
+    for i, block in enumerate(block_table):  # the table's blocks turned into their first slots
+        block_table[i] = block * block_size
+    return [block_table[p // block_size] + p % block_size for p in range(start, start + num_tokens)]
+
+
+def _slots_generator(block_table, start, num_tokens, block_size):
+    return (block_table[p // block_size] * block_size + p % block_size for p in range(start, start + num_tokens))
+
+
+wrong("check_slot_mapping", "those are the slots of positions 3-5", _slots_one_short)
+wrong("check_slot_mapping", "those are the slots of positions 0-3", _slots_from_zero)
+wrong("check_slot_mapping", "those are the slots of position 3 only", _slots_end_is_num_tokens)
+wrong("check_slot_mapping", "you added the position itself", _slots_whole_position)
+wrong("check_slot_mapping", "slots for block_size=16: use the block_size argument", _slots_block_size_16)
+wrong("check_slot_mapping", "position 4 starts a new block", _slots_count_up)
+wrong(
+    "check_slot_mapping",
+    "block_table[1] instead of block_table[0] (the block index is p // block_size, rounded down)",
+    _slots_rounded_block,
+)
+wrong("check_slot_mapping", "changed the block table it was given", _slots_table_in_place)
+wrong("check_slot_mapping", "returned a generator", _slots_generator)
+
+# ---- gather_kv ------------------------------------------------------------------------------
+
+
+def _gather_reshape_heads(slots, block_tables, block_size):
+    b, n = block_tables.shape
+    blocks = slots.view(-1, block_size, *slots.shape[1:])
+    return blocks[block_tables].reshape(b, slots.shape[1], n * block_size, slots.shape[2])
+
+
+def _gather_float32_buffer(slots, block_tables, block_size):
+    b, n = block_tables.shape
+    out = torch.zeros(b, slots.shape[1], n * block_size, slots.shape[2])
+    for row in range(b):
+        for j in range(n):
+            first = int(block_tables[row, j]) * block_size
+            out[row, :, j * block_size : (j + 1) * block_size] = slots[first : first + block_size].transpose(0, 1)
+    return out
+
+
+def _gather_first_slot_only(slots, block_tables, block_size):
+    return slots[(block_tables * block_size).repeat_interleave(block_size, dim=1)].transpose(1, 2)
+
+
+def _gather_block_plus_offset(slots, block_tables, block_size):
+    index = (block_tables[:, :, None] + torch.arange(block_size)).flatten(1)
+    return slots[index].transpose(1, 2)
+
+
+def _gather_offset_major(slots, block_tables, block_size):
+    b, n = block_tables.shape
+    blocks = slots.view(-1, block_size, *slots.shape[1:])[block_tables]  # [B, n, block_size, KV, D]
+    return blocks.permute(0, 3, 2, 1, 4).reshape(b, slots.shape[1], n * block_size, slots.shape[2])
+
+
+def _gather_one_based_blocks(slots, block_tables, block_size):
+    return gather_kv(slots, block_tables - 1, block_size)
+
+
+def _gather_tables_in_place(slots, block_tables, block_size):
+    block_tables *= block_size  # each block's first slot
+    index = (block_tables[:, :, None] + torch.arange(block_size)).flatten(1)
+    return slots[index].transpose(1, 2)
+
+
+def _gather_all_but_last_block(slots, block_tables, block_size):
+    return gather_kv(slots, block_tables[:, :-1], block_size)
+
+
+wrong("check_gather_kv", "head 1's values: the heads got mixed with the positions", _gather_reshape_heads)
+wrong("check_gather_kv", "gather_kv returned torch.float32 from bfloat16 slots", _gather_float32_buffer)
+wrong("check_gather_kv", "the right block, the wrong offset", _gather_first_slot_only)
+wrong("check_gather_kv", "the block id used as a slot", _gather_block_plus_offset)
+wrong("check_gather_kv", "holds the right values in the wrong order", _gather_offset_major)
+wrong(
+    "check_gather_kv",
+    "holds slot 24 (offset 0 of block 6), a block that row 0's table [7, 2, 9] does not list",
+    _gather_one_based_blocks,
+)
+wrong("check_gather_kv", "changed the block_tables it was given", _gather_tables_in_place)
+wrong("check_gather_kv", "8 positions per row, where the rows' tables list 3 blocks", _gather_all_but_last_block)
+
+# ---- take_free_block / release_block --------------------------------------------------------
+
+
+def _evict(bm, block_id):
+    del bm.cached[bm.blocks[block_id].hash]
+    bm.blocks[block_id].hash = None
+
+
+def _take_evicts_first(bm):
+    if bm.evictable:  # a cached block first, the free list only when none is cached
+        block_id, _ = bm.evictable.popitem(last=False)
+        _evict(bm, block_id)
+    else:
+        block_id = bm.free_ids.popleft()
+    bm.blocks[block_id].ref_count = 1
+    return block_id
+
+
+def _take_keeps_cached_entry(bm):
+    if bm.free_ids:
+        return take_free_block(bm)
+    block_id, _ = bm.evictable.popitem(last=False)
+    bm.blocks[block_id].hash = None  # bm.cached still maps the old hash to the block
+    bm.blocks[block_id].ref_count = 1
+    return block_id
+
+
+def _take_leaves_evictable(bm):
+    if bm.free_ids:
+        return take_free_block(bm)
+    block_id = next(iter(bm.evictable))  # read, not popped
+    _evict(bm, block_id)
+    bm.blocks[block_id].ref_count = 1
+    return block_id
+
+
+def _take_smallest_cached(bm):
+    if bm.free_ids:
+        return take_free_block(bm)
+    block_id = min(bm.evictable)
+    del bm.evictable[block_id]
+    _evict(bm, block_id)
+    bm.blocks[block_id].ref_count = 1
+    return block_id
+
+
+def _take_returns_block(bm):
+    return bm.blocks[take_free_block(bm)]
+
+
+def _take_counts_only_free_list(bm):
+    if bm.free_ids:
+        block_id = bm.free_ids.popleft()
+        bm.blocks[block_id].ref_count = 1
+        return block_id
+    block_id, _ = bm.evictable.popitem(last=False)
+    _evict(bm, block_id)
+    return block_id
+
+
+def _release_double_free_only_on_free_list(bm, block_id):
+    if block_id in bm.free_ids:
+        raise RuntimeError(f"double free of block {block_id}")
+    block = bm.blocks[block_id]
+    block.ref_count -= 1
+    if block.ref_count == 0:
+        if block.hash is not None:
+            bm.evictable[block_id] = None
+        else:
+            bm.free_ids.append(block_id)
+
+
+def _release_also_frees_cached(bm, block_id):
+    block = bm.blocks[block_id]
+    if block.ref_count == 0:
+        raise RuntimeError("double free")
+    block.ref_count -= 1
+    if block.ref_count == 0:
+        if block.hash is not None:
+            bm.evictable[block_id] = None
+        bm.free_ids.append(block_id)
+
+
+def _release_last_owner_keeps_count(bm, block_id):
+    block = bm.blocks[block_id]
+    if block_id in bm.free_ids or block_id in bm.evictable:
+        raise RuntimeError("double free")
+    if block.ref_count > 1:
+        block.ref_count -= 1
+    elif block.hash is not None:  # the last owner: give the block back (its count stays 1)
+        bm.evictable[block_id] = None
+    else:
+        bm.free_ids.append(block_id)
+
+
+def _release_asserts(bm, block_id):
+    block = bm.blocks[block_id]
+    assert block.ref_count > 0, f"double free of block {block_id}"
+    block.ref_count -= 1
+    if block.ref_count == 0:
+        if block.hash is not None:
+            bm.evictable[block_id] = None
+        else:
+            bm.free_ids.append(block_id)
+
+
+wrong(
+    "check_block_allocation",
+    "a cached block was reused while the free list still had a block",
+    _take_evicts_first,
+    release_block,
+)
+wrong(
+    "check_block_allocation",
+    "bm.cached still maps its old hash to it: delete its hash from bm.cached (",
+    _take_keeps_cached_entry,
+    release_block,
+)
+wrong("check_block_allocation", "left it in bm.evictable", _take_leaves_evictable, release_block)
+wrong("check_block_allocation", "the lowest id is not the oldest", _take_smallest_cached, release_block)
+wrong("check_block_allocation", "take_free_block returned a Block", _take_returns_block, release_block)
+wrong("check_block_allocation", "taken by evicting it, has ref_count 0", _take_counts_only_free_list, release_block)
+wrong(
+    "check_block_allocation",
+    "releasing cached block 0 twice did not raise",
+    take_free_block,
+    _release_double_free_only_on_free_list,
+)
+wrong("check_block_allocation", "not the free list — it went to both", take_free_block, _release_also_frees_cached)
+wrong(
+    "check_block_allocation",
+    "went back on the free list with ref_count 1",
+    take_free_block,
+    _release_last_owner_keeps_count,
+)
+wrong(
+    "check_block_allocation",
+    "raised AssertionError: double free of block 0; a double free must raise RuntimeError",
+    take_free_block,
+    _release_asserts,
+)
+
+# ---- block_hash -----------------------------------------------------------------------------
+
+
+def _digest_int(h):
+    return int.from_bytes(h.digest()[:8], "little")
+
+
+def _hash_skips_last_token(parent_hash, token_ids):
+    h = hashlib.sha256((parent_hash or 0).to_bytes(8, "little"))
+    for i in range(len(token_ids) - 1):
+        h.update(struct.pack("<q", token_ids[i]))
+    return _digest_int(h)
+
+
+def _hash_one_byte_tokens(parent_hash, token_ids):
+    return _digest_int(hashlib.sha256((parent_hash or 0).to_bytes(8, "little") + bytes(token_ids)))
+
+
+def _hash_whole_digest(parent_hash, token_ids):
+    h = hashlib.sha256((parent_hash or 0).to_bytes(8, "little"))
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return int.from_bytes(h.digest(), "little")  # all 32 bytes: a 256-bit int
+
+
+def _hash_joined_digits(parent_hash, token_ids):
+    text = f"{parent_hash}:" + "".join(str(t) for t in token_ids)
+    return _digest_int(hashlib.sha256(text.encode()))
+
+
+def _hash_appends_parent(parent_hash, token_ids):
+    token_ids.append(parent_hash or 0)  # hash the parent together with the tokens
+    return _digest_int(hashlib.sha256(struct.pack(f"<{len(token_ids)}q", *token_ids)))
+
+
+def _stable_key(parent_hash, token_ids):
+    return hash((parent_hash, tuple(token_ids)))
+
+
+def _hash_through_builtin_hash(parent_hash, token_ids):
+    key = _stable_key(parent_hash, token_ids)
+    return _digest_int(hashlib.sha256(key.to_bytes(8, "little", signed=True)))
+
+
+def _hash_parent_packed_as_is(parent_hash, token_ids):
+    return _digest_int(hashlib.sha256(struct.pack(f"<Q{len(token_ids)}q", parent_hash, *token_ids)))
+
+
+wrong("check_block_hash", "it ignores token 3 of the block", _hash_skips_last_token)
+wrong("check_block_hash", "token ids go up to the vocabulary size", _hash_one_byte_tokens)
+wrong("check_block_hash", "parent_hash is a hash your function returned (a 254-bit int)", _hash_whole_digest)
+wrong("check_block_hash", "blocks [1, 23, 4, 5] and [12, 3, 4, 5] got the same hash", _hash_joined_digits)
+wrong("check_block_hash", "block_hash changed the token list it was given", _hash_appends_parent)
+wrong("check_block_hash", "built-in hash()", _hash_through_builtin_hash)
+wrong("check_block_hash", "a sequence's first block has parent_hash None", _hash_parent_packed_as_is)
