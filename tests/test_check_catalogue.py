@@ -50,21 +50,44 @@ if _triton():
             offs_n = start_n + tl.arange(0, BLOCK_N)
             kv_offsets = offs_n[:, None] * stride_ks + head * stride_kh + offs_d[None, :]
             k = tl.load(K + kv_offsets, mask=offs_n[:, None] < S, other=0.0).to(tl.float32)
-            v = tl.load(V + kv_offsets, mask=offs_n[:, None] < S, other=0.0).to(tl.float32)
+            if MISTAKE == 10:
+                v = tl.load(K + kv_offsets, mask=offs_n[:, None] < S, other=0.0).to(tl.float32)  # copy-paste: K
+            else:
+                v = tl.load(V + kv_offsets, mask=offs_n[:, None] < S, other=0.0).to(tl.float32)
             s = tl.dot(q, tl.trans(k))
-            if MISTAKE != 4:
+            if MISTAKE == 8:
+                s = s / scale
+            elif MISTAKE != 4:
                 s = s * scale
-            allowed = offs_n[None, :] < S
+            if MISTAKE == 6:
+                allowed = offs_n[None, :] >= 0  # forgets the keys past S in the last tile
+            else:
+                allowed = offs_n[None, :] < S
             if CAUSAL or ALWAYS_CAUSAL:
                 if MISTAKE == 1:
                     allowed = allowed & (offs_n[None, :] < q_pos[:, None])  # hides the diagonal
+                elif MISTAKE == 7:
+                    allowed = allowed & (offs_n[None, :] <= offs_m[:, None])  # forgets the cached prefix
                 elif MISTAKE != 2:
                     allowed = allowed & (offs_n[None, :] <= q_pos[:, None])
             s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            if MISTAKE == 14:
+                m_new = tl.maximum(m_i, tl.max(s, 0))  # the max over the queries, one per key
+            else:
+                m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
+            if MISTAKE == 9:
+                p = tl.exp2(s - m_safe[:, None])  # exp2 without log2(e) folded into the scores
+                alpha = tl.exp2(m_i - m_safe)
+            elif MISTAKE == 13:
+                p = tl.exp(s - m_i[:, None])  # against the old max
+                alpha = tl.exp(m_i - m_safe)
+            elif MISTAKE == 12:
+                p = tl.exp(s - m_safe[:, None])
+                alpha = tl.exp(m_safe - m_i)  # inverted rescale
+            else:
+                p = tl.exp(s - m_safe[:, None])
+                alpha = tl.exp(m_i - m_safe)
             if MISTAKE == 5:
                 l_i = l_i + tl.sum(p, 1)
             else:
@@ -73,7 +96,8 @@ if _triton():
                 acc = acc + tl.dot(p, v)
             else:
                 acc = acc * alpha[:, None] + tl.dot(p, v)
-            m_i = m_new
+            if MISTAKE != 11:  # 11 forgets to carry the running max
+                m_i = m_new
         out = acc / l_i[:, None]
         o_ptrs = Out + offs_m[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
         tl.store(o_ptrs, out, mask=offs_m[:, None] < T)
@@ -135,10 +159,19 @@ if _triton():
     WRONG["check_flash_kernel"] = [
         ((_launcher(_flash_kernel, MISTAKE=1),), "up to and including its own position"),
         ((_launcher(_flash_kernel, MISTAKE=2),), "ignores causality"),
-        ((_launcher(_flash_kernel, MISTAKE=3),), "differs from the reference"),
-        ((_launcher(_flash_kernel, MISTAKE=4),), "differs from the reference"),
-        ((_launcher(_flash_kernel, MISTAKE=5),), "differs from the reference"),
+        ((_launcher(_flash_kernel, MISTAKE=3),), "the accumulator is not rescaled"),
+        ((_launcher(_flash_kernel, MISTAKE=4),), "the scores q·kᵀ are not scaled"),
+        ((_launcher(_flash_kernel, MISTAKE=5),), "the running sum l is not rescaled"),
         ((_launcher(_flash_kernel, MISTAKE=0, ALWAYS_CAUSAL=True),), "causal=False differs from the reference"),
+        ((_launcher(_flash_kernel, MISTAKE=6),), "keys past S"),
+        ((_launcher(_flash_kernel, MISTAKE=7),), "ignores the cached prefix"),
+        ((_launcher(_flash_kernel, MISTAKE=8),), "divided by scale"),
+        ((_launcher(_flash_kernel, MISTAKE=9),), "exp2"),
+        ((_launcher(_flash_kernel, MISTAKE=10),), "values were loaded from K"),
+        ((_launcher(_flash_kernel, MISTAKE=11),), "only the last key tile"),
+        ((_launcher(_flash_kernel, MISTAKE=12),), "every output is NaN"),
+        ((_launcher(_flash_kernel, MISTAKE=13),), "every output is NaN"),
+        ((_launcher(_flash_kernel, MISTAKE=14),), "each query row's running max (tl.max(s, 1))"),
     ]
 
 

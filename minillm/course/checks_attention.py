@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import minillm.hooks as hooks
 from minillm.course.compare import compare_tensors, compare_tokens, int_cases
-from minillm.course.results import CheckFailed, check
+from minillm.course.results import CheckFailed, LearnerRaised, _learner_frames, check
 
 VARIANT_MODEL = "tiny-shakespeare-8m"  # GQA: 8 query heads share 4 K/V heads
 
@@ -54,29 +54,112 @@ class _CopyWatch(TorchDispatchMode):
         return out
 
 
+def _gqa_diagnosis(gqa_attention, q, k, v, mask, scale, got, atol) -> str | None:
+    """Why a grouped attention's output (right shape and dtype, wrong values) is wrong: the
+    reference recomputed under each mistake's behaviour, the one the output matches named."""
+
+    def matches(ref: torch.Tensor) -> bool:
+        return torch.allclose(got.float(), ref.float(), atol=atol, equal_nan=True)
+
+    heads, kv_heads, t, d = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
+    group = heads // kv_heads
+    if kv_heads > 1 and heads != kv_heads:
+        k_tiled, v_tiled = k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1)
+        if matches(_mha_reference(q, k_tiled, v_tiled, mask, scale)):
+            return (
+                "query heads are matched to the wrong K/V heads: query head h shares K/V head h // G "
+                "(heads 0..G-1 → K/V head 0), not h % KV"
+            )
+    if matches(_mha_reference(q, k, v, None, scale)):
+        return "the mask was not applied: hide the keys where mask is False (scores → -inf before the softmax)"
+    if matches(_mha_reference(q, k, v, ~mask, scale)):
+        return (
+            "the mask is inverted: True means the query may attend to that key — fill -inf where mask is False "
+            "(masked_fill(~mask, ...)), not where it is True"
+        )
+    for used, words in (
+        (1.0, "not scaled at all"),
+        (1 / scale, f"divided by scale={scale:.3g} instead of multiplied by it"),
+        (d**-0.5, f"multiplied by 1/sqrt(D)={d**-0.5:.3g}, not by the scale argument ({scale:.3g})"),
+        (scale * scale, "multiplied by scale twice"),
+    ):
+        if not math.isclose(used, scale) and matches(_mha_reference(q, k, v, mask, used)):
+            return f"the scores q·k are {words}: multiply them by the scale the engine passes, once"
+    # Which query's mask row did each output row get? Outputs under every single row of the mask:
+    rows = [_mha_reference(q, k, v, mask[:, :, [j] * t], scale).float() for j in range(t)]
+    close = torch.stack([(got.float() - r).abs().amax(-1) <= atol for r in rows], -1)  # [B, H, T, row]
+    if bool(close.any(-1).all()) and not bool(close.diagonal(dim1=2, dim2=3).all()):
+        b, h, i = (int(x) for x in torch.nonzero(~close.diagonal(dim1=2, dim2=3))[0])
+        j = int(close[b, h, i].nonzero()[0])
+        return (
+            f"query head {h} at query {i} was masked with the mask row of query {j}: in the folded "
+            f"[B, KV, G*T, S] scores, row g*T + t belongs to query t of the group's head g, so the mask's T axis "
+            "must repeat once per head of the group (view the scores as [B, KV, G, T, S] and mask with "
+            "mask[:, :, None])"
+        )
+    ones = gqa_attention(q, k, torch.ones_like(v), mask, scale)
+    if isinstance(ones, torch.Tensor) and ones.shape == got.shape and not matches(torch.ones_like(got)):
+        return (
+            "with V all ones your output is not all ones, so a query's attention weights do not sum to 1 over "
+            "the keys: take the softmax over the last axis (the keys), not over the queries"
+        )
+    return None
+
+
 @check
 def check_gqa_attention(gqa_attention, model: str = VARIANT_MODEL) -> str:
     """``gqa_attention(q[B,H,T,D], k[B,KV,S,D], v, mask, scale)``: grouped K/V heads, no copies."""
     gen = torch.Generator().manual_seed(0)
-    for heads, kv_heads in ((6, 2), (4, 4), (4, 1)):
+    cases = (
+        (6, 2, 8**-0.5, torch.float32),
+        (4, 4, 8**-0.5, torch.float32),
+        (4, 1, 0.3, torch.float32),  # a scale that is not 1/sqrt(D), as some models have
+        (4, 2, 8**-0.5, torch.bfloat16),  # the engine's half-precision dtype
+    )
+    for heads, kv_heads, scale, dtype in cases:
         # q as the engine hands it over: a transposed view, not contiguous (q.view would fail)
-        q = torch.randn(2, 5, heads, 8, generator=gen).transpose(1, 2)
-        k, v = torch.randn(2, kv_heads, 7, 8, generator=gen), torch.randn(2, kv_heads, 7, 8, generator=gen)
+        q = torch.randn(2, 5, heads, 8, generator=gen).transpose(1, 2).to(dtype)
+        k = torch.randn(2, kv_heads, 7, 8, generator=gen).to(dtype)
+        v = torch.randn(2, kv_heads, 7, 8, generator=gen).to(dtype)
         mask = (torch.arange(7)[None, :] <= torch.arange(2, 7)[:, None])[None, None].expand(2, 1, 5, 7)
-        expected = _mha_reference(q, k, v, mask, 8**-0.5)
+        expected = _mha_reference(q, k, v, mask, scale)
+        atol = 1e-5 if dtype == torch.float32 else 3e-2
+        what = f"gqa_attention with {heads} query heads and {kv_heads} K/V heads" + (
+            f" in {str(dtype).removeprefix('torch.')}" if dtype != torch.float32 else ""
+        )
         watch = _CopyWatch(k, v, heads // kv_heads)
-        with watch:
-            got = gqa_attention(q, k, v, mask, 8**-0.5)
-        if isinstance(got, torch.Tensor) and got.shape == expected.shape and heads != kv_heads:
-            wrong_order = _mha_reference(
-                q, k.repeat(1, heads // kv_heads, 1, 1), v.repeat(1, heads // kv_heads, 1, 1), mask, 8**-0.5
+        try:
+            with watch:
+                got = gqa_attention(q, k, v, mask, scale)
+        except LearnerRaised as err:
+            cause = err.__cause__
+            if dtype == torch.float32 or not any(w in str(cause) for w in ("dtype", "scalar type")):
+                raise
+            failure = CheckFailed(
+                f"with {str(dtype).removeprefix('torch.')} q, k, v your code raised {type(cause).__name__}: {cause} — "
+                "the scores and softmax are in fp32: cast the weights back to v's dtype (.to(v.dtype)) before "
+                "multiplying by v"
             )
-            if kv_heads > 1 and torch.allclose(got, wrong_order, atol=1e-5):
-                raise CheckFailed(
-                    "query heads are matched to the wrong K/V heads: query head h shares K/V head h // G "
-                    "(heads 0..G-1 → K/V head 0), not h % KV"
-                )
-        compare_tensors(got, expected, f"gqa_attention with {heads} query heads and {kv_heads} K/V heads")
+            failure.learner_frames = _learner_frames(cause)
+            raise failure from None
+        if isinstance(got, torch.Tensor) and got.dtype == torch.float32 and dtype != torch.float32:
+            raise CheckFailed(
+                f"{what} returned float32: the output must have q's dtype — cast the fp32 softmax weights back "
+                "with .to(v.dtype) before multiplying by v, so the product (and your output) stays in v's dtype"
+            )
+        hint = None
+        if isinstance(got, torch.Tensor) and got.shape == expected.shape and got.dtype == expected.dtype:
+            if not torch.allclose(got.float(), expected.float(), atol=atol):
+                hint = _gqa_diagnosis(gqa_attention, q, k, v, mask, scale, got, atol)
+        folded = (q.shape[0], kv_heads, heads // kv_heads * q.shape[2], q.shape[3])
+        if isinstance(got, torch.Tensor) and heads != kv_heads and tuple(got.shape) == folded:
+            hint = "that is the folded [B, KV, G*T, D] layout: reshape the result back to [B, H, T, D]"
+        if hint and "wrong K/V heads" in hint:
+            raise CheckFailed(hint)
+        try:
+            compare_tensors(got, expected, what, atol=atol)
+        except CheckFailed as err:
+            raise (CheckFailed(f"{err} — {hint}") if hint else err) from None
         if heads != kv_heads and watch.copied_by:
             raise CheckFailed(
                 f"with {heads} query heads on {kv_heads} K/V heads, your function made a copy of K/V {heads // kv_heads}× "
@@ -111,6 +194,47 @@ def check_gqa_attention(gqa_attention, model: str = VARIANT_MODEL) -> str:
     )
 
 
+def _behind(n: int, window: int, block: int) -> int:
+    return max(0, n - window + 1) // block
+
+
+# What a wrong count computes instead (a value, or a tuple of values it may take), and what that
+# means, for the unit cases' diagnosis.
+_WINDOW_MISTAKES = (
+    (
+        lambda n, w, b: _behind(n + 1, w, b),
+        "your count is one token ahead: the next query sits at position num_computed_tokens (the computed "
+        "tokens are positions 0..num_computed_tokens-1), so the first visible one is num_computed_tokens - window + 1",
+    ),
+    (
+        lambda n, w, b: _behind(n - 1, w, b),
+        "your count is one token behind: the window's `window` positions include the query itself, so the "
+        "first visible one is num_computed_tokens - window + 1",
+    ),
+    (lambda n, w, b: _behind(n, b, w), "your count has window and block_size the other way round"),
+    (
+        lambda n, w, b: -(-n // b) - _behind(n, w, b),
+        "that is how many blocks the sequence keeps: return how many leading blocks it can give back",
+    ),
+    (
+        lambda n, w, b: max(0, round((n - w + 1) / b)),
+        "a partly visible block was counted: round down to whole blocks (//), not to the nearest",
+    ),
+    (
+        lambda n, w, b: -(-max(0, n - w + 1) // b),
+        "a partly visible block was counted: round down to whole blocks (//), not up",
+    ),
+    (
+        lambda n, w, b: (max(0, n - w), max(0, n - w + 1)),  # with or without the query's own position
+        "that counts positions, not blocks: divide by block_size, rounding down",
+    ),
+)
+
+
+def _values(mistake: int | tuple[int, ...]) -> tuple[int, ...]:
+    return mistake if isinstance(mistake, tuple) else (mistake,)
+
+
 @check
 def check_window_release(blocks_behind_window, model: str = VARIANT_MODEL) -> str:
     """``blocks_behind_window(num_computed_tokens, window, block_size) -> int``: leading blocks no
@@ -127,11 +251,32 @@ def check_window_release(blocks_behind_window, model: str = VARIANT_MODEL) -> st
             "the next query (position 11) sees positions 4..11: block 0 (positions 0-3) is behind the window",
         ),
         (12, 8, 4, 1, "the next query (position 12) sees positions 5..12: block 1 (4-7) is still partly visible"),
+        (13, 8, 4, 1, "the next query (position 13) sees positions 6..13: block 1 (4-7) still holds 6 and 7"),
+        (14, 8, 4, 1, "the next query (position 14) sees positions 7..14: block 1 (4-7) still holds position 7"),
         (15, 8, 4, 2, "the next query (position 15) sees 8..15: blocks 0 and 1 are behind it"),
         (100, 16, 16, 5, "the next query (position 100) sees 85..100: blocks 0-4 (positions 0-79) are behind it"),
+        (12, 6, 4, 1, "the next query (position 12) sees positions 7..12: block 1 (4-7) still holds position 7"),
         (0, 4, 4, 0, "an empty sequence has nothing to release"),
+        (2, 12, 4, 0, "a sequence far shorter than the window keeps every block"),
+        (3, 8, 1, 0, "with 1-token blocks, a sequence shorter than the window still keeps every block"),
+        (10, 4, 1, 7, "the next query (position 10) sees 7..10: the 1-token blocks 0-6 are behind it"),
     ]
-    int_cases(blocks_behind_window, "blocks_behind_window", cases, ("num_computed_tokens", "window", "block_size"))
+    names = ("num_computed_tokens", "window", "block_size")
+    for *args, expected, why in cases:
+        got = blocks_behind_window(*args)
+        try:
+            int_cases(lambda *_, got=got: got, "blocks_behind_window", [(*args, expected, why)], names)
+        except CheckFailed as err:
+            if not isinstance(got, int) or isinstance(got, bool):
+                raise
+            hints = [
+                words
+                for mistake, words in _WINDOW_MISTAKES
+                if all(blocks_behind_window(n, w, b) in _values(mistake(n, w, b)) for n, w, b, *_ in cases)
+            ]
+            if got < 0:
+                hints.append("a count of blocks is never negative: clamp at 0")
+            raise (CheckFailed(f"{err} — {hints[0]}") if hints else err) from None
     from minillm import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -181,9 +326,154 @@ def _tiled_softmax_attention(update, scores: torch.Tensor, v: torch.Tensor, bloc
     return m, l_sum, acc
 
 
+def _same(got, expected: torch.Tensor) -> bool:
+    return (
+        isinstance(got, torch.Tensor)
+        and got.shape == expected.shape
+        and torch.allclose(got.float(), expected, rtol=1e-5, atol=1e-5)
+    )
+
+
+def _explain(got, expected: torch.Tensor, what: str, mistakes, note: str = "") -> None:
+    """``got`` must be ``expected``; if it is what one of ``mistakes`` (tensor, words) computes,
+    say so; otherwise say where it differs."""
+    if _same(got, expected):
+        return
+    for candidate, words in mistakes:
+        if _same(got, candidate):
+            raise CheckFailed(f"{what}: {words}{note}")
+    try:
+        compare_tensors(got, expected, what)
+    except CheckFailed as err:
+        raise CheckFailed(f"{err}{note}") from None
+
+
+def _online_step(online_softmax_update) -> None:
+    """One update from a hand-made state: 4 query rows with a running max, sum and accumulator,
+    a tile of 4 keys (square, so a max, a sum or p taken over the wrong axis has the right shape
+    and is named) whose max is larger than the running one for rows 0-2 and smaller for row 3."""
+    m = torch.tensor([0.5, 1.0, -0.3, 5.0])
+    l_sum = torch.tensor([2.0, 3.0, 1.5, 4.0])
+    acc = torch.tensor([[0.3, -1.2, 0.8], [1.5, 0.4, -0.6], [-0.7, 0.9, 0.2], [2.0, -0.5, 1.1]])
+    scores = torch.tensor([[1.2, -0.4, 2.1, 0.3], [0.2, 2.5, -1.0, 1.7], [-2.0, 0.1, 0.9, -0.5], [0.7, 1.1, -0.2, 2.2]])
+    v = torch.tensor([[0.6, -0.3, 1.4], [-1.1, 0.8, 0.5], [0.9, 1.7, -0.8], [0.2, -1.5, 0.7]])
+    given = [t.clone() for t in (m, l_sum, acc, scores, v)]
+    out = online_softmax_update(*given)
+    if not isinstance(out, tuple) or len(out) != 3:
+        raise CheckFailed(f"online_softmax_update should return (m, l, acc), got {type(out).__name__}")
+    got_m, got_l, got_acc = out
+    if all(isinstance(t, torch.Tensor) for t in out) and got_l.shape == acc.shape and got_acc.shape == l_sum.shape:
+        raise CheckFailed("online_softmax_update returned (m, acc, l): return them in the order (m, l, acc)")
+    note = ""
+    if not torch.equal(given[0], m):
+        note = (
+            " (your function changed its argument m in place: whatever it computed from m afterwards, like "
+            "exp(m - m_new), saw the new max instead of the old one)"
+        )
+    row_max = scores.max(-1).values
+    m_new = torch.maximum(m, row_max)
+    _explain(
+        got_m,
+        m_new,
+        "the running max m after one update (from m = [0.5, 1, -0.3, 5], a tile of 4 keys)",
+        [
+            (
+                row_max,
+                "it is this tile's row max alone — the running max must remember the earlier tiles: "
+                "m' = max(m, this tile's row max)",
+            ),
+            (
+                torch.maximum(m, scores.max(0).values),
+                "it is taken over the wrong axis — each query row's max over its keys (dim=-1), not each key's max "
+                "over the queries",
+            ),
+            (torch.maximum(m, scores.max()), "it is the max of the whole tile — take one max per query row (dim=-1)"),
+            (m, "it came back unchanged — return the new running max m' = max(m, this tile's row max)"),
+        ],
+        note,
+    )
+    alpha, grow = torch.exp(m - m_new), torch.exp(m_new - m)
+    p, p_old = torch.exp(scores - m_new[:, None]), torch.exp(scores - m[:, None])
+    l_new = l_sum * alpha + p.sum(-1)
+    old_max = "the new tile's p is taken against the old max m — use p = exp(scores - m'), with the new running max"
+    plain = (
+        "l is the plain sum of exp(scores): keep it relative to the running max — p = exp(scores - m_new) — "
+        "and when the max grows from m to m', multiply the old sum by exp(m - m') first"
+    )
+    _explain(
+        got_l,
+        l_new,
+        "l after one update (from l = [2, 3, 1.5, 4])",
+        [
+            (
+                l_sum + p.sum(-1),
+                "l was never rescaled — when the max grows from m to m', multiply the old sum by exp(m - m') "
+                "before adding the new tile's sum",
+            ),
+            (
+                l_sum * grow + p.sum(-1),
+                "l was rescaled the wrong way round — the old sum shrinks when the max grows: multiply it by "
+                "exp(m - m') (at most 1), not exp(m' - m)",
+            ),
+            (l_sum * alpha + p_old.sum(-1), old_max),
+            (l_sum + p_old.sum(-1), old_max),
+            (l_sum + torch.exp(scores).sum(-1), plain),
+            (l_sum * alpha + torch.exp(scores).sum(-1), plain),
+            (l_sum * alpha + p.sum(0), "p is summed over the wrong axis — each query row's sum over its keys (dim=-1)"),
+            (p.sum(-1), "it holds only this tile's sum — add it to the old sum, rescaled: l' = l·exp(m - m') + Σ p"),
+        ],
+        note,
+    )
+    acc_new = acc * alpha[:, None] + p @ v
+    normalised = (
+        "acc is divided by l — keep acc un-normalised (acc·exp(m - m') + p @ v_tile); it is divided by l once, "
+        "after the last tile"
+    )
+    _explain(
+        got_acc,
+        acc_new,
+        "acc after one update",
+        [
+            (
+                acc + p @ v,
+                "l is right but acc is not: rescale the accumulator too when the max changes "
+                "(acc * exp(m_old - m_new)) before adding p @ v_tile",
+            ),
+            (
+                acc * grow[:, None] + p @ v,
+                "acc was rescaled the wrong way round — multiply it by exp(m - m') (at most 1), not exp(m' - m)",
+            ),
+            (acc * alpha[:, None] + p.T @ v, "it adds p.T @ v — p is [T, BLOCK_N], one row per query: add p @ v_tile"),
+            (acc_new / l_new[:, None], normalised),
+            ((acc * (l_sum * alpha)[:, None] + p @ v) / l_new[:, None], normalised),
+            (p @ v, "it holds only this tile's p @ v — add it to the old accumulator, rescaled by exp(m - m')"),
+        ],
+        note,
+    )
+
+
+def _online_first_tile(online_softmax_update) -> None:
+    """The first update, from the initial state (m = -inf, l = 0, acc = 0), on a tile whose scores
+    are all far below 0: m must become each row's max, whatever its sign."""
+    scores = torch.tensor([[-98.0, -101.5, -99.2], [-104.0, -100.3, -102.6]])
+    v = torch.tensor([[0.6, -0.3], [-1.1, 0.8], [0.9, 1.7]])
+    out = online_softmax_update(torch.full((2,), float("-inf")), torch.zeros(2), torch.zeros(2, 2), scores, v)
+    if not isinstance(out, tuple) or len(out) != 3:
+        raise CheckFailed(f"online_softmax_update should return (m, l, acc), got {type(out).__name__}")
+    m_new = scores.max(-1).values
+    p = torch.exp(scores - m_new[:, None])
+    what = "after the first tile (m = -inf, l = 0, acc = 0; every score near -100)"
+    note = " — m = -inf needs no special case (keep it): exp(-inf - m') = 0 already makes the first update right"
+    _explain(out[0], m_new, f"the running max m {what}", [], note)
+    _explain(out[1], p.sum(-1), f"l {what}", [], note)
+    _explain(out[2], p @ v, f"acc {what}", [], note)
+
+
 @check
 def check_online_softmax(online_softmax_update) -> str:
     """``online_softmax_update(m, l, acc, scores_tile, v_tile) -> (m, l, acc)``."""
+    _online_step(online_softmax_update)
+    _online_first_tile(online_softmax_update)
     gen = torch.Generator().manual_seed(0)
     scores = torch.randn(6, 20, generator=gen) * 3
     scores[:, 13] += 12  # a much larger score arrives late: the running max must jump
@@ -195,38 +485,148 @@ def check_online_softmax(online_softmax_update) -> str:
     l_right = torch.allclose(l_sum, expected_l, rtol=1e-4)
     if l_right and torch.allclose(acc / l_sum[:, None], torch.softmax(scores, -1) @ v, atol=1e-5):
         return "your online softmax, fed 3 tiles of 8 keys, gives exactly softmax(scores) @ V — without ever holding a whole row"
-    if not l_right and torch.allclose(l_sum, torch.exp(scores).sum(-1), rtol=1e-3):
-        raise CheckFailed(
-            "l is the plain sum of exp(scores): keep it relative to the running max — p = exp(scores - m_new) — "
-            "and when the max grows from m to m', multiply the old sum by exp(m - m') first"
-        )
     if not l_right:
         raise CheckFailed(
-            f"l after the last tile is {l_sum[0].item():.5g} for row 0, expected {expected_l[0].item():.5g} (the sum "
-            "of exp(score - final max)): l was never rescaled — when the max grows from m to m', multiply the old "
-            "sum by exp(m - m') before adding the new tile's sum"
+            f"l after 3 tiles is {l_sum[0].item():.5g} for row 0, expected {expected_l[0].item():.5g} (the sum "
+            "of exp(score - final max)), though single updates were right: does your function keep state between "
+            "calls? Everything it needs comes in as (m, l, acc)"
         )
     raise CheckFailed(
-        "l is right but acc / l differs from softmax(scores) @ V: rescale the accumulator too when the max changes "
-        "(acc * exp(m_old - m_new)) before adding p @ v_tile"
+        "l is right but acc / l after 3 tiles differs from softmax(scores) @ V, though single updates were right: "
+        "does your function keep state between calls? Everything it needs comes in as (m, l, acc)"
     )
 
 
-def _flash_reference(q, k, v, causal: bool) -> torch.Tensor:
-    t, s = q.shape[0], k.shape[0]
-    scores = torch.einsum("thd,shd->hts", q.float(), k.float()) / math.sqrt(q.shape[-1])
-    if causal:
-        allowed = torch.arange(s)[None, :] <= torch.arange(s - t, s)[:, None]
-        scores = scores.masked_fill(~allowed, float("-inf"))
+def _flash_allowed(t: int, s: int, causal: bool, diagonal: bool = True, prefix: bool = True) -> torch.Tensor:
+    """Which keys each query sees: the queries are the last ``t`` of ``s`` positions (after a cached
+    prefix); ``diagonal=False`` hides a query's own key, ``prefix=False`` forgets the prefix."""
+    if not causal:
+        return torch.ones(t, s, dtype=torch.bool)
+    pos = torch.arange(t) + (s - t if prefix else 0)
+    keys = torch.arange(s)[None, :]
+    return keys <= pos[:, None] if diagonal else keys < pos[:, None]
+
+
+def _attend(q, k, v, allowed: torch.Tensor, scale: float) -> torch.Tensor:
+    scores = torch.einsum("thd,shd->hts", q.float(), k.float()) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hts,shd->thd", torch.softmax(scores, -1), v.float())
+
+
+def _flash_reference(q, k, v, causal: bool) -> torch.Tensor:
+    return _attend(q, k, v, _flash_allowed(q.shape[0], k.shape[0], causal), q.shape[-1] ** -0.5)
+
+
+def _flash_tiled(q, k, v, allowed: torch.Tensor, block: int, slip: str) -> torch.Tensor:
+    """The kernel's loop over key tiles of ``block`` keys, with one slip: ``"l"`` / ``"acc"`` not
+    rescaled when the max grows, ``"reset"``: each tile replaces the running state."""
+    scores = torch.einsum("thd,shd->hts", q.float(), k.float()) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    values = v.float().transpose(0, 1)  # [H, S, D]
+    m = torch.full(scores.shape[:2], float("-inf"))
+    l_sum = torch.zeros(scores.shape[:2])
+    acc = torch.zeros(*scores.shape[:2], v.shape[-1])
+    for start in range(0, scores.shape[-1], block):
+        tile = scores[..., start : start + block]
+        m_new = torch.maximum(m, tile.amax(-1))
+        m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)
+        p = torch.exp(tile - m_safe[..., None])
+        alpha = torch.zeros_like(m) if slip == "reset" else torch.exp(m - m_safe)
+        l_sum = (l_sum if slip == "l" else l_sum * alpha) + p.sum(-1)
+        acc = (acc if slip == "acc" else acc * alpha[..., None]) + p @ values[:, start : start + block]
+        m = m_new
+    return (acc / l_sum[..., None]).transpose(0, 1)
+
+
+_DIAGONAL = (
+    "a query row saw only masked (-inf) keys: a query attends to keys up to and including its own position "
+    "(offs_n <= q_pos, not <)"
+)
+_TILE_SLIPS = {
+    "l": "the running sum l is not rescaled when the max grows: l_i * alpha + tl.sum(p, 1), with alpha = "
+    "exp(m_i - m_new)",
+    "acc": "the accumulator is not rescaled when the max grows: acc * alpha[:, None] + tl.dot(p, v)",
+    "reset": "only the last key tile counts: each tile must add to the running state (l_i, acc rescaled, and "
+    "m_i = m_new carried to the next tile), not replace it",
+}
+
+
+def _flash_diagnosis(q, k, v, causal: bool, got: torch.Tensor) -> str | None:
+    """Why a kernel's output (right shape, wrong values) is wrong: attention recomputed under each
+    mistake's behaviour, the one the output matches named."""
+    t, s, d = q.shape[0], k.shape[0], q.shape[-1]
+    got = got.detach().float().cpu()
+    if not bool(torch.isfinite(got).any()):
+        return (
+            "every output is NaN, so the first key tile already went wrong: there m_i = -inf and l_i = 0, and "
+            "every exponent must be taken against the new max — p = exp(s - m_new) and alpha = exp(m_i - m_new), "
+            "which is 0 there (anything minus -inf in an exponent is inf, and inf / inf or 0 · inf is NaN)"
+        )
+    allowed = _flash_allowed(t, s, causal)
+    scale = d**-0.5
+
+    def candidates():
+        if causal:
+            yield lambda: _attend(q, k, v, _flash_allowed(t, s, True, diagonal=False), scale), _DIAGONAL
+            if t != s:
+                yield (
+                    lambda: _attend(q, k, v, _flash_allowed(t, s, True, prefix=False), scale),
+                    "the causal mask ignores the cached prefix: query i sits at position q_pos = S - T + i and "
+                    "sees the keys up to q_pos, not up to i",
+                )
+        else:
+            yield (
+                lambda: _attend(q, k, v, _flash_allowed(t, s, True), scale),
+                "the kernel hides later keys even though causal=False: apply the causal mask only if CAUSAL",
+            )
+        for used, words in (
+            (1.0, "not scaled: multiply tl.dot(q, tl.trans(k)) by scale"),
+            (d**0.5, "divided by scale: multiply them by it"),
+            (scale * scale, "multiplied by scale twice"),
+            (
+                scale * math.log(2),
+                "used with exp2 as if it were exp: exp2(x) = exp(x · ln 2), so multiply the scores by "
+                "log2(e) = 1.4427 first (or use tl.exp)",
+            ),
+        ):
+            yield lambda used=used: _attend(q, k, v, allowed, used), f"the scores q·kᵀ are {words}"
+        yield (
+            lambda: _attend(q, k, k, allowed, scale),
+            "the output is a weighted sum of keys: the values were loaded from K — load them from V",
+        )
+        if not causal:  # a causal query never sees past S anyway
+            for pad in sorted({-s % block for block in (16, 32, 64, 128)} - {0}):
+                padded = (torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) for x in (k, v))
+                yield (
+                    lambda pad=pad, padded=tuple(padded): _attend(q, *padded, _flash_allowed(t, s + pad, False), scale),
+                    f"the last tile's {pad} keys past S (loaded as 0) take part in the softmax: hide offs_n >= S "
+                    "with -inf",
+                )
+        for block in (16, 32, 64, 128):
+            if block < s:
+                for slip, words in _TILE_SLIPS.items():
+                    yield lambda block=block, slip=slip: _flash_tiled(q, k, v, allowed, block, slip), words
+
+    for reference, words in candidates():
+        if torch.allclose(got, reference(), atol=1e-4, equal_nan=True):
+            return words
+    return None
 
 
 @check
 def check_flash_kernel(flash_forward) -> str:
     """``flash_forward(q[T,H,D], k[S,H,D], v, causal) -> o[T,H,D]``, launching your Triton kernel."""
     gen = torch.Generator().manual_seed(1)
-    for t, s, causal in ((40, 40, True), (40, 40, False), (5, 37, True), (1, 9, True)):
-        q = torch.randn(t, 2, 16, generator=gen)
+    # (queries, keys, causal, size of q): the last case's scores reach ±100s, where a running max that is
+    # not each row's own overflows exp
+    for t, s, causal, size in (
+        (40, 40, True, 1),
+        (40, 40, False, 1),
+        (5, 37, True, 1),
+        (1, 9, True, 1),
+        (16, 16, False, 40),
+    ):
+        q = torch.randn(t, 2, 16, generator=gen) * size
         k, v = torch.randn(s, 2, 16, generator=gen), torch.randn(s, 2, 16, generator=gen)
         got = flash_forward(q, k, v, causal)
         expected = _flash_reference(q, k, v, causal)
@@ -236,12 +636,18 @@ def check_flash_kernel(flash_forward) -> str:
                 raise CheckFailed(
                     "the kernel ignores causality: hide keys at positions after each query's (offs_n > q_pos → -inf)"
                 )
-        compare_tensors(
-            got,
-            expected,
-            f"your kernel's output for T={t}, S={s}, causal={causal}",
-            atol=1e-4,
-            nan_hint="a query row saw only masked (-inf) keys: a query attends to keys up to and including its "
-            "own position (offs_n <= q_pos, not <)",
+        hint = None
+        if isinstance(got, torch.Tensor) and got.shape == expected.shape:
+            if not torch.allclose(got.detach().float().cpu(), expected, atol=1e-4):
+                hint = _flash_diagnosis(q, k, v, causal, got)
+        what = f"your kernel's output for T={t}, S={s}, causal={causal}"
+        nan_hint = hint or (
+            "a NaN or inf where attention is finite: every row must see at least one key, and every exponent "
+            "must be at most 0 — p = exp(s - m_new), alpha = exp(m_i - m_new), with m_new each query row's running "
+            "max (tl.max(s, 1))"
         )
+        try:
+            compare_tensors(got, expected, what, atol=1e-4, nan_hint=nan_hint)
+        except CheckFailed as err:
+            raise (CheckFailed(f"{err} — {hint}") if hint and hint not in str(err) else err) from None
     return "your Triton kernel matches attention exactly on tiles that do not divide the lengths, causal and not, with a cached prefix"
