@@ -650,4 +650,18 @@ def check_flash_kernel(flash_forward) -> str:
             compare_tensors(got, expected, what, atol=1e-4, nan_hint=nan_hint)
         except CheckFailed as err:
             raise (CheckFailed(f"{err} — {hint}") if hint and hint not in str(err) else err) from None
+    # In memory, the rows after S belong to something else (here NaN): a load not masked with offs_n < S
+    # reads them, and even a weight of 0 times NaN spoils the output.
+    for t, s, causal in ((5, 37, True), (40, 37, False)):
+        q = torch.randn(t, 2, 16, generator=gen)
+        k, v = (torch.full((s + 64, 2, 16), float("nan")) for _ in range(2))
+        k[:s], v[:s] = torch.randn(s, 2, 16, generator=gen), torch.randn(s, 2, 16, generator=gen)
+        got = flash_forward(q, k[:s], v[:s], causal)
+        expected = _flash_reference(q, k[:s], v[:s], causal)
+        compare_tensors(
+            got, expected, f"your kernel's output for T={t}, S={s}, causal={causal}, with other data after K and V",
+            atol=1e-4,
+            nan_hint="your kernel reads K or V rows past S (the memory after them holds other data, here NaN): mask "
+            "both loads with offs_n < S — even a weight of 0 times a NaN value is NaN",
+        )  # fmt: skip
     return "your Triton kernel matches attention exactly on tiles that do not divide the lengths, causal and not, with a cached prefix"

@@ -1012,6 +1012,24 @@ def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -
             raise CheckError("the hand-made state (two decoding requests, the less urgent first) was not reached")
         small.scheduler.max_num_batched_tokens = 1
         small.step()
+        # And one request decoding, one waiting, a budget of 2 (chunked prefill, the default): the decode
+        # takes 1 token and the newcomer's prompt starts with a chunk of the 1 left.
+        tight = _paged_engine(model, block_size=4, max_num_batched_tokens=budget, max_num_seqs=4)
+        tight.add_request(PROMPTS[4], _params())
+        tight.step()
+        decoding = tight.scheduler.running[0]
+        if not decoding.is_decoding:
+            raise CheckError("the hand-made state (one request decoding) was not reached")
+        tight.scheduler.max_num_batched_tokens = 2
+        tight.add_request(PROMPTS[3], _params())
+        newcomer = tight.scheduler.waiting[0]
+        tight.step()
+    if newcomer.status is not SequenceStatus.RUNNING:
+        raise CheckFailed(
+            f"a step with a budget of 2 ran request {decoding.request_id}'s decode and left 1 token unused while "
+            f"request {newcomer.request_id} waited: with chunked prefill a prompt may start "
+            "with a chunk of a single token — admit while any budget is left (budget > 0)"
+        )
     return (
         f"{len(PROMPTS)} requests arriving mid-run all finished under your scheduler, {len(joined)} steps admitted "
         f"newcomers next to running decodes, {preemptions} preemptions in a 24-block pool; tokens identical to "

@@ -282,3 +282,29 @@ wrong(
 wrong(
     "check_continuous_schedule", "the step admitted request 3 before scheduling running request 1", _sched_admits_first
 )
+
+
+def _schedule_stops_with_one_token_left(scheduler):
+    """Stops admitting when 1 budget token is left (`budget <= 1`): a prompt chunk of 1 never starts."""
+    out = SchedulerOutput()
+    budget = scheduler.max_num_batched_tokens
+    for seq in scheduler.running_in_order():
+        if budget == 0:
+            break
+        if seq.status is not SequenceStatus.RUNNING:
+            continue
+        n = scheduler.tokens_to_run(seq, budget, out)
+        if n and scheduler.reserve(seq, n, out):
+            budget -= n
+    if not out.preempted:
+        for seq in scheduler.waiting_in_order():
+            if len(scheduler.running) >= scheduler.max_num_seqs or budget <= 1:
+                break
+            n = scheduler.try_admit(seq, budget, out)
+            if n == 0:
+                break
+            budget -= n
+    return out
+
+
+wrong("check_continuous_schedule", "a chunk of a single token", _schedule_stops_with_one_token_left)
