@@ -206,17 +206,25 @@ def _changes(node) -> list[tuple[str, callable]]:
         if not (isinstance(node.slice, ast.UnaryOp) and isinstance(node.slice.operand, ast.Constant)):
             for sign, op in (("+", ast.Add), ("-", ast.Sub)):
                 out.append(
-                    (f"index `[{ast.unparse(node.slice)}]` {sign} 1", setter("slice", ast.BinOp(node.slice, op(), ast.Constant(1))))
+                    (
+                        f"index `[{ast.unparse(node.slice)}]` {sign} 1",
+                        setter("slice", ast.BinOp(node.slice, op(), ast.Constant(1))),
+                    )
                 )
     if isinstance(node, ast.Slice):
         for part in ("lower", "upper"):
             bound = getattr(node, part)
-            if bound is not None and not isinstance(bound, ast.Constant) and not (
-                isinstance(bound, ast.UnaryOp) and isinstance(bound.operand, ast.Constant)
+            if (
+                bound is not None
+                and not isinstance(bound, ast.Constant)
+                and not (isinstance(bound, ast.UnaryOp) and isinstance(bound.operand, ast.Constant))
             ):
                 for sign, op in (("+", ast.Add), ("-", ast.Sub)):
                     out.append(
-                        (f"slice {part} `{ast.unparse(bound)}` {sign} 1", setter(part, ast.BinOp(bound, op(), ast.Constant(1))))
+                        (
+                            f"slice {part} `{ast.unparse(bound)}` {sign} 1",
+                            setter(part, ast.BinOp(bound, op(), ast.Constant(1))),
+                        )
                     )
     return out
 
@@ -421,7 +429,7 @@ EQUIVALENT: dict[str, dict[str, str]] = {
         ),
     },
     "check_flash_kernel": {
-        "line 10: `0.0` → `1.0` in `m_safe = tl.where(m_new == float(\"-inf\"), 0.0, m_new)`": (
+        'line 10: `0.0` → `1.0` in `m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)`': (
             "m_safe stands in only for rows that have seen no key (m_new = -inf): there p = exp(-inf - m_safe) and "
             "alpha = exp(-inf - m_safe) are 0 for any finite m_safe"
         ),
