@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import minillm.hooks as hooks
-from minillm.course.results import CheckFailed, LearnerRaised, check
+from minillm.course.results import CheckFailed, LearnerRaised, _learner_frames, check
 
 TIMEOUT_S = 120.0  # per run of the ranks: spawning and loading take seconds, a hang is cut off
 
@@ -142,11 +142,16 @@ def _tp_mlp_rank(rank, world, source, name, x, gate, up, down) -> dict:
     return {"out": array, "type": type(out).__name__, "all_reduces": watch.shapes}
 
 
-def _diagnose_mlp(results: list[dict], ref: torch.Tensor, partial: list[torch.Tensor]) -> None:
+def _diagnose_mlp(results: list[dict], ref: torch.Tensor, partial: list[torch.Tensor], weights) -> None:
     per = INTER // WORLD
     slices = (
         f"rank r keeps gate[r*{per}:(r+1)*{per}], the same rows of up and the same columns down[:, r*{per}:(r+1)*{per}]"
     )
+    if all(res["type"] == "NoneType" for res in results) and all(len(res["all_reduces"]) == 1 for res in results):
+        raise CheckFailed(
+            "every rank returned None after its one all-reduce: dist.all_reduce works in place — it adds the ranks' "
+            "tensors into the one you pass and returns None. Call it, then return that tensor"
+        )
     for r, res in enumerate(results):
         if res["out"] is None:
             raise CheckFailed(
@@ -197,6 +202,22 @@ def _diagnose_mlp(results: list[dict], ref: torch.Tensor, partial: list[torch.Te
             f"the ranks called all_reduce {counts} times: after the first one every rank already holds the full "
             "output, and a second one adds those complete copies again — one all-reduce per MLP"
         )
+    if all(close(o, ref / WORLD) for o in outs):
+        raise CheckFailed(
+            f"the output is 1/{WORLD} of the MLP's: the ranks' partial sums must be added, not averaged — each "
+            "rank's down[:, slice] product is already its slice's full share of the output. The all-reduce's "
+            "default op, a sum, is the one (and nothing is divided by world_size)"
+        )
+    x, gate, up, down = weights
+    covered = [m for m in range(1, INTER) if all(close(o, _mlp(x, gate[:m], up[:m], down[:, :m])) for o in outs)]
+    if covered:
+        m = covered[0]
+        why = f" (not from the hidden size H = {HIDDEN})" if m == HIDDEN else ""
+        raise CheckFailed(
+            f"after the all-reduce the output is the MLP over intermediate neurons 0..{m - 1} only, of I = {INTER}: "
+            f"the ranks' slices must cover every intermediate neuron — size them from the intermediate dimension, "
+            f"I // world_size = gate.shape[0] // world_size = {per}{why}"
+        )
     if all(close(o, WORLD * ref) for o in outs):
         raise CheckFailed(
             f"the output is {WORLD}× the MLP's: every rank computed the whole MLP and the all-reduce added {WORLD} "
@@ -228,7 +249,7 @@ def check_tp_mlp(tp_mlp) -> str:
     results = _ranks(_tp_mlp_rank, WORLD, source, tp_mlp.__name__, x, gate, up, down, hints={"shapes": hint})
     for res in results:
         res["out"] = None if res["out"] is None else torch.from_numpy(res["out"])
-    _diagnose_mlp(results, ref, partial)
+    _diagnose_mlp(results, ref, partial, (x, gate, up, down))
     nbytes = TOKENS * HIDDEN * 4
     return (
         f"both ranks returned the full MLP output from half of the weights each and one all-reduce of the "
@@ -279,8 +300,35 @@ def _check_layout(heads_of_rank, nh: int, nkv: int, tp: int, what: str) -> None:
     group, where = nh // nkv, f"(heads_of_rank({nh}, {nkv}, rank, {tp}): {what})"
     q_of = []
     for r in range(tp):
-        q, kv = _heads(heads_of_rank(nh, nkv, r, tp), f"heads_of_rank({nh}, {nkv}, {r}, {tp})")
-        if not set(q) <= set(range(nh)) or not set(kv) <= set(range(nkv)):
+        call = f"heads_of_rank({nh}, {nkv}, {r}, {tp})"
+        try:
+            out = heads_of_rank(nh, nkv, r, tp)
+        except LearnerRaised as err:
+            if isinstance(err.__cause__, TypeError) and "'float'" in str(err.__cause__):
+                failure = CheckFailed(
+                    f"{call} raised TypeError: {err.__cause__} — a head count or index became a float: in Python "
+                    f"`/` always gives one ({nh} / {nkv} = {nh / nkv}). Use integer division, //, for heads"
+                )
+                failure.learner_frames = _learner_frames(err.__cause__)
+                raise failure from None
+            raise
+        q, kv = _heads(out, call)
+        in_range = set(q) <= set(range(nh)) and set(kv) <= set(range(nkv))
+        swapped = set(kv) <= set(range(nh)) and set(q) <= set(range(nkv)) and all(h // group in q for h in kv)
+        if not in_range and swapped:
+            raise CheckFailed(
+                f"{call} returned {out!r:.80}: the pair is in the other order — return (q_heads, kv_heads), the "
+                "query heads first"
+            )
+        base, extra = divmod(nkv, tp)
+        if not in_range and nkv >= tp and len(kv) > base + (r < extra):
+            more = f"and one more only to the first {extra} (rank < {extra})" if extra else "no rank gets one more"
+            raise CheckFailed(
+                f"rank {r} got K/V heads {kv} {where}, more groups than its share: {nkv} groups over {tp} rank"
+                f"{'s' if tp > 1 else ''} give each rank {base}, {more} — together the ranks hold each K/V head "
+                "exactly once"
+            )
+        if not in_range:
             raise CheckFailed(
                 f"rank {r} got query heads {q} and K/V heads {kv} {where}: there are query heads 0..{nh - 1} and "
                 f"K/V heads 0..{nkv - 1}"
@@ -357,7 +405,14 @@ def _check_impossible(heads_of_rank, nh: int, nkv: int, tp: int) -> None:
         except LearnerRaised as err:
             if isinstance(err.__cause__, ValueError):
                 continue
-            raise
+            failure = CheckFailed(
+                f"heads_of_rank({nh}, {nkv}, {r}, {tp}) raised {type(err.__cause__).__name__}: {err.__cause__}. This "
+                f"layout cannot be split — {tp} ranks would replicate each of the {nkv} K/V heads on {tp / nkv:g} "
+                f"ranks, which cannot share its {nh // nkv} query heads equally — and for it heads_of_rank must raise "
+                "ValueError (raise ValueError(...)), the error a bad argument gets"
+            )
+            failure.learner_frames = _learner_frames(err.__cause__)
+            raise failure from None
         raise CheckFailed(
             f"heads_of_rank({nh}, {nkv}, {r}, {tp}) returned {out!r:.60} instead of raising ValueError: {tp} ranks "
             f"would replicate each of the {nkv} K/V heads on {tp / nkv:g} ranks, which cannot share its {nh // nkv} "

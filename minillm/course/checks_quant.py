@@ -9,6 +9,7 @@ and reader, and the paged KV cache's quantize-on-write.
 
 from __future__ import annotations
 
+import math
 import tempfile
 from pathlib import Path
 
@@ -58,6 +59,14 @@ def _check_rounding(q: torch.Tensor, exact: torch.Tensor, where: str, low: int, 
             f"{where}: q is x / scale truncated toward zero (what .to(torch.int8) does to a float), so the "
             "error reaches a whole step: round to the nearest integer first (torch.round)"
         )
+    for sign, name in ((-1, "down (torch.floor)"), (1, "up (torch.ceil)")):
+        one_way = bool((diff * sign >= -1e-4).all()) and bool((diff.abs() < 1 + 1e-3).all())
+        if one_way and bool((diff.abs() > 0.5 + 1e-3).any()):
+            raise CheckFailed(
+                f"{where}: q is x / scale rounded {name}: every value moves the same way, by up to a whole step, "
+                "so the levels are biased — round to the nearest integer (torch.round), an error of at most half "
+                "a step"
+            )
     off = diff.abs()
     if bool((off > 0.5 + 1e-3).any()):
         bad = tuple(int(i) for i in torch.nonzero(off == off.max())[0])
@@ -83,6 +92,8 @@ def _int8_test_weight() -> torch.Tensor:
 
 def _diagnose_int8_scale(scale: torch.Tensor, w: torch.Tensor) -> None:
     out, cols = w.shape
+    w_dtype = w.dtype
+    w = w.double()  # the exact values, whatever the weight's dtype
     absmax = w.abs().amax(dim=1)
     expected = absmax / 127
     if scale.numel() == 1:
@@ -105,6 +116,13 @@ def _diagnose_int8_scale(scale: torch.Tensor, w: torch.Tensor) -> None:
         raise CheckFailed(f"scale has shape {tuple(scale.shape)}, expected ({out},): one scale per output row")
     if not scale.is_floating_point():
         raise CheckFailed(f"scale is {scale.dtype}: it is a real number per row (float32)")
+    if torch.finfo(scale.dtype).bits < 32:
+        bits = 1 - round(math.log2(torch.finfo(scale.dtype).eps))  # significant bits: 8 in bfloat16
+        raise CheckFailed(
+            f"with a {w_dtype} weight, scale is {scale.dtype}: compute in float32 (w = weight.float()) and return "
+            f"float32 scales — {scale.dtype} keeps only {bits} significant bits, so the scale is off by up to a few "
+            "tenths of a percent and w / scale, computed in it too, lands on many wrong levels"
+        )
     if _near(scale, torch.full_like(scale, float(w.abs().max()) / 127)):
         raise CheckFailed(
             "every row has the same scale, max|W| / 127 of the whole matrix (per-tensor): row 5 is 30× louder "
@@ -122,13 +140,42 @@ def _diagnose_int8_scale(scale: torch.Tensor, w: torch.Tensor) -> None:
     ):
         if _near(scale, absmax / divisor):
             raise CheckFailed(f"scale is max|w| / {divisor} per row: {why}. Divide by 127")
+    if _near(scale, 127 / absmax):
+        raise CheckFailed(
+            "scale is 127 / max|w| per row, the inverse of the scale: the engine dequantizes with "
+            "weight ≈ q * scale[:, None], so scale = max|w| / 127 (and q = round(w / scale))"
+        )
     if not _near(scale, expected):
         r = int((scale.double() - expected.double()).abs().argmax())
-        raise CheckFailed(f"row {r}'s scale is {float(scale[r]):.6g}, expected max|w| / 127 = {float(expected[r]):.6g}")
+        extra = ""
+        if w_dtype != torch.float32:
+            extra = (
+                f". With a {w_dtype} weight, compute in float32 (weight.float()): in {w_dtype} the arithmetic rounds"
+            )
+        raise CheckFailed(
+            f"row {r}'s scale is {float(scale[r]):.6g}, expected max|w| / 127 = {float(expected[r]):.6g}{extra}"
+        )
 
 
 def _check_int8_values(fn, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    q, scale = _pair(fn(w.clone()), "quantize_per_channel")
+    given = w.clone()
+    q, scale = _pair(fn(given), "quantize_per_channel")
+    if not torch.equal(given, w):
+        raise CheckFailed(
+            "quantize_per_channel changed the weight it was given (an in-place operation such as w /= scale or "
+            "w.div_(...)): the caller's weight must stay as it was — and weight.float() is no copy when the weight "
+            "is already float32, it returns the same tensor. Compute out of place: w / scale[:, None]"
+        )
+    if tuple(q.shape) == (w.shape[0],) and tuple(scale.shape) == tuple(w.shape):
+        raise CheckFailed(
+            f"quantize_per_channel returned (scale, q): the first element has shape ({w.shape[0]},) and the second "
+            f"{tuple(w.shape)} — return them in the order (q, scale)"
+        )
+    if q.dtype == torch.uint8:
+        raise CheckFailed(
+            "q is torch.uint8, an unsigned byte (0..255): every negative level wraps around (-3 becomes 253). "
+            "Symmetric quantization needs the signed torch.int8 (-127..127)"
+        )
     if q.is_floating_point():
         raise CheckFailed(
             f"q is {q.dtype}: store the rounded values as int8 (.to(torch.int8)) — a float q takes 4 bytes a "
@@ -147,7 +194,10 @@ def _check_int8_values(fn, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
             "[-127, 127] before the cast"
         )
     _diagnose_int8_scale(scale, w)
-    _check_rounding(q, w.double() / scale.double()[:, None], "quantize_per_channel", -127, 127)
+    extra = ""
+    if w.dtype != torch.float32:
+        extra = f". With a {w.dtype} weight, compute in float32 (weight.float()): in {w.dtype} the arithmetic rounds"
+    _check_rounding(q, w.double() / scale.double()[:, None], "quantize_per_channel", -127, 127, extra)
     return q, scale
 
 
@@ -160,6 +210,7 @@ def check_quantize_per_channel(quantize_per_channel, model: str = QUANT_MODEL) -
 
     _check_int8_values(quantize_per_channel, _int8_test_weight())
     _check_int8_values(quantize_per_channel, torch.randn(64, 32, generator=torch.Generator().manual_seed(8)) * 0.02)
+    _check_int8_values(quantize_per_channel, _int8_test_weight().to(torch.bfloat16))  # a bf16 checkpoint's weight
 
     calls = []
 
@@ -215,8 +266,20 @@ def _check_pack(pack_int4, q: torch.Tensor) -> None:
             f"pack_int4 returned shape {tuple(got.shape)}: it paired neighbouring *rows*. Two neighbouring input "
             f"features (columns 2j and 2j+1 of a row) share a byte: [{out}, {cols}] → [{out}, {cols // 2}]"
         )
+    if tuple(got.shape) != tuple(expected.shape) and got.numel() == expected.numel():
+        if torch.equal(got.reshape(expected.shape).long(), expected.long()):
+            raise CheckFailed(
+                f"pack_int4 returned shape {tuple(got.shape)}: the right bytes, but not in q's rows — keep one row "
+                f"per output row, [{out}, {cols}] → [{out}, {cols // 2}] (reshape(q.shape[0], -1))"
+            )
     if tuple(got.shape) != tuple(expected.shape):
         raise CheckFailed(f"pack_int4 returned shape {tuple(got.shape)}, expected {tuple(expected.shape)}")
+    if got.dtype != torch.uint8 and got.element_size() == 1 and not got.is_floating_point():
+        raise CheckFailed(
+            f"pack_int4 returned {got.dtype}: a packed byte is a torch.uint8 (.to(torch.uint8)). In a signed "
+            "byte every value whose high nibble is 8 or more is negative, and unpacking it with >> 4 drags the sign "
+            "bit in (-128 >> 4 is -8, not 8)"
+        )
     if got.dtype != torch.uint8:
         raise CheckFailed(
             f"pack_int4 returned {got.dtype}: a packed byte is a torch.uint8 (.to(torch.uint8)); in "
@@ -234,6 +297,12 @@ def _check_pack(pack_int4, q: torch.Tensor) -> None:
         raise CheckFailed(
             f"pack_int4 pairs column j with column j + {cols // 2} (the two halves of a row): the layout pairs "
             "neighbours — byte j holds columns 2j (low nibble) and 2j+1 (high nibble): q[:, 0::2], q[:, 1::2]"
+        )
+    if torch.equal(g, ((q[:, 0::2].long() + q[:, 1::2].long()) << 4) & 0xFF):
+        raise CheckFailed(
+            "every byte's low nibble is 0: `a + b << 4` reads as `(a + b) << 4` — in Python, << binds more "
+            "loosely than +. Put the shift in parentheses: q[:, 0::2] + (q[:, 1::2] << 4), or use | (which binds "
+            "more loosely than <<)"
         )
     if torch.equal(g, q[:, 0::2].long()):
         raise CheckFailed(
@@ -270,6 +339,16 @@ def _check_unpack(unpack_int4, q: torch.Tensor) -> None:
         return
     g = got.long()
     even, odd = g[:, 0::2], g[:, 1::2]
+    if torch.equal(even, q[:, 1::2].long() << 4):
+        raise CheckFailed(
+            "the even columns came back as packed & 0xF0, the *high* nibble (16 × the odd column's value): the low "
+            "nibble is packed & 0x0F — 0xF0 keeps the top 4 bits, 0x0F the bottom 4"
+        )
+    if torch.equal(even, q[:, 0::2].long()) and torch.equal(odd, q[:, 1::2].long() << 4):
+        raise CheckFailed(
+            "the odd columns came back 16× too large (0..240 in steps of 16): packed & 0xF0 picks the high nibble "
+            "but leaves it in the top 4 bits — shift it down: packed >> 4"
+        )
     if bool((g > 15).any()):
         raise CheckFailed(
             f"unpack_int4 returned values up to {int(g.max())}: the low nibble needs a mask — packed & 0xF — "

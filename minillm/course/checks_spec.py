@@ -22,7 +22,7 @@ import torch
 
 import minillm.hooks as hooks
 from minillm.course.compare import compare_tokens
-from minillm.course.results import CheckFailed, LearnerRaised, check
+from minillm.course.results import CheckFailed, LearnerRaised, _learner_frames, check
 
 TARGET, DRAFT = "tiny-shakespeare-8m", "tiny-shakespeare-1m"
 K = 4
@@ -92,7 +92,32 @@ def _diagnose_greedy(got, target: list[int], drafts: list[int]) -> None:
     accepted = len(expected) - 1
     k = len(drafts)
     head = f"{call} returned {got}, expected {expected}"
+    if k == 0:
+        raise CheckFailed(
+            f"{head}: with no proposals (the draft proposed nothing this step) the step is a plain decode step — "
+            f"return the target's own token, [target_tokens[0]]"
+        )
     if accepted < k:  # a proposal was rejected
+        agreeing = sum(d == t for d, t in zip(drafts, target))
+        if agreeing != accepted and got == drafts[:agreeing] + [target[agreeing]]:
+            raise CheckFailed(
+                f"{head}: you counted every proposal that agrees with the target ({agreeing}), not the agreeing "
+                f"*prefix*: proposal {accepted} disagrees, so it and every proposal after it are rejected, even one "
+                "that happens to match — they were guessed after a token the target did not choose"
+            )
+        if accepted + 1 < len(target) and got == expected[:-1] + [target[accepted + 1]] != expected:
+            raise CheckFailed(
+                f"{head}: at the first disagreement (proposal {accepted}) you emitted target_tokens[{accepted + 1}] = "
+                f"{target[accepted + 1]}; the replacement is the target's token at the same position, "
+                f"target_tokens[{accepted}] = {target[accepted]} (row i of the verify pass is the target's choice for "
+                "the position proposal i fills)"
+            )
+        if got == expected + [target[k]]:
+            raise CheckFailed(
+                f"{head}: after a rejected proposal you appended the bonus token target_tokens[k] = {target[k]} too. "
+                "The target's rows after the rejection were computed following the wrong token: the bonus comes only "
+                "when all k proposals are accepted — return right after the replacement"
+            )
         if got == drafts[: accepted + 1]:
             raise CheckFailed(
                 f"{head}: at the first disagreement (proposal {accepted}) you kept the draft's token {drafts[accepted]}. "
@@ -148,7 +173,26 @@ def check_accept_greedy(accept_greedy, model: str = TARGET) -> str:
     """``accept_greedy(target_tokens[k+1], draft_tokens[k]) -> list[int]``: the longest agreeing
     prefix of the proposals, then the target's own token."""
     for target, drafts in GREEDY_CASES:
-        _diagnose_greedy(accept_greedy(list(target), list(drafts)), target, drafts)
+        given_target, given_drafts = list(target), list(drafts)
+        try:
+            got = accept_greedy(given_target, given_drafts)
+        except LearnerRaised as err:
+            if drafts:
+                raise
+            failure = CheckFailed(
+                f"accept_greedy({target}, []) raised {type(err.__cause__).__name__}: {err.__cause__} — with no "
+                "proposals (the draft proposed nothing this step; a loop over them runs zero times) the step is a "
+                "plain decode step: return [target_tokens[0]]"
+            )
+            failure.learner_frames = _learner_frames(err.__cause__)
+            raise failure from None
+        _diagnose_greedy(got, target, drafts)
+        if given_drafts != drafts:
+            raise CheckFailed(
+                f"accept_greedy({target}, {drafts}) changed its argument draft_tokens: {drafts} became {given_drafts}. "
+                "The engine reads the proposals again after your function returns (it counts them): build a new "
+                "list instead of appending to, or editing, the one you are given"
+            )
     gen = torch.Generator().manual_seed(8)
     for _ in range(300):  # random cases over 3 tokens: agreements are frequent
         k = int(torch.randint(0, 6, (), generator=gen))
@@ -224,17 +268,31 @@ def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return r / r.sum()
 
 
-def _rule(p: torch.Tensor, q: torch.Tensor, keep: torch.Tensor, replacement: torch.Tensor) -> torch.Tensor:
+def _rule(
+    p: torch.Tensor, q: torch.Tensor, keep: torch.Tensor, replacement: torch.Tensor
+) -> tuple[torch.Tensor, float]:
     """The distribution of the first emitted token when proposal x ~ q is kept with probability
-    ``keep[x]`` and otherwise replaced by a draw from ``replacement``."""
-    kept = q * keep
-    return kept + (1 - kept.sum()) * replacement
+    ``keep[x]`` and otherwise replaced by a draw from ``replacement`` (``[V]``, or ``[V, V]``: row
+    x when x was rejected), and how often a rejected proposal comes back as its own replacement."""
+    rows = replacement.expand(len(p), len(p))
+    rejected = q * (1 - keep)
+    return q * keep + (rejected[:, None] * rows).sum(0), float((rejected * rows.diagonal()).sum())
 
 
-def _mistakes(p: torch.Tensor, q: torch.Tensor) -> list[tuple[torch.Tensor, str]]:
-    """What the first emitted token would follow under the usual mistakes (p, q: one position)."""
+def _without_proposal(p: torch.Tensor) -> torch.Tensor:
+    """Row x: p with token x removed, renormalized (the residual when draft_probs is None)."""
+    rows = p.expand(len(p), len(p)).clone()
+    rows.fill_diagonal_(0)
+    return rows / rows.sum(1, keepdim=True).clamp(min=1e-30)
+
+
+def _mistakes(p: torch.Tensor, q: torch.Tensor) -> list[tuple[tuple[torch.Tensor, float], str]]:
+    """What the first emitted token would follow under the usual mistakes (p, q: one position),
+    and how often a rejected proposal would be its own replacement."""
     ratio = torch.where(q > 0, p / q.clamp(min=1e-30), torch.ones_like(p)).clamp(max=1)
     inverse = torch.where(p > 0, q / p.clamp(min=1e-30), torch.ones_like(p)).clamp(max=1)
+    most_likely = torch.zeros_like(p)
+    most_likely[int(_residual(p, q).argmax())] = 1.0
     return [
         (
             _rule(p, q, ratio, p),
@@ -256,6 +314,23 @@ def _mistakes(p: torch.Tensor, q: torch.Tensor) -> list[tuple[torch.Tensor, str]
             _rule(p, q, p, _residual(p, q)),
             "a proposal is kept with probability p(x), forgetting the draft: the test is u < p(x) / q(x) (the "
             "draft proposed x with probability q(x), so acceptance must undo that)",
+        ),
+        (
+            _rule(p, q, 1 - ratio, _residual(p, q)),
+            "a proposal is kept with probability 1 − p(x) / q(x): the comparison is inverted — keep it when "
+            "u < p(x) / q(x) (u uniform in [0, 1)), so that a token the target likes more than the draft is always kept",
+        ),
+        (
+            _rule(p, q, ratio, most_likely),
+            "a rejected proposal is always replaced by the residual's most likely token (an argmax): draw the "
+            "replacement at random from normalize(max(0, p − q)) (torch.multinomial), or the other tokens the "
+            "target wants there are never emitted",
+        ),
+        (
+            _rule(p, q, ratio, _without_proposal(p)),
+            "a rejected proposal is replaced by a draw from p with the rejected token removed: that is the residual "
+            "only when draft_probs is None (q is 1 at the proposal). With the draft's distribution q the residual is "
+            "normalize(max(0, p − q)) — it takes away what acceptance already emitted of every token",
         ),
     ]
 
@@ -285,6 +360,22 @@ def _call_sampled(fn, p: torch.Tensor, q: torch.Tensor | None, drafts: list[int]
     try:
         got = fn(p.clone(), None if q is None else q.clone(), list(drafts), gen)
     except LearnerRaised as err:
+        if isinstance(err.__cause__, RuntimeError) and "probability tensor contains" in str(err.__cause__):
+            if q is not None and torch.equal(q, p[: len(q)]):  # nothing to reject: the residual is all zeros
+                failure = _RejectedAlthoughEqual(
+                    "with draft_probs equal to target_probs a proposal must always be kept (min(1, p/q) = 1), but "
+                    "your rule rejected one — and the residual max(0, p − q) is then all zeros, which "
+                    f"torch.multinomial refused ({err.__cause__}). Keep proposal d when u < p(d) / q(d)"
+                )
+                failure.learner_frames = _learner_frames(err.__cause__)
+                raise failure from None
+            failure = CheckFailed(
+                f"{call}: torch.multinomial refused the weights it was given ({err.__cause__}): the residual p − q "
+                "is negative wherever the draft likes a token more than the target — clamp it, max(0, p − q) "
+                "(.clamp(min=0)), before normalizing and sampling"
+            )
+            failure.learner_frames = _learner_frames(err.__cause__)
+            raise failure from None
         if q is None and isinstance(err.__cause__, (TypeError, AttributeError, IndexError)):
             raise CheckFailed(
                 f"with draft_probs=None your code raised {type(err.__cause__).__name__}: {err.__cause__}. None means "
@@ -293,6 +384,10 @@ def _call_sampled(fn, p: torch.Tensor, q: torch.Tensor | None, drafts: list[int]
             ) from None
         raise
     return _validate_emitted(got, drafts, p.shape[-1], call)
+
+
+class _RejectedAlthoughEqual(CheckFailed):
+    """A proposal was rejected with q = p: reported after the histograms, which may say why."""
 
 
 def _all_accepted_gives_a_bonus(fn) -> None:
@@ -308,7 +403,7 @@ def _all_accepted_gives_a_bonus(fn) -> None:
                     "when the draft's distribution equals the target's every proposal is kept — and then the target's "
                     "last row gives one more token: sample the bonus from target_probs[k] and return k + 1 tokens"
                 )
-            raise CheckFailed(
+            raise _RejectedAlthoughEqual(
                 f"with draft_probs equal to target_probs a proposal must always be kept (min(1, p/q) = 1), but "
                 f"accept_sampled returned {got} for proposals {drafts}"
             )
@@ -316,11 +411,12 @@ def _all_accepted_gives_a_bonus(fn) -> None:
 
 def _sampled_histograms(fn, q: torch.Tensor | None, fixed: list[int] | None, n: int, seed: int):
     """Counts of the emitted tokens by position, each position counted where it was reached by
-    accepting every earlier proposal, and how often the first proposal was kept."""
+    accepting every earlier proposal, how often the first proposal was kept, and how many times it
+    was rejected and replaced by itself (never, under the right rule: the residual is 0 there)."""
     vocab = P.shape[1]
     gen = torch.Generator().manual_seed(seed)
     counts = torch.zeros(3, vocab, dtype=torch.float64)
-    first_kept = 0
+    first_kept = itself = 0
     k = 2 if fixed is None else len(fixed)
     what = "2 proposals drawn from draft_probs" if q is not None else f"draft_probs=None, proposals {fixed}"
     for _ in range(n):
@@ -329,7 +425,8 @@ def _sampled_histograms(fn, q: torch.Tensor | None, fixed: list[int] | None, n: 
         for i, token in enumerate(got):
             counts[i, token] += 1
         first_kept += len(got) > 1
-    return counts, first_kept / n
+        itself += len(got) == 1 and got[0] == drafts[0]
+    return counts, first_kept / n, itself
 
 
 @check
@@ -338,13 +435,26 @@ def check_accept_sampled(accept_sampled, model: str = TARGET) -> str:
     the emitted tokens follow the target's distribution exactly."""
     from minillm import SamplingParams
 
-    _all_accepted_gives_a_bonus(accept_sampled)
-    counts, kept = _sampled_histograms(accept_sampled, Q, None, SAMPLES, seed=0)
+    try:
+        _all_accepted_gives_a_bonus(accept_sampled)
+        rejected = None
+    except _RejectedAlthoughEqual as err:  # the histograms below may name the acceptance test's mistake
+        rejected = err
+    counts, kept, itself = _sampled_histograms(accept_sampled, Q, None, SAMPLES, seed=0)
     expected_kept = float(torch.minimum(P[0], Q[0]).sum())
     if not _fits(counts[0], P[0]):
-        for distribution, why in _mistakes(P[0], Q[0]):
-            if _fits(counts[0], distribution):
-                raise CheckFailed(why)
+        # The mistake whose distribution the histogram fits best, among those under which a rejected proposal
+        # comes back as its own replacement as often as it did (two of them differ mostly in that).
+        fitting = [
+            (_chi2(counts[0], dist), why)
+            for (dist, self_rate), why in _mistakes(P[0], Q[0])
+            if _fits(counts[0], dist) and (self_rate * SAMPLES > 20 if itself else self_rate * SAMPLES < 5)
+        ]
+        if fitting:
+            raise CheckFailed(min(fitting)[1])
+    if rejected is not None:
+        raise rejected
+    if not _fits(counts[0], P[0]):
         freq = (counts[0] / counts[0].sum()).tolist()
         extra = ""
         if abs(kept - expected_kept) > 0.03:
@@ -370,7 +480,7 @@ def check_accept_sampled(accept_sampled, model: str = TARGET) -> str:
                 f"target_probs[{i + 1}] = {[round(float(x), 2) for x in row]}: position i uses target_probs[i] and "
                 "draft_probs[i], and the bonus comes from target_probs[k]"
             )
-    counts, kept = _sampled_histograms(accept_sampled, None, [1, 0], SAMPLES // 2, seed=1)
+    counts, kept, _ = _sampled_histograms(accept_sampled, None, [1, 0], SAMPLES // 2, seed=1)
     if not _fits(counts[0], P[0]) or abs(kept - float(P[0, 1])) > 0.04:
         freq = (counts[0] / counts[0].sum()).tolist()
         raise CheckFailed(
@@ -434,6 +544,13 @@ def _diagnose_rollback(got, table: list[int], num_tokens: int, block_size: int) 
 
     call = f"blocks_to_roll_back({table}, num_tokens={num_tokens}, block_size={block_size})"
     shape = f"{call} should return a tuple (kept, freed) of two lists of ints, got {got!r:.80}"
+    if isinstance(got, (tuple, list)) and len(got) == 2:
+        for name, part in zip(("kept", "freed"), got):
+            if hasattr(part, "__next__"):
+                raise CheckFailed(
+                    f"{call} returned {name} as a {type(part).__name__}, an iterator, not a list: what reversed(...), "
+                    "filter(...) or a generator expression give is used up after one pass — make it a list: list(...)"
+                )
     if not (isinstance(got, (tuple, list)) and len(got) == 2 and all(isinstance(x, (list, tuple)) for x in got)):
         raise CheckFailed(shape)
     kept, freed = list(got[0]), list(got[1])
@@ -454,6 +571,13 @@ def _diagnose_rollback(got, table: list[int], num_tokens: int, block_size: int) 
         raise CheckFailed(
             f"{head}: you gave back the table entry {RELEASED} (RELEASED): that block was already returned behind a "
             "sliding window — there is no block to free. Skip those entries"
+        )
+    if RELEASED in exp_kept and kept == [b for b in exp_kept if b != RELEASED]:
+        raise CheckFailed(
+            f"{head}: you dropped the {RELEASED} (RELEASED) entries from kept. They stay in the table: entry j of a "
+            "block table holds tokens j × block_size onwards, so removing an entry shifts every later block to the "
+            "wrong tokens — keep the first ceil(num_tokens / block_size) entries as they are, and skip RELEASED only "
+            "in freed"
         )
     if len(kept) < len(exp_kept):
         lost = exp_kept[len(kept)]
@@ -489,6 +613,12 @@ def _diagnose_rollback(got, table: list[int], num_tokens: int, block_size: int) 
             f"{head}: block{'s' if len(missing) > 1 else ''} {missing} hold{'' if len(missing) > 1 else 's'} only "
             f"rejected tokens but {'are' if len(missing) > 1 else 'is'} not given back: it would leak from the pool"
             + (zero if 0 in missing else "")
+        )
+    if sorted(freed) == sorted(exp_freed) and freed == sorted(freed, reverse=True) != exp_freed[::-1]:
+        raise CheckFailed(
+            f"{head}: you sorted the blocks by their number. Tail first means by their place in the table — the "
+            "last entry first (reversed(table[keep:])), as BlockManager.free gives them back: a block's number "
+            "says nothing about where it sits in the sequence"
         )
     if sorted(freed) == sorted(exp_freed):
         raise CheckFailed(
