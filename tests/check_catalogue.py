@@ -1,7 +1,7 @@
 """The catalogue of answers every course check is tested against.
 
 For every exercise: at least two correct answers written independently (they must pass) and at
-least five typical wrong answers, each with a fragment of the message it must fail with — the
+least twelve typical wrong answers, each with a fragment of the message it must fail with — the
 mistakes learners make (returning the prompt too, a LIFO eviction, a hash that ignores block
 order, a scheduler that admits while preempting, ...). ``test_check_catalogue.py`` runs them all.
 

@@ -387,7 +387,45 @@ _FLASH_MASKED_LATER = (
     "what this load brings in for rows past S is hidden afterwards: those columns' scores become -inf through "
     "`allowed`, so p = 0 there whatever K held"
 )
+_CLAMP_NEVER_BINDS = (
+    "with scale = max|x| / 127, |x| / scale is at most 127 (plus far less than half a step of float error), so "
+    "after rounding a clamp at ±128 never binds: the clamp is a guard, and a wider guard changes nothing"
+)
 EQUIVALENT: dict[str, dict[str, str]] = {
+    "check_quantize_per_channel": {
+        "line 3: `127` → `128` in `q = torch.round(w / scale[:, None]).clamp(-127, 127).to(t...`": _CLAMP_NEVER_BINDS,
+        "line 3: `127` → `128` in `q = torch.round(w / scale[:, None]).clamp(-127, 127).to(t...` (#2)": (
+            _CLAMP_NEVER_BINDS
+        ),
+    },
+    "check_quantize_kv": {
+        "line 2: `127` → `128` in `q = torch.round(x.float() / scale[..., None]).clamp(-127,...`": _CLAMP_NEVER_BINDS,
+        "line 2: `127` → `128` in `q = torch.round(x.float() / scale[..., None]).clamp(-127,...` (#2)": (
+            _CLAMP_NEVER_BINDS
+        ),
+    },
+    "check_accept_sampled": {
+        "line 10: `<` → `<=` in `if u * q[d] < p[d]:  # u < p(d) / q(d), without dividing ...`": (
+            "u is continuous: u · q(d) = p(d) exactly has probability zero (and where p(d) = 0 a draw of u = 0 "
+            "happens once in 2^24 draws), so `<` and `<=` accept with the same probability"
+        ),
+        "line 14: `/` → `*` in `return emitted + [int(torch.multinomial(residual / residu...`": (
+            "torch.multinomial draws in proportion to its weights and normalises them itself: the residual times "
+            "its sum is the same distribution as the residual over its sum"
+        ),
+    },
+    "check_kv_heads": {
+        "line 2: `>=` → `>` in `if num_kv_heads >= tp_size:`": (
+            "when num_kv_heads == tp_size both branches give rank r K/V head r and its whole group of query heads "
+            "(the replica branch with tp_size // num_kv_heads = 1 replica per head)"
+        ),
+    },
+    "check_cache_key": {
+        'line 1: `1.0` → `2.0` in `if body.get("temperature", 1.0) != 0 or body.get("stream"):`': (
+            "only whether the default is 0 matters (a missing temperature means sampling, which is never cached): "
+            "1.0 and 2.0 both say so"
+        ),
+    },
     "check_generate_cached": {
         "line 6: `1` → `0` in `new.append(int(logits[-1].argmax()))`": (
             "a decode step feeds one token, so its logits have one row: logits[0] is logits[-1]"

@@ -188,7 +188,8 @@ def test_every_exercise_has_a_catalogue():
         if exercise.check == "check_flash_kernel" and not _triton():
             continue
         assert len(RIGHT.get(exercise.check, [])) >= 2, f"{exercise.check}: fewer than 2 correct answers"
-        assert len(WRONG.get(exercise.check, [])) >= 5, f"{exercise.check}: fewer than 5 wrong answers"
+        wrong = len(WRONG.get(exercise.check, []))
+        assert wrong >= 12, f"{exercise.check}: {wrong} wrong answers, fewer than 12"
     assert set(RIGHT) <= {e.check for e in EXERCISES}
 
 
