@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import minillm.hooks as hooks
-from minillm.course.results import CheckFailed, LearnerRaised, _learner_frames, check
+from minillm.course.results import CheckFailed, LearnerRaised, check, learner_frames_of
 
 TIMEOUT_S = 120.0  # per run of the ranks: spawning and loading take seconds, a hang is cut off
 
@@ -309,7 +309,7 @@ def _check_layout(heads_of_rank, nh: int, nkv: int, tp: int, what: str) -> None:
                     f"{call} raised TypeError: {err.__cause__} — a head count or index became a float: in Python "
                     f"`/` always gives one ({nh} / {nkv} = {nh / nkv}). Use integer division, //, for heads"
                 )
-                failure.learner_frames = _learner_frames(err.__cause__)
+                failure.learner_frames = learner_frames_of(err.__cause__)
                 raise failure from None
             raise
         q, kv = _heads(out, call)
@@ -411,7 +411,7 @@ def _check_impossible(heads_of_rank, nh: int, nkv: int, tp: int) -> None:
                 f"ranks, which cannot share its {nh // nkv} query heads equally — and for it heads_of_rank must raise "
                 "ValueError (raise ValueError(...)), the error a bad argument gets"
             )
-            failure.learner_frames = _learner_frames(err.__cause__)
+            failure.learner_frames = learner_frames_of(err.__cause__)
             raise failure from None
         raise CheckFailed(
             f"heads_of_rank({nh}, {nkv}, {r}, {tp}) returned {out!r:.60} instead of raising ValueError: {tp} ranks "

@@ -13,7 +13,7 @@ import builtins
 import contextlib
 import functools
 import numbers
-import threading
+import sys
 import types
 
 import torch
@@ -331,21 +331,21 @@ def check_gather_kv(gather_kv, model: str = DEFAULT_MODEL) -> str:
 
 @contextlib.contextmanager
 def _builtin_hash_calls():
-    """Record what this thread passes to the built-in ``hash()`` inside the ``with`` (a learner's
-    helper functions included)."""
+    """Record every call of the built-in ``hash()`` this thread makes inside the ``with`` (a
+    learner's helper functions included). A profile hook (``sys.setprofile``, per thread) sees each
+    call of a built-in function; nothing is replaced, so other threads and code are untouched."""
     calls: list = []
-    real, me = builtins.hash, threading.get_ident()
+    previous = sys.getprofile()
 
-    def spy(obj):
-        if threading.get_ident() == me:
-            calls.append(obj)
-        return real(obj)
+    def profile(frame, event, arg):
+        if event == "c_call" and arg is builtins.hash:
+            calls.append(frame.f_code.co_name)
 
-    builtins.hash = spy
+    sys.setprofile(profile)
     try:
         yield calls
     finally:
-        builtins.hash = real
+        sys.setprofile(previous)
 
 
 @check
@@ -822,6 +822,18 @@ def check_choose_victim(choose_victim, model: str = DEFAULT_MODEL) -> str:
     )
 
 
+class _WithBudget:
+    """The scheduler as one hand-made step shows it to the learner's ``schedule_continuous``: the
+    same scheduler (every method and list is its own) with another token budget for that step."""
+
+    def __init__(self, scheduler, max_num_batched_tokens: int):
+        self._scheduler = scheduler
+        self.max_num_batched_tokens = max_num_batched_tokens
+
+    def __getattr__(self, name):
+        return getattr(self._scheduler, name)
+
+
 @check
 def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -> str:
     """``schedule_continuous(scheduler) -> SchedulerOutput``: one continuous-batching step."""
@@ -977,9 +989,11 @@ def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -
             refused.append(seq)
         return n
 
+    next_budget: list[int] = []  # a hand-made step's token budget (the engine's own stays as built)
+
     def schedule_step(self, now):
         refused.clear()
-        return schedule(self, now)
+        return schedule(_WithBudget(self, next_budget.pop()) if next_budget else self, now)
 
     with hooks.override(schedule=schedule_step, reserve=reserve, try_admit=try_admit, tokens_to_run=tokens_to_run):
         done = _run_arriving(engine, PROMPTS)
@@ -1010,7 +1024,7 @@ def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -
             q.is_decoding for q in small.scheduler.running
         ):
             raise CheckError("the hand-made state (two decoding requests, the less urgent first) was not reached")
-        small.scheduler.max_num_batched_tokens = 1
+        next_budget.append(1)
         small.step()
         # And one request decoding, one waiting, a budget of 2 (chunked prefill, the default): the decode
         # takes 1 token and the newcomer's prompt starts with a chunk of the 1 left.
@@ -1020,7 +1034,7 @@ def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -
         decoding = tight.scheduler.running[0]
         if not decoding.is_decoding:
             raise CheckError("the hand-made state (one request decoding) was not reached")
-        tight.scheduler.max_num_batched_tokens = 2
+        next_budget.append(2)
         tight.add_request(PROMPTS[3], _params())
         newcomer = tight.scheduler.waiting[0]
         tight.step()

@@ -22,7 +22,7 @@ import torch
 
 import minillm.hooks as hooks
 from minillm.course.compare import compare_tokens
-from minillm.course.results import CheckFailed, LearnerRaised, _learner_frames, check
+from minillm.course.results import CheckFailed, LearnerRaised, check, learner_frames_of
 
 TARGET, DRAFT = "tiny-shakespeare-8m", "tiny-shakespeare-1m"
 K = 4
@@ -184,7 +184,7 @@ def check_accept_greedy(accept_greedy, model: str = TARGET) -> str:
                 "proposals (the draft proposed nothing this step; a loop over them runs zero times) the step is a "
                 "plain decode step: return [target_tokens[0]]"
             )
-            failure.learner_frames = _learner_frames(err.__cause__)
+            failure.learner_frames = learner_frames_of(err.__cause__)
             raise failure from None
         _diagnose_greedy(got, target, drafts)
         if given_drafts != drafts:
@@ -367,14 +367,14 @@ def _call_sampled(fn, p: torch.Tensor, q: torch.Tensor | None, drafts: list[int]
                     "your rule rejected one — and the residual max(0, p − q) is then all zeros, which "
                     f"torch.multinomial refused ({err.__cause__}). Keep proposal d when u < p(d) / q(d)"
                 )
-                failure.learner_frames = _learner_frames(err.__cause__)
+                failure.learner_frames = learner_frames_of(err.__cause__)
                 raise failure from None
             failure = CheckFailed(
                 f"{call}: torch.multinomial refused the weights it was given ({err.__cause__}): the residual p − q "
                 "is negative wherever the draft likes a token more than the target — clamp it, max(0, p − q) "
                 "(.clamp(min=0)), before normalizing and sampling"
             )
-            failure.learner_frames = _learner_frames(err.__cause__)
+            failure.learner_frames = learner_frames_of(err.__cause__)
             raise failure from None
         if q is None and isinstance(err.__cause__, (TypeError, AttributeError, IndexError)):
             raise CheckFailed(

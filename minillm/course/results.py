@@ -66,7 +66,9 @@ def _is_learner_frame(filename: str) -> bool:
     return not any(path.startswith(lib + os.sep) for lib in libs if lib)
 
 
-def _learner_frames(err: BaseException) -> list[str]:
+def learner_frames_of(err: BaseException) -> list[str]:
+    """The learner's own frames of ``err``'s traceback (the last 5), formatted: what a failure
+    caused by the learner's exception shows under its one red line — never the package's."""
     frames = [f for f in traceback.extract_tb(err.__traceback__) if _is_learner_frame(f.filename)]
     return traceback.format_list(frames[-5:])
 
@@ -166,7 +168,7 @@ def _failed(name: str, err: Exception) -> NoReturn:
     cause = learner_cause(err)
     if cause is not None:
         failure = CheckFailed(f"your code raised {type(cause).__name__}: {cause}")
-        failure.learner_frames = _learner_frames(cause)
+        failure.learner_frames = learner_frames_of(cause)
         status = FAIL
     else:
         failure = CheckError(
