@@ -162,6 +162,16 @@ torch_attention = _declare(
     grouped K/V heads, the T queries being the last T of the S key positions. Every layer of
     the naive and contiguous engines, and the paged reference step, call it.""",
 )
+filter_logits = _declare(
+    "filter_logits",
+    "filter_logits(logits[R, V] fp32, temperature, top_k, top_p) -> [R, V]",
+    "01 prefill and decode (sampling)",
+    "minillm.sampling",
+    "minillm/sampling.py",
+    """Temperature, top-k and top-p for R sampled rows that share these settings: the logits a
+    row is drawn from, excluded tokens at -inf. Every sampled token of every engine (and the
+    speculative target's and draft's distributions) comes through it.""",
+)
 kv_write = _declare(
     "kv_write",
     "kv_write(k_cache[B, KV, L, D], v_cache, k_new[B, KV, T, D], v_new, start) -> None",
@@ -178,6 +188,16 @@ kv_read = _declare(
     "minillm.kvcache.contiguous",
     "minillm/kvcache/contiguous.py",
     """The first ``length`` positions of a contiguous cache, as views: what attention reads each step.""",
+)
+rope_tables = _declare(
+    "rope_tables",
+    "rope_tables(inv_freq[D/2], max_positions) -> (cos fp32 [P, D], sin fp32 [P, D])",
+    "02 the KV cache (rotary positions)",
+    "minillm.models.rope",
+    "minillm/models/rope.py",
+    """Every position's rotary angles ``p * inv_freq[i]``, cos and sin, dimension ``i`` paired
+    with ``i + D/2``: built once when a model is loaded (outside the compiled step); every
+    forward pass looks its tokens' rows up by absolute position.""",
 )
 slot_mapping = _declare(
     "slot_mapping",
@@ -269,6 +289,16 @@ try_admit = _declare(
     """Start a waiting sequence if its first chunk fits the budget and the pool; the tokens
     scheduled (0: it keeps waiting, nothing changed).""",
 )
+pool_heads = _declare(
+    "pool_heads",
+    "pool_heads(weight[H*D, in], num_heads, num_kv_heads) -> [KV*D, in]",
+    "05 attention variants (pooling K/V heads)",
+    "minillm.kv_head_pooling",
+    "minillm/kv_head_pooling.py",
+    """One K or V projection's H heads mean-pooled into KV shared ones, each the mean of a group
+    of H/KV consecutive heads: how an MHA checkpoint becomes a GQA/MQA one (a bias is passed as
+    an [H*D, 1] column).""",
+)
 blocks_behind_window = _declare(
     "blocks_behind_window",
     "blocks_behind_window(num_computed_tokens, window, block_size) -> int",
@@ -287,6 +317,17 @@ quantize_int8 = _declare(
     """Quantize one linear layer's weight when a model is loaded with quantization="int8" (called
     with the weight alone; a row-parallel shard, which needs its whole rows' maxima, is
     quantized by the reference directly).""",
+)
+quantize_int4 = _declare(
+    "quantize_int4",
+    "quantize_int4(weight[out, in], group_size) -> (q uint8 [out, in], scale fp32 [out, groups], minimum)",
+    "07 quantization (group-wise int4 weights)",
+    "minillm.quantization.int4",
+    "minillm/quantization/int4.py",
+    """Quantize one linear layer's weight when a model is loaded with quantization="int4": each
+    row cut into groups of ``group_size`` consecutive input weights, each group mapped from its
+    [min, max] onto 0..15 (a row-parallel shard is cut on group boundaries, so it is quantized
+    by the same call).""",
 )
 pack_int4 = _declare(
     "pack_int4",
@@ -363,4 +404,14 @@ heads_of_rank = _declare(
     "minillm/models/llama.py",
     """Which query and K/V heads a tensor-parallel rank holds: each attention layer's shard is
     built with it.""",
+)
+detokenize_step = _declare(
+    "detokenize_step",
+    "detokenize_step(decode, ids, prefix_offset, read_offset) -> (delta: str, prefix_offset, read_offset)",
+    "10 serving (streaming text)",
+    "minillm.tokenizer",
+    "minillm/tokenizer.py",
+    """The text a new token makes visible: every generated token of every request passes through
+    it (``IncrementalDetokenizer.add``), and what it returns is the text a stream sends. It
+    holds back an incomplete UTF-8 character and keeps a token's leading space.""",
 )

@@ -6,6 +6,9 @@ Grouped-query attention lets ``G`` query heads share one K/V head, cutting the K
 who then "uptrain" briefly to recover quality). The query heads keep their order: query head
 ``h`` used K/V head ``h // (H / KV)`` and now uses ``h // (H / KV')`` — the pooled head of the
 group its old head belonged to. What pooling costs in quality is the chapter's measurement.
+
+The arithmetic on one projection is ``pool_heads``, the hook chapter 05's exercise plugs into:
+``pool_kv_heads`` calls it through ``minillm.hooks`` for every K and V projection (and bias).
 """
 
 from __future__ import annotations
@@ -14,9 +17,24 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file, save_file
 
+import minillm.hooks as hooks
 from minillm.config import ModelConfig
+
+
+@hooks.reference("pool_heads")
+def pool_heads(weight: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """``weight[H*D, in]`` (H = ``num_heads`` heads of D rows each, in head order) → ``[KV*D, in]``:
+    pooled head ``j`` is the mean of heads ``j*G .. j*G+G-1`` (G = H / KV). Consecutive heads,
+    because query head ``h`` of a GQA model uses K/V head ``h // G``: the query heads that used
+    heads ``j*G ..`` before all use pooled head ``j`` after. The mean is taken in fp32 and cast
+    back to the weight's dtype, so a bf16 checkpoint loses no precision to the sum."""
+    rows, cols = weight.shape
+    head_dim, group = rows // num_heads, num_heads // num_kv_heads
+    pooled = weight.float().view(num_kv_heads, group, head_dim, cols).mean(dim=1)
+    return pooled.reshape(num_kv_heads * head_dim, cols).to(weight.dtype)
 
 
 def pool_kv_heads(model_dir: str | Path, out_dir: str | Path, num_kv_heads: int) -> Path:
@@ -28,7 +46,6 @@ def pool_kv_heads(model_dir: str | Path, out_dir: str | Path, num_kv_heads: int)
         raise ValueError(
             f"num_kv_heads={num_kv_heads} must divide the model's {old} K/V heads and {config.num_heads} query heads"
         )
-    group = old // num_kv_heads
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{model_dir}: no .safetensors files to convert")
@@ -37,11 +54,10 @@ def pool_kv_heads(model_dir: str | Path, out_dir: str | Path, num_kv_heads: int)
         tensors = load_file(str(path))
         for name, tensor in tensors.items():
             if name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
-                t = tensor.float().view(num_kv_heads, group, config.head_dim, -1).mean(dim=1)
-                tensors[name] = t.reshape(num_kv_heads * config.head_dim, -1).to(tensor.dtype)
+                tensors[name] = _pooled(tensor, old, num_kv_heads, name)
             elif name.endswith(("self_attn.k_proj.bias", "self_attn.v_proj.bias")):
-                t = tensor.float().view(num_kv_heads, group, config.head_dim).mean(dim=1)
-                tensors[name] = t.reshape(-1).to(tensor.dtype)
+                # a bias is one column of per-row values: pooled exactly like the weight's rows
+                tensors[name] = _pooled(tensor[:, None], old, num_kv_heads, name)[:, 0]
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / path.name), metadata={"format": "pt"})
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():  # tensor names and files are unchanged; only sizes shrank
@@ -53,3 +69,14 @@ def pool_kv_heads(model_dir: str | Path, out_dir: str | Path, num_kv_heads: int)
         if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in ("config.json", index.name):
             shutil.copy(extra, out_dir / extra.name)
     return out_dir
+
+
+def _pooled(tensor: torch.Tensor, num_heads: int, num_kv_heads: int, name: str) -> torch.Tensor:
+    """``hooks.pool_heads`` on one tensor, its result checked before it is written: a wrong shape
+    would only surface later, as a confusing load error of the converted checkpoint."""
+    out = hooks.pool_heads(tensor, num_heads, num_kv_heads)
+    expected = (tensor.shape[0] // num_heads * num_kv_heads, tensor.shape[1])
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != expected:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"pooling {name} gave {got}, expected {expected} ({num_heads} → {num_kv_heads} heads)")
+    return out

@@ -5,6 +5,9 @@ The pipeline, applied per row of a batch with that row's own parameters:
     logits → repetition penalty → (greedy: argmax)
            → / temperature → top-k → top-p → min-p → sample with the request's own RNG
 
+Temperature, top-k and top-p are hook ``filter_logits`` (chapter 01's exercise plugs into it),
+called once per group of rows that share those settings.
+
 Each request owns a ``torch.Generator``. Sampling uses the "exponential race": draw
 ``E_i ~ Exp(1)`` for every token and pick ``argmax p_i / E_i``, which selects token ``i`` with
 probability exactly ``p_i``. Because the noise comes from the request's generator only, the
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import minillm.hooks as hooks
 from minillm.outputs import TokenLogprob
 
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
@@ -163,24 +167,51 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, NEG_INF)
 
 
-def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p: the distribution a sampled row draws from.
+@hooks.reference("filter_logits")
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Temperature, then top-k, then top-p, for rows ``logits[R, V]`` that share these settings.
 
     Dividing by the temperature happens after subtracting each row's maximum, so every value
     is <= 0 and the top one is exactly 0: a tiny temperature sends the others to -inf (greedy,
     the limit it should be) instead of overflowing the top one to inf and the softmax to NaN.
+    Top-p sees the distribution top-k left (renormalised), which is why the order matters.
     """
-    device = logits.device
-    tiny, huge = torch.finfo(torch.float32).tiny, 1e30
-    temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device).clamp(tiny, huge)
-    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature.unsqueeze(-1)
-    if any(p.top_k > 0 for p in params):
-        logits = apply_top_k(logits, torch.tensor([p.top_k for p in params], device=device))
-    if any(p.top_p < 1.0 for p in params):
-        logits = apply_top_p(logits, torch.tensor([p.top_p for p in params], device=device))
-    if any(p.min_p > 0.0 for p in params):
-        logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
+    rows = logits.shape[:-1]
+    if top_k > 0:
+        logits = apply_top_k(logits, torch.full(rows, top_k, device=logits.device))
+    if top_p < 1.0:
+        logits = apply_top_p(logits, torch.full(rows, top_p, device=logits.device))
     return logits
+
+
+_TINY_TEMPERATURE, _HUGE_TEMPERATURE = torch.finfo(torch.float32).tiny, 1e30
+
+
+def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each sampled row draws from: hook ``filter_logits`` (temperature,
+    top-k, top-p), then min-p.
+
+    Rows are grouped by their (temperature, top_k, top_p), and each group is filtered in one
+    call: a batch whose requests share their settings — the usual case — costs one batched
+    filter, not one per row. The temperature is clamped into float32's normal range first
+    (a validated temperature may be 5e-324 or 1e300, which float32 reads as 0 or inf).
+    """
+    groups: dict[tuple[float, int, float], list[int]] = {}
+    for row, p in enumerate(params):
+        temperature = min(max(p.temperature or 1.0, _TINY_TEMPERATURE), _HUGE_TEMPERATURE)
+        groups.setdefault((temperature, p.top_k, p.top_p), []).append(row)
+    if len(groups) == 1:
+        (settings,) = groups
+        out = hooks.filter_logits(logits, *settings)
+    else:
+        out = torch.empty_like(logits)
+        for settings, rows in groups.items():
+            index = torch.tensor(rows, device=logits.device)
+            out[index] = hooks.filter_logits(logits[index], *settings)
+    if any(p.min_p > 0.0 for p in params):
+        out = apply_min_p(out, torch.tensor([p.min_p for p in params], device=logits.device))
+    return out
 
 
 def sample(

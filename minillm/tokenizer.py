@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import minillm.hooks as hooks
 from minillm.errors import ModelLoadError
 
 ChatMessages = list[dict[str, str]]
@@ -73,14 +74,36 @@ class Tokenizer:
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+@hooks.reference("detokenize_step")
+def detokenize_step(decode, ids: list[int], prefix_offset: int, read_offset: int) -> tuple[str, int, int]:
+    """One step of incremental detokenization, after a token was appended to ``ids``.
+
+    ``ids[:read_offset]`` has been shown as text already; ``ids[prefix_offset:read_offset]`` is
+    the context kept for the next decode (the last tokens shown). Decoding that context with and
+    without the new tokens, the difference is the new text: the context gives a token its
+    leading space (a decode may drop the space at the start of a text) and the bytes a
+    character shares with its neighbours. A window ending in U+FFFD stops at an incomplete UTF-8
+    character: show nothing and keep the offsets, so the next token completes it. Returns
+    ``(delta, prefix_offset, read_offset)``: after text is shown the context moves up to it.
+    """
+    before = decode(ids[prefix_offset:read_offset])
+    after = decode(ids[prefix_offset:])
+    if len(after) > len(before) and not after.endswith("\ufffd"):
+        return after[len(before) :], read_offset, len(ids)
+    return "", prefix_offset, read_offset
+
+
 class IncrementalDetokenizer:
     """Text deltas for a stream of token ids.
 
-    Decoding ids one at a time is wrong for byte-level BPE: a character may span several
-    tokens, and a token's leading space depends on its neighbour. We decode a short window
-    ``ids[prefix:]`` and compare it with ``ids[prefix:read]``; whatever is new is the delta,
-    unless it ends in the replacement character (an incomplete UTF-8 sequence), in which case
-    we wait for the next token.
+    Decoding ids one at a time is wrong: with byte-level BPE a character may span several
+    tokens, and some tokenizers (SentencePiece's) drop the leading space of a decode's first
+    token, so a token's space depends on its neighbour. Each new token runs one
+    ``detokenize_step`` (a hook: chapter 10's exercise plugs in there), which decodes a short
+    window ``ids[prefix:]`` and compares it with ``ids[prefix:read]``; whatever is new is the
+    delta, unless it ends in the replacement character (an incomplete UTF-8 sequence), in which
+    case we wait for the next token. The window stays a few tokens long, so a step costs the
+    same at token 10 and at token 10,000.
     """
 
     def __init__(self, tokenizer: Tokenizer):
@@ -91,13 +114,10 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
-        decode = self.tokenizer.decode
-        before = decode(self.ids[self.prefix_offset : self.read_offset])
-        after = decode(self.ids[self.prefix_offset :])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            return after[len(before) :]
-        return ""
+        delta, self.prefix_offset, self.read_offset = hooks.detokenize_step(
+            self.tokenizer.decode, self.ids, self.prefix_offset, self.read_offset
+        )
+        return delta
 
     def flush(self) -> str:
         """At the end of a stream: whatever is still held back (shown as replacement chars)."""

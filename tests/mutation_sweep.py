@@ -392,10 +392,30 @@ _CLAMP_NEVER_BINDS = (
     "after rounding a clamp at ±128 never binds: the clamp is a guard, and a wider guard changes nothing"
 )
 EQUIVALENT: dict[str, dict[str, str]] = {
+    "check_filter_logits": {
+        "line 2: `<` → `<=` in `if 0 < top_k < x.shape[-1]:` (#2)": (
+            "top_k equal to the vocabulary size keeps every logit (each is >= the smallest), exactly what "
+            "skipping top-k does"
+        ),
+    },
     "check_quantize_per_channel": {
         "line 3: `127` → `128` in `q = torch.round(w / scale[:, None]).clamp(-127, 127).to(t...`": _CLAMP_NEVER_BINDS,
         "line 3: `127` → `128` in `q = torch.round(w / scale[:, None]).clamp(-127, 127).to(t...` (#2)": (
             _CLAMP_NEVER_BINDS
+        ),
+    },
+    "check_quantize_int4": {
+        "line 3: `1e-12` → `2e-12` in `scale = ((w.amax(dim=-1) - minimum) / 15).clamp(min=1e-12)`": (
+            "the floor only keeps a constant group's scale from 0 (any positive scale gives its weights level 0 and "
+            "back min exactly); 2e-12 is as far below any real group's step as 1e-12"
+        ),
+        "line 4: `0` → `-1` in `q = torch.round((w - minimum[..., None]) / scale[..., Non...`": (
+            "w - minimum is >= 0 (a float subtraction of the group's min never goes negative), so q is never below 0 "
+            "and the lower clamp never binds"
+        ),
+        "line 4: `15` → `16` in `q = torch.round((w - minimum[..., None]) / scale[..., Non...`": (
+            "(w - min) / scale is at most (max - min) / ((max - min) / 15) = 15 plus far less than half a step of "
+            "float error, so after rounding a clamp at 16 never binds"
         ),
     },
     "check_quantize_kv": {

@@ -59,9 +59,12 @@ def test_student_notebooks_have_no_solutions_no_outputs_and_tags():
 @pytest.mark.slow
 @pytest.mark.parametrize("chapter", ["01_prefill_and_decode", "02_kv_cache"])
 def test_grading_solutions_pass_and_students_do_not(chapter):
+    from minillm.course import CHECKS_BY_CHAPTER
+
     solved = grade_notebook(SOLUTIONS / f"{chapter}.ipynb")
     assert solved.error is None
-    assert solved.total == 3 and solved.passed == 3, solved.as_text()
+    expected = len(CHECKS_BY_CHAPTER[chapter])
+    assert solved.total == expected and solved.passed == expected, solved.as_text()
     blank = grade_notebook(NOTEBOOKS / f"{chapter}.ipynb")
     assert blank.passed == 0, blank.as_text()
     assert all(r.status == "not attempted" for r in blank.results)
@@ -79,13 +82,13 @@ def test_grading_a_folder_writes_a_csv(tmp_path):
     nbformat.write(nb, submissions / "alice" / "01_prefill_and_decode.ipynb")
     grades = grade_folder(submissions)
     by_name = {Path(g.notebook).parent.name: g for g in grades}
-    assert by_name["alice"].passed == 2
+    assert by_name["alice"].passed == 3
     failed = [r for r in by_name["alice"].results if r.status == "fail"]
     assert failed[0].check == "check_causal_attention" and "not scaled" in failed[0].message
-    assert (by_name["alice"].points, by_name["alice"].max_points) == (3, 5)
+    assert (by_name["alice"].points, by_name["alice"].max_points) == (5, 7)
     rows = list(csv.DictReader(open(submissions / "grades.csv")))
     assert len(rows) == 2 and {r["check_causal_attention"] for r in rows} == {"pass", "fail"}
-    assert {(r["points"], r["max_points"]) for r in rows} == {("5", "5"), ("3", "5")}
+    assert {(r["points"], r["max_points"]) for r in rows} == {("7", "7"), ("5", "7")}
 
 
 # ------------------------------------------------------------------------------------------
@@ -94,9 +97,11 @@ def test_grading_a_folder_writes_a_csv(tmp_path):
 
 HEADER = (
     "import math\nimport torch\n"
-    "from minillm.course import check_causal_attention, check_generate_naive, check_next_token, forward_logits"
+    "from minillm.course import check_causal_attention, check_filter_logits, check_generate_naive, check_next_token, "
+    "forward_logits"
 )
-EXERCISES = ("def next_token", "def generate_naive", "def causal_attention")
+EXERCISES = ("def next_token", "def generate_naive", "def filter_logits", "def causal_attention")
+CH01_CHECKS = ["check_next_token", "check_generate_naive", "check_filter_logits", "check_causal_attention"]
 
 
 def chapter01(solved: bool) -> nbformat.NotebookNode:
@@ -135,7 +140,7 @@ def test_forged_verdicts_and_edited_check_cells_do_not_count(tmp_path):
     nbformat.write(nb, path)
     grade = grade_notebook(path, timeout=120)
     assert grade.error is None, grade.error
-    assert [r.status for r in grade.results] == ["not attempted"] * 3, grade.as_text()
+    assert [r.status for r in grade.results] == ["not attempted"] * 4, grade.as_text()
 
 
 @pytest.mark.slow
@@ -147,7 +152,7 @@ def test_restored_check_cells_grade_a_solved_notebook(tmp_path):
     path = tmp_path / "01_prefill_and_decode.ipynb"
     nbformat.write(nb, path)
     grade = grade_notebook(path, timeout=120)
-    assert grade.passed == 3, grade.as_text()
+    assert grade.passed == 4, grade.as_text()
 
 
 @pytest.mark.slow
@@ -158,9 +163,9 @@ def test_one_broken_notebook_does_not_stop_a_folder(tmp_path):
     nbformat.write(chapter01(solved=True), tmp_path / "carol" / "01_prefill_and_decode.ipynb")
     grades = {Path(g.notebook).parent.name: g for g in grade_folder(tmp_path, timeout=120)}
     assert grades["bob"].error and grades["bob"].passed == 0
-    assert grades["carol"].passed == 3 and grades["carol"].error is None
+    assert grades["carol"].passed == 4 and grades["carol"].error is None
     rows = {Path(r["notebook"]).parent.name: r for r in csv.DictReader(open(tmp_path / "grades.csv"))}
-    assert rows["bob"]["error"] and rows["carol"]["passed"] == "3"
+    assert rows["bob"]["error"] and rows["carol"]["passed"] == "4"
 
 
 def test_check_calls_match_the_shipped_check_cells():
@@ -181,8 +186,8 @@ def test_a_renamed_copy_is_still_graded_as_its_chapter(tmp_path):
     path = tmp_path / "submission.ipynb"
     nbformat.write(nb, path)
     grade = grade_notebook(path, timeout=120)
-    assert [r.check for r in grade.results] == ["check_next_token", "check_generate_naive", "check_causal_attention"]
-    assert [r.status for r in grade.results] == ["not attempted"] * 3, grade.as_text()
+    assert [r.check for r in grade.results] == CH01_CHECKS
+    assert [r.status for r in grade.results] == ["not attempted"] * 4, grade.as_text()
 
 
 # ------------------------------------------------------------------------------------------
@@ -234,11 +239,7 @@ def test_source_check_cells_end_in_a_hidden_test_the_release_removes():
 
     source = source_notebook(read_notebook(SOLUTIONS / f"{CH01}.ipynb"), chapter=CH01)
     checks = [c for c in source.cells if c.metadata.get("nbgrader", {}).get("grade")]
-    assert [c.metadata.nbgrader.grade_id for c in checks] == [
-        "check_next_token",
-        "check_generate_naive",
-        "check_causal_attention",
-    ]
+    assert [c.metadata.nbgrader.grade_id for c in checks] == CH01_CHECKS
     for cell in checks:
         name = cell.metadata.nbgrader.grade_id
         assert cell.source.startswith(f"{name}(") and f"require_pass({name!r})" in cell.source
@@ -273,7 +274,7 @@ def test_an_exercise_without_its_check_cell_is_an_error_for_nbgrader_and_a_warni
         source_notebook(nb, chapter=CH01)
     with pytest.warns(UserWarning, match="check_generate_naive"):
         student = student_notebook(nb, chapter=CH01)
-    assert sum(bool(c.metadata.get("nbgrader", {}).get("grade")) for c in student.cells) == 2
+    assert sum(bool(c.metadata.get("nbgrader", {}).get("grade")) for c in student.cells) == len(CH01_CHECKS) - 1
 
 
 def test_nbgrader_source_writes_an_nbgrader_course(tmp_path, capsys):
@@ -395,8 +396,8 @@ def test_a_notebook_that_runs_past_its_time_is_stopped_and_the_cell_named(tmp_pa
     grade = grade_notebook(tmp_path / "loop.ipynb", timeout=6)
     assert time.monotonic() - start < 30  # a limit for the whole notebook, not per cell
     assert grade.error.startswith("timed out in cell 3 of 4 (`import time`)"), grade.error
-    assert [r.status for r in grade.results] == ["not run"] * 3
-    assert "cell 3" in grade.results[0].message and grade.points == 0 and grade.max_points == 5
+    assert [r.status for r in grade.results] == ["not run"] * 4
+    assert "cell 3" in grade.results[0].message and grade.points == 0 and grade.max_points == 7
 
 
 @pytest.mark.slow
@@ -405,8 +406,8 @@ def test_a_renamed_copy_without_its_check_cells_still_expects_all_its_checks(tmp
     nb.metadata["minillm"] = {"chapter": CH01}
     nbformat.write(nb, tmp_path / "my copy.ipynb")
     grade = grade_notebook(tmp_path / "my copy.ipynb", timeout=120)
-    assert [r.check for r in grade.results] == ["check_next_token", "check_generate_naive", "check_causal_attention"]
-    assert grade.passed == 0 and grade.max_points == 5, grade.as_text()
+    assert [r.check for r in grade.results] == CH01_CHECKS
+    assert grade.passed == 0 and grade.max_points == 7, grade.as_text()
 
 
 @pytest.mark.slow
@@ -422,12 +423,12 @@ def test_grade_command_prints_points_as_json_and_writes_a_csv(tmp_path, capsys):
     assert main(["course", "grade", str(tmp_path), "--json", "--timeout", "120"]) == 0
     by_name = {Path(g["notebook"]).name: g for g in json.loads(capsys.readouterr().out)}
     carol, scratch = by_name["carol.ipynb"], by_name["scratch.ipynb"]
-    assert (carol["chapter"], carol["points"], carol["max_points"], carol["passed"]) == (CH01, 5, 5, 3), carol
-    assert [c["points"] for c in carol["checks"]] == [1, 2, 2]
+    assert (carol["chapter"], carol["points"], carol["max_points"], carol["passed"]) == (CH01, 7, 7, 4), carol
+    assert [c["points"] for c in carol["checks"]] == [1, 2, 2, 2]
     assert scratch["course_notebook"] is False and scratch["points"] is None
     rows = {Path(r["notebook"]).name: r for r in csv.DictReader(open(tmp_path / "grades.csv"))}
-    assert (rows["carol.ipynb"]["points"], rows["carol.ipynb"]["max_points"]) == ("5", "5")
-    assert list(rows["carol.ipynb"])[6:9] == ["check_next_token", "check_generate_naive", "check_causal_attention"]
+    assert (rows["carol.ipynb"]["points"], rows["carol.ipynb"]["max_points"]) == ("7", "7")
+    assert list(rows["carol.ipynb"])[6:10] == CH01_CHECKS
 
 
 def test_cells_without_ids_get_the_same_ids_on_every_build(tmp_path):

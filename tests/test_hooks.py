@@ -56,6 +56,7 @@ def pool_bytes(model_dir, blocks: int, block_size: int) -> int:
 
 
 def test_every_hook_has_its_reference_registered_by_its_owner():
+    import minillm.kv_head_pooling  # noqa: F401  (a checkpoint tool: nothing in the engine imports it)
     import minillm.quantization.checkpoint  # noqa: F401  (the quantization modules load lazily)
 
     for name, point in hooks.points().items():
@@ -155,6 +156,29 @@ def test_torch_attention_calls_go_through_the_hook(contiguous, tiny_model):
         assert tokens(llm) != reference
 
 
+def test_filter_logits_calls_go_through_the_hook(contiguous):
+    llm, greedy = contiguous
+    sampled = tokens(llm, SAMPLED)
+    calls = []
+    with hooks.override(filter_logits=recorder("filter_logits", calls)):
+        assert tokens(llm) == greedy
+        assert not calls  # greedy rows take the argmax: the filter never runs
+        assert tokens(llm, SAMPLED) == sampled
+    assert {args[1:] for args in calls} == {(0.8, 0, 1.0)}
+    assert max(args[0].shape[0] for args in calls) == len(PROMPTS)  # one call for the rows sharing settings
+    mixed = [SAMPLED, SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.2, top_k=5, seed=4), SAMPLED]
+    calls.clear()
+    with hooks.override(filter_logits=recorder("filter_logits", calls)):
+        llm.generate(PROMPTS, mixed)
+    assert {args[1:] for args in calls} == {(0.8, 0, 1.0), (1.2, 5, 1.0)}
+
+    def top_only(logits, temperature, top_k, top_p):  # a filter that keeps only the top token: greedy
+        return logits.masked_fill(logits < logits.max(dim=-1, keepdim=True).values, float("-inf"))
+
+    with hooks.override(filter_logits=top_only):
+        assert tokens(llm, SAMPLED) == greedy != sampled
+
+
 def test_kv_write_calls_go_through_the_hook(contiguous):
     llm, reference = contiguous
     calls = []
@@ -173,6 +197,24 @@ def test_kv_read_calls_go_through_the_hook(contiguous):
     assert calls
     with hooks.override(kv_read=lambda k_cache, v_cache, length: (k_cache[:, :, :length] * 0, v_cache[:, :, :length])):
         assert tokens(llm) != reference
+
+
+def test_rope_tables_calls_go_through_the_hook(contiguous, tiny_model):
+    llm, reference = contiguous
+    calls = []
+    with hooks.override(rope_tables=recorder("rope_tables", calls)):  # the tables are built as a model loads
+        rebuilt = LLM(tiny_model, dtype="fp32", mode="contiguous", attention_backend="torch")
+    assert tokens(rebuilt) == reference
+    built = [(2 * args[0].shape[0], args[1]) for args in calls]  # (head_dim, positions) of each table
+    assert built == [(llm.model_config.head_dim, rebuilt.model.rope.max_positions)]
+
+    def no_rotation(inv_freq, max_positions):  # every position looks like position 0
+        shape = (max_positions, 2 * inv_freq.shape[0])
+        return torch.ones(shape), torch.zeros(shape)
+
+    with hooks.override(rope_tables=no_rotation):
+        blind = LLM(tiny_model, dtype="fp32", mode="contiguous", attention_backend="torch")
+    assert tokens(blind) != reference
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,6 +391,37 @@ def test_try_admit_calls_go_through_the_hook(tiny_model, paged):
 
 
 # ---------------------------------------------------------------------------------------------
+# Chapter 05: pooling K/V heads
+# ---------------------------------------------------------------------------------------------
+
+
+def test_pool_heads_calls_go_through_the_hook(tiny_models, tmp_path):
+    from minillm.config import ModelConfig
+    from minillm.kv_head_pooling import pool_kv_heads
+
+    source = tiny_models["qwen2_bias"]  # 2 K/V heads with k/v biases: weights and biases both pool
+
+    def pooled_tokens(name: str, **override) -> list[list[int]]:
+        with hooks.override(**override):
+            folder = pool_kv_heads(source, tmp_path / name, 1)
+        return tokens(LLM(str(folder), dtype="fp32"))
+
+    reference = pooled_tokens("reference")
+    calls = []
+    assert pooled_tokens("recorded", pool_heads=recorder("pool_heads", calls)) == reference
+    config = ModelConfig.from_folder(source)
+    assert len(calls) == 4 * config.num_layers  # k_proj, v_proj: weight and bias
+    shapes = {tuple(weight.shape) for weight, *_ in calls}
+    assert shapes == {(2 * config.head_dim, config.hidden_size), (2 * config.head_dim, 1)}
+
+    def first_head_only(weight, num_heads, num_kv_heads):
+        rows, cols = weight.shape
+        return weight.view(num_kv_heads, num_heads // num_kv_heads, rows // num_heads, cols)[:, 0].reshape(-1, cols)
+
+    assert pooled_tokens("first-head", pool_heads=first_head_only) != reference
+
+
+# ---------------------------------------------------------------------------------------------
 # Chapter 05: the sliding window
 # ---------------------------------------------------------------------------------------------
 
@@ -386,6 +459,25 @@ def test_quantize_int8_calls_go_through_the_hook(tiny_model):
 
     with hooks.override(quantize_int8=zero):
         assert tokens(LLM(tiny_model, dtype="fp32", quantization="int8")) != reference
+
+
+def test_quantize_int4_calls_go_through_the_hook(tiny_model):
+    reference = tokens(LLM(tiny_model, dtype="fp32", quantization="int4"))
+    calls = []
+    with hooks.override(quantize_int4=recorder("quantize_int4", calls)):
+        llm = LLM(tiny_model, dtype="fp32", quantization="int4")
+    assert tokens(llm) == reference and len(calls) >= 4 * llm.model_config.num_layers  # qkv, o, gate_up, down
+    assert {group_size for _, group_size in calls} == {32}  # the default group reaches the hook
+
+    def floored(weight, group_size):  # levels rounded down: every weight off by up to a whole step
+        w = weight.float().reshape(weight.shape[0], -1, group_size)
+        low = w.amin(-1, keepdim=True)
+        scale = ((w.amax(-1, keepdim=True) - low) / 15).clamp(min=1e-12)
+        q = torch.floor((w - low) / scale).to(torch.uint8).reshape(weight.shape)
+        return q, scale.squeeze(-1), low.squeeze(-1)
+
+    with hooks.override(quantize_int4=floored):
+        assert tokens(LLM(tiny_model, dtype="fp32", quantization="int4")) != reference
 
 
 def _int4_tokens(tiny_model, tmp_path, write: dict, read: dict) -> list[list[int]]:
@@ -555,3 +647,25 @@ def test_heads_of_rank_calls_go_through_the_hook(tiny_model):
     attn, other_attn = first.layers[0].attn, other.layers[0].attn
     assert attn.num_heads == other_attn.num_heads
     assert not torch.equal(attn.qkv_proj.weight, other_attn.qkv_proj.weight)  # the other heads' rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Chapter 10: the streaming detokenizer
+# ---------------------------------------------------------------------------------------------
+
+
+def test_detokenize_step_calls_go_through_the_hook(tiny_model):
+    llm = LLM(tiny_model, dtype="fp32")
+    reference = [o.text for o in llm.generate(PROMPTS, GREEDY)]
+    # the random model's answers hold characters of several byte tokens (and invalid bytes, as U+FFFD)
+    assert any(ord(c) > 127 and c != "\ufffd" for t in reference for c in t)
+    calls = []
+    with hooks.override(detokenize_step=recorder("detokenize_step", calls)):
+        assert [o.text for o in llm.generate(PROMPTS, GREEDY)] == reference
+    assert len(calls) == len(PROMPTS) * GREEDY.max_tokens  # each generated token once
+
+    def one_token_at_a_time(decode, ids, prefix_offset, read_offset):  # cuts characters into U+FFFD
+        return decode(ids[-1:]), read_offset, len(ids)
+
+    with hooks.override(detokenize_step=one_token_at_a_time):
+        assert [o.text for o in llm.generate(PROMPTS, GREEDY)] != reference

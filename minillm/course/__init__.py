@@ -15,12 +15,20 @@ from minillm.course.checks import (
 from minillm.course.checks_attention import (
     check_flash_kernel,
     check_gqa_attention,
+    check_head_pooling,
     check_online_softmax,
     check_window_release,
 )
 from minillm.course.checks_parallel import check_kv_heads, check_prefix_rule, check_tp_mlp
-from minillm.course.checks_quant import check_pack_int4, check_quantize_kv, check_quantize_per_channel
-from minillm.course.checks_server import check_cache_key
+from minillm.course.checks_quant import (
+    check_pack_int4,
+    check_quantize_int4,
+    check_quantize_kv,
+    check_quantize_per_channel,
+)
+from minillm.course.checks_rope import check_rope_tables
+from minillm.course.checks_sampling import check_filter_logits
+from minillm.course.checks_server import check_cache_key, check_detokenize_step
 from minillm.course.checks_serving import (
     check_block_allocation,
     check_block_hash,
@@ -61,7 +69,9 @@ __all__ = [
     "check_block_allocation",
     "check_block_hash",
     "check_cache_key",
+    "check_detokenize_step",
     "check_causal_attention",
+    "check_filter_logits",
     "check_choose_victim",
     "check_chunk_tokens",
     "check_gather_kv",
@@ -69,6 +79,7 @@ __all__ = [
     "check_continuous_schedule",
     "check_flash_kernel",
     "check_gqa_attention",
+    "check_head_pooling",
     "check_generate_cached",
     "check_generate_naive",
     "check_kv_heads",
@@ -78,9 +89,11 @@ __all__ = [
     "check_online_softmax",
     "check_pack_int4",
     "check_prefix_rule",
+    "check_quantize_int4",
     "check_quantize_kv",
     "check_quantize_per_channel",
     "check_rollback",
+    "check_rope_tables",
     "check_tree_attention_mask",
     "check_slot_mapping",
     "check_tp_mlp",

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import minillm.hooks as hooks
 from minillm.course.compare import compare_tensors, compare_tokens, int_cases
-from minillm.course.results import CheckFailed, LearnerRaised, _learner_frames, check
+from minillm.course.results import CheckFailed, LearnerRaised, check, learner_frames_of
 
 VARIANT_MODEL = "tiny-shakespeare-8m"  # GQA: 8 query heads share 4 K/V heads
 
@@ -140,7 +140,7 @@ def check_gqa_attention(gqa_attention, model: str = VARIANT_MODEL) -> str:
                 "the scores and softmax are in fp32: cast the weights back to v's dtype (.to(v.dtype)) before "
                 "multiplying by v"
             )
-            failure.learner_frames = _learner_frames(cause)
+            failure.learner_frames = learner_frames_of(cause)
             raise failure from None
         if isinstance(got, torch.Tensor) and got.dtype == torch.float32 and dtype != torch.float32:
             raise CheckFailed(
@@ -191,6 +191,179 @@ def check_gqa_attention(gqa_attention, model: str = VARIANT_MODEL) -> str:
     return (
         f"your grouped attention runs every layer of a {c.num_heads}-query/{c.num_kv_heads}-K/V-head model without "
         "copying K/V: 16 tokens identical to the engine"
+    )
+
+
+POOLING_MODEL = "tiny-shakespeare-mha"  # 4 query heads, 4 K/V heads: trained as MHA for this chapter
+
+
+def _pool_reference(weight: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+    rows, cols = weight.shape
+    d, g = rows // heads, heads // kv_heads
+    return weight.float().view(kv_heads, g, d, cols).mean(1).reshape(kv_heads * d, cols).to(weight.dtype)
+
+
+def _pooling_mistakes(weight: torch.Tensor, heads: int, kv_heads: int):
+    """What each slip computes on ``weight`` (as [KV*D, in], fp32), and what it means."""
+    rows, cols = weight.shape
+    d, g = rows // heads, heads // kv_heads
+    grouped = weight.float().view(kv_heads, g, d, cols)  # [KV, G, D, in]: the right grouping
+    strided = (
+        "the heads were grouped with a stride (pooled head j from heads j, j+KV, j+2·KV, ...): a group is "
+        "G consecutive heads — pooled head j is the mean of heads j·G .. j·G+G-1, because query head h uses "
+        "K/V head h // G (view the rows as [KV, G, D, in] and average over dim 1)"
+    )
+    yield grouped.sum(1), "the heads of each group were summed, not averaged: divide by the group size G = H / KV"
+    yield (
+        grouped.sum(1) / kv_heads,
+        "each group's sum was divided by num_kv_heads: divide by the group size G = num_heads // num_kv_heads",
+    )
+    yield grouped.sum(1) / heads, "each group's sum was divided by num_heads: divide by G = num_heads // num_kv_heads"
+    yield grouped[:, 0], "only the first head of each group was kept: average all G heads of the group"
+    yield grouped[:, -1], "only the last head of each group was kept: average all G heads of the group"
+    yield (
+        grouped[:, :-1].mean(1),
+        "the last head of each group was left out: a group is heads j·G .. j·G+G-1, all G of them",
+    )
+    yield grouped[:, 1:].mean(1), "the first head of each group was left out: a group is heads j·G .. j·G+G-1"
+    yield weight.float().view(g, kv_heads, d, cols).mean(0), strided
+    yield grouped.mean(0), strided
+    yield (
+        weight.float().view(kv_heads, d, g, cols).mean(2),
+        "the rows of a head were split the wrong way: head h owns the D consecutive rows h·D .. h·D+D-1, so the "
+        "rows view as [KV, G, D, in] (heads outer, each head's D rows inner), not [KV, D, G, in]",
+    )
+
+
+def _pooling_shape_hint(shape: tuple, heads: int, kv_heads: int, d: int, cols: int) -> str:
+    g = heads // kv_heads
+    if shape == (heads * d, cols):
+        return (
+            "that is the shape before pooling, [H*D, in]: return KV heads, each the mean of its group "
+            "(do not repeat the pooled heads back to H)"
+        )
+    if shape == (g * d, cols) and g != kv_heads:
+        return (
+            "that is [G*D, in]: the mean was taken across the groups (over the KV axis), not within each "
+            "group — view the rows as [KV, G, D, in] and average over dim 1"
+        )
+    if shape == (kv_heads * g, cols) and g != d:
+        return (
+            "that is [KV*G, in]: each head's D rows were averaged together — average the G heads of a group "
+            "instead, row by row (dim 1 of [KV, G, D, in])"
+        )
+    if shape in ((kv_heads, d, cols), (kv_heads, 1, d, cols)):
+        return "the pooled heads are still separate: reshape them to [KV*D, in]"
+    if shape in ((kv_heads * d,), (kv_heads * d * cols,)):
+        return "the input columns were lost: keep the weight's second axis, [KV*D, in]"
+    if len(shape) == 2 and shape[0] == heads * d:
+        return "the columns were pooled: the heads are the weight's rows (out_features first), [H*D, in]"
+    return ""
+
+
+@check
+def check_head_pooling(pool_heads, model: str = POOLING_MODEL) -> str:
+    """``pool_heads(weight[H*D, in], num_heads, num_kv_heads) -> [KV*D, in]``: the K/V projections
+    of an MHA checkpoint mean-pooled, group by group, into GQA/MQA ones."""
+    gen = torch.Generator().manual_seed(5)
+    cases = (
+        # heads, kv heads, head_dim, in_features, dtype
+        (8, 2, 3, 5, torch.float32),  # groups of 4 on 2 K/V heads: G ≠ KV, and G*D, KV*G, KV*D all differ
+        (4, 2, 3, 5, torch.float32),
+        (4, 1, 4, 6, torch.float32),  # MQA: one group of all the heads
+        (4, 4, 3, 5, torch.float32),  # as many K/V heads as heads: nothing to pool
+        (6, 3, 8, 1, torch.float32),  # a bias, as the conversion passes it: one column
+        (4, 2, 16, 32, torch.bfloat16),  # the tiny models' checkpoint dtype
+    )
+    for heads, kv_heads, d, cols, dtype in cases:
+        weight = torch.randn(heads * d, cols, generator=gen).to(dtype)
+        saved = weight.clone()
+        what = (
+            f"pool_heads(weight [{heads * d}, {cols}]"
+            + (f" in {str(dtype).removeprefix('torch.')}" if dtype != torch.float32 else "")
+            + f", num_heads={heads}, num_kv_heads={kv_heads})"
+        )
+        try:
+            got = pool_heads(weight, heads, kv_heads)
+        except LearnerRaised as err:
+            cause = err.__cause__
+            if not isinstance(cause, RuntimeError) or "shape" not in str(cause):
+                raise
+            failure = CheckFailed(
+                f"{what}: your code raised RuntimeError: {cause} — the {heads * d} rows are num_heads={heads} heads "
+                f"of D = rows // num_heads = {d} rows each, and a group holds G = num_heads // num_kv_heads = "
+                f"{heads // kv_heads} of them: view the rows as [num_kv_heads, G, D, in]"
+            )
+            failure.learner_frames = learner_frames_of(cause)
+            raise failure from None
+        if not torch.equal(weight, saved):
+            raise CheckFailed(
+                f"{what} changed the weight it was given: the checkpoint's own tensor must stay as it was — build "
+                "the pooled weight as a new tensor (no in-place /=, +=, .div_() on the weight or a view of it)"
+            )
+        expected = _pool_reference(weight, heads, kv_heads)
+        hint = ""
+        if isinstance(got, torch.Tensor) and tuple(got.shape) != tuple(expected.shape):
+            hint = _pooling_shape_hint(tuple(got.shape), heads, kv_heads, d, cols)
+        elif isinstance(got, torch.Tensor) and got.dtype != dtype:
+            hint = (
+                f"the pooled weight must keep the checkpoint's dtype ({str(dtype).removeprefix('torch.')}): "
+                "average in fp32 if you like, then cast back with .to(weight.dtype)"
+            )
+        elif isinstance(got, torch.Tensor) and not torch.allclose(got.float(), expected.float(), atol=2e-2):
+            for mistake, words in _pooling_mistakes(weight, heads, kv_heads):
+                mistake = mistake.reshape(-1, cols)
+                if mistake.shape == got.shape and torch.allclose(got.float(), mistake, atol=2e-2):
+                    hint = words
+                    break
+        try:
+            compare_tensors(got, expected, what, atol=1e-5 if dtype == torch.float32 else 2e-2)
+        except CheckFailed as err:
+            raise (CheckFailed(f"{err} — {hint}") if hint else err) from None
+
+    import tempfile
+    from pathlib import Path
+
+    from minillm import LLM, SamplingParams
+    from minillm.assets import heldout_text, resolve_model
+    from minillm.config import ModelConfig
+    from minillm.evaluation import perplexity
+    from minillm.kv_head_pooling import pool_kv_heads
+    from minillm.models import load_model
+
+    calls = []
+
+    def recording(weight, num_heads, num_kv_heads):
+        calls.append(tuple(weight.shape))
+        return pool_heads(weight, num_heads, num_kv_heads)
+
+    source = resolve_model(model)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    prompts = ["KING.\nNow is the winter of our discontent", "ROMEO.\nBut soft, what light"]
+    config, ids = ModelConfig.from_folder(source), None
+    with tempfile.TemporaryDirectory() as tmp:
+        for kv_heads in (2, 1):
+            with hooks.override(pool_heads=recording):  # every K and V projection of every layer
+                yours = pool_kv_heads(source, Path(tmp) / f"yours-{kv_heads}", kv_heads)
+            package = pool_kv_heads(source, Path(tmp) / f"package-{kv_heads}", kv_heads)
+            llm = LLM(str(yours), dtype="fp32", mode="contiguous", attention_backend="torch")
+            name = f"the model pooled by your function to {kv_heads} K/V head{'s' if kv_heads > 1 else ''}"
+            reference = LLM(str(package), dtype="fp32", mode="contiguous", attention_backend="torch")
+            expected_tokens = [o.token_ids for o in reference.generate(prompts, params)]
+            for n, (out, ref) in enumerate(zip(llm.generate(prompts, params), expected_tokens)):
+                compare_tokens(out.token_ids, ref, f"{name}, request {n}", "check the grouping of the heads")
+            ids = ids or llm.tokenizer.encode(heldout_text()[:4000])[:257]
+            got_ppl = perplexity(load_model(yours, torch.float32), ids, window=128)
+            ref_ppl = perplexity(load_model(package, torch.float32), ids, window=128)
+            if not math.isclose(got_ppl, ref_ppl, rel_tol=1e-3):
+                raise CheckFailed(
+                    f"{name} has held-out perplexity {got_ppl:.2f} on 256 tokens, the package's pooling "
+                    f"{ref_ppl:.2f}: check the grouping of the heads"
+                )
+    return (
+        f"your pooling converted {model} ({config.num_heads} query heads, {config.num_kv_heads} K/V heads) to "
+        f"GQA-2 and MQA — {len(calls)} K/V projections pooled; greedy tokens and held-out perplexity the same as "
+        "with the package's conversion"
     )
 
 

@@ -1,11 +1,14 @@
-"""Chapter 10's check: the response cache's key, first on constructed request bodies, then
-plugged into a live server and driven with the official ``openai`` client."""
+"""Chapter 10's checks: the streaming detokenizer's step, first on hand-made token streams, then
+plugged into the engine while it streams SmolLM2's answers; the response cache's key, first on
+constructed request bodies, then plugged into a live server and driven with the official
+``openai`` client."""
 
 from __future__ import annotations
 
 import copy
 
-from minillm.course.results import CheckFailed, check
+import minillm.hooks as hooks
+from minillm.course.results import CheckError, CheckFailed, check, learner_cause
 
 MODEL = "tiny-shakespeare-8m"
 GREEDY = {"model": MODEL, "prompt": "KING.\nNow is", "max_tokens": 8, "temperature": 0, "stop": ["\n\n"]}
@@ -134,3 +137,270 @@ def _live(cache_key, model: str) -> str:
         f"and its reordered twin were answered from the cache ({cache.hits} hits, {cache.misses} misses), sampled "
         "requests and requests with another n, logprobs or stop never"
     )
+
+
+# ---- the streaming detokenizer ----------------------------------------------------------------------------
+
+#: A toy tokenizer's vocabulary: token id -> its bytes. Like byte-level BPE, a token may hold part of a
+#: UTF-8 character (or the end of one and the start of the next); like SentencePiece, a decode drops the
+#: leading space of its text. Token 0 is a special token, which a decode skips (skip_special_tokens).
+TOY_VOCAB: dict[int, bytes] = {
+    0: b"<|end|>", 1: b" I", 2: b" am", 3: b" here", 4: b"caf", 5: b"\xc3", 6: b"\xa9", 7: b" au", 8: b" lait",
+    9: b"The", 10: b" sea", 11: b"\xf0", 12: b"\x9f", 13: b"\x8c", 14: b"\x8a", 15: b"\x80", 16: b" ok",
+    17: b"\xa9\xe6", 18: b"\x9d\xb1\xe4", 19: b"\xba\xac", 20: b"!",
+}  # fmt: skip
+TOY_SPECIAL = {0}
+
+#: Hand-made streams: what each shows, and its token ids. The first reads "I am here".
+TOY_STREAMS = [
+    ("three words (' I', ' am', ' here')", [1, 2, 3]),
+    ("'café au lait', its é split over two tokens", [4, 5, 6, 7, 8]),
+    ("' I', a special token, ' am'", [1, 0, 2]),
+    ("'café東京!', whose tokens cut characters (é|東 share one, so do 東|京)", [4, 5, 17, 18, 19, 20]),
+    ("' I', a byte that is no UTF-8 character's (0x80), ' ok'", [1, 15, 16]),
+    ("'The sea🌊', the emoji's 4 bytes in 4 tokens at the very end", [9, 10, 11, 12, 13, 14]),
+]
+
+
+def toy_decode(ids) -> str:
+    """The toy tokenizer's ``decode(ids)``: the tokens' bytes as UTF-8 (an incomplete or invalid sequence
+    becomes U+FFFD, as in Hugging Face's decode), special tokens skipped, one leading space dropped."""
+    if isinstance(ids, (int, str, bytes)) or not hasattr(ids, "__iter__"):
+        raise TypeError(f"decode takes a list of token ids, got {type(ids).__name__} {ids!r:.40}")
+    text = b"".join(TOY_VOCAB[int(i)] for i in ids if int(i) not in TOY_SPECIAL).decode("utf-8", errors="replace")
+    return text[1:] if text.startswith(" ") else text
+
+
+def _show_tokens(decode, ids) -> str:
+    """Token ids as their text (``' am'``); a toy token that holds part of a character as its bytes (``<C3>``)."""
+    if decode is not toy_decode:
+        return "[" + ", ".join(repr(decode([i])) for i in ids) + "]"
+    shown = []
+    for i in ids:
+        text = TOY_VOCAB[i].decode("utf-8", errors="replace")
+        if i in TOY_SPECIAL:
+            shown.append("<special>")
+        elif "\ufffd" in text:
+            shown.append("<" + " ".join(f"{b:02X}" for b in TOY_VOCAB[i]) + ">")
+        else:
+            shown.append(repr(text))
+    return "[" + ", ".join(shown) + "]"
+
+
+def _step_result(got, what: str) -> tuple[str, int, int]:
+    if not isinstance(got, (tuple, list)) or len(got) != 3:
+        raise CheckFailed(
+            f"detokenize_step returned {type(got).__name__} {got!r:.60} for {what}; return the tuple "
+            "(delta, prefix_offset, read_offset)"
+        )
+    delta, prefix, read = got
+    if not isinstance(delta, str):
+        raise CheckFailed(
+            f"detokenize_step returned {delta!r:.40} ({type(delta).__name__}) as the delta for {what}: the delta is "
+            "the new text, a str — return (delta, prefix_offset, read_offset) in that order"
+        )
+    for name, value in (("prefix_offset", prefix), ("read_offset", read)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise CheckFailed(
+                f"detokenize_step returned {value!r:.40} ({type(value).__name__}) as {name} for {what}: offsets are "
+                "int positions in ids"
+            )
+    return delta, prefix, read
+
+
+def _explain(decode, ids, state, got, want, what: str) -> str:
+    """Why the learner's step ``got`` differs from the reference's ``want``: name the mistake."""
+    prefix, read = state
+    n = len(ids)
+    before, after = decode(ids[prefix:read]), decode(ids[prefix:])
+    delta, want_delta = got[0], want[0]
+    head = f"after {what}, with prefix_offset={prefix} and read_offset={read}, you returned {tuple(got)!r}"
+    if delta != want_delta:
+        if "\ufffd" in delta and "\ufffd" not in want_delta:
+            return (
+                f"{head}: you emitted U+FFFD (the replacement character) mid-stream. The window "
+                f"decode(ids[{prefix}:]) = {after!r} ends in an incomplete UTF-8 character whose other bytes come with "
+                "the next token(s): emit nothing and keep the offsets until it is complete"
+            )
+        if not want_delta:
+            if after.endswith("\ufffd"):
+                return (
+                    f"{head}, but the window decode(ids[{prefix}:]) = {after!r} ends in U+FFFD, an incomplete "
+                    "character: emit nothing this step (not even the whole characters before it: they come with it "
+                    "once it completes) and keep the offsets"
+                )
+            return (
+                f"{head}, but decode(ids[{prefix}:]) = {after!r} is no longer than decode(ids[{prefix}:{read}]) = "
+                f"{before!r}: there is no new text — emit nothing and keep the offsets"
+            )
+        if not delta:
+            if "\ufffd" in after[:-1] and not after.endswith("\ufffd"):
+                return (
+                    f"{head}: you held back {want_delta!r}. The window {after!r} holds a U+FFFD in the middle — a "
+                    "byte that belongs to no character and never will (the full decode shows it too); only a U+FFFD "
+                    "at the end of the window means 'wait for the next token'"
+                )
+            if tuple(got[1:]) == want[1:]:
+                return (
+                    f"{head}: you moved the offsets on but emitted nothing; the new text is {want_delta!r}, "
+                    f"decode(ids[{prefix}:])[len(decode(ids[{prefix}:{read}])):] — check the slice's start"
+                )
+            if n - read > 1:
+                return (
+                    f"{head}: you emitted nothing, but {want_delta!r} is new. {n - read} tokens came since "
+                    f"read_offset (a held-back character's bytes arrive over several): the window is everything "
+                    f"from prefix_offset to the end, ids[{prefix}:]"
+                )
+            return f"{head}: you emitted nothing, but {want_delta!r} is new (decode(ids[{prefix}:]) = {after!r})"
+        alone = decode(ids[-1:])
+        if delta == alone and alone != want_delta:
+            return (
+                f"{head}: the delta {delta!r} is the new token decoded alone; the new text is {want_delta!r}. Decoded "
+                "alone a token loses its leading space (a decode drops the space at the start of a text) and its "
+                f"bytes' neighbours: decode the window ids[prefix_offset:] and keep what decode(ids[{prefix}:{read}]) "
+                "does not have"
+            )
+        if want_delta.startswith(" ") and delta == want_delta[1:]:
+            return (
+                f"{head}: the delta {delta!r} lost the leading space of {want_delta!r} — decoded without the context "
+                f"ids[{prefix}:{read}] in front, a token's space is dropped (the decode starts a text there)"
+            )
+        if delta.endswith(want_delta) and len(delta) > len(want_delta):
+            return (
+                f"{head}: the delta {delta!r} repeats text already shown; only {want_delta!r} is new. The new text is "
+                "decode(ids[prefix_offset:])[len(decode(ids[prefix_offset:read_offset])):]"
+            )
+        return f"{head}: the new text is {want_delta!r}, you emitted {delta!r} (the window decodes to {after!r})"
+    if want[1:] == (prefix, read):
+        return (
+            f"{head}: you moved the offsets to {tuple(got[1:])} while emitting nothing. The held-back bytes must "
+            f"stay in the window (prefix_offset={prefix}, read_offset={read}) until the text they start is complete"
+        )
+    if got[1:] == (prefix, read):
+        return (
+            f"{head}: after emitting {delta!r} the offsets must move on — prefix_offset to the old read_offset "
+            f"({read}) and read_offset to len(ids) ({n}); kept as they are, the next step emits this text again"
+        )
+    if got[1] == prefix and got[2] == n:
+        return (
+            f"{head}: prefix_offset stayed at {prefix} after emitting, so the window you decode grows with every "
+            f"token and each step re-decodes the whole answer (quadratic in its length). Move it to the old "
+            f"read_offset ({read}): the window needs only the tokens of the last text shown"
+        )
+    return (
+        f"{head}: after emitting {delta!r} the offsets must be ({read}, {n}) — prefix_offset = the old read_offset, "
+        "read_offset = len(ids), everything shown so far"
+    )
+
+
+def _run_stream(detokenize_step, decode, ids: list[int], name: str) -> list[str]:
+    """Feed ``ids`` one token at a time to the learner's step, beside the package's; the learner's deltas,
+    or ``CheckFailed`` at the first step whose result differs."""
+    reference = hooks.default("detokenize_step")
+    state, deltas = (0, 0), []
+    for n in range(1, len(ids) + 1):
+        what = f"token {n} of {name} {_show_tokens(decode, ids[:n])}"
+        window = list(ids[:n])
+        try:
+            got = detokenize_step(decode, window, *state)
+        except Exception as err:
+            cause = learner_cause(err)
+            if cause is None or isinstance(cause, NotImplementedError):
+                raise
+            raise CheckFailed(
+                f"detokenize_step(decode, {window}, {state[0]}, {state[1]}) raised {type(cause).__name__}: {cause} "
+                f"(at {what})"
+            ) from None
+        if window != ids[:n]:
+            raise CheckFailed(
+                f"detokenize_step changed ids, from {ids[:n]} to {window}, at {what}: ids are the sequence's tokens, "
+                "the detokenizer's own list; read them, slice them, never change them"
+            )
+        got = _step_result(got, what)
+        want = reference(decode, ids[:n], *state)
+        if got != want:
+            raise CheckFailed(_explain(decode, ids[:n], state, got, want, what))
+        state = got[1:]
+        deltas.append(got[0])
+    return deltas
+
+
+#: Chat questions whose answers are full of characters that span several tokens.
+ASKS = ["Say hello in Japanese.", "Reply with three emojis that describe the sea.",
+        "How do you write coffee in French, with the accent?"]  # fmt: skip
+REAL_TEXT = "Café au lait, naïve, 東京: 🌊🍵!"
+
+
+@check
+def check_detokenize_step(detokenize_step, model: str = "smollm2-135m") -> str:
+    """``detokenize_step(decode, ids, prefix_offset, read_offset) -> (delta, prefix_offset, read_offset)``:
+    the text a new token makes visible in a stream."""
+    for name, ids in TOY_STREAMS:
+        deltas = _run_stream(detokenize_step, toy_decode, ids, name)
+        if "".join(deltas) != toy_decode(ids):  # the check's own guard: the streams end on whole characters
+            raise CheckError(f"the hand-made stream {name} does not add up to its decode")
+
+    from minillm import LLM, SamplingParams
+
+    with LLM(model, dtype="float32", compile=False, cpu_prepack=False, kv_cache_memory=32_000_000) as llm:
+        tokenizer = llm.tokenizer
+        real = tokenizer.encode(REAL_TEXT, add_special_tokens=False)
+        if "".join(_run_stream(detokenize_step, tokenizer.decode, real, f"{model}'s tokens of {REAL_TEXT!r}")) != (
+            REAL_TEXT
+        ):
+            raise CheckError(f"{model}'s tokens of {REAL_TEXT!r} do not decode to it")
+        prompts = [tokenizer.render_chat([{"role": "user", "content": ask}]) for ask in ASKS]
+        reference, seen = hooks.default("detokenize_step"), []
+
+        def compared(decode, ids, prefix_offset, read_offset):
+            """The learner's step where the engine calls it, beside the package's on the same input. A wrong
+            result is replaced by the package's (so the engine runs on) and reported below, with its answer."""
+            want = reference(decode, list(ids), prefix_offset, read_offset)
+            mine = list(ids)  # the learner's copy: the engine's own list stays whole whatever they do
+            try:
+                got = detokenize_step(decode, mine, prefix_offset, read_offset)
+            except Exception as err:
+                cause = learner_cause(err)
+                if cause is None or isinstance(cause, NotImplementedError):
+                    raise
+                got = cause
+            seen.append((list(ids), (prefix_offset, read_offset), got, want, mine))
+            return got if isinstance(got, tuple) and got == want else want
+
+        with hooks.override(detokenize_step=compared):
+            streams = _stream_all(llm, prompts, SamplingParams(max_tokens=12))
+        answers = [stream[-1].output for stream in streams]
+        if len(seen) < sum(len(a.token_ids) for a in answers) - len(answers):
+            raise CheckError(f"the engine called detokenize_step {len(seen)} times for {len(answers)} answers")
+        for ids, state, got, want, mine in seen:
+            ask = next(a for a, out in zip(ASKS, answers) if out.token_ids[: len(ids)] == ids)
+            what = f"token {len(ids)} of {model}'s answer to {ask!r} {_show_tokens(tokenizer.decode, ids)}"
+            if isinstance(got, BaseException):
+                raise CheckFailed(f"in the engine, detokenize_step raised {type(got).__name__}: {got} (at {what})")
+            if mine != ids:
+                raise CheckFailed(f"in the engine, detokenize_step changed ids at {what}: read them, never change them")
+            got = _step_result(got, what)
+            if got != want:
+                raise CheckFailed("in the engine, " + _explain(tokenizer.decode, ids, state, got, want, what))
+    held = sum(not got[0] for _, _, got, _, _ in seen)
+    return (
+        f"your deltas match the package's step for step on {len(TOY_STREAMS)} hand-made streams (characters split "
+        f"over tokens, a special token, an invalid byte, an emoji at the end) and on {model}'s tokens of "
+        f"{REAL_TEXT!r}; in the engine, your function streamed {model}'s answers ({held} of {len(seen)} tokens held "
+        f"back mid-character): {', '.join(repr(a.text) for a in answers)}"
+    )
+
+
+def _stream_all(llm, prompts: list[str], params) -> list[list]:
+    """Every prompt's stream deltas, the streams advanced in turn (so the engine batches them)."""
+    streams = [llm.stream(p, params) for p in prompts]
+    out: list[list] = [[] for _ in prompts]
+    live = list(range(len(prompts)))
+    while live:
+        for i in list(live):
+            delta = next(streams[i], None)
+            if delta is None:
+                live.remove(i)
+            else:
+                out[i].append(delta)
+    return out

@@ -59,6 +59,23 @@ EXERCISES: list[Exercise] = [
     ),
     Exercise(
         "01_prefill_and_decode",
+        "check_filter_logits",
+        "check_filter_logits(filter_logits)",
+        10,
+        2,
+        2,
+        (
+            "Work along the last dim, each row on its own. Subtract the row max, divide by the temperature; top-k "
+            "keeps logits >= the k-th largest (ties too); top-p sorts the probabilities and keeps a token while the "
+            "mass ranked above it is below top_p (the top one always), then maps that mask back to the vocabulary.",
+            "`x = (logits - logits.max(-1, keepdim=True).values) / temperature`; `if 0 < top_k < x.shape[-1]`: "
+            "`x = x.masked_fill(x < x.topk(top_k, dim=-1).values[..., -1:], -inf)`; `if top_p < 1`: "
+            "`probs, order = x.softmax(-1).sort(-1, descending=True)`, `drop = probs.cumsum(-1) - probs >= top_p`, "
+            "`drop[..., 0] = False`, `x = x.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), -inf)`.",
+        ),
+    ),
+    Exercise(
+        "01_prefill_and_decode",
         "check_causal_attention",
         "check_causal_attention(causal_attention)",
         5,
@@ -93,6 +110,20 @@ EXERCISES: list[Exercise] = [
         (
             "Return the first `length` positions of each cache — without copying them.",
             "`return k_cache[:, :, :length], v_cache[:, :, :length]` (slices are views).",
+        ),
+    ),
+    Exercise(
+        "02_kv_cache",
+        "check_rope_tables",
+        "check_rope_tables(rope_tables)",
+        4,
+        2,
+        2,
+        (
+            "Row p holds position p's D/2 angles p·inv_freq[i] (float32); each angle turns the pair of "
+            "dimensions (i, i + D/2), so it appears twice along the row. Return their cos and their sin.",
+            "`angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)`; "
+            "`angles = torch.cat([angles, angles], dim=-1)`; `return angles.cos(), angles.sin()`.",
         ),
     ),
     Exercise(
@@ -219,6 +250,21 @@ EXERCISES: list[Exercise] = [
     ),
     Exercise(
         "05_attention_variants",
+        "check_head_pooling",
+        "check_head_pooling(pool_heads)",
+        4,
+        2,
+        2,
+        (
+            "The rows are H heads of D rows each, in head order; pooled head j averages the G = H / KV "
+            "consecutive heads j·G .. j·G+G-1 (query head h uses K/V head h // G).",
+            "`D, G = rows // num_heads, num_heads // num_kv_heads`; "
+            "`weight.float().view(num_kv_heads, G, D, cols).mean(dim=1)`, then `.reshape(num_kv_heads * D, cols)` "
+            "and `.to(weight.dtype)`.",
+        ),
+    ),
+    Exercise(
+        "05_attention_variants",
         "check_window_release",
         "check_window_release(blocks_behind_window)",
         1,
@@ -269,6 +315,21 @@ EXERCISES: list[Exercise] = [
             "integer, keep it inside [-127, 127], store as int8.",
             "`scale = weight.float().abs().amax(dim=1) / 127`; "
             "`q = torch.round(weight.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)`; `return q, scale`.",
+        ),
+    ),
+    Exercise(
+        "07_quantization",
+        "check_quantize_int4",
+        "check_quantize_int4(quantize_int4_groups)",
+        5,
+        2,
+        2,
+        (
+            "View the row-major weight as [out, in // group_size, group_size]: the last axis is one group of "
+            "consecutive input weights. Its min maps to level 0, its max to 15; a constant group has max = min.",
+            "`w = weight.float().reshape(weight.shape[0], -1, group_size)`; `minimum = w.amin(-1)`; "
+            "`scale = ((w.amax(-1) - minimum) / 15).clamp(min=1e-12)`; `q = torch.round((w - minimum[..., None]) / "
+            "scale[..., None]).clamp(0, 15).to(torch.uint8)`; `return q.reshape(weight.shape), scale, minimum`.",
         ),
     ),
     Exercise(
@@ -403,6 +464,22 @@ EXERCISES: list[Exercise] = [
             "most matched blocks wins, then the lower load, then the lower index.",
             "`lightest = min(load)`; `eligible = [i for i in range(len(load)) if load[i] - lightest <= "
             "max_imbalance]`; `return max(eligible, key=lambda i: (matched_blocks[i], -load[i], -i))`.",
+        ),
+    ),
+    Exercise(
+        "10_serving",
+        "check_detokenize_step",
+        "check_detokenize_step(detokenize_step)",
+        6,
+        2,
+        2,
+        (
+            "Decode the window twice, without and with the new tokens: decode(ids[prefix_offset:read_offset]) and "
+            "decode(ids[prefix_offset:]); the new text is what the second has beyond the first — unless the second "
+            "ends in '\\ufffd' (a character still incomplete): then emit nothing and keep the offsets.",
+            "`before = decode(ids[prefix_offset:read_offset])`; `after = decode(ids[prefix_offset:])`; "
+            "`if len(after) > len(before) and not after.endswith('\\ufffd'): return after[len(before):], "
+            "read_offset, len(ids)`; else `return '', prefix_offset, read_offset`.",
         ),
     ),
     Exercise(

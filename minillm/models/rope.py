@@ -16,6 +16,7 @@ import math
 
 import torch
 
+import minillm.hooks as hooks
 from minillm.config import ModelConfig
 
 
@@ -47,16 +48,29 @@ def inv_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
     raise ValueError(f"rope_type={kind!r} is not supported")
 
 
+@hooks.reference("rope_tables")
+def rope_tables(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos[P, D], sin[P, D])`` in float32: row ``p`` holds position ``p``'s angles
+    ``p * inv_freq[i]``, written twice along the row so that dimension ``i`` and ``i + D/2``
+    (the pair ``rotate_half`` turns together) share one angle.
+
+    Built once per model, outside the compiled step (chapter 02's exercise plugs in here): every
+    step then only looks rows up by absolute position, which is why a decode step must be told
+    where its token sits."""
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq.float())  # [P, D/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [P, D]: pairs (i, i + D/2) share an angle
+    return angles.cos(), angles.sin()
+
+
 class RotaryEmbedding:
     """A precomputed cos/sin table, indexed by absolute position at every step."""
 
     def __init__(self, config: ModelConfig, max_positions: int, device: torch.device):
         inv_freq, attention_scaling = inv_frequencies(config)
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        angles = torch.outer(positions, inv_freq)  # [P, D/2]
-        angles = torch.cat([angles, angles], dim=-1)  # [P, D]: pairs (i, i + D/2) share an angle
-        self.cos = (angles.cos() * attention_scaling).to(device)
-        sin = angles.sin() * attention_scaling
+        cos, sin = hooks.rope_tables(inv_freq, max_positions)
+        self.cos = (cos * attention_scaling).to(device)
+        sin = sin * attention_scaling
         half = sin.shape[-1] // 2
         # rotate_half(x) * sin == roll(x, half) * signed_sin: fold the minus sign into the table
         self.signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(device)

@@ -44,7 +44,6 @@ from minillm.quantization.int4 import (
 )
 from minillm.quantization.int8 import Int8Method, dequantize_int8, quantize_int8, share_int8_head_as_embedding
 
-
 DEFAULT_INT4_GROUP_SIZE = 32  # see default_group_size
 
 

@@ -28,9 +28,16 @@ from minillm.quantization.int8 import use_triton
 from minillm.quantization.saved import LoadsSavedTensors
 
 
+@hooks.reference("quantize_int4")  # Int4Method.process_weights calls it through the hook (chapter 07)
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``weight[out, in]`` → ``(q uint8 [out, in] in 0..15, scale [out, groups], minimum [out, groups])``
-    with ``weight ≈ q * scale + minimum`` per group."""
+    """``weight[out, in]`` → ``(q uint8 [out, in] in 0..15, scale fp32 [out, groups], minimum fp32 [out, groups])``
+    with ``weight ≈ q * scale + minimum`` per group.
+
+    float32 arithmetic whatever the weight's dtype: in bf16, ``(max - min) / 15`` and
+    ``(w - min) / scale`` would themselves round and put weights on the wrong level. The floor on
+    the scale only keeps a constant group (max = min) from dividing 0 by 0: its weights all get
+    level 0, and ``0 * scale + min`` gives them back exactly; it is far below any real group's
+    step, so it changes no other scale."""
     out, cols = weight.shape
     if cols % group_size:
         raise ValueError(f"int4 group_size={group_size} does not divide the layer's {cols} input features")
@@ -97,7 +104,9 @@ class Int4Method(LoadsSavedTensors):
 
     def process_weights(self, layer) -> None:
         self.validate(layer, repr(layer))
-        q, scale, low = quantize_int4(layer.weight, self.group_size)
+        # Through the hook: chapter 07 plugs a learner's group quantizer in here. A row-parallel
+        # shard needs no special call: validate() made its slice start and end on group boundaries.
+        q, scale, low = hooks.quantize_int4(layer.weight, self.group_size)
         self.install(layer, q, scale, low)
 
     def install(self, layer, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> None:

@@ -240,3 +240,215 @@ def attention_manual_softmax_sum_all(q, k, v):
 
 
 wrong(CA, "attention weights sum to", attention_manual_softmax_sum_all)
+
+# ---- filter_logits (the sampler's filter) ---------------------------------------------------
+
+FL = "check_filter_logits"
+NEG = float("-inf")
+
+
+def filter_rows_loop(logits, temperature, top_k, top_p):
+    """Row by row in 1-D; top-k by kthvalue, top-p through the inverse permutation of the sort."""
+    out = []
+    for row in logits:
+        x = (row - row.max()) / temperature
+        if 0 < top_k < x.numel():
+            x = torch.where(x >= -torch.kthvalue(-x, top_k).values, x, NEG)
+        if top_p < 1:
+            probs, order = torch.sort(torch.softmax(x, 0), descending=True)
+            keep = torch.cumsum(probs, 0) - probs < top_p
+            keep[0] = True
+            x = torch.where(keep[torch.argsort(order)], x, NEG)
+        out.append(x)
+    return torch.stack(out)
+
+
+def filter_ascending(logits, temperature, top_k, top_p):
+    """As Hugging Face's warpers: top-p on an ascending sort, removing what holds at most 1 - p."""
+    x = logits - logits.amax(-1, keepdim=True)
+    x = x / temperature
+    if top_k and top_k < x.size(-1):
+        smallest_kept = torch.topk(x, top_k).values[..., -1, None]
+        x = x.masked_fill(x < smallest_kept, NEG)
+    if top_p < 1.0:
+        sorted_x, idx = torch.sort(x, descending=False)
+        cumulative = sorted_x.softmax(-1).cumsum(-1)
+        remove = cumulative <= 1 - top_p
+        remove[..., -1] = False
+        x = x.masked_fill(remove.scatter(-1, idx, remove), NEG)
+    return x
+
+
+def filter_numpy_threshold(logits, temperature, top_k, top_p):
+    """numpy, a reciprocal temperature, top-p as a probability threshold (the nucleus's smallest)."""
+    x = logits.numpy()
+    with np.errstate(over="ignore"):  # a tiny temperature sends the others to -inf, as it should
+        x = (x - x.max(axis=-1, keepdims=True)) * np.float32(1 / temperature)
+    if 0 < top_k < x.shape[-1]:
+        kth = -np.sort(-x, axis=-1)[:, top_k - 1 : top_k]
+        x = np.where(x >= kth, x, -np.inf).astype(np.float32)
+    if top_p < 1:
+        e = np.exp(x - x.max(axis=-1, keepdims=True))
+        p = e / e.sum(axis=-1, keepdims=True)
+        ps = -np.sort(-p, axis=-1)
+        n = ((np.cumsum(ps, axis=-1) - ps) < np.float32(top_p)).sum(axis=-1, keepdims=True)
+        threshold = np.take_along_axis(ps, np.maximum(n, 1) - 1, axis=-1)
+        x = np.where(p >= threshold, x, -np.inf).astype(np.float32)
+    return torch.from_numpy(np.ascontiguousarray(x))
+
+
+right(FL, filter_rows_loop)
+right(FL, filter_ascending)
+right(FL, filter_numpy_threshold)
+
+
+def _filter(
+    logits,
+    temperature,
+    top_k,
+    top_p,
+    *,
+    shift=lambda x: x.max(dim=-1, keepdim=True).values,
+    scale=lambda x, t: x / t,
+    kth_index=lambda k: k - 1,
+    nucleus_before_temperature=False,
+    nucleus_after_k=True,
+    drop=lambda cum, probs, p: cum - probs >= p,
+    keep_top=True,
+    back_to_vocab=True,
+    guard_p=True,
+):
+    """A learner's filter, one step of it written as given (the defaults: right)."""
+    x = logits - shift(logits)
+    tempered = scale(x, temperature)
+    nucleus_of = x if nucleus_before_temperature else tempered
+    if 0 < top_k < x.shape[-1]:
+        kth = tempered.sort(dim=-1, descending=True).values[..., kth_index(top_k)].unsqueeze(-1)
+        tempered = tempered.masked_fill(tempered < kth, NEG)
+        if nucleus_after_k:
+            nucleus_of = nucleus_of.masked_fill(tempered == NEG, NEG)
+    if top_p < 1 or not guard_p:
+        probs, order = nucleus_of.softmax(dim=-1).sort(dim=-1, descending=True)
+        dropped = drop(probs.cumsum(dim=-1), probs, top_p)
+        if keep_top:
+            dropped[..., 0] = False
+        if back_to_vocab:
+            dropped = torch.zeros_like(dropped).scatter(-1, order, dropped)
+        tempered = tempered.masked_fill(dropped, NEG)
+    return tempered
+
+
+def filter_exactly_k(logits, temperature, top_k, top_p):
+    """top-k by the indices topk returns: exactly k tokens, a tie with the k-th dropped."""
+    x = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
+    if 0 < top_k < x.shape[-1]:
+        keep = torch.zeros_like(x, dtype=torch.bool).scatter(-1, x.topk(top_k, dim=-1).indices, True)
+        x = x.masked_fill(~keep, NEG)
+    return _filter(x, 1.0, 0, top_p)
+
+
+def filter_k_larger_than_vocab(logits, temperature, top_k, top_p):
+    """No bound on k: topk(50) of 8 logits raises."""
+    x = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
+    if top_k > 0:
+        x = x.masked_fill(x < x.topk(top_k, dim=-1).values[..., -1:], NEG)
+    return _filter(x, 1.0, 0, top_p)
+
+
+def filter_k_zero_not_skipped(logits, temperature, top_k, top_p):
+    """top_k = 0 read as "keep 0": topk(0) is empty and the comparison cannot broadcast."""
+    x = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
+    x = x.masked_fill(x < x.topk(min(top_k, x.shape[-1]), dim=-1).values[..., -1:], NEG)
+    return _filter(x, 1.0, 0, top_p)
+
+
+def filter_divides_before_max(logits, temperature, top_k, top_p):
+    """Divides first, then subtracts the maximum: a tiny temperature already overflowed to inf."""
+    x = logits / temperature
+    return _filter(x - x.max(dim=-1, keepdim=True).values, 1.0, top_k, top_p)
+
+
+def filter_no_max(logits, temperature, top_k, top_p):
+    """Never subtracts the maximum ("the softmax does it anyway")."""
+    return _filter(logits, temperature, top_k, top_p, shift=lambda x: 0.0)
+
+
+def filter_global_max(logits, temperature, top_k, top_p):
+    """``logits.max()`` without a dim: the maximum of the whole batch."""
+    return _filter(logits, temperature, top_k, top_p, shift=lambda x: x.max())
+
+
+def filter_softmax_over_rows(logits, temperature, top_k, top_p):
+    """The nucleus from a softmax and cumsum along dim 0 (the rows), as if on a 1-D row."""
+    x = _filter(logits, temperature, top_k, 1.0)
+    if top_p < 1:
+        probs, order = x.softmax(dim=0).sort(dim=-1, descending=True)
+        drop = probs.cumsum(dim=0) - probs >= top_p
+        drop[..., 0] = False
+        x = x.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), NEG)
+    return x
+
+
+def filter_in_place(logits, temperature, top_k, top_p):
+    """Filters the caller's tensor in place."""
+    logits -= logits.max(dim=-1, keepdim=True).values
+    logits /= temperature
+    return _filter(logits, 1.0, top_k, top_p)
+
+
+def filter_returns_probs(logits, temperature, top_k, top_p):
+    return _filter(logits, temperature, top_k, top_p).softmax(dim=-1)
+
+
+def filter_excluded_zero(logits, temperature, top_k, top_p):
+    """Multiplies by a 0/1 keep-mask: the excluded tokens become 0."""
+    x = _filter(logits, temperature, top_k, top_p)
+    keep = x > NEG
+    return torch.where(keep, x, torch.zeros_like(x))
+
+
+def filter_excluded_large_negative(logits, temperature, top_k, top_p):
+    x = _filter(logits, temperature, top_k, top_p)
+    return x.masked_fill(x == NEG, -1e9)
+
+
+def filter_double(logits, temperature, top_k, top_p):
+    return _filter(logits.double(), temperature, top_k, top_p)
+
+
+def filter_kept_only(logits, temperature, top_k, top_p):
+    """Returns the kept logits alone, not the whole row."""
+    x = _filter(logits, temperature, top_k, top_p)
+    return x[x > NEG]
+
+
+def filter_no_return(logits, temperature, top_k, top_p):
+    x = _filter(logits, temperature, top_k, top_p)  # noqa: F841 - the mistake under test: no return
+
+
+wrong(FL, "temperature was not applied", lambda x, t, k, p: _filter(x, t, k, p, scale=lambda x, t: x))
+wrong(FL, "multiplied by the temperature", lambda x, t, k, p: _filter(x, t, k, p, scale=lambda x, t: x * t))
+wrong(FL, "before the temperature", lambda x, t, k, p: _filter(x, t, k, p, nucleus_before_temperature=True))
+wrong(FL, "one token too many", lambda x, t, k, p: _filter(x, t, k, p, kth_index=lambda k: k))
+wrong(FL, "one token too few", lambda x, t, k, p: _filter(x, t, k, p, kth_index=lambda k: k - 2))
+wrong(FL, "ties with the k-th", filter_exactly_k)
+wrong(FL, "top_k = 1 keeps only the 1 largest", lambda x, t, k, p: _filter(x, t, k if k > 1 else 0, p))
+wrong(FL, "larger than the vocabulary", filter_k_larger_than_vocab)
+wrong(FL, "top_k = 0 means no top-k", filter_k_zero_not_skipped)
+wrong(FL, "before top-k", lambda x, t, k, p: _filter(x, t, k, p, nucleus_after_k=False))
+wrong(FL, "exactly top_p", lambda x, t, k, p: _filter(x, t, k, p, drop=lambda cum, probs, p: cum - probs > p))
+wrong(FL, "crosses top_p", lambda x, t, k, p: _filter(x, t, k, p, drop=lambda cum, probs, p: cum > p))
+wrong(FL, "left no token", lambda x, t, k, p: _filter(x, t, k, p, keep_top=False))
+wrong(FL, "sorted order", lambda x, t, k, p: _filter(x, t, k, p, back_to_vocab=False))
+wrong(FL, "top_p = 1 keeps every token", lambda x, t, k, p: _filter(x, t, k, p, guard_p=False))
+wrong(FL, "Subtract each row's maximum *before* dividing", filter_divides_before_max)
+wrong(FL, "overflows to inf", filter_no_max)
+wrong(FL, "the rows were mixed", filter_global_max)
+wrong(FL, "the rows were mixed", filter_softmax_over_rows)
+wrong(FL, "changed the logits it was given", filter_in_place)
+wrong(FL, "returned probabilities", filter_returns_probs)
+wrong(FL, "set the excluded tokens to 0", filter_excluded_zero)
+wrong(FL, "set the excluded tokens to -1e+09, not -inf", filter_excluded_large_negative)
+wrong(FL, "returned dtype torch.float64", filter_double)
+wrong(FL, "returned shape (16,)", filter_kept_only)
+wrong(FL, "returned None", filter_no_return)
