@@ -832,7 +832,7 @@ def check_tree_attention_mask(tree_attention_mask, model: str = TARGET) -> str:
 
     prompt = Tokenizer(resolve_model(model)).encode(PROMPTS[2])
     vocab = target.config.vocab_size
-    worst, nodes = 0.0, 0
+    nodes = 0
     for parents in trees[:6] + [TREE_CASES[3]]:
         drafts = torch.randint(0, vocab, (len(parents),), generator=gen).tolist()
         with hooks.override(tree_attention_mask=learner):
@@ -841,7 +841,7 @@ def check_tree_attention_mask(tree_attention_mask, model: str = TARGET) -> str:
             branch = [drafts[j] for j in reversed([i, *_ancestors(parents, i)])]
             alone, _ = tree_pass(target, prompt + branch, [], [])
             diff = float((logits[1 + i] - alone[0]).abs().max())
-            worst, nodes = max(worst, diff), nodes + 1
+            nodes += 1
             if diff > 1e-3:
                 raise CheckFailed(
                     f"in the verify pass over tree {parents}, node {i}'s logits differ from its branch run alone by "
@@ -851,5 +851,6 @@ def check_tree_attention_mask(tree_attention_mask, model: str = TARGET) -> str:
         raise RuntimeError("tree_pass no longer calls hook tree_attention_mask")
     return (
         f"your mask is right on {len(TREE_CASES) + len(trees)} trees; in {len(calls)} verify passes of the 8M model "
-        f"every one of {nodes} draft nodes got the logits of its own branch run alone (max difference {worst:.1e})"
+        f"every one of {nodes} draft nodes got the logits of its own branch run alone (to within 1e-3: the same "
+        "sums in another order)"
     )
