@@ -140,7 +140,7 @@ def main() -> int:
 
     import torch
 
-    from minillm.machine import machine_description, machine_tag
+    from minillm.machine import machine_description
 
     machine = machine_description(torch.device("cpu"))
     rows = []
@@ -162,17 +162,26 @@ def main() -> int:
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
             rows.append(row)
+            write(args, machine, rows, final=False)  # a table so far, should the run be cut short
+    write(args, machine, rows, final=True)
+    return 0
+
+
+def write(args, machine: dict, rows: list, final: bool) -> None:
+    from minillm.machine import machine_tag
+
     result = {"date": str(date.today()), "command": " ".join(["benchmarks/bench_course.py", *sys.argv[1:]]),
               "machine": machine, "targets": {"warm_s": TARGET_WARM_S, "cold_00_s": TARGET_COLD_00_S},
               "rows": rows}  # fmt: skip
     text = markdown(result)
-    print(text)
+    if final:
+        print(text)
     RESULTS.mkdir(exist_ok=True)
     stem = f"course-{result['date']}-{machine_tag(machine)}-{machine['torch_threads']}t{args.tag}"
     (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     (RESULTS / f"{stem}.md").write_text(f"Command: `python {result['command']}`\n\n" + text)
-    print(f"wrote {RESULTS / stem}.json/.md")
-    return 0
+    if final:
+        print(f"wrote {RESULTS / stem}.json/.md")
 
 
 if __name__ == "__main__":
