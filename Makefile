@@ -36,10 +36,11 @@ course: setup
 
 # pytest runs the eager engine unless a test asks for compile=True (or tests the default itself):
 # compiling every model and pool a test builds would take hours (MINILLM_COMPILE=0 turns
-# compile=None's default off). Chapters 00 and 01 — a learner's first cells — run as shipped: the
-# default engine, its decode step compiling in the background, on a cold cache that holds only the
+# compile=None's default off). Chapters 00 and 01 — a learner's first cells — and 10 — the server
+# a learner starts as an operator would — run as shipped: the default engine (its decode step
+# compiling in the background where the model is big enough), on a cold cache that holds only the
 # converted models. The other chapters' subject is not the compile: they run eagerly.
-FIRST_CHAPTERS := 00_welcome.ipynb 01_prefill_and_decode.ipynb
+FIRST_CHAPTERS := 00_welcome.ipynb 01_prefill_and_decode.ipynb 10_serving.ipynb
 COLD_CACHE := $(CURDIR)/.cache/cold
 NO_COMPILE := env MINILLM_COMPILE=0
 

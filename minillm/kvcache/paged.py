@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from minillm.config import ModelConfig
+from minillm.kvcache.zeroed import zeroed
 
 
 class PagedKVCache:
@@ -36,13 +37,14 @@ class PagedKVCache:
         self.kv_cache_dtype, self.dtype = kv_cache_dtype, dtype
         stored = STORAGE.get(kv_cache_dtype, dtype)
         # Zeroed, not empty: attention multiplies unused slots by a probability of exactly 0,
-        # and 0 * NaN (uninitialised memory) would still be NaN.
-        self.k = torch.zeros(shape, dtype=stored, device=device)
-        self.v = torch.zeros(shape, dtype=stored, device=device)
+        # and 0 * NaN (uninitialised memory) would still be NaN. On a CPU the zeros cost nothing
+        # until a page is written (kvcache/zeroed.py).
+        self.k = zeroed(shape, stored, device)
+        self.v = zeroed(shape, stored, device)
         self.k_scale = self.v_scale = None
         if kv_cache_dtype in STORAGE:
-            self.k_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
-            self.v_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
+            self.k_scale = zeroed(shape[:-1], SCALE_DTYPE, device)
+            self.v_scale = zeroed(shape[:-1], SCALE_DTYPE, device)
         self.num_blocks = num_blocks
         self.block_size = block_size
         # Per layer, the same memory seen as one row per slot: [num_slots, kv_heads, head_dim].
