@@ -12,8 +12,8 @@ checks then fail fast, as on a learner's first run):
 * **cold** — a fresh ``MINILLM_CACHE`` holding only the converted models (what ``make course``
   leaves: no compiled packages, no inductor cache, no machine measurements);
 * **warm** — the same notebook again after the first start: on the cache the cold run left,
-  once the course's compiled decode step is there (``minillm warmup`` runs between the two
-  and finishes the compile the cold run started in the background; its time is reported).
+  once the course's compiled decode step is there (where the cold run started a compile,
+  ``minillm warmup`` runs between the two and finishes it; its time is reported).
   That is a learner's second run, or any chapter after chapter 00's first start.
 
 Times are wall clock from starting the kernel to the last cell's reply, with the three slowest
@@ -53,11 +53,14 @@ def cold_cache(into: Path) -> Path:
     return into
 
 
-def finish_first_start(cache: Path) -> float:
+def finish_first_start(cache: Path) -> float | None:
     """``minillm warmup`` on ``cache``: compiles what the cold run's background build left
-    unfinished (nothing, if it finished); returns its wall time."""
+    unfinished (nothing, if it finished); returns its wall time. None where the cold run
+    started no compile (no ``compiled/`` folder): that chapter's engines do not compile."""
     import subprocess
 
+    if not (cache / "compiled").is_dir():
+        return None
     env = {**os.environ, "MINILLM_CACHE": str(cache)}
     env.pop("MINILLM_COMPILE", None)
     start = time.perf_counter()
@@ -138,7 +141,7 @@ def markdown(result: dict) -> str:
     for row in result["rows"]:
         cold, warm = row.get("cold"), row.get("warm")
         verdicts = [v for v in (row.get("cold_meets"), row.get("warm_meets")) if v is not None]
-        warmup = f"{row['warmup_s']:.0f} s" if "warmup_s" in row else "-"
+        warmup = f"{row['warmup_s']:.0f} s" if row.get("warmup_s") is not None else "-"
         slow = ", ".join(f"cell {c['cell']} {c['s']:.0f} s" for c in (warm or cold or {}).get("slowest", []))
         lines.append(
             f"| {row['chapter']} | {row['kind']} | {_fmt(cold)} | {warmup} | {_fmt(warm)} | "
