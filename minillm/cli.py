@@ -119,15 +119,23 @@ def _llm(args):
 def cmd_serve(args) -> int:
     from minillm.server.launch import serve
 
+    args.model = list(args.models) + list(args.model or [])  # `serve MODEL` (vLLM's form) and/or --model
+    if not 0 <= args.port <= 65535:  # before the slow model load, not an OverflowError after it
+        raise ValueError(f"--port {args.port} is not a TCP port: use 0-65535 (0 picks a free one)")
+    for name in ("body_timeout", "keep_alive_timeout", "shutdown_timeout", "max_connections"):
+        value = getattr(args, name)
+        if not value > 0 or value == float("inf"):
+            raise ValueError(f"--{name.replace('_', '-')} {value} must be a positive, finite number")
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size={args.data_parallel_size} must be >= 1")
     if args.data_parallel_size > 1:  # replicas behind a router: minillm/cluster/data_parallel.py
         from minillm.cluster.data_parallel import serve_data_parallel
 
         serve_data_parallel(
-            args.model or ["smollm2-135m"], args.data_parallel_size, _replica_argv(args.argv), args.router_policy,
+            args.model or ["smollm2-135m"], args.data_parallel_size, _replica_argv(args.argv, args.models),
+            args.router_policy,
             host=args.host, port=args.port, log_level=args.log_level, block_size=args.block_size,
-            max_body_bytes=args.max_body_bytes,
+            max_body_bytes=args.max_body_bytes, allowed_hosts=args.allowed_hosts, api_key=args.api_key,
         )  # fmt: skip
         return 0
     serve(
@@ -138,23 +146,44 @@ def cmd_serve(args) -> int:
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes,
         log_level=args.log_level,
+        enable_docs=args.enable_docs,
+        allowed_hosts=args.allowed_hosts,
+        api_key=args.api_key,
+        body_timeout=args.body_timeout,
+        keep_alive_timeout=args.keep_alive_timeout,
+        max_connections=args.max_connections,
+        shutdown_timeout=args.shutdown_timeout,
         **_engine_kwargs(args),
     )
     return 0
 
 
-def _replica_argv(argv: list[str]) -> list[str]:
-    """``minillm serve`` arguments for each replica: all but those the router itself uses."""
-    own = {"--host", "--port", "--data-parallel-size", "--router-policy", "--model", "--log-level"}
-    out, skip = [], False
+def _replica_argv(argv: list[str], positional_models: list[str] = ()) -> list[str]:
+    """``minillm serve`` arguments for each replica: all but those the router itself uses (the
+    models too, given as ``--model`` or positionally: the router hands each replica its own)."""
+    # The router is the public face: it checks hosts and the API key; replicas listen on loopback.
+    own = {"--host", "--port", "--data-parallel-size", "--router-policy", "--model", "--log-level", "--allowed-hosts",
+           "--api-key"}  # fmt: skip
+    takes_value = _serve_options_with_values()
+    models = list(positional_models)
+    out, skip, value_of_previous = [], False, False
     for arg in argv[1:]:  # after "serve"
         if skip:
             skip = False
         elif arg.split("=", 1)[0] in own:
-            skip = "=" not in arg
+            skip = "=" not in arg and arg in takes_value
+        elif not value_of_previous and arg in models:
+            models.remove(arg)  # a positional MODEL
         else:
             out.append(arg)
+        value_of_previous = arg in takes_value
     return out + ["--data-parallel-size", "1"]  # a replica is one server, whatever slipped through
+
+
+def _serve_options_with_values() -> set[str]:
+    """The ``serve`` options that take a value (so the next word is theirs, not a MODEL)."""
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    return {s for action in serve._actions if action.nargs != 0 for s in action.option_strings}
 
 
 def cmd_batch(args) -> int:
@@ -491,12 +520,29 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming, metrics)", allow_abbrev=False
     )
+    p.add_argument(
+        "models", nargs="*", metavar="MODEL", help="short name or HF-format folder, as `vllm serve MODEL` (or --model)"
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--response-cache", type=int, default=0, help="cache this many greedy responses (default: off)")
     p.add_argument("--max-waiting", type=int, default=256, help="requests allowed to wait for a seat; more get 429")
     p.add_argument("--max-body-bytes", type=int, default=2 << 20, help="largest request body accepted (413 above)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--enable-docs", action="store_true", help="serve the interactive API docs at /docs (default: off)")
+    p.add_argument("--body-timeout", type=float, default=30.0, help="seconds a request body may take to arrive in full (408)")
+    p.add_argument("--keep-alive-timeout", type=float, default=5.0, help="seconds an idle connection stays open")
+    p.add_argument("--max-connections", type=int, default=1024, help="open connections; more get 503")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0, help="on SIGTERM, seconds to finish running requests")
+    p.add_argument(
+        "--allowed-hosts", metavar="HOST,...", default=None, type=lambda text: [h for h in text.split(",") if h],
+        help="Host header names accepted, comma-separated (default: localhost, 127.0.0.1, [::1] on loopback; "
+        "any on 0.0.0.0; '*': any)",
+    )  # fmt: skip
+    p.add_argument(
+        "--api-key", default=os.environ.get("MINILLM_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $MINILLM_API_KEY, else none)",
+    )  # fmt: skip
     p.add_argument(
         "--data-parallel-size",
         type=int,
@@ -599,9 +645,12 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError) as err:
+    except (ValueError, TypeError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as err:
         print(f"minillm: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the user knows; no traceback
+        print("minillm: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # output piped into `head` and closed: stop quietly
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

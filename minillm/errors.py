@@ -17,3 +17,13 @@ class ModelLoadError(ValueError):
 
 class PromptTooLongError(ValueError):
     """The prompt (plus at least one generated token) does not fit in ``max_model_len``."""
+
+
+class RequestFailed(ValueError):
+    """One request's own processing raised inside a step (a sampling setting the engine could
+    not apply): that request ends with this error, naming the setting in ``param`` where it
+    can; the other requests of the step go on (``engine/isolation.py``)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param

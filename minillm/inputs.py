@@ -48,20 +48,46 @@ class InputProcessor:
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int):
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
+        self._max_prompt_chars: int | None = None
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """The most characters a prompt that fits can have: (max_model_len − 1) tokens of the
+        vocabulary's longest token. Longer text cannot fit, so it is refused before tokenizing
+        (a 2 MB prompt would otherwise hold a server's CPU for seconds, only to be refused)."""
+        if self._max_prompt_chars is None:
+            longest = max((len(token) for token in self.tokenizer.hf.get_vocab()), default=1)
+            self._max_prompt_chars = (self.max_model_len - 1) * max(longest, 1)
+        return self._max_prompt_chars
+
+    def _check_chars(self, text: str, where: str) -> None:
+        if len(text) > self.max_prompt_chars:
+            raise PromptTooLongError(
+                f"{where} has {len(text):,} characters: more than {self.max_prompt_chars:,}, so at least "
+                f"max_model_len={self.max_model_len} tokens, leaving no room to generate"
+            )
 
     def prompt_ids(self, prompt: Prompt, where: str = "prompt") -> tuple[str, list[int]]:
         """The prompt's text and ids; a ``ValueError``/``TypeError`` naming ``where`` for an
-        empty prompt, ids outside the vocabulary, or something that is not a prompt."""
+        empty prompt, ids outside the vocabulary, or something that is not a prompt; a
+        ``PromptTooLongError`` before any tokenizing for one that cannot fit."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError(f"{where} is an empty string")
+            self._check_chars(prompt, where)
             return prompt, self.tokenizer.encode(prompt)
         if is_chat(prompt):
             text = self.tokenizer.render_chat(prompt)
+            self._check_chars(text, where)
             return text, self.tokenizer.encode(text, add_special_tokens=False)
         if is_token_ids(prompt):
             if not prompt:
                 raise ValueError(f"{where} is an empty list of token ids")
+            if len(prompt) >= self.max_model_len:  # before decoding a million ids
+                raise PromptTooLongError(
+                    f"{where} has {len(prompt)} tokens; max_model_len={self.max_model_len} leaves no room "
+                    f"to generate (at most {self.max_model_len - 1} prompt tokens)"
+                )
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"{where} has token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})")

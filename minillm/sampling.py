@@ -27,6 +27,10 @@ from minillm.outputs import TokenLogprob
 
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 MAX_N = 16  # parallel samples per request
+# top_k beyond any vocabulary is refused (a 64-bit value overflowed the sampler's tensors); up
+# to this bound, a top_k at or above the model's vocabulary keeps every token (the sampler
+# clamps it to the vocabulary it sees).
+MAX_TOP_K = 2**31 - 1
 
 
 @dataclass
@@ -87,6 +91,8 @@ class SamplingParams:
                 raise ValueError(f"{name}={value!r} must be an integer")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
+        if self.top_k > MAX_TOP_K:
+            raise ValueError(f"top_k={self.top_k} is larger than any vocabulary: at most {MAX_TOP_K} (0 disables it)")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
         for s in self.stop:
@@ -195,12 +201,15 @@ def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     Rows are grouped by their (temperature, top_k, top_p), and each group is filtered in one
     call: a batch whose requests share their settings — the usual case — costs one batched
     filter, not one per row. The temperature is clamped into float32's normal range first
-    (a validated temperature may be 5e-324 or 1e300, which float32 reads as 0 or inf).
+    (a validated temperature may be 5e-324 or 1e300, which float32 reads as 0 or inf), and a
+    top_k of the vocabulary or more is no filter at all (0).
     """
     groups: dict[tuple[float, int, float], list[int]] = {}
+    vocab = logits.shape[-1]
     for row, p in enumerate(params):
         temperature = min(max(p.temperature or 1.0, _TINY_TEMPERATURE), _HUGE_TEMPERATURE)
-        groups.setdefault((temperature, p.top_k, p.top_p), []).append(row)
+        top_k = 0 if p.top_k >= vocab else p.top_k  # keeping the whole vocabulary is no filter
+        groups.setdefault((temperature, top_k, p.top_p), []).append(row)
     if len(groups) == 1:
         (settings,) = groups
         out = hooks.filter_logits(logits, *settings)

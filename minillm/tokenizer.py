@@ -64,6 +64,23 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes token ``token_id`` stands for — OpenAI's logprob ``bytes``. A byte-level
+        BPE token may hold part of a UTF-8 character (``日`` is three bytes, often two tokens):
+        decoded alone it is U+FFFD, whose bytes ``EF BF BD`` would not let a client rebuild the
+        text by joining the tokens' bytes; these do."""
+        piece = self.hf.convert_ids_to_tokens(int(token_id))
+        if piece is None or int(token_id) in self.hf.all_special_ids:
+            return self.decode([token_id], skip_special_tokens=False).encode()
+        if type(self.hf.backend_tokenizer.decoder).__name__ == "ByteLevel" and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece's byte fallback
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode()  # SentencePiece's word boundary is a space
+
     def render_chat(self, messages: ChatMessages) -> str:
         """The prompt text for a chat, ending where the assistant's reply should begin."""
         if not self.has_chat_template:
@@ -126,3 +143,19 @@ class IncrementalDetokenizer:
         after = decode(self.ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.ids)
         return after[len(before) :]
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's table: each byte as the printable character byte-level BPE writes it as."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+_BYTE_OF = {c: b for b, c in _bytes_to_unicode().items()}

@@ -1,7 +1,7 @@
 """Data parallelism: ``minillm serve --data-parallel-size 2`` — two replica processes behind the
 router — answers exactly as one engine does, routes by policy (a shared prefix goes where it is
 cached), records every choice, passes a replica's 4xx through, streams, and survives a replica
-that dies (503 naming it, the other keeps serving)."""
+that dies (its streams end with an error event; new requests go to the replica left)."""
 
 from __future__ import annotations
 
@@ -58,9 +58,12 @@ def test_streaming_and_errors_pass_through(dp_server):
     assert lines[-1] == "data: [DONE]" and len(lines) >= 3
     bad = _complete(dp_server, "hello", max_tokens=-3)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"  # the replica's own answer
-    garbage = httpx.post(dp_server.url + "/v1/completions", content=b"{not json", timeout=30)
+    garbage = httpx.post(dp_server.url + "/v1/completions", content=b"{not json", timeout=30,
+                         headers={"content-type": "application/json"})  # fmt: skip
     assert garbage.status_code == 400
-    assert httpx.get(dp_server.url + "/health").json() == {"replicas": [True, True]}
+    untyped = httpx.post(dp_server.url + "/v1/completions", content=b'{"prompt": "x"}', timeout=30)
+    assert untyped.status_code == 415  # the router's front door: JSON only
+    assert httpx.get(dp_server.url + "/health").json() == {"replicas": [True, True], "live": 2}
 
 
 def test_prompt_ids_for_routing(tiny_model):
@@ -71,21 +74,60 @@ def test_prompt_ids_for_routing(tiny_model):
     assert prompt_ids_for_routing(json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(), tokenizers)
 
 
-def test_a_dead_replica_gives_503_and_the_other_serves(tiny_model):
+def test_a_replica_killed_mid_load_is_routed_around(tiny_model):
+    """SIGKILL the replica holding a shared prefix while its streams run: each of those streams
+    ends with [DONE] or an error event (never silently), and of the new requests that follow the
+    surviving replica serves at least 99% — the router no longer prefers the dead replica's zero
+    load. /health and /v1/models answer from the live replica."""
+    import asyncio
+
     import psutil
 
-    args = ["--dtype", "fp32", "--threads", "1", "--data-parallel-size", "2", "--router-policy", "round_robin"]
+    args = ["--dtype", "fp32", "--threads", "1", "--data-parallel-size", "2", "--router-policy", "prefix_aware",
+            "--block-size", "4"]  # fmt: skip
     with ServerProcess([str(tiny_model)], args) as server:
         children = psutil.Process(server.proc.pid).children()
-        replica_pids = [c.pid for c in children if "serve" in " ".join(c.cmdline())]
-        assert len(replica_pids) == 2
-        os.kill(replica_pids[1], signal.SIGKILL)
-        codes = [_complete(server, "hello").status_code for _ in range(4)]  # round robin: both replicas asked
-        assert sorted(codes) == [200, 200, 503, 503]
-        reply = _complete(server, "hello")
-        if reply.status_code == 503:
-            assert "replica 1" in reply.json()["error"]["message"]
-    assert not psutil.pid_exists(replica_pids[0]) or psutil.Process(replica_pids[0]).status() == "zombie"
+        replicas = {c.pid for c in children if "serve" in " ".join(c.cmdline())}
+        assert len(replicas) == 2
+        body = {"model": "llama_gqa", "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True}
+
+        async def stream(prompt, started):
+            events = []
+            async with httpx.AsyncClient(timeout=60) as http:
+                async with http.stream("POST", server.url + "/v1/completions", json=body | {"prompt": prompt}) as r:
+                    replica = int(r.headers["x-minillm-replica"])
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            events.append(line)
+                            started.set()
+            return replica, events
+
+        async def run():
+            started = [asyncio.Event() for _ in range(4)]
+            tasks = [asyncio.ensure_future(stream(SHARED + q, e)) for q, e in zip("abcd", started)]
+            for e in started:
+                await e.wait()
+            # the replica all four streams went to (the shared prefix): kill it mid-stream
+            state = httpx.get(server.url + "/router").json()
+            busy = max(range(2), key=lambda r: state["outstanding"][r])
+            port = state["replicas"][busy].rsplit(":", 1)[1]
+            victim = next(pid for pid in replicas if port in psutil.Process(pid).cmdline())
+            os.kill(victim, signal.SIGKILL)
+            return busy, await asyncio.gather(*tasks)
+
+        busy, results = asyncio.run(run())
+        assert all(replica == busy for replica, _ in results)
+        cut = 0
+        for _, events in results:
+            last = events[-1]
+            assert last == "data: [DONE]" or '"error"' in last, last  # never a silent end
+            cut += '"error"' in last
+        assert cut >= 1
+        codes = [_complete(server, f"{SHARED} question {i}").status_code for i in range(100)]
+        assert codes.count(200) >= 99, codes
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 200 and health.json()["live"] == 1
+        assert httpx.get(server.url + "/v1/models").status_code == 200
 
 
 def test_offline_data_parallel_llm(tiny_model):

@@ -101,11 +101,11 @@ def test_a_rank_result_outlives_the_rank():
 
     import torch.multiprocessing as mp
 
-    from minillm.parallel.launch import _rank_main, free_port
+    from minillm.parallel.launch import Rendezvous, _rank_main
 
     ctx = mp.get_context("spawn")
     reports = ctx.Queue()
-    rank = ctx.Process(target=_rank_main, args=(_a_tensor, 0, 1, free_port(), "gloo", 1, (), reports))
+    rank = ctx.Process(target=_rank_main, args=(_a_tensor, 0, 1, Rendezvous(), "gloo", 1, (), reports))
     rank.start()
     rank.join(60)
     assert rank.exitcode == 0
@@ -146,3 +146,41 @@ def test_vocabulary_parallel_embedding_and_tied_head(world_size):
         torch.testing.assert_close(got_x, x)  # exactly one rank contributes each id
         torch.testing.assert_close(got_logits, F.linear(x, emb), atol=1e-5, rtol=1e-5)
     assert sum(r[2] for r in results) == VOCAB  # each row held once
+
+
+def test_ranks_meet_through_a_private_file_and_listen_on_loopback_only():
+    """No TCPStore on a probed port (it listened on every interface, unauthenticated): the store
+    is a file in a folder only this user can open, removed afterwards; every socket a rank
+    listens on (gloo's) is bound to loopback."""
+    import stat
+    import sys
+
+    from minillm.parallel.launch import Rendezvous
+
+    rendezvous = Rendezvous()
+    assert stat.S_IMODE(os.stat(rendezvous.folder).st_mode) == 0o700
+    rendezvous.close()
+    assert not os.path.exists(rendezvous.folder)
+    if sys.platform.startswith("linux"):
+        for listening in run_ranks(_listening_addresses, 2):
+            assert listening and all(a in ("0100007F", "00000000000000000000000001000000") for a in listening), listening
+
+
+def _listening_addresses(rank, world_size):
+    """The local addresses (hex, as /proc/net/tcp writes them) of this process's listening sockets."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    addresses = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # LISTEN, and ours
+                    addresses.append(fields[1].split(":")[0])
+    return addresses

@@ -268,7 +268,9 @@ def test_fifty_streams_of_which_a_third_leave(server, reference):
     assert len(finished) == 50 - len(range(0, 50, 3))
     assert all(text == want[prompt] for prompt, text in finished)
     assert_idle(server)
-    assert threading.active_count() <= threads_before
+    from minillm.server.app import PARSE_THREADS
+
+    assert threading.active_count() <= threads_before + PARSE_THREADS  # the parse pool's fixed threads, no more
 
 
 def test_a_full_queue_answers_429_then_recovers():
@@ -432,10 +434,10 @@ def test_a_request_that_can_never_fit_the_pool_is_refused():
 
 
 def test_hostile_model_names_neither_break_nor_bloat_the_metrics(server):
-    for name in ("\ud800", "bogus-1", "bogus-2"):
+    for name, status in (("\ud800", 400), ("bogus-1", 404), ("bogus-2", 404)):  # a lone surrogate is not text
         body = json.dumps({"model": name, "prompt": "a"}).encode()
         r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
-        assert r.status_code == 404
+        assert r.status_code == status and r.json()["error"]["param"] == "model"
     metrics = httpx.get(server.url + "/metrics")
     assert metrics.status_code == 200 and "bogus" not in metrics.text
 
@@ -477,3 +479,76 @@ def test_a_step_that_fails_after_finishing_a_request_answers_it_and_frees_its_se
     assert r.status_code == 503 and "simulated" in r.json()["error"]["message"]
     assert_idle(server)
     assert not engine.scheduler.running
+
+
+# ---- no request fails a step for others ------------------------------------------------------------
+
+EXTREMES = {
+    "top_k": [-2, -1, 0, 1, 2**31 - 1, 2**31, 2**63, 9223372036854775808, 10**30],
+    "temperature": [0, 5e-324, 1e-300, 1e300, 1.7976931348623157e308, -1, "1"],
+    "top_p": [5e-324, 1e-300, 1, 2, 0, -0.5],
+    "min_p": [0, 1, 1e-300, 1.5, -1],
+    "repetition_penalty": [5e-324, 1e-300, 1e300, 0, -1],
+    "seed": [-1, 0, 2**63, 2**64 - 1, 2**64, 10**40],
+    "max_tokens": [0, -1, 1, 2**31, 2**63],
+    "n": [0, 1, 3, 17, 10**9],
+    "logprobs": [-1, 0, 5, 20, 21, 2**40],
+    "stop": [[""], ["\n"] * 5, ["a" * 10_000], [None]],
+    "ignore_eos": [True, "yes"],
+}
+
+
+def test_random_extreme_settings_never_touch_innocent_streams(server, reference):
+    """Hostile requests with random extreme values of every field, sent while innocent streams
+    run: each hostile one is answered (200, or a 4xx naming a field), never a 5xx, and every
+    innocent stream gets exactly LLM.generate's tokens."""
+    import random
+
+    rng = random.Random(30)
+    prompts = [f"{name}.\n" for name in ("KING", "ROMEO", "JULIET", "HAMLET")]
+    want = {p: expected(reference, p, max_tokens=24, temperature=0, ignore_eos=True).text for p in prompts}
+    hostile = []
+    for _ in range(48):
+        fields = rng.sample(sorted(EXTREMES), rng.randint(1, 4))
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "stream": rng.random() < 0.5}
+        body.update({name: rng.choice(EXTREMES[name]) for name in fields})
+        hostile.append(body)
+
+    async def innocent(prompt: str, http: httpx.AsyncClient):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        text = ""
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    event = json.loads(line[6:])
+                    assert "error" not in event, event
+                    text += event["choices"][0]["text"]
+        return prompt, text
+
+    async def attack(body: dict, http: httpx.AsyncClient):
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            raw = (await r.aread()).decode()
+        if r.status_code == 200 and body["stream"]:
+            events = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+            errors = [e["error"] for e in events if "error" in e]
+            assert all(e["type"] == "invalid_request_error" and e["param"] for e in errors), (body, errors)
+            return body, 200
+        if r.status_code != 200:
+            error = json.loads(raw)["error"]
+            assert 400 <= r.status_code < 500 and error["param"], (body, r.status_code, error)
+        return body, r.status_code
+
+    async def main():
+        limits = httpx.Limits(max_connections=80)
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as http:
+            runs = [innocent(p, http) for p in prompts * 3] + [attack(b, http) for b in hostile]
+            return await asyncio.gather(*runs)
+
+    results = asyncio.run(main())
+    innocents, attacks = results[:12], results[12:]
+    assert all(text == want[prompt] for prompt, text in innocents)
+    codes = [code for _, code in attacks]
+    assert 200 in codes and any(400 <= c < 500 for c in codes)  # the mix had both kinds
+    assert_idle(server)

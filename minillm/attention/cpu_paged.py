@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from pathlib import Path
 
 import torch
 
+from minillm import trusted_cache
 from minillm.attention.layout import StepLayout
 from minillm.attention.paged import ReferencePagedStep, write_kv
 
@@ -33,11 +35,34 @@ POOL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 
 @functools.cache
 def _library() -> ctypes.CDLL:
-    """Compile (or find in inductor's cache) and load the kernel library."""
+    """Compile (or find in inductor's cache) and load the kernel library — a library found on
+    disk only from a private folder, and only if it is the file recorded when it was built
+    (``minillm/trusted_cache.py``: loading a library runs its code)."""
     from torch._inductor.codecache import CppCodeCache  # PyTorch's C++ build + on-disk cache
 
+    from minillm.assets import cache_dir
+
     source = "#include <torch/csrc/inductor/cpp_prefix.h>\n" + SOURCE.read_text()
-    return CppCodeCache.load(source)
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if inductor:
+        trusted_cache.check_private(Path(inductor))
+    # Where this source's library was built, recorded then (the path is inductor's to choose).
+    where = trusted_cache.private_dir(cache_dir() / "compiled") / f"cpu-paged-decode-{_source_key(source)}.path"
+    built = Path(where.read_text().strip()) if where.is_file() else None
+    if built is not None and built.is_file() and not trusted_cache.verified(built):
+        trusted_cache.forget(built)  # replaced since it was built: inductor compiles it again
+    library = CppCodeCache.load(source)
+    path = Path(library._name)
+    if path.is_file() and (built != path or not trusted_cache.verified(path)):
+        trusted_cache.record(path)
+        where.write_text(f"{path}\n")
+    return library
+
+
+def _source_key(source: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(source.encode()).hexdigest()[:20]
 
 
 @functools.cache

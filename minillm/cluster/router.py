@@ -15,6 +15,11 @@ over them. Three rules:
 
 Each decision is recorded (``Router.decisions``), so a run can be explained afterwards. A rule
 of one's own (``rule=``, chapter 09's exercise) gets the same facts the built-in policies use.
+
+A replica can die. One marked down (``mark_down``: the serving router's health checks, or a
+connection it could not open) gets nothing: every rule chooses among the live replicas only —
+a dead replica's zero load would otherwise make it everyone's favourite — and what it was
+believed to cache is forgotten (a restarted replica starts empty). ``mark_up`` brings it back.
 """
 
 from __future__ import annotations
@@ -26,7 +31,11 @@ from dataclasses import dataclass, field
 from minillm.kvcache.block_manager import prompt_block_hashes
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware")
-__all__ = ["POLICIES", "Decision", "Router", "prompt_block_hashes"]
+__all__ = ["POLICIES", "Decision", "NoLiveReplica", "Router", "prompt_block_hashes"]
+
+
+class NoLiveReplica(RuntimeError):
+    """Every replica is marked down."""
 
 
 @dataclass
@@ -60,9 +69,27 @@ class Router:
         self.num_routed = 0
         self._next = 0
         self._cached: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(self.num_replicas)]
+        self.down: set[int] = set()
+
+    @property
+    def live(self) -> list[int]:
+        """The replicas not marked down, in order."""
+        return [r for r in range(self.num_replicas) if r not in self.down]
+
+    def mark_down(self, replica: int) -> None:
+        """``replica`` cannot serve: route around it, and forget what it was believed to cache."""
+        self.down.add(replica)
+        self._cached[replica].clear()
+
+    def mark_up(self, replica: int) -> None:
+        self.down.discard(replica)
 
     def route(self, request_id, token_ids: list[int]) -> int:
-        """Choose a replica for a request and count it as outstanding there."""
+        """Choose a live replica for a request and count it as outstanding there
+        (``NoLiveReplica`` when every one is down)."""
+        live = self.live
+        if not live:
+            raise NoLiveReplica(f"all {self.num_replicas} replicas are down")
         hashes = prompt_block_hashes(token_ids, self.block_size)  # every policy records what it would reuse
         matched = [self._matched(r, hashes) for r in range(self.num_replicas)]
         if self.rule is not None:
@@ -71,14 +98,18 @@ class Router:
                 raise ValueError(
                     f"the routing rule returned {choice!r}; expected a replica index in [0, {self.num_replicas})"
                 )
+            if choice in self.down:  # the rule does not know who is down: the least loaded live one instead
+                choice = min(live, key=lambda r: (self.load[r], r))
         elif self.policy == "round_robin":
+            while self._next in self.down:
+                self._next = (self._next + 1) % self.num_replicas
             choice = self._next
             self._next = (self._next + 1) % self.num_replicas
         elif self.policy == "least_loaded":
-            choice = min(range(self.num_replicas), key=lambda r: (self.load[r], r))
+            choice = min(live, key=lambda r: (self.load[r], r))
         else:
-            lightest = min(self.load)
-            eligible = [r for r in range(self.num_replicas) if self.load[r] - lightest <= self.max_imbalance]
+            lightest = min(self.load[r] for r in live)
+            eligible = [r for r in live if self.load[r] - lightest <= self.max_imbalance]
             choice = max(eligible, key=lambda r: (matched[r], -self.load[r], -r))
         policy = "custom" if self.rule is not None else self.policy
         self.decisions.append(Decision(request_id, choice, policy, matched[choice], list(self.load)))

@@ -5,7 +5,8 @@ waits for its own request. Whoever drives the loop — ``LLM`` (the caller that 
 next step), the server's engine thread (``server/async_engine.py``), a disaggregated worker
 (``cluster/disagg.py``) — needs the same bookkeeping: a **sink** per request, the step's
 deltas routed to their sinks, a finished request's sink dropped, an aborted request freed,
-and on a failed step every waiting caller told. ``EngineClient`` is that bookkeeping, once.
+and on a failed step the request at fault told — or, if the engine itself failed, every
+waiting caller. ``EngineClient`` is that bookkeeping, once.
 
 A sink is anything with ``put(item)``: ``item`` is a ``StreamDelta``, or the exception that
 ended the request. ``step()`` returns the routed ``(sink, delta)`` pairs instead of calling
@@ -22,6 +23,7 @@ import logging
 from collections.abc import Hashable
 from typing import Protocol
 
+from minillm.engine import isolation
 from minillm.outputs import StreamDelta
 from minillm.sequence import Sequence
 
@@ -80,9 +82,25 @@ class EngineClient:
     def step(self) -> list[tuple[Sink, StreamDelta]]:
         """Run one engine step; its deltas paired with their requests' sinks, in step order. A
         request's sink is dropped after its last delta (``request_finished``); deltas of requests
-        submitted elsewhere are left out."""
+        submitted elsewhere are left out. A step that raises because of some requests' own
+        settings ends only those (their sinks get a ``RequestFailed``; ``engine/isolation.py``)
+        and returns no deltas: the others run again next step. Any other failure is raised."""
+        try:
+            deltas = self.engine.step()
+        except Exception:
+            found = isolation.culprits(self.engine)
+            if not found:
+                raise  # the engine's own failure: the caller fails every request (``fail``)
+            for request_id, error in found.items():  # only they end; the others run the step again
+                log.warning("request %r failed in a step and was isolated: %s", request_id, error)
+                sink = self._sinks.pop(request_id, None)
+                if request_id in self.engine.requests:
+                    self.engine.abort(request_id)
+                if sink is not None:
+                    sink.put(error)
+            return []
         routed = []
-        for delta in self.engine.step():
+        for delta in deltas:
             sink = self._sinks.get(delta.request_id)
             if sink is None:
                 continue

@@ -186,6 +186,8 @@ class LLM:
             with self.engine._lock:
                 if box.deltas:
                     return box.deltas.popleft()
+                if box.error is not None:  # its own settings failed in a step; the others went on
+                    raise box.error
                 if seq.request_finished:  # aborted from elsewhere (llm.engine.abort): its last word
                     self.client.forget(seq.request_id)
                     text = seq.take_stream_text()
@@ -211,9 +213,12 @@ class _Mailbox:
     seq: Sequence
     streaming: bool  # every delta is kept; otherwise only each sample's last (generate)
     deltas: deque[StreamDelta] = field(default_factory=deque)
+    error: BaseException | None = None  # why the request ended in a failed step (``RequestFailed``)
 
-    def put(self, delta: StreamDelta) -> None:
-        if self.streaming or delta.finish_reason is not None:
+    def put(self, delta: StreamDelta | BaseException) -> None:
+        if isinstance(delta, BaseException):
+            self.error = delta
+        elif self.streaming or delta.finish_reason is not None:
             self.deltas.append(delta)
 
 

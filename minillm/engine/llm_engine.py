@@ -153,6 +153,12 @@ class LLMEngine:
         if build is not None:
             build.close()
 
+    def failure(self) -> str | None:
+        """Why this engine can no longer serve — a parallel engine's worker died or was stopped —
+        or None while it can (what a server's ``/health`` reports)."""
+        failure = getattr(self.runner, "failure", None)
+        return failure() if failure is not None else None
+
     def fast_path_status(self) -> FastPathStatus:
         """Where the decode fast path stands: ``building`` (a compile or load behind the running
         engine, with what it is doing), ``ready``, ``failed`` (with why; decode runs eagerly), or

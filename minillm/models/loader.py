@@ -51,6 +51,9 @@ def safetensors_files(folder: Path) -> list[Path]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{folder}: no *.safetensors weight files found")
+    for f in files:  # a FIFO, socket or device would block the read (a hang, not an error)
+        if not f.is_file():
+            raise ModelLoadError(f"{f}: not a regular file; weights must be plain files (or links to them)")
     return files
 
 

@@ -51,6 +51,10 @@ class DistributedRunner:
     def release(self, request_id: Hashable) -> None:
         pass  # the blocks belong to the driver's block manager
 
+    def failure(self) -> str | None:
+        """Why this runner can no longer run a step (a dead or stopped rank); None if it can."""
+        return self.workers.failure()
+
     def shutdown(self, reason: str = "shut down") -> None:
         """Stop every worker (idempotent)."""
         self.workers.shutdown(reason)

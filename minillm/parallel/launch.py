@@ -16,7 +16,9 @@ import datetime as dt
 import os
 import pickle
 import queue
+import shutil
 import socket
+import tempfile
 import time
 import traceback
 
@@ -33,10 +35,39 @@ class RankFailed(RuntimeError):
         self.rank = rank
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Rendezvous:
+    """Where one host's ranks find each other: a ``FileStore`` in a private folder (0700).
+
+    The usual ``MASTER_ADDR``/``MASTER_PORT`` rendezvous makes rank 0 run a TCPStore, which
+    listens on every interface, unauthenticated, on a port the driver probed free and then let
+    go (another process may take it in between). A store that is a file in a folder only this
+    user can open has no port and no race; and gloo (NCCL) is told to use the loopback
+    interface, so the ranks' own connections never leave the host. Delete with ``close()``."""
+
+    def __init__(self):
+        self.folder = tempfile.mkdtemp(prefix="minillm-rendezvous-")  # mode 0700
+        self.path = os.path.join(self.folder, "store")
+
+    def join(self, backend: str, rank: int, world_size: int, timeout: dt.timedelta) -> None:
+        """In a rank: join the process group (``dist.init_process_group``) through this store."""
+        loopback = loopback_interface()
+        if loopback is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
+        store = dist.FileStore(self.path, world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def loopback_interface() -> str | None:
+    """The loopback interface's name (``lo`` on Linux, ``lo0`` on macOS), if there is one."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return next((n for n in names if n in ("lo", "lo0")), None)
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gloo", threads: int = 1) -> list:
@@ -46,9 +77,10 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, backend: str =
         raise ValueError(f"world_size={world_size!r} must be a positive integer")
     ctx = mp.get_context("spawn")
     reports = ctx.Queue()
-    port = free_port()
+    rendezvous = Rendezvous()
     procs = [
-        ctx.Process(target=_rank_main, args=(fn, rank, world_size, port, backend, threads, args, reports), daemon=True)
+        ctx.Process(target=_rank_main, args=(fn, rank, world_size, rendezvous, backend, threads, args, reports),
+                    daemon=True)  # fmt: skip
         for rank in range(world_size)
     ]
     results: dict[int, object] = {}
@@ -89,13 +121,13 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, backend: str =
             if p.is_alive():
                 p.kill()
                 p.join()
+        rendezvous.close()
 
 
-def _rank_main(fn, rank, world_size, port, backend, threads, args, reports) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+def _rank_main(fn, rank, world_size, rendezvous, backend, threads, args, reports) -> None:
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=dt.timedelta(seconds=60))
+        rendezvous.join(backend, rank, world_size, dt.timedelta(seconds=60))
         # Pickled here, by value: a tensor put on the queue as it is would be shared through a file
         # descriptor that the parent fetches from this process, which may have exited by then.
         reports.put(("ok", rank, pickle.dumps(fn(rank, world_size, *args))))

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from minillm.parallel.launch import RankFailed, free_port
+from minillm.parallel.launch import RankFailed, Rendezvous
 
 START_TIMEOUT = 600.0  # seconds for every worker to load its part of the model
 STEP_TIMEOUT = 600.0
@@ -42,17 +42,17 @@ class WorkerGroup:
 
     def __init__(self, target, spec, world_size: int, backend: str = "gloo", threads: int = 1, stop_ranks=(0,)):
         ctx = mp.get_context("spawn")
-        port = free_port()
+        self.rendezvous = Rendezvous()
         self.conns, self.procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            args = (target, spec, rank, world_size, port, backend, threads, child, os.getpid())
+            args = (target, spec, rank, world_size, self.rendezvous, backend, threads, child, os.getpid())
             proc = ctx.Process(target=_bootstrap, args=args, daemon=True, name=f"minillm-rank{rank}")
             proc.start()
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, tuple(stop_ranks))
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, tuple(stop_ranks), self.rendezvous)
         self.closed_because: str | None = None
 
     def check_open(self) -> None:
@@ -60,6 +60,15 @@ class WorkerGroup:
             raise RuntimeError(
                 f"this engine's worker processes were stopped ({self.closed_because}); create a new engine"
             )
+
+    def failure(self) -> str | None:
+        """Why these workers can no longer serve (stopped, or a rank has exited); None while all run."""
+        if self.closed_because is not None:
+            return f"the worker processes were stopped ({self.closed_because})"
+        for rank, proc in enumerate(self.procs):
+            if not proc.is_alive():
+                return f"rank {rank} exited with code {proc.exitcode}"
+        return None
 
     def send(self, rank: int, message) -> None:
         self.conns[rank].send(message)
@@ -158,7 +167,7 @@ def _broken_link(report: str) -> bool:
     return any(k in first for k in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo"))
 
 
-def _stop(procs, conns, stop_ranks) -> None:
+def _stop(procs, conns, stop_ranks, rendezvous=None) -> None:
     for rank in stop_ranks:
         try:
             if procs[rank].is_alive():
@@ -174,6 +183,8 @@ def _stop(procs, conns, stop_ranks) -> None:
             proc.join()
     for conn in conns:
         conn.close()
+    if rendezvous is not None:
+        rendezvous.close()
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -188,13 +199,12 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _bootstrap(target, spec, rank, world_size, port, backend, threads, conn, parent_pid) -> None:
+def _bootstrap(target, spec, rank, world_size, rendezvous, backend, threads, conn, parent_pid) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
     _exit_with_parent(parent_pid)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=dt.timedelta(seconds=STEP_TIMEOUT))
+        rendezvous.join(backend, rank, world_size, dt.timedelta(seconds=STEP_TIMEOUT))
         target(spec, rank, conn)
     except BaseException:  # noqa: BLE001 (reported to the driver, which stops every rank)
         tb = traceback.format_exc(limit=8)

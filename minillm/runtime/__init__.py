@@ -13,6 +13,9 @@ which blocks. The runtime decides *how*: it turns plain ``StepInputs`` into logi
 - ``weight_methods.py`` — how each linear layer stores and multiplies its weights (prepacking,
   quantization, sparsity, offload), applied once when the model is built.
 
+Compiled code (decode packages, the C++ kernel) loads only from a private folder and only if its
+hash is the one recorded when it was built: ``minillm/trusted_cache.py``.
+
 Nothing here imports the engine: the step loop calls down into the runtime, never the reverse.
 The package's ``__init__`` imports nothing, so importing one runtime module loads only what it needs.
 """

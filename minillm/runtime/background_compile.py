@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from minillm import trusted_cache
 from minillm.config import EngineConfig
 from minillm.layers.cpu_prepack import release_plain_weights
 from minillm.runtime.compiled_decode import CompiledDecode, folded_tensors, packages_dir
@@ -161,8 +162,7 @@ class BackgroundBuild:
     def _compile(self, missing: dict[int, str]) -> None:
         self._set("building", "starting the compiler in a low-priority process")
         job = CompileJob(**{**vars(self.job), "paths": missing})
-        folder = packages_dir()
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = trusted_cache.private_dir(packages_dir())
         # The engine's exact tensors travel with the job: a model rebuilt from the checkpoint can
         # differ in the last bit (calibrated quantization), and the graph must fold in these.
         with tempfile.NamedTemporaryFile("wb", dir=folder, prefix="tensors-", suffix=".pt", delete=False) as saved:

@@ -68,6 +68,7 @@ from pathlib import Path
 import torch
 
 import minillm.hooks as hooks
+from minillm import trusted_cache
 from minillm.attention.cpu_paged import POOL_DTYPES  # also registers the kernel's operator, which graphs call
 from minillm.attention.layout import KVPool, StepLayout
 from minillm.kvcache import addressing
@@ -223,19 +224,27 @@ class CompiledDecode:
         prune_packages(KEEP_PACKAGES)
 
     def try_load(self, batch: int, path: Path) -> bool:
-        """Load ``path`` if it is on disk; a truncated or foreign file is deleted (to be compiled again)."""
+        """Load ``path`` if it is on disk; a truncated, replaced or foreign file is deleted (to be
+        compiled again). A folder other users could write to raises ``UnsafeCacheError``."""
         if not path.is_file():
             return False
         try:
             self.load(batch, path)
             return True
+        except trusted_cache.UnsafeCacheError:
+            raise  # not ours to delete: the user must fix the folder (the message says how)
         except Exception as error:
             warnings.warn(f"minillm: {path} could not be loaded ({error}); compiling it again", stacklevel=2)
-            path.unlink(missing_ok=True)
+            trusted_cache.forget(path)
             return False
 
     def load(self, batch: int, path: Path) -> object:
-        """Load one package and offer its graph (swapped in at the next step boundary)."""
+        """Load one package — only from a private folder, and only if it is the file recorded
+        when it was built (``trusted_cache.py``) — and offer its graph (swapped in at the next
+        step boundary)."""
+        trusted_cache.check_private(path.parent)
+        if not trusted_cache.verified(path):
+            raise ValueError("it is not the file recorded when it was built (replaced, truncated, or older)")
         start = time.perf_counter()
         graph = torch._inductor.aoti_load_package(str(path))
         self.load_seconds[batch] = time.perf_counter() - start
@@ -246,7 +255,7 @@ class CompiledDecode:
     def compile_package(self, batch: int, path: Path, progress: bool = True) -> float:
         """Compile one package unless another process did while we waited for its lock; the
         seconds it took (0 when it was already there)."""
-        path.parent.mkdir(parents=True, exist_ok=True)
+        trusted_cache.private_dir(path.parent)
         lock = path.with_suffix(".lock")
         with open(lock, "w") as handle:
             fcntl.flock(handle, fcntl.LOCK_EX)  # two engines of one model compile it once
@@ -304,7 +313,7 @@ class CompiledDecode:
         else:
             shapes = (None, None, None, {1: width}, None, pools)
         module = self.in_place_module if free else self.module
-        path.parent.mkdir(parents=True, exist_ok=True)
+        trusted_cache.private_dir(path.parent)
         partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
         try:
             with torch.no_grad(), warnings.catch_warnings():
@@ -314,6 +323,7 @@ class CompiledDecode:
                 torch._inductor.aoti_compile_and_package(
                     program, package_path=str(partial), inductor_configs=dict(INDUCTOR_OPTIONS)
                 )
+            trusted_cache.record(partial, as_=path)  # its hash first: a loader never finds it unrecorded
             partial.replace(path)  # atomic: another process never loads half a package
         finally:
             partial.unlink(missing_ok=True)
@@ -477,4 +487,4 @@ def prune_packages(keep: int, folder: Path | None = None) -> None:
         reverse=True,
     )
     for old in packages[keep:]:
-        old.unlink(missing_ok=True)
+        trusted_cache.forget(old)

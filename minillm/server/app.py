@@ -3,7 +3,8 @@
     POST /v1/completions        text in, text out (``prompt``: a string, token ids, or a batch)
     POST /v1/chat/completions   messages in, the model's chat template applied
     GET  /v1/models             the models this process serves (``--model`` may be repeated)
-    GET  /health                200 while every engine thread is alive, else 503
+    GET  /health                liveness: 200 while every engine can serve, else 503 naming why
+    GET  /ready                 readiness: models loaded and serving, with the fast path's state
     GET  /metrics               Prometheus text format
 
 Both POST routes stream with ``"stream": true`` (server-sent events, ending ``data: [DONE]``).
@@ -11,7 +12,8 @@ Every error is a JSON body in OpenAI's shape with the HTTP status that fits: 400
 value (naming the field in ``param``), 404 for an unknown model or route, 413 for a body over
 the limit, 429 when too many requests wait (with ``Retry-After``), 503 if an engine has died.
 A request's failure never touches the others: validation happens before anything is queued,
-and a client that leaves aborts only its own request.
+a request whose own settings fail inside a step ends alone (400 naming the setting;
+``engine/isolation.py``), and a client that leaves aborts only its own request.
 """
 
 from __future__ import annotations
@@ -21,14 +23,18 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
+from minillm.errors import RequestFailed
 from minillm.server.async_engine import AsyncEngine, EngineDead, QueueFull
 from minillm.server.body_limit import BodyLimit
+from minillm.server.front_door import FrontDoor
 from minillm.server.metrics import ServerMetrics
 from minillm.server.plan import choose_engine, parse, plan, response_of
 from minillm.server.protocol import APIError, error_body
@@ -36,6 +42,7 @@ from minillm.server.response_cache import ResponseCache
 from minillm.server.responses import DONE, Formatter, sse, usage
 
 log = logging.getLogger("minillm.server")
+PARSE_THREADS = 2
 
 
 def build_app(
@@ -43,11 +50,26 @@ def build_app(
     response_cache: ResponseCache | None = None,
     max_body_bytes: int = 2 << 20,
     disconnect_poll_s: float = 0.25,
+    enable_docs: bool = False,
+    allowed_hosts: list[str] | None = None,
+    api_key: str | None = None,
+    body_timeout_s: float | None = 30.0,
 ) -> FastAPI:
-    """An app serving ``engines`` (model name → engine). Starts and stops their threads."""
+    """An app serving ``engines`` (model name → engine). Starts and stops their threads.
+
+    ``allowed_hosts`` (None: any), ``api_key``: the front door's checks (``front_door.py``);
+    ``enable_docs``: serve the interactive API docs at ``/docs`` (off: they advertise every
+    route to anyone who can reach the port); ``body_timeout_s``: how long a request body may
+    take to arrive in full (408 after; ``body_limit.py``)."""
     if not engines:
         raise ValueError("serve at least one model")
     metrics = ServerMetrics(engines, response_cache)
+    # Requests are parsed, validated and tokenized here, off the event loop (a few threads: the
+    # work is CPU-bound, and the tokenizer releases the GIL). A fixed pool: no thread per request.
+    parsing = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="minillm-parse")
+
+    async def off_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(parsing, fn, *args)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -57,9 +79,12 @@ def build_app(
         yield
         for engine in engines.values():
             engine.stop()
+        parsing.shutdown(wait=False)
 
-    app = FastAPI(title="minillm", lifespan=lifespan)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="minillm", lifespan=lifespan, **docs)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+    app.add_middleware(FrontDoor, allowed_hosts=allowed_hosts, api_key=api_key)  # outermost: runs first
     app.state.engines, app.state.metrics, app.state.response_cache = engines, metrics, response_cache
 
     # -- errors --------------------------------------------------------------------------------
@@ -83,10 +108,26 @@ def build_app(
 
     @app.get("/health")
     async def health():
-        dead = {name: repr(e.error) for name, e in engines.items() if not e.alive}
+        """Liveness: 503 as soon as an engine can no longer serve (its thread stopped, a
+        parallel worker died), naming why — an orchestrator restarts the server then."""
+        dead = {name: reason for name, e in engines.items() if (reason := e.failure()) is not None}
         if dead:
             return JSONResponse({"status": "engine stopped", "engines": dead}, status_code=503)
         return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        """Readiness: 200 once every model is loaded and its engine serving (this app exists
+        only after the models loaded), with each decode fast path's state — ``building``
+        engines already answer, eagerly; 503 like ``/health`` otherwise."""
+        state = {}
+        for name, e in engines.items():
+            status = e.engine.fast_path_status()
+            state[name] = {"serving": e.failure() is None, "failure": e.failure(), "fast_path": status.state,
+                           "fast_path_detail": status.detail}  # fmt: skip
+        serving = all(s["serving"] for s in state.values())
+        return JSONResponse({"status": "ready" if serving else "not ready", "engines": state},
+                            status_code=200 if serving else 503)  # fmt: skip
 
     @app.get("/v1/models")
     async def models():
@@ -115,21 +156,31 @@ def build_app(
         return await _generate(request, "/v1/chat/completions")
 
     async def _generate(request: Request, endpoint: str):
-        body = await _json_body(request)
-        req = parse(endpoint, body)
+        # Decoding, parsing and (below) tokenizing run on a worker thread, not the event loop: a
+        # 2 MB body must not stall every other connection, /health included, while it is read.
+        try:
+            raw = await request.body()
+        except ClientDisconnect:  # it left while sending: nobody to answer, nothing went wrong here
+            log.info("client %s left while sending its request body to %s", _peer(request), endpoint)
+            return Response(status_code=499)
+        body, req = await off_loop(_parse_body, raw, endpoint)
         engine = choose_engine(req, engines)
         request.state.model = req.model  # a metrics label only once it names a served model
-        cache_key = response_cache.key(endpoint, body) if response_cache is not None else None
+        chat = endpoint == "/v1/chat/completions"
+        cache_key = None
+        if response_cache is not None:  # the validated request: fields the schema ignores neither grow nor miss it
+            cache_key = response_cache.key(endpoint, {k: v for k, v in body.items() if k in type(req).model_fields})
         if cache_key is not None:
             hit = response_cache.get(cache_key)
             if hit is not None:
                 metrics.requests.labels(req.model, endpoint, "200").inc()
+                hit["id"], hit["created"] = engine.new_request_id("chatcmpl" if chat else "cmpl"), int(time.time())
                 return JSONResponse(hit)
-        chat = endpoint == "/v1/chat/completions"
         count = req.n * (1 if chat else len(req.prompts()))  # sequences this request will queue
         if count > engine.max_waiting:
             raise APIError(400, f"this request asks for {count} sequences (prompts × n); the server queues at most "
                                 f"{engine.max_waiting}", "n" if req.n > 1 else "prompt")  # fmt: skip
+        p = await off_loop(plan, req, engine, engine.engine, engine.new_request_id("chatcmpl" if chat else "cmpl"))
         try:
             engine.admit(count)
         except QueueFull as exc:
@@ -138,7 +189,6 @@ def build_app(
                            {"Retry-After": str(exc.retry_after)}) from None  # fmt: skip
         except EngineDead as exc:
             raise APIError(503, str(exc), None, "server_error") from None
-        p = plan(req, engine, engine.engine, engine.new_request_id("chatcmpl" if chat else "cmpl"))
         seqs, fmt, prompt_tokens = p.seqs, p.formatter, p.prompt_tokens
         streams = [engine.open(seq) for seq in seqs]  # queued now: no await since admit()
         metrics.prompt_tokens.labels(req.model).inc(prompt_tokens)
@@ -181,6 +231,8 @@ def build_app(
             return [sample for t in tasks for sample in t.result()]
         except EngineDead as exc:
             raise APIError(503, str(exc), None, "server_error") from None
+        except RequestFailed as exc:  # its own settings failed in a step; the others went on
+            raise APIError(400, str(exc), exc.param) from None
         finally:
             for t, seq in zip(tasks, seqs):
                 if not t.done():
@@ -212,6 +264,9 @@ def build_app(
                 first = [False] * choices
             while remaining:
                 prompt_index, item = await merged.get()
+                if isinstance(item, RequestFailed):
+                    yield sse(error_body(str(item), "invalid_request_error", item.param))
+                    return
                 if isinstance(item, BaseException):
                     message = str(item) if isinstance(item, EngineDead) else f"{type(item).__name__}: {item}"
                     yield sse(error_body(message, "server_error"))
@@ -244,12 +299,21 @@ def build_app(
     return app
 
 
+def _peer(request: Request) -> str:
+    return f"{request.client.host}:{request.client.port}" if request.client else "?"
+
+
 def _model_of(request: Request) -> str:
     return getattr(request.state, "model", "") or ""
 
 
-async def _json_body(request: Request) -> dict:
-    raw = await request.body()
+def _parse_body(raw: bytes, endpoint: str) -> tuple[dict, object]:
+    """The body as JSON and as the endpoint's validated request (on a worker thread)."""
+    body = _json_body(raw)
+    return body, parse(endpoint, body)
+
+
+def _json_body(raw: bytes) -> dict:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -263,4 +327,25 @@ async def _json_body(request: Request) -> dict:
         raise APIError(400, f"the request body cannot be parsed: {type(exc).__name__}", None) from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", None)
+    where = _lone_surrogate(body)
+    if where is not None:
+        raise APIError(400, f"{where} holds a lone UTF-16 surrogate (an escape such as \\ud800 without its pair), "
+                            "which is not text", where.split("[", 1)[0].split(".", 1)[0])  # fmt: skip
     return body
+
+
+def _lone_surrogate(value, path: str = "") -> str | None:
+    """Where in a parsed body a string holds a lone surrogate (JSON allows the escape; no
+    tokenizer can encode it), as ``messages[0].content``; None if nowhere."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        where = _lone_surrogate(item, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key)
+        if where is not None:
+            return where
+    return None

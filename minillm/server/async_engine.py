@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from minillm.engine import LLMEngine
 from minillm.engine.client import EngineClient
+from minillm.errors import RequestFailed
 from minillm.outputs import StreamDelta
 from minillm.sequence import Sequence
 
@@ -101,7 +102,16 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        return self.failure() is None
+
+    def failure(self) -> str | None:
+        """Why this engine cannot serve — its thread stopped, or the engine itself failed (a dead
+        tensor-parallel worker) — or None while it can."""
+        if self.error is not None:
+            return f"engine thread stopped: {self.error!r}"
+        if not self._thread.is_alive():
+            return "engine thread not running"
+        return self.engine.failure()
 
     # -- what handlers call --------------------------------------------------------------------
 
@@ -120,8 +130,9 @@ class AsyncEngine:
     def admit(self, count: int = 1) -> None:
         """Raise :class:`QueueFull` if ``count`` more sequences may not wait (checked before
         tokenizing; the caller posts them with no ``await`` in between)."""
-        if not self.alive:
-            raise EngineDead(f"the engine for {self.name!r} has stopped: {self.error!r}")
+        failure = self.failure()
+        if failure is not None:
+            raise EngineDead(f"the engine for {self.name!r} cannot serve: {failure}")
         waiting = self.num_waiting
         if waiting + count > self.max_waiting:
             # A rough hint: a waiting request starts within about one batch's decode time.
@@ -148,6 +159,8 @@ class AsyncEngine:
         try:
             while True:
                 item = await sink.queue.get()
+                if isinstance(item, RequestFailed):  # this request alone failed in a step
+                    raise item
                 if isinstance(item, BaseException):
                     raise EngineDead(f"the engine for {self.name!r} failed: {item!r}") from item
                 yield item

@@ -16,6 +16,7 @@ import uvicorn
 
 from minillm.server.app import build_app
 from minillm.server.async_engine import AsyncEngine
+from minillm.server.front_door import default_allowed_hosts
 from minillm.server.response_cache import ResponseCache
 
 
@@ -44,13 +45,29 @@ def serve(
     max_waiting: int = 256,
     max_body_bytes: int = 2 << 20,
     log_level: str = "info",
+    enable_docs: bool = False,
+    allowed_hosts: list[str] | None = None,
+    api_key: str | None = None,
+    body_timeout: float = 30.0,
+    keep_alive_timeout: float = 5.0,
+    max_connections: int | None = 1024,
+    shutdown_timeout: float = 10.0,
     **engine_args,
 ) -> None:
-    """Build the engines and serve until interrupted (what ``minillm serve`` runs)."""
+    """Build the engines and serve until interrupted (what ``minillm serve`` runs).
+
+    ``allowed_hosts`` None: the names of ``host`` (loopback: localhost, 127.0.0.1, [::1]).
+    Connections are bounded the way uvicorn can: an idle keep-alive connection closes after
+    ``keep_alive_timeout`` s; past ``max_connections`` open connections new ones get a 503; a
+    request body must arrive in full within ``body_timeout`` s (408); on SIGTERM the server stops
+    accepting, lets running requests finish for up to ``shutdown_timeout`` s, then exits."""
     engines = build_engines(models, max_waiting, **engine_args)
     cache = ResponseCache(response_cache) if response_cache else None
-    app = build_app(engines, cache, max_body_bytes=max_body_bytes)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    hosts = allowed_hosts if allowed_hosts else default_allowed_hosts(host)
+    app = build_app(engines, cache, max_body_bytes=max_body_bytes, enable_docs=enable_docs, allowed_hosts=hosts,
+                    api_key=api_key, body_timeout_s=body_timeout)  # fmt: skip
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=keep_alive_timeout,
+                limit_concurrency=max_connections, timeout_graceful_shutdown=shutdown_timeout)  # fmt: skip
 
 
 class ServerThread:

@@ -31,17 +31,28 @@ def cache_key(endpoint: str, body: dict) -> str | None:
     return endpoint + "\n" + json.dumps(fields, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
 
-class ResponseCache:
-    """``key`` may replace :meth:`cache_key` (chapter 10 plugs the learner's version in here)."""
+DEFAULT_MAX_BYTES = 64 << 20
 
-    def __init__(self, capacity: int, key=None):
+
+class ResponseCache:
+    """``key`` may replace :meth:`cache_key` (chapter 10 plugs the learner's version in here).
+
+    Bounded twice: at most ``capacity`` entries and ``max_bytes`` of keys and responses (as
+    JSON), least recently used out first; one entry over a quarter of the budget is not kept.
+    The server keys the *validated* request — the fields its schema knows — so a client cannot
+    grow the cache, or miss it, with fields the server ignores."""
+
+    def __init__(self, capacity: int, key=None, max_bytes: int = DEFAULT_MAX_BYTES):
         if capacity < 1:
             raise ValueError(f"response cache capacity={capacity} must be >= 1")
-        self.capacity = capacity
+        if max_bytes < 1:
+            raise ValueError(f"response cache max_bytes={max_bytes} must be >= 1")
+        self.capacity, self.max_bytes = capacity, max_bytes
         self.key = key or cache_key
-        self._entries: OrderedDict[str, dict] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[dict, int]] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = self.misses = 0
+        self.nbytes = 0
 
     def get(self, key: str) -> dict | None:
         with self._lock:
@@ -51,14 +62,20 @@ class ResponseCache:
                 return None
             self._entries.move_to_end(key)
             self.hits += 1
-            return copy.deepcopy(entry)
+            return copy.deepcopy(entry[0])
 
     def put(self, key: str, response: dict) -> None:
+        size = len(key.encode()) + len(json.dumps(response, ensure_ascii=False).encode())
+        if size > self.max_bytes // 4:
+            return  # one answer must not flush the whole cache
         with self._lock:
-            self._entries[key] = copy.deepcopy(response)
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
+            old = self._entries.pop(key, None)
+            self.nbytes -= old[1] if old else 0
+            self._entries[key] = (copy.deepcopy(response), size)
+            self.nbytes += size
+            while len(self._entries) > self.capacity or self.nbytes > self.max_bytes:
+                _, (_, dropped) = self._entries.popitem(last=False)
+                self.nbytes -= dropped
 
     def __len__(self) -> int:
         return len(self._entries)

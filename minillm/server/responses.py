@@ -59,9 +59,9 @@ class Formatter:
                     {
                         "token": piece,
                         "logprob": r.logprob,
-                        "bytes": list(piece.encode()),
+                        "bytes": list(self.tokenizer.token_bytes(r.token_id)),  # raw: parts of a character too
                         "top_logprobs": [
-                            {"token": (p := self._piece(t)), "logprob": lp, "bytes": list(p.encode())}
+                            {"token": self._piece(t), "logprob": lp, "bytes": list(self.tokenizer.token_bytes(t))}
                             for t, lp in r.top
                         ],
                     }

@@ -1,0 +1,306 @@
+"""The server as an operator runs it: who may call it, what a probe sees, what the CLI refuses.
+
+Each case is an attack or an operator's mistake from the field report: a web page posting to
+a loopback server (Host / Content-Type), a missing API key, public docs, a lone surrogate, a
+token holding part of a character, a dead tensor-parallel worker behind a healthy-looking
+``/health``, and the CLI's ports, FIFOs, Ctrl-C and vLLM's ``serve MODEL`` form.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import httpx
+import pytest
+
+from minillm.cli import _replica_argv, build_parser, main
+from minillm.errors import ModelLoadError
+from minillm.models.loader import safetensors_files
+from minillm.server import ServerThread, build_app, build_engines
+from minillm.server.front_door import default_allowed_hosts
+from minillm.tokenizer import Tokenizer
+
+MODEL = "tiny-shakespeare-1m"
+ENGINE = dict(dtype="fp32", kv_cache_memory=8_000_000, max_num_seqs=8)
+BODY = {"model": MODEL, "prompt": "KING.\n", "max_tokens": 3, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    engines = build_engines([MODEL], **ENGINE)
+    app = build_app(engines, allowed_hosts=default_allowed_hosts("127.0.0.1"), api_key="s3cret")
+    with ServerThread(app) as srv:
+        yield srv
+
+
+def post(srv, path="/v1/completions", **kwargs):
+    headers = {"authorization": "Bearer s3cret", **kwargs.pop("headers", {})}
+    return httpx.post(srv.url + path, headers=headers, timeout=60, **kwargs)
+
+
+def test_a_web_page_cannot_post_text_plain(guarded):
+    """A page may POST text/plain cross-site without a preflight: refused before any route."""
+    import json
+
+    r = post(guarded, content=json.dumps(BODY), headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["param"] == "content-type"
+    assert post(guarded, json=BODY).status_code == 200
+
+
+@pytest.mark.parametrize("host", ["evil.example.com", "evil.example.com:8000", "127.0.0.1.nip.io", ""])
+def test_a_rebound_host_name_is_refused(guarded, host):
+    r = post(guarded, json=BODY, headers={"host": host})
+    assert r.status_code == 421 and r.json()["error"]["param"] == "host"
+
+
+@pytest.mark.parametrize("host", ["localhost:8000", "127.0.0.1", "LOCALHOST"])
+def test_loopback_names_are_served(guarded, host):
+    assert post(guarded, json=BODY, headers={"host": host}).status_code == 200
+
+
+def test_the_api_key_guards_v1_only(guarded):
+    for headers in ({"authorization": ""}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):
+        r = post(guarded, json=BODY, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(guarded.url + "/v1/models").status_code == 401
+    assert httpx.get(guarded.url + "/health").status_code == 200  # probes need no key
+    assert httpx.get(guarded.url + "/metrics").status_code == 200
+
+
+def test_the_docs_are_off_unless_enabled(guarded):
+    assert httpx.get(guarded.url + "/docs").status_code == 404
+    assert httpx.get(guarded.url + "/openapi.json").status_code == 404
+    with ServerThread(build_app(build_engines([MODEL], **ENGINE), enable_docs=True)) as srv:
+        assert httpx.get(srv.url + "/docs").status_code == 200
+
+
+def test_a_lone_surrogate_is_a_400_naming_the_field(guarded):
+    content = b'{"model": "%s", "prompt": "a\\ud800b", "max_tokens": 2}' % MODEL.encode()
+    r = post(guarded, content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    chat = b'{"model": "%s", "messages": [{"role": "user", "content": "\\udfff"}]}' % MODEL.encode()
+    r = post(guarded, "/v1/chat/completions", content=chat, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "messages[0].content" in r.json()["error"]["message"]
+
+
+def test_ready_reports_the_fast_path_and_health_is_ok(guarded):
+    r = httpx.get(guarded.url + "/ready")
+    assert r.status_code == 200 and r.json()["engines"][MODEL]["fast_path"] in ("off", "building", "ready")
+    assert httpx.get(guarded.url + "/health").json() == {"status": "ok"}
+
+
+def test_token_bytes_rebuild_multibyte_text(tiny_model):
+    tokenizer = Tokenizer(tiny_model)
+    text = "café — 日本語, naïve 🙂"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(tokenizer.token_bytes(i) for i in ids).decode("utf-8") == text
+    partial = [i for i in ids if "\ufffd" in tokenizer.decode([i])]
+    assert partial and all(b"\xef\xbf\xbd" not in tokenizer.token_bytes(i) for i in partial)
+
+
+def test_a_dead_tensor_parallel_worker_fails_health_and_ready():
+    engines = build_engines([MODEL], tensor_parallel_size=2, **ENGINE)
+    with ServerThread(build_app(engines)) as srv:
+        assert httpx.get(srv.url + "/health").status_code == 200
+        runner = engines[MODEL].engine.runner
+        runner.procs[1].kill()
+        runner.procs[1].join(10)
+        health = httpx.get(srv.url + "/health")
+        assert health.status_code == 503 and "rank 1 exited" in health.json()["engines"][MODEL]
+        assert httpx.get(srv.url + "/ready").status_code == 503
+        r = httpx.post(srv.url + "/v1/completions", json=BODY, timeout=60)
+        assert r.status_code == 503 and "rank 1" in r.json()["error"]["message"]
+
+
+# ---- the command line ------------------------------------------------------------------------------
+
+
+def test_serve_takes_the_model_positionally_as_vllm_does():
+    args = build_parser().parse_args(["serve", MODEL, "--port", "8001", "--block-size", "4"])
+    assert args.models == [MODEL]
+    argv = ["serve", MODEL, "--allowed-hosts", "a.com,b.com", "--api-key", "k", "--enable-docs", "--block-size", "4",
+            "--data-parallel-size", "2"]  # fmt: skip
+    # replicas get neither the model (the router names it), nor the router's own checks
+    assert _replica_argv(argv, [MODEL]) == ["--enable-docs", "--block-size", "4", "--data-parallel-size", "1"]
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "65536"])
+def test_a_port_out_of_range_is_named_before_loading(port, capsys):
+    start = time.perf_counter()
+    assert main(["serve", "no-such-model-is-loaded", "--port", port]) == 2
+    assert f"--port {port} is not a TCP port" in capsys.readouterr().err
+    assert time.perf_counter() - start < 5
+
+
+def test_weights_that_are_not_regular_files_are_refused(tiny_model, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model, folder)
+    (weights,) = folder.glob("*.safetensors")
+    weights.unlink()
+    os.mkfifo(weights)  # reading it would block forever
+    with pytest.raises(ModelLoadError, match="not a regular file"):
+        safetensors_files(folder)
+
+
+def test_ctrl_c_in_the_cli_is_one_line(tiny_model, capsys, monkeypatch):
+    import minillm.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_generate", interrupted)
+    assert main(["generate", "--model", str(tiny_model), "--prompt", "x"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "minillm: interrupted" and "Traceback" not in err
+
+
+def test_health_stays_fast_while_two_megabyte_requests_arrive(guarded):
+    """Parsing and tokenizing run off the event loop, and a prompt that cannot fit is refused
+    before tokenizing: /health keeps answering while 2 MB bodies (text, and token ids) arrive."""
+    import json
+    import threading
+
+    text = json.dumps({"model": MODEL, "prompt": "To be or not to be. " * 95_000, "max_tokens": 2}).encode()
+    ids = json.dumps({"model": MODEL, "prompt": [5] * 450_000, "max_tokens": 2}).encode()
+    assert 1.8e6 < len(text) < 2 << 20 and 1.3e6 < len(ids) < 2 << 20
+    codes, latencies, stop = [], [], threading.Event()
+
+    def send(content):
+        for _ in range(3):
+            codes.append(post(guarded, content=content, headers={"content-type": "application/json"}).status_code)
+
+    def probe():
+        with httpx.Client(base_url=guarded.url, timeout=10) as http:
+            while not stop.is_set():
+                start = time.perf_counter()
+                assert http.get("/health").status_code == 200
+                latencies.append(time.perf_counter() - start)
+                time.sleep(0.02)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    senders = [threading.Thread(target=send, args=(c,)) for c in (text, ids, text, ids)]
+    for t in senders:
+        t.start()
+    for t in senders:
+        t.join(120)
+    stop.set()
+    prober.join(10)
+    assert codes == [400] * 12
+    latencies.sort()
+    assert len(latencies) >= 5 and latencies[len(latencies) // 2] < 0.1, latencies  # the median, on a shared CPU
+    assert latencies[-1] < 0.5, latencies
+
+
+# ---- slow clients, disconnects, shutdown ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def impatient():
+    engines = build_engines([MODEL], **ENGINE)
+    with ServerThread(build_app(engines, body_timeout_s=1.0)) as srv:
+        yield srv
+
+
+def _raw(srv, head: bytes, body_parts, pause: float) -> tuple[bytes, float]:
+    """Send ``head`` then each body part ``pause`` s apart; the answer and when it came."""
+    import socket
+
+    start = time.perf_counter()
+    with socket.create_connection((srv.host, srv.port), timeout=30) as conn:
+        conn.sendall(head)
+        try:
+            for part in body_parts:
+                time.sleep(pause)
+                conn.sendall(part)
+        except OSError:  # the server already answered and closed
+            pass
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    return answer, time.perf_counter() - start
+
+
+HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 200\r\n\r\n"
+
+
+def test_a_trickled_body_gets_408_and_its_connection_closed(impatient):
+    answer, took = _raw(impatient, HEAD, [b"{" + b" " * 9] * 20, pause=0.5)  # 10 bytes every 0.5 s: ~10 s in all
+    assert answer.startswith(b"HTTP/1.1 200") is False and b" 408 " in answer.split(b"\r\n")[0]
+    assert took < 8
+
+
+def test_a_half_sent_body_gets_408(impatient):
+    answer, took = _raw(impatient, HEAD + b'{"model": "x", ', [], pause=0)
+    assert b" 408 " in answer.split(b"\r\n")[0] and b"did not arrive within 1 s" in answer
+    assert took < 5
+
+
+def test_a_client_leaving_mid_body_is_one_info_line(impatient, caplog):
+    import logging
+    import socket
+
+    with caplog.at_level(logging.INFO, logger="minillm.server"):
+        for _ in range(5):
+            with socket.create_connection((impatient.host, impatient.port)) as conn:
+                conn.sendall(HEAD + b'{"model": ')
+            time.sleep(0.2)
+        time.sleep(0.5)
+    lines = [r for r in caplog.records if r.name == "minillm.server"]
+    assert len(lines) == 5 and all(r.levelno == logging.INFO and "left while sending" in r.getMessage() for r in lines)
+    assert not any(r.exc_info for r in caplog.records)
+    assert httpx.post(impatient.url + "/v1/completions", json=BODY, timeout=60).status_code == 200
+
+
+def test_sigterm_drains_running_requests_then_exits(tiny_model, tmp_path):
+    """`minillm serve` with a request in flight: SIGTERM stops accepting, lets it finish (within
+    --shutdown-timeout) and exits."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "minillm", "serve", str(tiny_model), "--port", str(port), "--dtype", "fp32",
+         "--block-size", "4", "--shutdown-timeout", "20", "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "MINILLM_COMPILE": "0"},
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-2000:]
+            time.sleep(0.3)
+        name = os.path.basename(str(tiny_model))
+        started, lines = threading.Event(), []
+
+        def long_stream():
+            body = {"model": name, "prompt": "hello", "max_tokens": 240, "ignore_eos": True, "temperature": 0,
+                    "stream": True}  # fmt: skip
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line)
+                        started.set()
+
+        t = threading.Thread(target=long_stream)
+        t.start()
+        assert started.wait(60)
+        proc.send_signal(signal.SIGTERM)  # mid-stream
+        t.join(60)
+        assert proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises SIGTERM once it has shut down cleanly
+        assert lines[-1] == "data: [DONE]" and len(lines) == 240 + 1  # every token, then the end
+    finally:
+        if proc.poll() is None:
+            proc.kill()
