@@ -122,7 +122,7 @@ def cmd_serve(args) -> int:
     args.model = list(args.models) + list(args.model or [])  # `serve MODEL` (vLLM's form) and/or --model
     if not 0 <= args.port <= 65535:  # before the slow model load, not an OverflowError after it
         raise ValueError(f"--port {args.port} is not a TCP port: use 0-65535 (0 picks a free one)")
-    for name in ("body_timeout", "keep_alive_timeout", "shutdown_timeout", "max_connections"):
+    for name in ("body_timeout", "keep_alive_timeout", "shutdown_timeout", "max_connections", "header_timeout"):
         value = getattr(args, name)
         if not value > 0 or value == float("inf"):
             raise ValueError(f"--{name.replace('_', '-')} {value} must be a positive, finite number")
@@ -153,6 +153,7 @@ def cmd_serve(args) -> int:
         keep_alive_timeout=args.keep_alive_timeout,
         max_connections=args.max_connections,
         shutdown_timeout=args.shutdown_timeout,
+        header_timeout=args.header_timeout,
         **_engine_kwargs(args),
     )
     return 0
@@ -532,6 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-docs", action="store_true", help="serve the interactive API docs at /docs (default: off)")
     p.add_argument("--body-timeout", type=float, default=30.0, help="seconds a request body may take to arrive in full (408)")
     p.add_argument("--keep-alive-timeout", type=float, default=5.0, help="seconds an idle connection stays open")
+    p.add_argument("--header-timeout", type=float, default=10.0, help="seconds a request's headers may take")
     p.add_argument("--max-connections", type=int, default=1024, help="open connections; more get 503")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, help="on SIGTERM, seconds to finish running requests")
     p.add_argument(

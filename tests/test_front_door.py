@@ -304,3 +304,29 @@ def test_sigterm_drains_running_requests_then_exits(tiny_model, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.fixture(scope="module")
+def strict_headers():
+    with ServerThread(build_app(build_engines([MODEL], **ENGINE)), header_timeout=1.0) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("sends", [[], [b"POST /v1/comp", b"letions HTTP/1.1\r\n", b"Host: 127.0.0.1\r\n"]])
+def test_idle_and_slow_header_connections_are_closed(strict_headers, sends):
+    """A connection that sends nothing, or trickles its request line and headers, is closed at the
+    header deadline (1 s here) instead of being held for ever (slowloris)."""
+    import socket
+
+    start = time.perf_counter()
+    with socket.create_connection((strict_headers.host, strict_headers.port), timeout=10) as conn:
+        try:
+            for part in sends:
+                conn.sendall(part)
+                time.sleep(0.4)
+            closed = conn.recv(4096) == b""
+        except ConnectionResetError:
+            closed = True
+    assert closed and time.perf_counter() - start < 4
+    r = httpx.post(strict_headers.url + "/v1/completions", json=BODY, timeout=60)
+    assert r.status_code == 200  # a client that sends its request at once is unaffected

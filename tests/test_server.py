@@ -328,6 +328,30 @@ def test_greedy_responses_are_cached_and_sampled_ones_are_not(server, client):
     assert hits() == before + 1
 
 
+def test_fields_the_schema_ignores_neither_grow_nor_miss_the_response_cache(server):
+    """A 1 MB unknown field, 20 times: one entry, answered from the cache, each with its own id."""
+    cache = server.app.state.response_cache
+    body = {"model": MODEL, "prompt": "Good morrow", "max_tokens": 5, "temperature": 0}
+    first = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    size = cache.nbytes
+    answers = [
+        httpx.post(server.url + "/v1/completions", json=body | {"junk": "x" * (1 << 20)}, timeout=60).json()
+        for _ in range(20)
+    ]
+    assert cache.nbytes == size < 20_000  # the junk is in no key
+    assert all(a["choices"] == first["choices"] for a in answers)
+    assert len({a["id"] for a in answers} | {first["id"]}) == 21  # a hit is a new response, not a replay
+
+
+def test_the_response_cache_keeps_to_its_byte_budget():
+    cache = ResponseCache(100, max_bytes=4_000)
+    for i in range(20):
+        cache.put(f"key{i}", {"text": "y" * 400})
+    assert cache.nbytes <= 4_000 and len(cache) < 20 and cache.get("key19") is not None and cache.get("key0") is None
+    cache.put("huge", {"text": "z" * 2_000})  # over a quarter of the budget: not kept, nothing evicted for it
+    assert cache.get("huge") is None and cache.get("key19") is not None
+
+
 def test_metrics_in_prometheus_text_format(server, client):
     from prometheus_client.parser import text_string_to_metric_families
 

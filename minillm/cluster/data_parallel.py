@@ -198,6 +198,7 @@ def serve_data_parallel(
     import uvicorn
 
     from minillm.assets import resolve_model
+    from minillm.server.connections import with_header_timeout
     from minillm.server.launch import ServerProcess, served_name
     from minillm.tokenizer import Tokenizer
 
@@ -214,6 +215,6 @@ def serve_data_parallel(
         urls = [s.url for s in servers]
         app = build_router_app(urls, tokenizers, policy, block_size, stop_replicas, max_body_bytes,
                                allowed_hosts or default_allowed_hosts(host), api_key)  # fmt: skip
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, http=with_header_timeout(10.0))
     finally:  # a replica that failed to start, or Ctrl-C before the app ran
         stop_replicas()

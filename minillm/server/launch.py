@@ -16,6 +16,7 @@ import uvicorn
 
 from minillm.server.app import build_app
 from minillm.server.async_engine import AsyncEngine
+from minillm.server.connections import with_header_timeout
 from minillm.server.front_door import default_allowed_hosts
 from minillm.server.response_cache import ResponseCache
 
@@ -52,13 +53,15 @@ def serve(
     keep_alive_timeout: float = 5.0,
     max_connections: int | None = 1024,
     shutdown_timeout: float = 10.0,
+    header_timeout: float = 10.0,
     **engine_args,
 ) -> None:
     """Build the engines and serve until interrupted (what ``minillm serve`` runs).
 
     ``allowed_hosts`` None: the names of ``host`` (loopback: localhost, 127.0.0.1, [::1]).
-    Connections are bounded the way uvicorn can: an idle keep-alive connection closes after
-    ``keep_alive_timeout`` s; past ``max_connections`` open connections new ones get a 503; a
+    Connections are bounded: an idle keep-alive connection closes after ``keep_alive_timeout``
+    s, one whose request headers are not complete within ``header_timeout`` s is closed
+    (``connections.py``); past ``max_connections`` open connections new ones get a 503; a
     request body must arrive in full within ``body_timeout`` s (408); on SIGTERM the server stops
     accepting, lets running requests finish for up to ``shutdown_timeout`` s, then exits."""
     engines = build_engines(models, max_waiting, **engine_args)
@@ -67,7 +70,8 @@ def serve(
     app = build_app(engines, cache, max_body_bytes=max_body_bytes, enable_docs=enable_docs, allowed_hosts=hosts,
                     api_key=api_key, body_timeout_s=body_timeout)  # fmt: skip
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=keep_alive_timeout,
-                limit_concurrency=max_connections, timeout_graceful_shutdown=shutdown_timeout)  # fmt: skip
+                limit_concurrency=max_connections, timeout_graceful_shutdown=shutdown_timeout,
+                http=with_header_timeout(header_timeout))  # fmt: skip
 
 
 class ServerThread:
@@ -77,9 +81,11 @@ class ServerThread:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
     """
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 header_timeout: float = 10.0):  # fmt: skip
         self.app = app
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on")
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                                http=with_header_timeout(header_timeout))  # fmt: skip
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="minillm-uvicorn", daemon=True)
         self.host, self.port = host, port
