@@ -90,7 +90,7 @@ async def one(kind: str, rng: random.Random, url: str, model: str, body_timeout:
                 body = base | rng.choice([{"top_k": 2**63}, {"n": 10**9}, {"temperature": -1}, {"seed": 2**70},
                                           {"logprobs": 99}, {"max_tokens": 0}])  # fmt: skip
                 r = await http.post("/v1/completions", json=body)
-                ok = 400 <= r.status_code < 500 and r.json()["error"]["param"]
+                ok = 400 <= r.status_code < 500 and bool(r.json()["error"]["param"])
             elif kind == "too_big":
                 r = await http.post("/v1/completions", json=base | {"prompt": "x" * (3 << 20)})
                 ok = r.status_code == 413

@@ -112,6 +112,9 @@ def test_a_dead_tensor_parallel_worker_fails_health_and_ready():
         assert httpx.get(srv.url + "/ready").status_code == 503
         r = httpx.post(srv.url + "/v1/completions", json=BODY, timeout=60)
         assert r.status_code == 503 and "rank 1" in r.json()["error"]["message"]
+    import multiprocessing
+
+    assert not multiprocessing.active_children()  # the server's shutdown stopped the surviving rank too
 
 
 # ---- the command line ------------------------------------------------------------------------------
@@ -330,3 +333,18 @@ def test_idle_and_slow_header_connections_are_closed(strict_headers, sends):
     assert closed and time.perf_counter() - start < 4
     r = httpx.post(strict_headers.url + "/v1/completions", json=BODY, timeout=60)
     assert r.status_code == 200  # a client that sends its request at once is unaffected
+
+
+@pytest.mark.parametrize("error", [PermissionError(13, "Permission denied", "/models/private"),
+                                   IsADirectoryError(21, "Is a directory", "/models/x/config.json")])  # fmt: skip
+def test_an_unreadable_model_is_one_line_not_a_traceback(error, capsys, monkeypatch):
+    """As root a folder cannot be made unreadable, so the loader's PermissionError is raised by hand."""
+    import minillm.cli as cli
+
+    def unreadable(args):
+        raise error
+
+    monkeypatch.setattr(cli, "cmd_generate", unreadable)
+    assert main(["generate", "--model", "/models/private", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("minillm: error:") and error.filename in err and "Traceback" not in err

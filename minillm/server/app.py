@@ -79,6 +79,7 @@ def build_app(
         yield
         for engine in engines.values():
             engine.stop()
+            engine.engine.close()  # a parallel engine's worker processes, a compile still running
         parsing.shutdown(wait=False)
 
     docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
