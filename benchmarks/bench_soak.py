@@ -15,7 +15,14 @@ bodies trickled slower than ``--body-timeout`` (cut with a 408). Reported:
   200 with its tokens (or ``[DONE]``), a fault not answered with the 4xx it deserves, any 5xx.
   Clients that left on purpose are not counted; the server's ``/metrics`` must show them aborted;
 - **RSS** of the server process every 5 s: the drift from the end of the warm-up (the first
-  20% of the run) to the last sample and to the largest one (flat means within 5%);
+  20% of the run) to the last sample and to the largest one (flat means within 5%). The KV
+  pool is an on-demand mapping (``minillm/kvcache/zeroed.py``) that the prefix cache fills as
+  traffic touches new blocks, so a 1 GiB default pool alone grows RSS for minutes, up to its
+  size and no further. The soak therefore gives the server a pool its warm-up fills
+  (``--kv-cache-memory``, 64 MB by default) so that the drift measures everything else;
+- **left clients**: a client that leaves mid-stream aborts its request, unless the engine had
+  already finished it when the server saw the disconnect. After the run the server must hold no
+  running or waiting request and no KV block (``/metrics``): nothing a leaver started is kept;
 - **p99 TTFT** of the streamed valid requests, in the first and the last fifth of the run.
 
 Writes JSON (with every RSS sample) to ``benchmarks/results/soak-DATE-CPU.json``. A benchmark,
@@ -124,6 +131,25 @@ async def load(url: str, model: str, seconds: float, concurrency: int, body_time
     return out
 
 
+HELD = ("minillm_num_requests_running", "minillm_num_requests_waiting", "minillm_kv_blocks_used")
+
+
+def metric(text: str, name: str) -> float:
+    """The sum of a metric's samples (over its labels) in Prometheus text."""
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def settled_metrics(url: str, seconds: float = 10.0) -> str:
+    """``/metrics`` once nothing is running, or after ``seconds`` (the last aborts land a step
+    after their clients left)."""
+    deadline = time.perf_counter() + seconds
+    while True:
+        text = httpx.get(url + "/metrics").text
+        if not any(metric(text, name) for name in HELD) or time.perf_counter() > deadline:
+            return text
+        time.sleep(0.2)
+
+
 def sample_rss(pid: int, every: float, samples: list, stop) -> None:
     process = psutil.Process(pid)
     start = time.perf_counter()
@@ -139,6 +165,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=12)
     parser.add_argument("--body-timeout", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-cache-memory", type=int, default=64 << 20, help="the server's KV pool, bytes")
     args = parser.parse_args()
 
     import threading
@@ -148,7 +175,7 @@ def main() -> int:
     from minillm.machine import machine_description, machine_tag
 
     serve_args = ["--dtype", "fp32", "--response-cache", "64", "--body-timeout", str(args.body_timeout),
-                  "--max-body-bytes", str(2 << 20)]  # fmt: skip
+                  "--max-body-bytes", str(2 << 20), "--kv-cache-memory", str(args.kv_cache_memory)]  # fmt: skip
     seconds = args.minutes * 60
     with ServerProcess([args.model], serve_args) as server:
         samples, stop = [], threading.Event()
@@ -158,7 +185,7 @@ def main() -> int:
         out = asyncio.run(load(server.url, args.model, seconds, args.concurrency, args.body_timeout, args.seed))
         stop.set()
         sampler.join()
-        metrics = httpx.get(server.url + "/metrics").text
+        metrics = settled_metrics(server.url)
         healthy = httpx.get(server.url + "/health").status_code == 200
     lost = [o for o in out if o[1] != "ok"]
     warm = [rss for t, rss in samples if t >= 0.2 * seconds] or [samples[-1][1]]
@@ -169,8 +196,8 @@ def main() -> int:
     def p99(xs):
         return xs[min(len(xs) - 1, int(0.99 * len(xs)))] * 1000 if xs else None
 
-    aborted = sum(float(line.split()[-1]) for line in metrics.splitlines()
-                  if line.startswith("minillm_requests_aborted_total"))  # fmt: skip
+    aborted = metric(metrics, "minillm_requests_aborted_total")
+    held = {name: metric(metrics, name) for name in HELD}
     counts = {}
     for kind, outcome, _, _ in out:
         counts.setdefault(kind, [0, 0])[outcome == "ok"] += 1
@@ -179,6 +206,7 @@ def main() -> int:
         "requests": len(out), "lost": len(lost), "lost_examples": lost[:10],
         "by_kind": {k: {"answered_right": v[1], "lost": v[0]} for k, v in sorted(counts.items())},
         "left_mid_stream": counts.get("leave", [0, 0])[1], "aborted_in_metrics": aborted,
+        "held_after": held, "kv_cache_memory": args.kv_cache_memory,
         "rss_mb": {"after_warmup": rss_warm / 1e6, "last": rss_last / 1e6, "max": rss_max / 1e6,
                    "drift_last_pct": 100 * (rss_last / rss_warm - 1), "drift_max_pct": 100 * (rss_max / rss_warm - 1)},
         "ttft_p99_ms": {"first_fifth": p99(first), "last_fifth": p99(last)},
@@ -190,13 +218,16 @@ def main() -> int:
     path = RESULTS / f"soak-{result['date']}-{machine_tag(result['machine'])}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     r = result["rss_mb"]
+    held_text = ", ".join(f"{name.removeprefix('minillm_')} {value:.0f}" for name, value in held.items())
     print(f"{len(out)} requests in {args.minutes:g} min, {len(lost)} lost; {result['left_mid_stream']} clients left "
           f"mid-stream, {aborted:.0f} aborted in /metrics; RSS {r['after_warmup']:.0f} MB after warm-up, "
           f"{r['last']:.0f} last ({r['drift_last_pct']:+.1f}%), {r['max']:.0f} max ({r['drift_max_pct']:+.1f}%); "
           f"p99 TTFT {result['ttft_p99_ms']['first_fifth']:.0f} ms first fifth, "
-          f"{result['ttft_p99_ms']['last_fifth']:.0f} ms last fifth; healthy after: {healthy}")
+          f"{result['ttft_p99_ms']['last_fifth']:.0f} ms last fifth; healthy after: {healthy}; "
+          f"held after: {held_text}")
     print(f"wrote {path}")
-    return 0 if not lost and healthy else 1
+    clean = not any(held.values()) and aborted <= result["left_mid_stream"]
+    return 0 if not lost and healthy and clean else 1
 
 
 if __name__ == "__main__":

@@ -348,3 +348,89 @@ def test_an_unreadable_model_is_one_line_not_a_traceback(error, capsys, monkeypa
     assert main(["generate", "--model", "/models/private", "--prompt", "x"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("minillm: error:") and error.filename in err and "Traceback" not in err
+
+
+def test_an_oversized_body_still_being_sent_reads_its_413(impatient):
+    """A body over the limit is refused at its headers, while the client is still sending. Had
+    the server closed its socket with body bytes unread, the kernel would reset the connection
+    and destroy the 413 before the client read it (the soak lost 258 of 362 so). The server now
+    ends its side, drops what still arrives for a moment, then closes: the client, sending on
+    after the answer came, still reads a whole 413."""
+    import socket
+
+    size = 3 << 20
+    head = HEAD.replace(b"Content-Length: 200", b"Content-Length: %d" % size)
+    with socket.create_connection((impatient.host, impatient.port), timeout=30) as conn:
+        conn.sendall(head + b"{" + b" " * (1 << 20))
+        time.sleep(0.5)  # the 413 is sent and the server's close has begun
+        conn.sendall(b" " * (1 << 20))  # still sending: dropped, not answered with a reset
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    status, _, body = answer.partition(b"\r\n\r\n")
+    assert b" 413 " in status.split(b"\r\n")[0] and b"larger than the server's limit" in body
+    assert httpx.post(impatient.url + "/v1/completions", json=BODY, timeout=60).status_code == 200
+
+
+class _Transport:
+    """A transport that records what the lingering close asks of it."""
+
+    def __init__(self, eof_fails: bool = False, can_eof: bool = True):
+        self.calls, self.eof_fails, self.can_eof, self.closing = [], eof_fails, can_eof, False
+
+    def can_write_eof(self):
+        return self.can_eof
+
+    def is_closing(self):
+        return self.closing
+
+    def write_eof(self):
+        self.calls.append("write_eof")
+        if self.eof_fails:
+            raise OSError(107, "Transport endpoint is not connected")
+
+    def resume_reading(self):
+        self.calls.append("resume_reading")
+
+    def close(self):
+        self.calls.append("close")
+        self.closing = True
+
+    def abort(self):
+        self.calls.append("abort")
+        self.closing = True
+
+
+class _Loop:
+    def __init__(self):
+        self.timers = []
+
+    def call_later(self, delay, callback):
+        self.timers.append((delay, callback))
+        return self
+
+    def cancel(self):
+        self.timers.append("cancelled")
+
+
+def test_the_lingering_close_is_bounded_in_time_and_bytes():
+    from minillm.server.connections import LINGER_BYTES, LINGER_S, LingeringTransport
+
+    raw, loop = _Transport(), _Loop()
+    lingering = LingeringTransport(raw, loop)
+    lingering.close()
+    assert raw.calls == ["write_eof", "resume_reading"] and lingering.is_closing()
+    assert [delay for delay, _ in loop.timers] == [LINGER_S] and loop.timers[0][1] == raw.close
+    lingering.close()  # uvicorn may close twice: nothing more happens
+    assert raw.calls == ["write_eof", "resume_reading"]
+    lingering.drop(b"x" * (LINGER_BYTES // 2))
+    assert "abort" not in raw.calls
+    lingering.drop(b"x" * (LINGER_BYTES // 2 + 1))  # past the byte bound: reset
+    assert raw.calls[-1] == "abort" and loop.timers[-1] == "cancelled"
+
+    raw = _Transport(eof_fails=True)  # the client already left: no linger, no error
+    LingeringTransport(raw, _Loop()).close()
+    assert raw.calls == ["write_eof", "abort"]
+    raw = _Transport(can_eof=False)  # TLS cannot half-close: a plain close
+    LingeringTransport(raw, _Loop()).close()
+    assert raw.calls == ["close"]

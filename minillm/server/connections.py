@@ -1,5 +1,7 @@
-"""A deadline for every request's headers: idle and slow-header connections are closed.
+"""How the server's connections open and close: a deadline for every request's headers, and a
+gentle ("lingering") close.
 
+**The header deadline.** 
 uvicorn closes a keep-alive connection that idles *after* a response (``timeout_keep_alive``),
 and ``body_limit.py`` bounds the body. Nothing bounds the time before a request's headers are
 complete: a client that connects and sends nothing, or sends its headers a byte at a time
@@ -9,6 +11,16 @@ new request starts arriving on a kept-alive one, its headers must be complete wi
 ``header_timeout`` seconds, or the connection is closed (a client that sent nothing gets no
 answer; one that sent part of a request gets the connection closed, as nginx's
 ``client_header_timeout`` does).
+
+**The lingering close.** The server may answer before it has read a request's body — a 413
+for a body over the limit is sent at its headers. If it then closed its socket with the rest of
+the body still arriving, the kernel would answer those bytes with a reset, and a reset destroys
+the 413 in the client's receive buffer before the client reads it: a soak on loopback lost 258
+of 362 such answers (``benchmarks/bench_soak.py``). So, as Apache's ``lingering_close`` and
+nginx's ``lingering_close`` do, a close the server starts ends its own side first (FIN, after
+the answer), then reads and drops whatever the client still sends — at most
+``LINGER_BYTES``, for at most ``LINGER_S`` seconds — and closes when the client does. A client
+that keeps sending past those bounds gets the reset it asked for.
 """
 
 from __future__ import annotations
@@ -19,6 +31,52 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("minillm.server")
 
+LINGER_S = 5.0  # nginx's lingering_timeout
+LINGER_BYTES = 64 << 20
+
+
+class LingeringTransport:
+    """A transport whose ``close`` lingers (module docstring); everything else is the transport's."""
+
+    def __init__(self, transport, loop):
+        self._transport, self._loop = transport, loop
+        self.lingering, self.dropped, self._timer = False, 0, None
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+    def close(self) -> None:
+        if self.is_closing():
+            return
+        if not self._transport.can_write_eof():
+            return self._transport.close()
+        self.lingering = True
+        try:
+            self._transport.write_eof()  # sends what is buffered (the answer), then FIN
+        except OSError:  # the client is already gone: nothing to linger for
+            return self.abort()
+        self._transport.resume_reading()  # uvicorn may have paused reading while the body waited
+        self._timer = self._loop.call_later(LINGER_S, self._transport.close)
+
+    def drop(self, data: bytes) -> None:
+        """Bytes that arrived after the close began: dropped, up to ``LINGER_BYTES``."""
+        self.dropped += len(data)
+        if self.dropped > LINGER_BYTES:
+            self.abort()
+
+    def abort(self) -> None:
+        self.lingering = True
+        self._cancel()
+        self._transport.abort()
+
+    def _cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
 
 class HeaderDeadlineProtocol(H11Protocol):
     """``H11Protocol`` with a header deadline (``header_timeout`` seconds; see ``with_header_timeout``)."""
@@ -26,11 +84,13 @@ class HeaderDeadlineProtocol(H11Protocol):
     header_timeout = 10.0
 
     def connection_made(self, transport) -> None:
-        super().connection_made(transport)
         self._header_timer = None
+        super().connection_made(LingeringTransport(transport, self.loop))
         self._arm()
 
     def data_received(self, data: bytes) -> None:
+        if self.transport.lingering:  # the server has answered and is closing: drop the rest
+            return self.transport.drop(data)
         before = self.cycle
         super().data_received(data)
         if self.cycle is not before:  # a request's headers are complete: the body has its own limit
@@ -38,8 +98,16 @@ class HeaderDeadlineProtocol(H11Protocol):
         elif self.cycle is None or self.cycle.response_complete:  # between requests: bytes of the next one's headers
             self._arm()
 
+    def eof_received(self) -> bool | None:
+        """The client finished sending. While lingering that is the moment to close; otherwise
+        uvicorn's (half-open connections stay open for the answer)."""
+        if self.transport.lingering:
+            return False  # asyncio closes the transport
+        return super().eof_received()
+
     def connection_lost(self, exc) -> None:
         self._disarm()
+        self.transport._cancel()
         super().connection_lost(exc)
 
     def _arm(self) -> None:
