@@ -51,6 +51,9 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from minillm.attention.decode_tuning import DEFAULT as DEFAULT_DECODE  # noqa: E402
+from minillm.attention.decode_tuning import DecodeConfig  # noqa: E402
+
 if os.environ.get("TRITON_INTERPRET") == "1" and type(tl.zeros).__name__ != "InterpretedFunction":
     raise ImportError(
         "triton was imported before TRITON_INTERPRET=1 was set, so its helpers are compiled for a GPU this "
@@ -58,6 +61,7 @@ if os.environ.get("TRITON_INTERPRET") == "1" and type(tl.zeros).__name__ != "Int
     )
 
 
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 NO_WINDOW = 1 << 30  # "no sliding window": a window longer than any context
 KV_QUANT = {"auto": 0, "int8": 1, "fp8": 2}  # the kernels' constexpr for the pool's kv_cache_dtype
 
@@ -327,14 +331,16 @@ def _paged_decode_kernel(
     )
 
 
-def decode_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, device: torch.device) -> int:
+def decode_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, device: torch.device,
+                  programs_per_sm: int = 2) -> int:  # fmt: skip
     """How many programs share one sequence's context: enough to give every streaming
-    multiprocessor ~2 programs when the batch alone cannot, never a split under 256 keys."""
+    multiprocessor ``programs_per_sm`` programs when the batch alone cannot, never a split
+    under 256 keys, at most 16."""
     if device.type != "cuda":
         return 1 if max_context <= 256 else 2  # the interpreter: a little split-K, for coverage
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     programs = num_seqs * num_kv_heads
-    wanted = max(1, (2 * sms) // max(programs, 1))
+    wanted = max(1, (programs_per_sm * sms) // max(programs, 1))
     return max(1, min(wanted, max_context // 256, 16))
 
 
@@ -348,22 +354,25 @@ def paged_decode(
     block_size: int,
     max_context: int,
     num_splits: int | None = None,
-    block_n: int = 32,
+    block_n: int | None = None,
     window: int | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
     kv_cache_dtype: str = "auto",
+    config: DecodeConfig = DEFAULT_DECODE,
 ) -> torch.Tensor:
     """One query token per sequence, ``q[B, H, D]``, against K/V in the pool (``[num_slots, KV, D]``)
     through ``block_tables[B, max_blocks]``; ``context_lens[B]`` keys each (the last ``window`` of
     them with sliding-window attention). An 8-bit pool (``kv_cache_dtype="int8"`` or ``"fp8"``)
-    passes its scales, ``k_scales, v_scales[num_slots, KV]``. Returns ``[B, H, D]``."""
+    passes its scales, ``k_scales, v_scales[num_slots, KV]``. ``config`` holds the launch settings
+    (``decode_tuning.py``); ``block_n`` and ``num_splits`` override its. Returns ``[B, H, D]``."""
     kv_quant = _kv_quant(kv_cache_dtype, k_scales, v_scales)
     b, heads, dim = q.shape
     kv_heads = k_pool.shape[1]
     group = heads // kv_heads
+    block_n = block_n or config.block_n
     if num_splits is None:
-        num_splits = decode_splits(b, kv_heads, max_context, block_n, q.device)
+        num_splits = decode_splits(b, kv_heads, max_context, block_n, q.device, config.programs_per_sm)
     split_len = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
     m_part = torch.empty((b, heads, num_splits), dtype=torch.float32, device=q.device)
     l_part = torch.empty_like(m_part)
@@ -376,15 +385,61 @@ def paged_decode(
         m_part.stride(0), m_part.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         scale, group, dim, block_size, split_len, NO_WINDOW if window is None else window,
         GROUP=max(2, triton.next_power_of_2(group)), BLOCK_N=block_n, HEAD_DIM=max(16, triton.next_power_of_2(dim)),
-        KV_QUANT=kv_quant,
+        KV_QUANT=kv_quant, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    if num_splits == 1:
-        return (o_part[:, :, 0] / l_part).to(q.dtype)
-    # Merge the splits: rescale each to the global max, then normalise by the total sum.
+    return merge_splits(m_part, l_part, o_part, q.dtype)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    M_part, L_part, O_part, Out,
+    stride_ms, stride_mh, stride_os, stride_oh, stride_osplit, stride_on, stride_oh_out,
+    num_splits, head_dim,
+    SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """One program per (sequence, head): the log-sum-exp merge of its splits' partial states."""
+    seq, head = tl.program_id(0), tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_valid = offs_s < num_splits
+    d_valid = offs_d < head_dim
+    m = tl.load(M_part + seq * stride_ms + head * stride_mh + offs_s, mask=s_valid, other=float("-inf"))
+    l = tl.load(L_part + seq * stride_ms + head * stride_mh + offs_s, mask=s_valid, other=0.0)
+    o = tl.load(
+        O_part + seq * stride_os + head * stride_oh + offs_s[:, None] * stride_osplit + offs_d[None, :],
+        mask=s_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+    m_max = tl.max(m, 0)
+    weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))  # an empty split (m = -inf) weighs 0
+    total = tl.sum(l * weight, 0)
+    out = tl.sum(o * weight[:, None], 0) / total
+    tl.store(Out + seq * stride_on + head * stride_oh_out + offs_d, out.to(Out.dtype.element_ty), mask=d_valid)
+
+
+def merge_splits(m_part: torch.Tensor, l_part: torch.Tensor, o_part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Merge split-K partial states (``m, l[B, H, S]`` running max and sum, ``o[B, H, S, D]``
+    unnormalised weighted values) into ``[B, H, D]``: rescale each split to the global max, then
+    divide by the total sum — the log-sum-exp rule. One kernel launch (the PyTorch form,
+    ``merge_splits_reference``, is six), which matters when a decode step is launch-bound."""
+    b, heads, splits, dim = o_part.shape
+    # The interpreter rounds fp32 → bf16 wrongly (it truncates): there the kernel writes fp32.
+    out = torch.empty((b, heads, dim), dtype=torch.float32 if INTERPRETED else dtype, device=o_part.device)
+    _merge_splits_kernel[(b, heads)](
+        m_part, l_part, o_part, out,
+        m_part.stride(0), m_part.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        out.stride(0), out.stride(1), splits, dim,
+        SPLITS=max(2, triton.next_power_of_2(splits)), HEAD_DIM=max(16, triton.next_power_of_2(dim)),
+    )  # fmt: skip
+    return out.to(dtype)
+
+
+def merge_splits_reference(m_part, l_part, o_part, dtype: torch.dtype) -> torch.Tensor:
+    """``merge_splits`` in PyTorch (the rule written out; the test's reference)."""
     m_max = m_part.amax(dim=-1, keepdim=True)
     weight = torch.exp(m_part - m_max).nan_to_num(0.0)  # an empty split has m = -inf
     total = (l_part * weight).sum(-1, keepdim=True)
-    return ((o_part * weight[..., None]).sum(2) / total).to(q.dtype)
+    return ((o_part * weight[..., None]).sum(2) / total).to(dtype)
 
 
 @triton.jit

@@ -57,18 +57,7 @@ class TritonPagedStep:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = layout.num_decodes
         if nd:
-            out[:nd] = paged_decode(
-                q[:nd],
-                k_pool,
-                v_pool,
-                self.decode_block_tables,
-                self.decode_context_lens,
-                scale,
-                pool.block_size,
-                self.max_decode_context,
-                window=layout.window,
-                **quant,
-            )
+            out[:nd] = self._decode(q[:nd], k_pool, v_pool, scale, quant)
         if self.num_prefills:
             out[nd:] = flash_attention(
                 q[nd:],
@@ -85,3 +74,26 @@ class TritonPagedStep:
                 **quant,
             )
         return out[None]
+
+    def _decode(self, q: torch.Tensor, k_pool, v_pool, scale: float, quant: dict) -> torch.Tensor:
+        """The decode rows, by the kernel and settings measured fastest for this shape
+        (``decode_tuning.py``; on a CPU, the default settings)."""
+        from minillm.attention.decode_tuning import (
+            GATHER_SDPA, SEARCH_SPACE, decode_choice, gather_sdpa_decode, shape_bucket,
+        )  # fmt: skip
+        from minillm.attention.triton_kernels import paged_decode
+
+        layout, block_size = self.layout, self.layout.pool.block_size
+
+        def run(candidate):
+            if candidate == GATHER_SDPA:
+                return gather_sdpa_decode(q, k_pool, v_pool, self.decode_block_tables, self.decode_context_lens, scale,
+                                          block_size, layout.window)  # fmt: skip
+            return paged_decode(q, k_pool, v_pool, self.decode_block_tables, self.decode_context_lens, scale,
+                                block_size, self.max_decode_context, window=layout.window, config=candidate, **quant)  # fmt: skip
+
+        heads, kv_heads = q.shape[1], k_pool.shape[1]
+        key = shape_bucket(q.shape[0], self.max_decode_context, heads, kv_heads, q.shape[2], q.dtype,
+                           quant.get("kv_cache_dtype", "auto"), layout.window)  # fmt: skip
+        candidates = SEARCH_SPACE if quant else None  # gather + SDPA reads an unquantized pool only
+        return run(decode_choice(q.device).pick(key, run, candidates))

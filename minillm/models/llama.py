@@ -102,7 +102,11 @@ class SwiGLU(nn.Module):
             tp.update(tp_dim=1, tp_slices={None: keep})
         self.down_proj = Linear(full, config.hidden_size, **tp)
 
+    fused = None  # layers/triton_fused.py, when the model runs fused kernels (set_fused_kernels)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.down_proj(self.fused.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)  # row parallel: the layer all-reduces
 
@@ -115,7 +119,13 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config, parallel)
 
+    fused = None  # layers/triton_fused.py, when the model runs fused kernels (set_fused_kernels)
+
     def forward(self, x, cos, sin, step):
+        if self.fused is not None:  # the residual add and the second norm in one kernel
+            norm = self.post_attn_norm
+            h, x = self.fused.add_rms_norm(self.attn(self.input_norm(x), cos, sin, step), x, norm.weight, norm.eps)
+            return x + self.mlp(h)
         x = x + self.attn(self.input_norm(x), cos, sin, step)
         return x + self.mlp(self.post_attn_norm(x))
 
@@ -202,6 +212,16 @@ class LlamaForCausalLM(nn.Module):
         """``torch`` | ``sdpa`` | ``cpu`` | ``triton`` (the engine's builder resolves ``auto`` first);
         ``decode_dtype``: compute paged decode attention in this dtype (None: the model's)."""
         self.attention_backend = get_backend(name, decode_dtype)
+
+    def set_fused_kernels(self, on: bool) -> None:
+        """Run each layer's residual add + RMSNorm and its SiLU × up as fused Triton kernels
+        (``layers/triton_fused.py``: four launches fewer per layer, for launch-bound GPU decode),
+        or PyTorch's ops. The builder turns them on for the Triton backend on a GPU."""
+        fused = None
+        if on:
+            from minillm.layers import triton_fused as fused
+        for layer in self.layers:
+            layer.fused = layer.mlp.fused = fused
 
     def init_rope(self, max_positions: int) -> None:
         """Build the cos/sin table once weights are on their device (it is not a parameter)."""

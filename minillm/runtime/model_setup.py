@@ -2,7 +2,8 @@
 
 The engine's own model (``engine/builder.py``), a speculative draft model (same file) and every
 parallel worker's shard (``parallel/worker.py``) are set up the same way, in the same order:
-the attention backend first (and the dtype paged decode attention computes in), then the sliding
+the attention backend first (and the dtype paged decode attention computes in; with it the fused
+element-wise kernels, for the Triton backend on a GPU), then the sliding
 window, then the linear layers' weight methods — last, because prepacking and quantization
 replace the plain weights the earlier steps do not need, and a compiled decode step (built after
 this) folds in whatever storage the methods chose.
@@ -30,5 +31,6 @@ def configure_model(
     (``quantization``, ``sparsity``, ``cpu_prepack``, ``weight_offload``, ``compile``;
     ``tokenizer``: for calibration)."""
     model.set_attention_backend(backend, attention_dtype)
+    model.set_fused_kernels(backend == "triton" and model.device.type == "cuda")
     model.sliding_window = window
     apply_weight_methods(weights, model, model.device, model.dtype, tokenizer)
