@@ -134,7 +134,13 @@ def _decode_row(b: int, ctx: int, peak_gbs: float, heads: int, kv_heads: int, di
 
     # The engine's choice (minillm/attention/decode_tuning.py): every setting in the search space
     # and gather + SDPA, timed once, the fastest kept.
-    from minillm.attention.decode_tuning import GATHER_SDPA, SEARCH_SPACE, MeasuredChoice, cuda_timer, gather_sdpa_decode
+    from minillm.attention.decode_tuning import (
+        GATHER_SDPA,
+        SEARCH_SPACE,
+        MeasuredChoice,
+        cuda_timer,
+        gather_sdpa_decode,
+    )
 
     def run(candidate):
         if candidate == GATHER_SDPA:

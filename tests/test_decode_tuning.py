@@ -20,7 +20,13 @@ if not triton_available():
 
 from minillm.attention import decode_tuning  # noqa: E402
 from minillm.attention.decode_tuning import (  # noqa: E402
-    DEFAULT, GATHER_SDPA, SEARCH_SPACE, DecodeConfig, MeasuredChoice, gather_sdpa_decode, shape_bucket,
+    DEFAULT,
+    GATHER_SDPA,
+    SEARCH_SPACE,
+    DecodeConfig,
+    MeasuredChoice,
+    gather_sdpa_decode,
+    shape_bucket,
 )  # fmt: skip
 from minillm.attention.triton_kernels import merge_splits, merge_splits_reference, paged_decode  # noqa: E402
 from tests.test_triton_kernels import DEVICE, FP32_TOL, reference, scatter_into_pool  # noqa: E402
@@ -69,12 +75,12 @@ def test_a_sliding_window_with_empty_splits():
 def test_the_merge_kernel_is_the_log_sum_exp_rule(splits, dim):
     gen = torch.Generator().manual_seed(splits)
     m = torch.randn(3, 4, splits, generator=gen) * 4
-    l = torch.rand(3, 4, splits, generator=gen) + 0.5
+    sums = torch.rand(3, 4, splits, generator=gen) + 0.5
     o = torch.randn(3, 4, splits, dim, generator=gen)
     if splits > 1:  # empty splits, as a window or a short row leaves them
-        m[0, :, 0], l[0, :, 0], o[0, :, 0] = float("-inf"), 0.0, 0.0
-    m, l, o = m.to(DEVICE), l.to(DEVICE), o.to(DEVICE)
-    torch.testing.assert_close(merge_splits(m, l, o, torch.float32), merge_splits_reference(m, l, o, torch.float32),
+        m[0, :, 0], sums[0, :, 0], o[0, :, 0] = float("-inf"), 0.0, 0.0
+    m, sums, o = m.to(DEVICE), sums.to(DEVICE), o.to(DEVICE)
+    torch.testing.assert_close(merge_splits(m, sums, o, torch.float32), merge_splits_reference(m, sums, o, torch.float32),
                                atol=1e-6, rtol=1e-6)  # fmt: skip
 
 

@@ -404,7 +404,7 @@ def _merge_splits_kernel(
     s_valid = offs_s < num_splits
     d_valid = offs_d < head_dim
     m = tl.load(M_part + seq * stride_ms + head * stride_mh + offs_s, mask=s_valid, other=float("-inf"))
-    l = tl.load(L_part + seq * stride_ms + head * stride_mh + offs_s, mask=s_valid, other=0.0)
+    sums = tl.load(L_part + seq * stride_ms + head * stride_mh + offs_s, mask=s_valid, other=0.0)
     o = tl.load(
         O_part + seq * stride_os + head * stride_oh + offs_s[:, None] * stride_osplit + offs_d[None, :],
         mask=s_valid[:, None] & d_valid[None, :],
@@ -412,7 +412,7 @@ def _merge_splits_kernel(
     )
     m_max = tl.max(m, 0)
     weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))  # an empty split (m = -inf) weighs 0
-    total = tl.sum(l * weight, 0)
+    total = tl.sum(sums * weight, 0)
     out = tl.sum(o * weight[:, None], 0) / total
     tl.store(Out + seq * stride_on + head * stride_oh_out + offs_d, out.to(Out.dtype.element_ty), mask=d_valid)
 

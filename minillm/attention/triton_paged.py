@@ -43,7 +43,7 @@ class TritonPagedStep:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """``q[1, N, H, D]``, ``k, v[1, N, KV, D]`` → ``[1, N, H, D]``."""
-        from minillm.attention.triton_kernels import flash_attention, paged_decode, write_kv
+        from minillm.attention.triton_kernels import flash_attention, write_kv
 
         q, k, v = q[0], k[0], v[0]
         layout, pool = self.layout, self.layout.pool
@@ -79,7 +79,11 @@ class TritonPagedStep:
         """The decode rows, by the kernel and settings measured fastest for this shape
         (``decode_tuning.py``; on a CPU, the default settings)."""
         from minillm.attention.decode_tuning import (
-            GATHER_SDPA, SEARCH_SPACE, decode_choice, gather_sdpa_decode, shape_bucket,
+            GATHER_SDPA,
+            SEARCH_SPACE,
+            decode_choice,
+            gather_sdpa_decode,
+            shape_bucket,
         )  # fmt: skip
         from minillm.attention.triton_kernels import paged_decode
 

@@ -20,11 +20,11 @@ explains.
 
 from __future__ import annotations
 
-import minillm.attention.triton_kernels  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
 import torch
 import triton
 import triton.language as tl
 
+import minillm.attention.triton_kernels  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
 from minillm.attention.triton_kernels import INTERPRETED
 
 

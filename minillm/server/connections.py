@@ -1,7 +1,7 @@
 """How the server's connections open and close: a deadline for every request's headers, and a
 gentle ("lingering") close.
 
-**The header deadline.** 
+**The header deadline.**
 uvicorn closes a keep-alive connection that idles *after* a response (``timeout_keep_alive``),
 and ``body_limit.py`` bounds the body. Nothing bounds the time before a request's headers are
 complete: a client that connects and sends nothing, or sends its headers a byte at a time
