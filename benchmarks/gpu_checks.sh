@@ -52,7 +52,7 @@ EOF
 # 1. Correctness first: the Triton kernels compiled for the GPU (CI runs them only in the
 #    interpreter) — the decode search space, the split merge, the fused kernels, 8-bit KV.
 section pytest_triton_cuda 120 $PY -m pytest -q -rfE -p no:cacheprovider --timeout 60 \
-    tests/test_triton_kernels.py tests/test_decode_tuning.py tests/test_triton_fused.py \
+    tests/test_triton_kernels.py tests/test_decode_tuning.py tests/test_prefill_tuning.py tests/test_triton_fused.py \
     tests/test_kv_quant_triton.py tests/test_quant_triton.py
 # 2. Kernels against the hardware: peaks, prefill vs SDPA, paged decode default / tuned / gather+SDPA,
 #    quantized linears, end-to-end decode with and without CUDA graphs.

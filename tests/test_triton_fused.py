@@ -1,4 +1,4 @@
-"""The fused element-wise kernels (``minillm/layers/triton_fused.py``) against PyTorch's ops.
+"""The fused element-wise kernels (``minillm/models/triton_fused.py``) against PyTorch's ops.
 
 Without CUDA they run under Triton's interpreter: fp32, where the arithmetic is exact but for
 summation order (1e-5). The engine turns them on only for the Triton backend on a GPU; the last
@@ -17,9 +17,9 @@ from minillm.attention import triton_available
 if not triton_available():
     pytest.skip("triton is not installed", allow_module_level=True)
 
-from minillm.layers import triton_fused  # noqa: E402
-from minillm.layers.triton_fused import add_rms_norm, silu_and_mul  # noqa: E402
+from minillm.models import triton_fused  # noqa: E402
 from minillm.models.llama import LlamaForCausalLM  # noqa: E402
+from minillm.models.triton_fused import add_rms_norm, silu_and_mul  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = dict(atol=2e-3, rtol=2e-3) if DEVICE.type == "cuda" else dict(atol=1e-5, rtol=1e-5)

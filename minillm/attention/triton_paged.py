@@ -40,10 +40,11 @@ class TritonPagedStep:
             self.prefill_context_lens = context_lens[nd:]
             self.prefill_block_tables = layout.block_tables[nd:]
             self.prefill_max_tokens = max(prefill_lens)
+            self.prefill_query_lens, self.prefill_context_list = list(prefill_lens), list(layout.context_lens[nd:])
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """``q[1, N, H, D]``, ``k, v[1, N, KV, D]`` → ``[1, N, H, D]``."""
-        from minillm.attention.triton_kernels import flash_attention, write_kv
+        from minillm.attention.triton_kernels import write_kv
 
         q, k, v = q[0], k[0], v[0]
         layout, pool = self.layout, self.layout.pool
@@ -59,21 +60,30 @@ class TritonPagedStep:
         if nd:
             out[:nd] = self._decode(q[:nd], k_pool, v_pool, scale, quant)
         if self.num_prefills:
-            out[nd:] = flash_attention(
-                q[nd:],
-                k_pool,
-                v_pool,
-                self.prefill_cu_seqlens,
-                self.prefill_context_lens,
-                self.prefill_max_tokens,
-                scale,
-                causal=True,
-                block_tables=self.prefill_block_tables,
-                block_size=pool.block_size,
-                window=layout.window,
-                **quant,
-            )
+            out[nd:] = self._prefill(q[nd:], k_pool, v_pool, scale, quant)
         return out[None]
+
+    def _prefill(self, q: torch.Tensor, k_pool, v_pool, scale: float, quant: dict) -> torch.Tensor:
+        """The prefill chunks, by our FlashAttention or gather + SDPA, whichever was measured
+        faster for this shape (``prefill_tuning.py``; on a CPU, our kernel)."""
+        from minillm.attention.prefill_tuning import FLASH, gather_sdpa_prefill, prefill_bucket, prefill_choice
+        from minillm.attention.triton_kernels import flash_attention
+
+        layout, block_size = self.layout, self.layout.pool.block_size
+
+        def run(candidate):
+            if candidate == FLASH:
+                return flash_attention(q, k_pool, v_pool, self.prefill_cu_seqlens, self.prefill_context_lens,
+                                       self.prefill_max_tokens, scale, causal=True,
+                                       block_tables=self.prefill_block_tables, block_size=block_size,
+                                       window=layout.window, **quant)  # fmt: skip
+            return gather_sdpa_prefill(q, k_pool, v_pool, self.prefill_query_lens, self.prefill_context_list,
+                                       self.prefill_block_tables, scale, block_size, layout.window)  # fmt: skip
+
+        key = prefill_bucket(self.prefill_query_lens, self.prefill_context_list, q.shape[1], k_pool.shape[1],
+                             q.shape[2], q.dtype, quant.get("kv_cache_dtype", "auto"), layout.window)  # fmt: skip
+        candidates = (FLASH,) if quant else None  # SDPA reads an unquantized pool only
+        return run(prefill_choice(q.device).pick(key, run, candidates))
 
     def _decode(self, q: torch.Tensor, k_pool, v_pool, scale: float, quant: dict) -> torch.Tensor:
         """The decode rows, by the kernel and settings measured fastest for this shape

@@ -102,7 +102,7 @@ class SwiGLU(nn.Module):
             tp.update(tp_dim=1, tp_slices={None: keep})
         self.down_proj = Linear(full, config.hidden_size, **tp)
 
-    fused = None  # layers/triton_fused.py, when the model runs fused kernels (set_fused_kernels)
+    fused = None  # models/triton_fused.py, when the model runs fused kernels (set_fused_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:
@@ -119,7 +119,7 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config, parallel)
 
-    fused = None  # layers/triton_fused.py, when the model runs fused kernels (set_fused_kernels)
+    fused = None  # models/triton_fused.py, when the model runs fused kernels (set_fused_kernels)
 
     def forward(self, x, cos, sin, step):
         if self.fused is not None:  # the residual add and the second norm in one kernel
@@ -215,11 +215,11 @@ class LlamaForCausalLM(nn.Module):
 
     def set_fused_kernels(self, on: bool) -> None:
         """Run each layer's residual add + RMSNorm and its SiLU × up as fused Triton kernels
-        (``layers/triton_fused.py``: four launches fewer per layer, for launch-bound GPU decode),
+        (``models/triton_fused.py``: four launches fewer per layer, for launch-bound GPU decode),
         or PyTorch's ops. The builder turns them on for the Triton backend on a GPU."""
         fused = None
         if on:
-            from minillm.layers import triton_fused as fused
+            from minillm.models import triton_fused as fused
         for layer in self.layers:
             layer.fused = layer.mlp.fused = fused
 
