@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from minillm.errors import RequestFailed
+from minillm.server import heap
 from minillm.server.async_engine import AsyncEngine, EngineDead, QueueFull
 from minillm.server.body_limit import BodyLimit
 from minillm.server.front_door import FrontDoor
@@ -64,6 +65,9 @@ def build_app(
     if not engines:
         raise ValueError("serve at least one model")
     metrics = ServerMetrics(engines, response_cache)
+    # Before any of the server's threads start: a server that runs for hours keeps its RSS flat
+    # only with few malloc arenas and a periodic trim (``heap.py``).
+    heap.limit_arenas()
     # Requests are parsed, validated and tokenized here, off the event loop (a few threads: the
     # work is CPU-bound, and the tokenizer releases the GIL). A fixed pool: no thread per request.
     parsing = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="minillm-parse")
@@ -71,12 +75,19 @@ def build_app(
     async def off_loop(fn, *args):
         return await asyncio.get_running_loop().run_in_executor(parsing, fn, *args)
 
+    async def trim_heap_forever():
+        while True:
+            await asyncio.sleep(heap.TRIM_EVERY_S)
+            await off_loop(heap.trim)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         for engine in engines.values():
             if not engine._thread.is_alive() and engine.error is None:
                 engine.start()
+        trimmer = asyncio.create_task(trim_heap_forever())
         yield
+        trimmer.cancel()
         for engine in engines.values():
             engine.stop()
             engine.engine.close()  # a parallel engine's worker processes, a compile still running

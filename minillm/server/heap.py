@@ -1,0 +1,60 @@
+"""Keep a long-running server's resident memory flat: fewer malloc arenas, and freed heap handed
+back to the operating system.
+
+Why a server needs this and a notebook does not: glibc's ``malloc`` gives each thread that
+allocates its own *arena* (up to 8 per core), and frees memory into it without returning it to
+the kernel unless the top of the heap happens to be free. A server's threads — the event loop,
+the parsing pool, the engine thread — allocate and free request bodies, token lists and small
+tensors of every size for hours, so each arena fragments: RSS creeps up by megabytes a minute
+although Python's own objects do not grow (``tracemalloc`` shows KiB). ``malloc_trim(0)`` walks
+every arena and returns its free pages (``madvise``); capping the arenas bounds how many heaps
+can fragment at all. Both are what ``MALLOC_ARENA_MAX`` and a periodic trim do for other Python
+servers (see glibc's manual, "Memory Allocation Tunables").
+
+Only Linux with glibc has these calls; elsewhere (macOS, musl) each function does nothing and
+says so by returning ``False``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import sys
+
+log = logging.getLogger(__name__)
+
+M_ARENA_MAX = -8  # mallopt's parameter number, from glibc's <malloc.h>
+ARENA_MAX = 2  # the event loop and the engine thread each get one; more only fragment further
+TRIM_EVERY_S = 30.0  # a trim takes about a millisecond per arena: cheap at this period
+
+
+def _glibc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim, libc.mallopt  # noqa: B018 (musl has neither: then we do nothing)
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+_LIBC = _glibc()
+
+
+def limit_arenas(count: int = ARENA_MAX) -> bool:
+    """Cap malloc's arenas at ``count`` for threads that start from now on (call it before the
+    server starts its threads). True if the cap was set."""
+    if count < 1:
+        raise ValueError(f"limit_arenas: count must be at least 1, not {count}")
+    if _LIBC is None:
+        return False
+    return bool(_LIBC.mallopt(M_ARENA_MAX, count))
+
+
+def trim() -> bool:
+    """Return every arena's free pages to the operating system. True if glibc released any."""
+    if _LIBC is None:
+        return False
+    return bool(_LIBC.malloc_trim(0))
