@@ -434,6 +434,7 @@ def cmd_course_build(args) -> int:
 
 
 DEFAULT_GRADE_TIMEOUT = 900  # = minillm.course.grade.DEFAULT_TIMEOUT (not imported: it imports torch)
+DEFAULT_GRADE_CELL_TIMEOUT = 600  # = minillm.course.grade.DEFAULT_CELL_TIMEOUT
 
 
 def cmd_course_nbgrader_source(args) -> int:
@@ -459,10 +460,12 @@ def cmd_course_grade(args) -> int:
     path = Path(args.path)
     if args.timeout <= 0:
         raise ValueError(f"--timeout {args.timeout}: the seconds allowed per notebook must be positive")
+    if args.cell_timeout <= 0:
+        raise ValueError(f"--cell-timeout {args.cell_timeout}: the seconds allowed per cell must be positive")
     if path.is_dir():
-        grades = grade_folder(path, args.csv, timeout=args.timeout)
+        grades = grade_folder(path, args.csv, timeout=args.timeout, cell_timeout=args.cell_timeout)
     elif path.is_file():
-        grades = [grade_notebook(path, timeout=args.timeout)]
+        grades = [grade_notebook(path, timeout=args.timeout, cell_timeout=args.cell_timeout)]
         if args.csv:
             write_csv(grades, args.csv)
     else:
@@ -637,6 +640,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_GRADE_TIMEOUT,
         help=f"seconds each notebook may run, all cells together (default: {DEFAULT_GRADE_TIMEOUT})",
+    )
+    p.add_argument(
+        "--cell-timeout",
+        type=float,
+        default=DEFAULT_GRADE_CELL_TIMEOUT,
+        help=f"seconds one code cell may run: a cell past it is named with its last output (default: "
+        f"{DEFAULT_GRADE_CELL_TIMEOUT})",
     )
     p.set_defaults(func=cmd_course_grade)
     return parser

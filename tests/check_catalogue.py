@@ -450,6 +450,11 @@ wrong(
     "different results for the same tokens",
     lambda parent, ids: int(hashlib.sha256(repr((parent, ids)).encode()).hexdigest()[:15], 16),
 )
+wrong(
+    "check_block_hash",
+    ".digest() returns bytes, and block_hash must return an int",
+    lambda parent, ids: hashlib.blake2b(repr((parent, tuple(ids))).encode(), digest_size=8).digest(),
+)
 
 # ---- 04: batching ---------------------------------------------------------------------------
 
@@ -798,8 +803,8 @@ def quantize_floor_half(weight):
 
 
 def _int8_variant(weight, reduce=lambda w: w.abs().amax(dim=1), divisor=127, keepdim=False, rounding=torch.round,
-                  clamp=True, cast=True, transpose=False):  # fmt: skip
-    w = weight.float()
+                  clamp=True, cast=True, transpose=False, upcast=True):  # fmt: skip
+    w = weight.float() if upcast else weight  # without it a bf16 weight is quantized in bf16
     s = reduce(w) / divisor
     expand = s if s.dim() == 0 else (s[None, :] if transpose else s[:, None])
     q = rounding(w / expand)
@@ -824,6 +829,7 @@ wrong(CH, "truncated toward zero", lambda w: _int8_variant(w, rounding=lambda t:
 wrong(CH, "one per input column", lambda w: _int8_variant(w, reduce=lambda w: w.abs().amax(dim=0), transpose=True))
 wrong(CH, "q is torch.float32", lambda w: _int8_variant(w, cast=False))
 wrong(CH, "shape (48, 1)", lambda w: _int8_variant(w, keepdim=True))
+wrong(CH, "scale is torch.bfloat16: compute in float32", lambda w: _int8_variant(w, upcast=False))
 
 
 def pack_int4(q):
@@ -922,7 +928,11 @@ wrong(CK, "q is torch.float32", lambda x: _kv_variant(x, cast=False))
 wrong(CK, "(6, 3, 1)", lambda x: _kv_variant(x, keepdim=True))
 wrong(CK, "the pool stores float32 scales", lambda x: _kv_variant(x, upcast=False))
 wrong(CK, "compute in float32", lambda x: _kv_variant(x, upcast=False, scale_as_float=True))
-wrong(CK, "a floor (or epsilon) on max|x|", lambda x: _kv_variant(x, reduce=lambda x: x.abs().amax(dim=-1).clamp(min=1e-2)))
+wrong(
+    CK,
+    "a floor (or epsilon) on max|x|",
+    lambda x: _kv_variant(x, reduce=lambda x: x.abs().amax(dim=-1).clamp(min=1e-2)),
+)
 wrong(CK, "a floor (or epsilon) on max|x|", lambda x: _kv_variant(x, reduce=lambda x: x.abs().amax(dim=-1) + 1e-3))
 
 # ---- 08: speculative decoding ---------------------------------------------------------------------
@@ -1018,8 +1028,9 @@ def accept_sampled_cdf(target_probs, draft_probs, draft_tokens, generator=None):
 
 
 def _sampled_variant(target_probs, draft_probs, draft_tokens, generator=None, keep="ratio", replace="residual",
-                     bonus=True, normalize=True, seeded=True, none_ok=True):  # fmt: skip
+                     bonus=True, normalize=True, seeded=True, none_ok=True, one_u=False):  # fmt: skip
     gen = generator if seeded else None
+    shared = float(torch.rand((), generator=gen)) if one_u else None  # one uniform for the whole pass
     out = []
     for i, d in enumerate(draft_tokens):
         p = target_probs[i]
@@ -1028,7 +1039,7 @@ def _sampled_variant(target_probs, draft_probs, draft_tokens, generator=None, ke
             q[d] = 1.0
         else:
             q = draft_probs[i]
-        u = float(torch.rand((), generator=gen))
+        u = shared if one_u else float(torch.rand((), generator=gen))
         kept = {
             "ratio": u * float(q[d]) < float(p[d]),
             "inverse": u * float(p[d]) < float(q[d]),
@@ -1059,6 +1070,7 @@ wrong(CS, "normalize it", lambda *a: _sampled_variant(*a, normalize=False))
 wrong(CS, "sample the bonus from target_probs[k]", lambda *a: _sampled_variant(*a, bonus=False))
 wrong(CS, "with draft_probs=None your code raised TypeError", lambda *a: _sampled_variant(*a, none_ok=False))
 wrong(CS, "draw every random number from the generator", lambda *a: _sampled_variant(*a, seeded=False))
+wrong(CS, "one draw per position", lambda *a: _sampled_variant(*a, one_u=True))
 
 
 def blocks_to_roll_back(table, num_tokens, block_size):
@@ -1079,11 +1091,14 @@ def blocks_to_roll_back_loop(table, num_tokens, block_size):
 
 
 def _rollback_variant(table, num_tokens, block_size, keep=None, order=-1, skip_released=True, free=True, overlap=False,
-                      real=lambda b: b >= 0):  # fmt: skip
+                      real=lambda b: b >= 0, released="keep"):  # fmt: skip
+    if released == "filter":  # the placeholders dropped from the whole table before splitting it
+        table = [b for b in table if b >= 0]
     n = -(-num_tokens // block_size) if keep is None else keep(num_tokens, block_size)
     tail = table[n - 1 :] if overlap and n else table[n:]
     freed = [b for b in tail[::order] if real(b) or not skip_released]
-    return table[:n], (freed if free else [])
+    kept = [b for b in table[:n] if b >= 0] if released == "drop" else table[:n]
+    return kept, (freed if free else [])
 
 
 CR = "check_rollback"
@@ -1098,6 +1113,8 @@ wrong(CR, "must be kept", lambda *a: _rollback_variant(*a, keep=lambda n, b: max
 wrong(CR, "(RELEASED)", lambda *a: _rollback_variant(*a, skip_released=False))
 wrong(CR, "they would leak", lambda *a: _rollback_variant(*a, free=False))
 wrong(CR, "both kept and given back", lambda *a: _rollback_variant(*a, overlap=True))
+wrong(CR, "placeholders must stay in the table, in place", lambda *a: _rollback_variant(*a, released="drop"))
+wrong(CR, "placeholders must stay in the table, in place", lambda *a: _rollback_variant(*a, released="filter"))
 wrong(CR, "tuple (kept, freed)", lambda t, n, b: blocks_to_roll_back(t, n, b)[0])
 
 # ---- 09: parallelism -------------------------------------------------------------------------------
@@ -1192,6 +1209,23 @@ def tp_mlp_full_weights_reduced(x, gate, up, down, rank, world_size):
     return out
 
 
+def tp_mlp_divided(x, gate, up, down, rank, world_size):
+    per = gate.shape[0] // world_size
+    mine = slice(rank * per, (rank + 1) * per)
+    out = (F.silu(x @ gate[mine].T) * (x @ up[mine].T)) @ down[:, mine].T
+    dist.all_reduce(out)
+    out /= world_size  # "the average over the ranks"
+    return out
+
+
+def tp_mlp_reduce_not_all(x, gate, up, down, rank, world_size):
+    per = gate.shape[0] // world_size
+    mine = slice(rank * per, (rank + 1) * per)
+    out = (F.silu(x @ gate[mine].T) * (x @ up[mine].T)) @ down[:, mine].T
+    dist.reduce(out, dst=0)  # the sum lands on rank 0 only
+    return out
+
+
 TM = "check_tp_mlp"
 right(TM, tp_mlp)
 right(TM, tp_mlp_chunks)
@@ -1206,6 +1240,12 @@ wrong(TM, "the output is 2× the MLP's", tp_mlp_full_weights_reduced)
 wrong(TM, "waited in a collective the other ranks never joined", tp_mlp_reduce_on_rank0)
 wrong(TM, "define helpers and imports inside it", tp_mlp_helper)
 wrong(TM, "not a lambda", lambda x, gate, up, down, rank, world_size: x)
+wrong(
+    TM,
+    "the all-reduce already sums the partial outputs into the full output; dividing by world_size averages them",
+    tp_mlp_divided,
+)
+wrong(TM, "reduce leaves the sum on rank 0 only; every rank needs the full output", tp_mlp_reduce_not_all)
 
 
 def heads_of_rank(num_heads, num_kv_heads, rank, tp_size):
@@ -1423,6 +1463,11 @@ wrong(CK, "differ only in max_tokens", lambda e, b: _key_variant(e, b, only=("mo
 wrong(CK, "differ only in endpoint", lambda e, b: _key_variant(e, b, with_endpoint=False))
 wrong(CK, "differ only in model", lambda e, b: _key_variant(e, b, drop=("stream", "stream_options", "user", "model")))
 wrong(CK, "return a string", lambda e, b: None if _key_variant(e, b) is None else hash(_key_variant(e, b)))
+wrong(
+    CK,
+    ".digest() returns bytes, and cache_key must return a str",
+    lambda e, b: None if _key_variant(e, b) is None else hashlib.blake2b(_key_variant(e, b).encode()).digest(),
+)
 wrong(CK, "KeyError", lambda e, b: None if b["temperature"] else e + json.dumps(b, sort_keys=True))
 wrong(
     CK,
@@ -1434,13 +1479,21 @@ wrong(
     "differ only in messages (another chat)",
     lambda e, b: _key_variant(e, b, drop=("stream", "stream_options", "user", "messages")),
 )
-wrong(CK, "differ only in logprobs", lambda e, b: _key_variant(e, b, drop=("stream", "stream_options", "user", "logprobs")))
+wrong(
+    CK,
+    "differ only in logprobs",
+    lambda e, b: _key_variant(e, b, drop=("stream", "stream_options", "user", "logprobs")),
+)
 wrong(
     CK,
     "one turn longer",
     lambda e, b: _key_variant(e, b | ({"messages": b["messages"][:1]} if "messages" in b else {})),  # first turn only
 )
-wrong(CK, "differ only in stop (one more stop string)", lambda e, b: _key_variant(e, b | {"stop": str(b.get("stop", [""])[0])}))
+wrong(
+    CK,
+    "differ only in stop (one more stop string)",
+    lambda e, b: _key_variant(e, b | {"stop": str(b.get("stop", [""])[0])}),
+)
 
 
 # ---- 08: the tree attention mask ---------------------------------------------------------
@@ -1558,6 +1611,7 @@ wrong(CT, "not only the parent", _tree_mask_children_first)
 
 
 # ---- more wrong answers, one module per chapter -------------------------------------------------
+
 
 def _load_chapter_modules() -> None:
     import importlib

@@ -14,6 +14,7 @@ whose replicas remember only a few prompts, so where a request goes decides its 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import random
@@ -116,19 +117,30 @@ def _mlp(x, gate, up, down) -> torch.Tensor:
 
 
 class _AllReduceWatch(TorchDispatchMode):
-    """Sees every all-reduce the learner's code makes, however it is spelled (``dist.all_reduce``,
+    """Sees every collective the learner's code makes, however it is spelled (``dist.all_reduce``,
     ``torch.distributed.all_reduce``, a process group's own method): each reaches PyTorch's
-    dispatcher as the ``c10d.allreduce_`` operator. Nothing is replaced; the shapes are recorded."""
+    dispatcher as a ``c10d`` operator (``c10d.allreduce_``, ``c10d.reduce_``, ...). Nothing is
+    replaced; the all-reduces' shapes are recorded, and the names of the other collectives."""
 
     def __init__(self):
         super().__init__()
         self.shapes: list[tuple[int, ...]] = []
+        self.others: list[str] = []  # the other collectives, as dist spells them: "reduce", "broadcast"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if "allreduce" in str(func):
+        name = str(func)
+        if "allreduce" in name:
             tensors = args[0] if args and isinstance(args[0], (list, tuple)) else args[:1]
             self.shapes += [tuple(t.shape) for t in tensors if isinstance(t, torch.Tensor)]
+        elif name.startswith("c10d."):
+            op = name.split(".")[1].strip("_")
+            self.others.append(_COLLECTIVE_NAMES.get(op, op))
         return func(*args, **(kwargs or {}))
+
+
+#: c10d operator names that ``torch.distributed`` spells otherwise.
+_COLLECTIVE_NAMES = {"allgather": "all_gather", "allgather_base": "all_gather_into_tensor",
+                     "reduce_scatter_base": "reduce_scatter_tensor", "alltoall": "all_to_all"}  # fmt: skip
 
 
 def _tp_mlp_rank(rank, world, source, name, x, gate, up, down) -> dict:
@@ -139,7 +151,7 @@ def _tp_mlp_rank(rank, world, source, name, x, gate, up, down) -> dict:
     with _AllReduceWatch() as watch:
         out = _as_learner(fn, x.clone(), gate.clone(), up.clone(), down.clone(), rank, world)
     array = out.detach().float().cpu().numpy() if isinstance(out, torch.Tensor) else None
-    return {"out": array, "type": type(out).__name__, "all_reduces": watch.shapes}
+    return {"out": array, "type": type(out).__name__, "all_reduces": watch.shapes, "collectives": watch.others}
 
 
 def _diagnose_mlp(results: list[dict], ref: torch.Tensor, partial: list[torch.Tensor], weights) -> None:
@@ -167,6 +179,22 @@ def _diagnose_mlp(results: list[dict], ref: torch.Tensor, partial: list[torch.Te
         return torch.allclose(a.float(), b.float(), atol=1e-5, rtol=1e-4)
 
     outs, counts = [res["out"] for res in results], [len(res["all_reduces"]) for res in results]
+    others = sorted({c for res in results for c in res.get("collectives", ())})
+    if max(counts) == 0 and others:
+        used = " and ".join(f"dist.{c}" for c in others)
+        if all(close(o, ref) for o in outs):
+            raise CheckFailed(
+                f"the output is right, but you used {used}: one dist.all_reduce(out) adds the partial outputs and "
+                "leaves the sum on every rank, in one collective — one all-reduce per MLP is all TP needs"
+            )
+        if "reduce" in others:
+            dst = [r for r, o in enumerate(outs) if close(o, ref)]
+            where = f"rank {dst[0]}" if len(dst) == 1 else "its dst rank"
+            raise CheckFailed(
+                f"you called dist.reduce instead of dist.all_reduce: reduce leaves the sum on {where} only; every "
+                "rank needs the full output (the next layer runs on all of them): all_reduce leaves the sum on "
+                "every rank"
+            )
     if all(close(o, ref) for o in outs):
         if max(counts) == 0:
             raise CheckFailed(
@@ -204,9 +232,9 @@ def _diagnose_mlp(results: list[dict], ref: torch.Tensor, partial: list[torch.Te
         )
     if all(close(o, ref / WORLD) for o in outs):
         raise CheckFailed(
-            f"the output is 1/{WORLD} of the MLP's: the ranks' partial sums must be added, not averaged — each "
-            "rank's down[:, slice] product is already its slice's full share of the output. The all-reduce's "
-            "default op, a sum, is the one (and nothing is divided by world_size)"
+            f"the output is 1/{WORLD} of the MLP's: the all-reduce already sums the partial outputs into the full "
+            "output; dividing by world_size averages them — return the all-reduced tensor as it is (its default "
+            "op, a sum, is the one)"
         )
     x, gate, up, down = weights
     covered = [m for m in range(1, INTER) if all(close(o, _mlp(x, gate[:m], up[:m], down[:, :m])) for o in outs)]
@@ -296,8 +324,48 @@ def _heads(out, call: str) -> tuple[list[int], list[int]]:
     return lists[0], lists[1]
 
 
+def _deal_diagram(heads_of_rank, nh: int, nkv: int, tp: int) -> str:
+    """The spec's dealing of one layout drawn against the learner's: a row per rank, a column per
+    head (■ the rank holds it, · not), the query heads, then the K/V heads; ✗ marks a rank whose
+    heads differ. Never raises: a rank whose call fails is drawn as such."""
+    from minillm.layers.tensor_parallel import heads_of_rank as spec
+
+    def theirs(r):
+        try:
+            return _heads(heads_of_rank(nh, nkv, r, tp), "")
+        except LearnerRaised as err:
+            return f"raised {type(err.__cause__).__name__}"
+        except Exception:  # noqa: BLE001 (not a pair of head lists: the message says so already)
+            return "not two lists of heads"
+
+    def bar(heads, n: int) -> str:
+        held = set(heads)
+        outside = sorted(h for h in held if not 0 <= h < n)
+        return "".join("■" if h in held else "·" for h in range(n)) + (f" and {outside}" if outside else "")
+
+    expected = [tuple(list(h) for h in spec(nh, nkv, r, tp)) for r in range(tp)]
+    got = [theirs(r) for r in range(tp)]
+    width = len(str(tp - 1))
+    lines = [f"heads_of_rank({nh}, {nkv}, rank, {tp}): ■ the rank holds the head, · it does not"]
+    for i, (name, n) in enumerate((("query heads", nh), ("K/V heads", nkv))):
+        lines.append(f"{name} 0..{n - 1}")
+        for r in range(tp):
+            mine = bar(got[r][i], n) if isinstance(got[r], tuple) else got[r]
+            differs = not isinstance(got[r], tuple) or sorted(got[r][i]) != expected[r][i]
+            lines.append(
+                f"  rank {r:<{width}}  spec: {bar(expected[r][i], n)}  yours: {mine}" + ("  ✗" if differs else "")
+            )
+    return "\n".join(lines)
+
+
+def _dealt_wrong(heads_of_rank, nh: int, nkv: int, tp: int, message: str) -> CheckFailed:
+    """A wrong dealing of heads: the one-line message, the spec drawn against the learner's under it."""
+    return CheckFailed(message, diagram=_deal_diagram(heads_of_rank, nh, nkv, tp))
+
+
 def _check_layout(heads_of_rank, nh: int, nkv: int, tp: int, what: str) -> None:
     group, where = nh // nkv, f"(heads_of_rank({nh}, {nkv}, rank, {tp}): {what})"
+    dealt_wrong = functools.partial(_dealt_wrong, heads_of_rank, nh, nkv, tp)
     q_of = []
     for r in range(tp):
         call = f"heads_of_rank({nh}, {nkv}, {r}, {tp})"
@@ -323,19 +391,19 @@ def _check_layout(heads_of_rank, nh: int, nkv: int, tp: int, what: str) -> None:
         base, extra = divmod(nkv, tp)
         if not in_range and nkv >= tp and len(kv) > base + (r < extra):
             more = f"and one more only to the first {extra} (rank < {extra})" if extra else "no rank gets one more"
-            raise CheckFailed(
+            raise dealt_wrong(
                 f"rank {r} got K/V heads {kv} {where}, more groups than its share: {nkv} groups over {tp} rank"
                 f"{'s' if tp > 1 else ''} give each rank {base}, {more} — together the ranks hold each K/V head "
                 "exactly once"
             )
         if not in_range:
-            raise CheckFailed(
+            raise dealt_wrong(
                 f"rank {r} got query heads {q} and K/V heads {kv} {where}: there are query heads 0..{nh - 1} and "
                 f"K/V heads 0..{nkv - 1}"
             )
         if not q or not kv:
             missing = "no K/V head" if not kv else "no query head"
-            raise CheckFailed(
+            raise dealt_wrong(
                 f"rank {r} holds {missing} {where}: with fewer K/V heads ({nkv}) than ranks ({tp}), each K/V head is "
                 f"replicated on {tp // nkv} ranks, which share its {group} query heads"
                 if nkv < tp
@@ -344,19 +412,19 @@ def _check_layout(heads_of_rank, nh: int, nkv: int, tp: int, what: str) -> None:
             )
         for name, heads in (("query", q), ("K/V", kv)):
             if heads != list(range(heads[0], heads[0] + len(heads))):
-                raise CheckFailed(
+                raise dealt_wrong(
                     f"rank {r}'s {name} heads {heads} are not consecutive {where}: a rank's shard is one "
                     "slice of the weight rows"
                 )
         for h in q:
             if h // group not in kv:
-                raise CheckFailed(
+                raise dealt_wrong(
                     f"query head {h} reads K/V head {h // group}, which rank {r} does not hold {where}: it was given "
                     f"query heads {q} and K/V heads {kv} (query head h reads K/V head h // {group})"
                 )
         served = [sum(h // group == k for h in q) for k in kv]
         if len(set(served)) > 1:
-            raise CheckFailed(
+            raise dealt_wrong(
                 f"on rank {r} the K/V heads {kv} serve {served} query heads {where}: every K/V head on a rank must "
                 "serve the same number (the attention kernel has one group size) — deal whole groups"
             )
@@ -364,7 +432,7 @@ def _check_layout(heads_of_rank, nh: int, nkv: int, tp: int, what: str) -> None:
     for h in range(nh):
         owners = [r for r in range(tp) if h in q_of[r]]
         if len(owners) != 1:
-            raise CheckFailed(
+            raise dealt_wrong(
                 f"query head {h} is on {'no rank' if not owners else f'ranks {owners}'} {where}: every query head must "
                 "be computed exactly once (the row-parallel o projection adds the ranks' outputs)"
             )
@@ -377,7 +445,7 @@ def _check_layout(heads_of_rank, nh: int, nkv: int, tp: int, what: str) -> None:
             if nkv >= tp
             else "the ranks sharing a K/V head take equal shares of its query heads"
         )
-        raise CheckFailed(f"rank {a} holds {sizes[a]} query heads and rank {b} {sizes[b]} {where}: {rule}")
+        raise dealt_wrong(f"rank {a} holds {sizes[a]} query heads and rank {b} {sizes[b]} {where}: {rule}")
 
 
 def _check_extra_groups_first(heads_of_rank, nh: int, nkv: int, tp: int, what: str) -> None:
@@ -388,10 +456,11 @@ def _check_extra_groups_first(heads_of_rank, nh: int, nkv: int, tp: int, what: s
     if nkv < tp or not nkv % tp:
         return
     where = f"(heads_of_rank({nh}, {nkv}, rank, {tp}): {what})"
+    dealt_wrong = functools.partial(_dealt_wrong, heads_of_rank, nh, nkv, tp)
     kv_counts = [len(_heads(heads_of_rank(nh, nkv, r, tp), "")[1]) for r in range(tp)]
     expected = [len(split_evenly(nkv, tp, r)) for r in range(tp)]
     if kv_counts != expected:
-        raise CheckFailed(
+        raise dealt_wrong(
             f"the ranks hold {kv_counts} K/V heads {where}; the rule gives the {nkv % tp} extra group"
             f"{'s' if nkv % tp > 1 else ''} to the first ranks: {expected} (split_evenly — rank r starts at "
             f"r × {nkv // tp} + min(r, {nkv % tp})), as pipeline stages split the layers (stage_layers)"

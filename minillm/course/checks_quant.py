@@ -577,6 +577,20 @@ def _reference_unpack(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
+def _nibble_diagram(q: torch.Tensor, got: torch.Tensor, r: int, j: int) -> str:
+    """Byte [r, j] in binary: the two values it packs, where the layout puts each (the even column
+    in the low nibble, the odd one in the high nibble) and where the learner's byte has them."""
+    first, second = int(q[r, 2 * j]), int(q[r, 2 * j + 1])
+    spec, yours = first | (second << 4), int(got[r, j])
+    return "\n".join(
+        [
+            f"values (q[{r}, {2 * j}], q[{r}, {2 * j + 1}]) = ({first}, {second})      byte = high nibble | low nibble",
+            f"spec:  {spec >> 4:04b} | {spec & 0xF:04b}  = 0x{spec:02X}   (high = q[{r}, {2 * j + 1}], low = q[{r}, {2 * j}])",
+            f"yours: {yours >> 4:04b} | {yours & 0xF:04b}  = 0x{yours:02X}",
+        ]
+    )
+
+
 def _check_pack(pack_int4, q: torch.Tensor) -> None:
     out, cols = q.shape
     expected = _reference_pack(q)
@@ -609,33 +623,39 @@ def _check_pack(pack_int4, q: torch.Tensor) -> None:
         )
     if torch.equal(got, expected):
         return
+    r, j = (int(i) for i in torch.nonzero(got != expected)[0])  # the first wrong byte
+    diagram = _nibble_diagram(q, got, r, j)
     g = got.long()
     if torch.equal(g, (q[:, 0::2].long() << 4) | q[:, 1::2].long()):
         raise CheckFailed(
             "pack_int4 puts the even column in the high nibble: the layout (the package's and its checkpoints') "
-            "is low nibble first — byte j = q[:, 2j] | (q[:, 2j+1] << 4)"
+            "is low nibble first — byte j = q[:, 2j] | (q[:, 2j+1] << 4)",
+            diagram=diagram,
         )
     if torch.equal(g, q[:, : cols // 2].long() | (q[:, cols // 2 :].long() << 4)):
         raise CheckFailed(
             f"pack_int4 pairs column j with column j + {cols // 2} (the two halves of a row): the layout pairs "
-            "neighbours — byte j holds columns 2j (low nibble) and 2j+1 (high nibble): q[:, 0::2], q[:, 1::2]"
+            "neighbours — byte j holds columns 2j (low nibble) and 2j+1 (high nibble): q[:, 0::2], q[:, 1::2]",
+            diagram=diagram,
         )
     if torch.equal(g, ((q[:, 0::2].long() + q[:, 1::2].long()) << 4) & 0xFF):
         raise CheckFailed(
             "every byte's low nibble is 0: `a + b << 4` reads as `(a + b) << 4` — in Python, << binds more "
             "loosely than +. Put the shift in parentheses: q[:, 0::2] + (q[:, 1::2] << 4), or use | (which binds "
-            "more loosely than <<)"
+            "more loosely than <<)",
+            diagram=diagram,
         )
     if torch.equal(g, q[:, 0::2].long()):
         raise CheckFailed(
             "every byte holds only its low nibble: the odd column's value was lost. Shifting a uint8 left by 8 "
-            "pushes it out of the byte; a nibble is 4 bits: q[:, 1::2] << 4"
+            "pushes it out of the byte; a nibble is 4 bits: q[:, 1::2] << 4",
+            diagram=diagram,
         )
-    r, j = (int(i) for i in torch.nonzero(got != expected)[0])
     raise CheckFailed(
         f"packed byte [{r}, {j}] is {int(got[r, j])} (0b{int(got[r, j]):08b}), expected {int(expected[r, j])} "
         f"(0b{int(expected[r, j]):08b}): q[{r}, {2 * j}] = {int(q[r, 2 * j])} in the low 4 bits, "
-        f"q[{r}, {2 * j + 1}] = {int(q[r, 2 * j + 1])} in the high 4"
+        f"q[{r}, {2 * j + 1}] = {int(q[r, 2 * j + 1])} in the high 4",
+        diagram=diagram,
     )
 
 

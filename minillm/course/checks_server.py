@@ -17,10 +17,18 @@ GREEDY = {"model": MODEL, "prompt": "KING.\nNow is", "max_tokens": 8, "temperatu
 def _key(cache_key, endpoint: str, body: dict, what: str):
     got = cache_key(endpoint, copy.deepcopy(body))  # a crash is reported by @check, with the learner's frames
     if got is not None and not isinstance(got, str):
-        raise CheckFailed(
-            f"cache_key returned {type(got).__name__} {got!r:.60} for {what}; return a string (or None): a hash() "
-            "number can collide between different requests, and differs between processes"
-        )
+        returned = f"cache_key returned {type(got).__name__} {got!r:.60} for {what}"
+        if isinstance(got, (bytes, bytearray)):
+            raise CheckFailed(
+                f"{returned}: .digest() returns bytes, and cache_key must return a str (or None) — use "
+                "h.hexdigest(), the same digest as text, or return the canonical text itself"
+            )
+        if isinstance(got, int) and not isinstance(got, bool):
+            raise CheckFailed(
+                f"{returned}; return a string (or None): a hash() number can collide between different requests, "
+                "and differs between processes"
+            )
+        raise CheckFailed(f"{returned}; return a string (or None), e.g. endpoint + json.dumps(..., sort_keys=True)")
     return got
 
 

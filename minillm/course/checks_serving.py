@@ -382,6 +382,12 @@ def check_block_hash(block_hash, model: str = DEFAULT_MODEL) -> str:
     )
     if hashed:
         raise CheckFailed(builtin)
+    if isinstance(a, (bytes, bytearray)):
+        raise CheckFailed(
+            f"block_hash returned {type(a).__name__} {a!r:.40}: .digest() returns bytes, and block_hash must "
+            "return an int (the next block's parent_hash) — take its first 8 bytes as one: "
+            "int.from_bytes(h.digest()[:8], 'little')"
+        )
     if not isinstance(a, int) or isinstance(a, bool):
         raise CheckFailed(f"block_hash should return an int, got {type(a).__name__}")
     if tokens != [1, 2, 3, 4]:

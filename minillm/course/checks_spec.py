@@ -429,6 +429,60 @@ def _sampled_histograms(fn, q: torch.Tensor | None, fixed: list[int] | None, n: 
     return counts, first_kept / n, itself
 
 
+# Where each position of _sampled_histograms is counted (the rows of P it must follow).
+POSITIONS = [
+    "position 0 (the first proposal)",
+    "position 1 (reached when proposal 0 was kept)",
+    "position 2, the bonus token (reached when both proposals were kept)",
+]
+
+
+def _histogram_diagram(counts: torch.Tensor, rows: torch.Tensor = P) -> str:
+    """The target's distribution against the learner's frequencies, a text bar per token, at the
+    position where they differ most (the largest χ²); ◀ marks the token furthest off."""
+    scores = [_chi2(c, r) if c.sum() > 0 else -1.0 for c, r in zip(counts, rows)]
+    i = max(range(len(scores)), key=lambda j: scores[j])
+    freq = (counts[i] / counts[i].sum().clamp(min=1)).tolist()
+    target = [float(x) for x in rows[i]]
+    top = max(max(freq), max(target), 1e-9)
+    width = 24
+
+    def bar(v: float) -> str:
+        return ("█" * round(v / top * width)).ljust(width)
+
+    worst = max(range(len(target)), key=lambda t: abs(freq[t] - target[t]))
+    lines = [f"{POSITIONS[i]}, {int(counts[i].sum()):,} draws — target_probs[{i}] against your frequencies:"]
+    for t, (a, b) in enumerate(zip(target, freq)):
+        mark = "  ◀" if t == worst else ""
+        lines.append(f"tok {t}  target {bar(a)} {a:.2f}  yours {bar(b)} {b:.2f}{mark}")
+    return "\n".join(lines)
+
+
+def _shared_uniform(fn) -> str | None:
+    """Does the learner compare every proposal of a pass with one uniform u? With p(d)/q(d) = 0.5 at
+    both proposals the second is kept in half of the passes that kept the first — and in all of
+    them when u is reused (the u < 0.5 that kept the first keeps the second too). Every row and
+    proposal is the same, so a position read from the wrong row changes nothing."""
+    p = torch.tensor([0.1, 0.2, 0.3, 0.2, 0.2]).repeat(3, 1)
+    q = torch.tensor([0.15, 0.4, 0.15, 0.15, 0.15]).repeat(2, 1)
+    drafts, n = [1, 1], 400
+    gen = torch.Generator().manual_seed(5)
+    first = both = 0
+    for _ in range(n):
+        got = _call_sampled(fn, p, q, drafts, gen, "p(d) / q(d) = 0.5 at both proposals [1, 1]")
+        first += len(got) > 1
+        both += len(got) == 3
+    if not (0.35 < first / n < 0.65 and both > 0.85 * first):
+        return None
+    return (
+        f"with p(d) / q(d) = 0.5 at both proposals your rule kept the second in {both / first:.0%} of the {first} "
+        "passes that kept the first (expected 50%): you draw one uniform u and compare every proposal of the pass "
+        "with it, so the u < p/q that kept the first keeps the next ones too and the later positions follow the "
+        "wrong distribution. Draw a fresh u for each proposal (torch.rand((), generator=generator) inside the "
+        "loop): one draw per position, each acceptance its own coin flip"
+    )
+
+
 @check
 def check_accept_sampled(accept_sampled, model: str = TARGET) -> str:
     """``accept_sampled(target_probs[k+1, V], draft_probs[k, V] | None, draft_tokens, generator)``:
@@ -451,10 +505,13 @@ def check_accept_sampled(accept_sampled, model: str = TARGET) -> str:
             if _fits(counts[0], dist) and (self_rate * SAMPLES > 20 if itself else self_rate * SAMPLES < 5)
         ]
         if fitting:
-            raise CheckFailed(min(fitting)[1])
+            raise CheckFailed(min(fitting)[1], diagram=_histogram_diagram(counts))
     if rejected is not None:
         raise rejected
     if not _fits(counts[0], P[0]):
+        shared = _shared_uniform(accept_sampled)
+        if shared:
+            raise CheckFailed(shared, diagram=_histogram_diagram(counts))
         freq = (counts[0] / counts[0].sum()).tolist()
         extra = ""
         if abs(kept - expected_kept) > 0.03:
@@ -464,21 +521,27 @@ def check_accept_sampled(accept_sampled, model: str = TARGET) -> str:
         raise CheckFailed(
             f"over {SAMPLES:,} draws the first emitted token had frequencies {[round(f, 3) for f in freq]}, but it must "
             f"follow the target's p = {[round(float(x), 2) for x in P[0]]}{extra}: keep a proposal x with probability "
-            "min(1, p(x)/q(x)), else draw from normalize(max(0, p − q))"
+            "min(1, p(x)/q(x)), else draw from normalize(max(0, p − q))",
+            diagram=_histogram_diagram(counts),
         )
     if abs(kept - expected_kept) > 0.03:
         raise CheckFailed(
             f"the first proposal was kept {kept:.1%} of the time, expected Σ min(p, q) = {expected_kept:.0%}; keep "
-            "proposal x with probability min(1, p(x) / q(x))"
+            "proposal x with probability min(1, p(x) / q(x))",
+            diagram=_histogram_diagram(counts),
         )
     for i, (row, name) in enumerate(((P[1], "the second position"), (P[2], "the bonus token"))):
         if not _fits(counts[i + 1], row):
+            shared = _shared_uniform(accept_sampled)
+            if shared:
+                raise CheckFailed(shared, diagram=_histogram_diagram(counts))
             freq = (counts[i + 1] / counts[i + 1].sum()).tolist()
             raise CheckFailed(
                 f"{name} (position {i + 1}, reached when every earlier proposal was kept) had frequencies "
                 f"{[round(f, 3) for f in freq]} over {int(counts[i + 1].sum()):,} draws, but must follow "
                 f"target_probs[{i + 1}] = {[round(float(x), 2) for x in row]}: position i uses target_probs[i] and "
-                "draft_probs[i], and the bonus comes from target_probs[k]"
+                "draft_probs[i], and the bonus comes from target_probs[k]",
+                diagram=_histogram_diagram(counts),
             )
     counts, kept, _ = _sampled_histograms(accept_sampled, None, [1, 0], SAMPLES // 2, seed=1)
     if not _fits(counts[0], P[0]) or abs(kept - float(P[0, 1])) > 0.04:
@@ -487,7 +550,8 @@ def check_accept_sampled(accept_sampled, model: str = TARGET) -> str:
             f"with draft_probs=None (deterministic proposals, as prompt lookup makes) the proposal was kept "
             f"{kept:.1%} of the time (expected p(d) = {float(P[0, 1]):.0%}) and the first token had frequencies "
             f"{[round(f, 3) for f in freq]} instead of p: q is then 1 at the proposed token d and 0 elsewhere — keep "
-            "d with probability p(d), else draw from p with d removed (the residual of that q)"
+            "d with probability p(d), else draw from p with d removed (the residual of that q)",
+            diagram=_histogram_diagram(counts),
         )
 
     calls = []
@@ -539,6 +603,31 @@ def _span(j: int, block_size: int, num_tokens: int) -> str:
     return f"token {first}" if first == last else f"tokens {first}-{last}"
 
 
+def _rollback_diagram(table, num_tokens: int, block_size: int, spec: tuple, yours: tuple) -> str:
+    """The block table before the rollback, the spec's after and the learner's after, one row
+    each, entry j of every row under the tokens it holds."""
+    from minillm.kvcache.addressing import RELEASED
+
+    rows = [("before", list(table), None), ("spec after", *spec), ("yours after", *yours)]
+    width = max(len(r) for r, _, _ in rows)
+    n = max(len(cells) for _, cells, _ in rows)
+    spans = [f"{j * block_size}-{(j + 1) * block_size - 1}" for j in range(n)]
+    cell = max(len(x) for x in spans + [str(b) for _, cells, _ in rows for b in cells])
+    lines = [f"{'tokens':>{width}}    " + "   ".join(f"{x:>{cell}}" for x in spans)]
+    for label, cells, freed in rows:
+        body = " | ".join(f"{b:>{cell}}" for b in cells)
+        line = f"{label:>{width}}: [ {body}{' ' if cells else ''}]"
+        if freed is not None:
+            line = f"{line:<{width + 5 + n * (cell + 3)}}  freed {freed}"
+        lines.append(line.rstrip())
+    keep = -(-num_tokens // block_size)
+    legend = (
+        f"; {RELEASED} = RELEASED, the placeholder of a block a sliding window gave back" if RELEASED in table else ""
+    )
+    lines.append(f"num_tokens={num_tokens}: keep the first ceil({num_tokens} / {block_size}) = {keep} entries{legend}")
+    return "\n".join(lines)
+
+
 def _diagnose_rollback(got, table: list[int], num_tokens: int, block_size: int) -> None:
     from minillm.kvcache.addressing import RELEASED
 
@@ -560,24 +649,32 @@ def _diagnose_rollback(got, table: list[int], num_tokens: int, block_size: int) 
     if kept == exp_kept and freed == exp_freed:
         return
     head = f"{call} returned kept={kept}, freed={freed}; expected kept={exp_kept}, freed={exp_freed}"
+    diagram = _rollback_diagram(table, num_tokens, block_size, (exp_kept, exp_freed), (kept, freed))
+    real = [b for b in table if b != RELEASED]
+    if RELEASED in exp_kept and kept and RELEASED not in kept and all(b in real for b in kept):
+        # Dropped the placeholders: whether from kept alone or from the whole table before splitting it,
+        # every later block now sits at the wrong entry (and a block of kept tokens may look "not kept").
+        raise CheckFailed(
+            f"{head}: you dropped the {RELEASED} (RELEASED) entries from kept — placeholders that keep the positions "
+            "of blocks a sliding window already gave back. The placeholders must stay in the table, in place: "
+            "entry j of a block table holds tokens j × block_size onwards, so removing one shifts every "
+            "later block onto the wrong tokens. Keep the first ceil(num_tokens / block_size) entries as they are, "
+            "placeholders included, and skip RELEASED only in freed",
+            diagram=diagram,
+        )
     both = [b for b in freed if b in kept and b != RELEASED]
     if both:
         j = kept.index(both[0])
         raise CheckFailed(
             f"{head}: block {both[0]} is both kept and given back. It holds {_span(j, block_size, num_tokens)}, which "
-            "stay: a block partly filled by kept tokens is kept whole (the next tokens are written after them)"
+            "stay: a block partly filled by kept tokens is kept whole (the next tokens are written after them)",
+            diagram=diagram,
         )
     if RELEASED in freed:
         raise CheckFailed(
             f"{head}: you gave back the table entry {RELEASED} (RELEASED): that block was already returned behind a "
-            "sliding window — there is no block to free. Skip those entries"
-        )
-    if RELEASED in exp_kept and kept == [b for b in exp_kept if b != RELEASED]:
-        raise CheckFailed(
-            f"{head}: you dropped the {RELEASED} (RELEASED) entries from kept. They stay in the table: entry j of a "
-            "block table holds tokens j × block_size onwards, so removing an entry shifts every later block to the "
-            "wrong tokens — keep the first ceil(num_tokens / block_size) entries as they are, and skip RELEASED only "
-            "in freed"
+            "sliding window — there is no block to free. Skip those entries",
+            diagram=diagram,
         )
     if len(kept) < len(exp_kept):
         lost = exp_kept[len(kept)]
@@ -591,42 +688,48 @@ def _diagnose_rollback(got, table: list[int], num_tokens: int, block_size: int) 
         )
         raise CheckFailed(
             f"{head}: block {lost} must be kept — {why}. Keep blocks_for(num_tokens) = ceil(num_tokens / block_size) "
-            f"= {len(exp_kept)} blocks"
+            f"= {len(exp_kept)} blocks",
+            diagram=diagram,
         )
     if len(kept) > len(exp_kept):
         extra = kept[len(exp_kept)]
         raise CheckFailed(
             f"{head}: {len(kept)} blocks kept for {num_tokens} tokens of {block_size} per block — block {extra} holds "
-            f"only rejected positions: keep ceil(num_tokens / block_size) = {len(exp_kept)} blocks and give the rest back"
+            f"only rejected positions: keep ceil(num_tokens / block_size) = {len(exp_kept)} blocks and give the rest back",
+            diagram=diagram,
         )
     if kept != exp_kept:
-        raise CheckFailed(f"{head}: kept must be the table's first {len(exp_kept)} entries, in order")
+        raise CheckFailed(f"{head}: kept must be the table's first {len(exp_kept)} entries, in order", diagram=diagram)
     zero = " — block 0 is a real block (only RELEASED, -1, marks a missing one): test `b != RELEASED`, not `b > 0`"
     if not freed and exp_freed:
         raise CheckFailed(
             f"{head}: blocks {exp_freed} hold only rejected tokens and are neither kept nor given back — they would "
-            "leak from the pool: return them as freed" + (zero if 0 in exp_freed else "")
+            "leak from the pool: return them as freed" + (zero if 0 in exp_freed else ""),
+            diagram=diagram,
         )
     missing = [b for b in exp_freed if b not in freed]
     if missing and set(freed) <= set(exp_freed):
         raise CheckFailed(
             f"{head}: block{'s' if len(missing) > 1 else ''} {missing} hold{'' if len(missing) > 1 else 's'} only "
             f"rejected tokens but {'are' if len(missing) > 1 else 'is'} not given back: it would leak from the pool"
-            + (zero if 0 in missing else "")
+            + (zero if 0 in missing else ""),
+            diagram=diagram,
         )
     if sorted(freed) == sorted(exp_freed) and freed == sorted(freed, reverse=True) != exp_freed[::-1]:
         raise CheckFailed(
             f"{head}: you sorted the blocks by their number. Tail first means by their place in the table — the "
             "last entry first (reversed(table[keep:])), as BlockManager.free gives them back: a block's number "
-            "says nothing about where it sits in the sequence"
+            "says nothing about where it sits in the sequence",
+            diagram=diagram,
         )
     if sorted(freed) == sorted(exp_freed):
         raise CheckFailed(
             f"{head}: give the blocks back tail first (the last block of the table first), as BlockManager.free does: "
             "with prefix caching an unreferenced block stays cached and is evicted in the order it was given back, "
-            "and the end of a sequence should go before its beginning, which other requests may share"
+            "and the end of a sequence should go before its beginning, which other requests may share",
+            diagram=diagram,
         )
-    raise CheckFailed(f"{head}: freed must be the table's entries after the kept ones, last first")
+    raise CheckFailed(f"{head}: freed must be the table's entries after the kept ones, last first", diagram=diagram)
 
 
 ROLLBACK_CASES = [

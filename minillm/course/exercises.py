@@ -27,6 +27,12 @@ class Exercise:
         return [name.strip() for name in self.call[self.call.index("(") + 1 : -1].split(",")]
 
     @property
+    def references(self) -> tuple[str, ...]:
+        """The package's own implementations of this exercise (dotted paths where they are
+        defined): a learner's code that calls one is reported, not graded (``isolated.py``)."""
+        return REFERENCES.get(self.check, ())
+
+    @property
     def stars(self) -> str:
         return "★" * self.difficulty + "☆" * (3 - self.difficulty)
 
@@ -500,6 +506,61 @@ EXERCISES: list[Exercise] = [
 ]
 
 BY_CHECK: dict[str, Exercise] = {e.check: e for e in EXERCISES}
+
+#: Check → the package functions that already solve its exercise (``Exercise.references``). Only
+#: what does the exercise's job: helpers the solutions call themselves are never listed here.
+REFERENCES: dict[str, tuple[str, ...]] = {
+    "check_filter_logits": ("minillm.sampling.filter_logits",),
+    "check_causal_attention": (
+        "minillm.attention.torch_attention",
+        "minillm.attention.torch_ref.attention",
+        "minillm.attention.sdpa_attention",
+    ),
+    "check_kv_write": ("minillm.kvcache.contiguous.kv_write",),
+    "check_kv_read": ("minillm.kvcache.contiguous.kv_read",),
+    "check_rope_tables": ("minillm.models.rope.rope_tables",),
+    "check_slot_mapping": ("minillm.kvcache.addressing.slot_mapping",),
+    "check_gather_kv": ("minillm.attention.paged.gather_kv",),
+    "check_block_allocation": (
+        "minillm.kvcache.block_manager.take_free_block",
+        "minillm.kvcache.block_manager.release_block",
+    ),
+    "check_block_hash": ("minillm.kvcache.block_manager.block_hash",),
+    "check_chunk_tokens": ("minillm.engine.scheduler.tokens_to_run",),
+    "check_choose_victim": ("minillm.engine.scheduler.choose_victim",),
+    "check_continuous_schedule": ("minillm.engine.scheduler.schedule",),
+    "check_gqa_attention": (
+        "minillm.attention.torch_ref.attention",
+        "minillm.attention.torch_attention",
+        "minillm.attention.sdpa_attention",
+    ),
+    "check_head_pooling": ("minillm.kv_head_pooling.pool_heads",),
+    "check_window_release": ("minillm.kvcache.block_manager.blocks_behind_window",),
+    "check_flash_kernel": (
+        "minillm.attention.triton_kernels.flash_attention",
+        "minillm.attention.triton_kernels._flash_attention_kernel",
+    ),
+    "check_quantize_per_channel": (
+        "minillm.quantization.int8.quantize_int8",
+        "minillm.quantization.w8a8.quantize_activations",
+        "minillm.kvcache.quantization.quantize_kv",
+    ),
+    "check_quantize_int4": ("minillm.quantization.int4.quantize_int4",),
+    "check_pack_int4": ("minillm.quantization.int4.pack_int4", "minillm.quantization.int4.unpack_int4"),
+    "check_quantize_kv": (
+        "minillm.kvcache.quantization.quantize_kv",
+        "minillm.quantization.int8.quantize_int8",
+        "minillm.quantization.w8a8.quantize_activations",
+    ),
+    "check_accept_greedy": ("minillm.speculative.acceptance.accept_greedy", "minillm.speculative.tree.accept_tree"),
+    "check_accept_sampled": ("minillm.speculative.acceptance.accept_sampled",),
+    "check_rollback": ("minillm.kvcache.block_manager.blocks_to_roll_back",),
+    "check_tree_attention_mask": ("minillm.speculative.tree.tree_attention_mask",),
+    "check_kv_heads": ("minillm.layers.tensor_parallel.heads_of_rank",),
+    "check_prefix_rule": ("minillm.cluster.router.Router.route",),
+    "check_detokenize_step": ("minillm.tokenizer.detokenize_step",),
+    "check_cache_key": ("minillm.server.response_cache.cache_key",),
+}
 
 
 def chapters() -> dict[str, list[str]]:

@@ -24,6 +24,7 @@ signal for honest work, and read the code of a submission whose grades surprise 
 
 from __future__ import annotations
 
+import copy
 import csv
 import math
 import secrets
@@ -32,9 +33,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from minillm.course.isolated import CHECK_TIMEOUT_S, TAMPERED, learner_cells, run_check, tamper_findings
 from minillm.course.results import FAIL, NOT_ATTEMPTED, PASS, VERDICT_MIME, CheckResult
 
 DEFAULT_TIMEOUT = 900  # seconds for a whole notebook
+DEFAULT_CELL_TIMEOUT = 600  # seconds for one code cell: the slowest shipped cell takes about a minute
 NOT_RUN = "not run"  # the notebook stopped (timed out, kernel died) before the check's cell
 NOT_A_COURSE_NOTEBOOK = "not a course notebook"
 
@@ -60,6 +63,7 @@ class NotebookGrade:
     chapter: str | None = None
     results: list[CheckResult] = field(default_factory=list)
     error: str | None = None  # the notebook could not run, or not to the end
+    retried: str | None = None  # the first run stopped early (why): the notebook was run again
     course: bool = True  # False: not a course notebook (it was not run)
 
     @property
@@ -86,6 +90,7 @@ class NotebookGrade:
             "course_notebook": self.course,
             **{k: (v if self.course else None) for k, v in counts.items()},
             "error": self.error,
+            "retried": self.retried,
             "checks": [
                 {
                     "check": r.check,
@@ -108,6 +113,8 @@ class NotebookGrade:
         ]
         if self.error:
             lines.append(f"  could not run to the end: {self.error}")
+        elif self.retried:
+            lines.append(f"  ran to the end on a retry in a fresh kernel (the first run: {self.retried})")
         for r in self.results:
             mark = {PASS: "PASS", FAIL: "FAIL"}.get(r.status, "----")
             earned = f"{max_points(r.check) if r.status == PASS else 0}/{max_points(r.check)}"
@@ -180,8 +187,13 @@ def restore_check_cells(nb, expected: list[str] | None, nonce: str) -> dict[int,
     return graded
 
 
+def _now() -> float:
+    """The grader's clock (one place, so a test can move it)."""
+    return time.monotonic()
+
+
 class _OutOfTime(Exception):
-    """The notebook's time ran out before a cell could start."""
+    """The notebook's time ran out before a code cell could start."""
 
 
 def _where(index: int, first_lines: list[str], graded: dict[int, str]) -> str:
@@ -192,49 +204,114 @@ def _where(index: int, first_lines: list[str], graded: dict[int, str]) -> str:
     return f"cell {index + 1} of {len(first_lines)}" + (f" (`{first}`)" if first else "")
 
 
-def _run(
-    nb, path: Path, timeout: float, graded: dict[int, str], first_lines: list[str]
-) -> tuple[str | None, int | None]:
-    """Execute ``nb`` within ``timeout`` seconds in all; returns (error, index of the cell where
-    execution stopped, -1 before the first) — (None, None) when it ran to the end."""
+def _last_output(cell, chars: int = 240) -> str:
+    """The end of what a cell had shown when it stopped: text streams, text results, errors."""
+    text = ""
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "stream":
+            text += out.get("text", "")
+        elif out.get("output_type") == "error":
+            text += f"{out.get('ename')}: {out.get('evalue')}\n"
+        elif "text/plain" in out.get("data", {}):
+            text += str(out["data"]["text/plain"]) + "\n"
+    text = text.strip()
+    return f"; its last output: {text[-chars:]!r}" if text else "; it had shown no output"
+
+
+@dataclass
+class _Run:
+    """One execution of a notebook: why it stopped early (None: it ran to the end), in which
+    cell (-1: before the first), and where its time went."""
+
+    error: str | None = None
+    stopped: int | None = None
+    cells_s: float = 0.0
+    wall_s: float = 0.0
+
+
+def _run(nb, path: Path, timeout: float, cell_timeout: float, graded: dict[int, str], first_lines: list[str]) -> _Run:
+    """Execute ``nb``: each code cell within ``cell_timeout`` seconds and all of them within
+    ``timeout``. A stop names the *code* cell that was running and shows its last output; time
+    the notebook lost outside its cells (a kernel that idled between them) is said as such."""
     from nbclient import NotebookClient
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
-    deadline = time.monotonic() + timeout
-    current: dict[str, int | None] = {"index": None}
+    start = _now()
+    deadline = start + timeout
+    state: dict = {"index": None, "began": None, "cells_s": 0.0}
 
     def on_cell_start(cell, cell_index):
-        current["index"] = cell_index
-        if time.monotonic() >= deadline:
+        if cell.cell_type != "code" or not cell.source.strip():
+            return  # a markdown cell never runs: it cannot be where the time went
+        if _now() >= deadline:
             raise _OutOfTime
+        state["index"], state["began"] = cell_index, _now()
+
+    def on_cell_executed(cell, cell_index, execute_reply):
+        state["cells_s"] += _now() - state["began"]
+
+    def cell_limit(cell) -> int:
+        return max(1, math.ceil(min(cell_timeout, deadline - _now())))
 
     client = NotebookClient(
         nb,
-        timeout_func=lambda cell: max(1, math.ceil(deadline - time.monotonic())),
+        timeout_func=cell_limit,
         allow_errors=True,
         kernel_name="python3",
         shutdown_kernel="immediate",
         resources={"metadata": {"path": str(path.parent)}},
         on_cell_start=on_cell_start,
+        on_cell_executed=on_cell_executed,
     )
+    run = _Run()
     try:
         client.execute(stderr=subprocess.DEVNULL)  # the kernel's own warnings are not the learner's output
-        return None, None
     except (CellTimeoutError, _OutOfTime, DeadKernelError) as err:
-        index = current["index"]
+        index = state["index"]
         where = "its start" if index is None else _where(index, first_lines, graded)
+        elapsed = _now() - start
+        outside = elapsed - state["cells_s"]
         if isinstance(err, DeadKernelError):
-            error = f"the kernel died in {where} (out of memory, or a crash in native code)"
+            run.error = f"the kernel died in {where} (out of memory, or a crash in native code)"
+        elif isinstance(err, _OutOfTime):
+            run.error = (f"the notebook's limit of {timeout:g} s ran out after {where} finished: its code cells "
+                         f"took {state['cells_s']:.0f} s and {outside:.0f} s went outside them (the kernel "
+                         "starting, or idle between cells)")  # fmt: skip
+        elif _now() >= deadline - 1:
+            run.error = f"timed out in {where}: the notebook ran past its limit of {timeout:g} s"
         else:
-            error = f"timed out in {where}: the notebook ran past its limit of {timeout:g} s"
+            run.error = f"timed out in {where}: the cell ran past its limit of {cell_timeout:g} s"
+        if index is not None and not isinstance(err, _OutOfTime):
+            run.error += _last_output(nb.cells[index])
+        run.stopped = -1 if index is None else index
     except Exception as err:  # a broken notebook is a grade, not a crash of the grader
-        index = current["index"]
-        error = f"{type(err).__name__}: {err}"
-    return error, -1 if index is None else index
+        index = state["index"]
+        run.error, run.stopped = f"{type(err).__name__}: {err}", (-1 if index is None else index)
+    run.cells_s, run.wall_s = state["cells_s"], _now() - start
+    return run
 
 
-def grade_notebook(path: str | Path, timeout: float = DEFAULT_TIMEOUT) -> NotebookGrade:
-    """Run one notebook (at most ``timeout`` seconds in all) and grade its checks."""
+def _in_notebook_verdict(nb, index: int, name: str, nonce: str) -> CheckResult | None:
+    """The verdict the restored check cell displayed in the notebook's own run, if one."""
+    verdicts = []
+    for out in nb.cells[index].get("outputs", []):
+        data = out.get("data", {}).get(VERDICT_MIME) if out.get("output_type") == "display_data" else None
+        if isinstance(data, dict) and data.get("nonce") == nonce and data.get("check") == name:
+            verdicts.append(CheckResult(name, str(data.get("status")), str(data.get("message"))))
+    if len(verdicts) > 1:  # the wrapper displays exactly one: anything more was added by other code
+        return CheckResult(name, FAIL, f"{TAMPERED}: the check cell showed more than one verdict")
+    return verdicts[0] if verdicts else None
+
+
+def grade_notebook(
+    path: str | Path,
+    timeout: float = DEFAULT_TIMEOUT,
+    cell_timeout: float = DEFAULT_CELL_TIMEOUT,
+    check_timeout: float = CHECK_TIMEOUT_S,
+) -> NotebookGrade:
+    """Run one notebook (each code cell within ``cell_timeout`` seconds, all within ``timeout``;
+    a run that stops early is retried once) and grade its checks, each in a fresh process
+    (``isolated.py``) within ``check_timeout`` seconds."""
     import nbformat
 
     from minillm.course import CHECKS_BY_CHAPTER
@@ -242,48 +319,60 @@ def grade_notebook(path: str | Path, timeout: float = DEFAULT_TIMEOUT) -> Notebo
     path = Path(path)
     grade = NotebookGrade(notebook=str(path))
     try:
-        nb = nbformat.read(path, as_version=4)
+        submitted = nbformat.read(path, as_version=4)
     except Exception as err:
         grade.error = f"could not read the notebook: {type(err).__name__}: {err}"
         grade.chapter = find_chapter(path)
         expected = CHECKS_BY_CHAPTER.get(grade.chapter, [])
         grade.results = [CheckResult(name, NOT_RUN, "the notebook could not be read") for name in expected]
         return grade
-    grade.chapter = find_chapter(path, nb)
+    grade.chapter = find_chapter(path, submitted)
     expected = None if grade.chapter is None else CHECKS_BY_CHAPTER[grade.chapter]
-    if expected is None and not _check_cells(nb):
+    if expected is None and not _check_cells(submitted):
         grade.course = False
         grade.error = (
             f"{NOT_A_COURSE_NOTEBOOK}: no minillm chapter in its metadata or file name, and no course check "
             "in its code (not run)"
         )
         return grade
-    nonce = secrets.token_hex(16)
-    first_lines = [next((line.strip() for line in c.source.splitlines() if line.strip()), "") for c in nb.cells]
-    graded = restore_check_cells(nb, expected, nonce)
-    grade.error, stopped = _run(nb, path, timeout, graded, first_lines)
+    findings = tamper_findings(learner_cells(submitted, len(submitted.cells), ()))
+    first_lines = [next((line.strip() for line in c.source.splitlines() if line.strip()), "") for c in submitted.cells]
+    for attempt in (1, 2):  # a run that stops early is tried once more, in a fresh kernel
+        nb, nonce = copy.deepcopy(submitted), secrets.token_hex(16)
+        graded = restore_check_cells(nb, expected, nonce)
+        run = _run(nb, path, timeout, cell_timeout, graded, first_lines)
+        if run.error is None or attempt == 2:
+            break
+        first_error = run.error
+    grade.error = run.error
+    if attempt == 2:
+        grade.retried = first_error
+        if run.error:
+            grade.error = f"{run.error} (the first run stopped too: {first_error})"
     for index, name in graded.items():
-        verdicts = []
-        for out in nb.cells[index].get("outputs", []):
-            data = out.get("data", {}).get(VERDICT_MIME) if out.get("output_type") == "display_data" else None
-            if isinstance(data, dict) and data.get("nonce") == nonce and data.get("check") == name:
-                verdicts.append(CheckResult(name, str(data.get("status")), str(data.get("message"))))
-        if len(verdicts) > 1:  # the wrapper displays exactly one: anything more was added by other code
-            result = CheckResult(name, FAIL, "the check cell showed more than one verdict: graded as tampered")
-        elif verdicts:
-            result = verdicts[0]
-        elif stopped is not None and index == stopped:
-            result = CheckResult(name, FAIL, f"the notebook stopped in this check's cell — {grade.error}")
-        elif stopped is not None and index > stopped:
-            if stopped < 0:
-                where = "before its first cell"
-            else:
-                where = f"in cell {stopped + 1}" if stopped < len(first_lines) else "in an earlier restored check cell"
-            result = CheckResult(name, NOT_RUN, f"the notebook stopped {where}, before this check")
-        else:
-            result = CheckResult(name, NOT_ATTEMPTED, "the check never ran")
+        in_notebook = _in_notebook_verdict(nb, index, name, nonce)
+        if findings:
+            result = CheckResult(name, FAIL, f"{TAMPERED}: " + "; ".join(findings[:3]))
+        elif expected is None:  # not a course chapter: its own check cells, as the notebook ran them
+            result = in_notebook or _unreported(name, index, run)
+        elif in_notebook is not None and in_notebook.status != PASS:
+            result = in_notebook  # a fail or "not attempted" in the notebook: nothing a forger gains by it
+        else:  # a pass, or no verdict (the notebook stopped first): graded on its own, from the source
+            result = run_check(name, learner_cells(nb, index, graded), cwd=str(path.parent), timeout=check_timeout)
+            if in_notebook is not None and result.status != PASS:
+                result.message += " (the notebook's own run showed a pass; the grade is the check run on its own)"
         grade.results.append(result)
     return grade
+
+
+def _unreported(name: str, index: int, run: _Run) -> CheckResult:
+    """Why a check cell of a notebook outside the course showed no verdict."""
+    if run.stopped is not None and index == run.stopped:
+        return CheckResult(name, FAIL, f"the notebook stopped in this check's cell — {run.error}")
+    if run.stopped is not None and index > run.stopped:
+        where = "before its first cell" if run.stopped < 0 else f"in cell {run.stopped + 1}"
+        return CheckResult(name, NOT_RUN, f"the notebook stopped {where}, before this check")
+    return CheckResult(name, NOT_ATTEMPTED, "the check never ran")
 
 
 def notebooks_below(folder: str | Path) -> list[Path]:
@@ -304,12 +393,15 @@ def write_csv(grades: list[NotebookGrade], csv_path: str | Path) -> None:
 
 
 def grade_folder(
-    folder: str | Path, csv_path: str | Path | None = None, timeout: float = DEFAULT_TIMEOUT
+    folder: str | Path,
+    csv_path: str | Path | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    cell_timeout: float = DEFAULT_CELL_TIMEOUT,
 ) -> list[NotebookGrade]:
     """Grade every notebook below ``folder`` (one that cannot run is flagged with its error; the
     others are graded all the same) and write ``grades.csv`` (or ``csv_path``)."""
     folder = Path(folder)
     csv_path = Path(csv_path) if csv_path else folder / "grades.csv"
-    grades = [grade_notebook(p, timeout) for p in notebooks_below(folder)]
+    grades = [grade_notebook(p, timeout, cell_timeout) for p in notebooks_below(folder)]
     write_csv(grades, csv_path)
     return grades

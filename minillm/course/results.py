@@ -39,14 +39,20 @@ class CheckFailed(AssertionError):
     """The learner's code ran but produced the wrong thing; the message says what and where.
 
     In a notebook it renders as one red line (``_render_traceback_`` is IPython's hook for
-    that), plus the learner's own frames when their code raised."""
+    that), then the ``diagram`` — the spec drawn against the learner's answer, as visual puzzle
+    courses show a failed test — when the check drew one, then the learner's own frames when
+    their code raised. The diagram is for the learner's eyes: the grade records the message."""
 
     check: str = ""
     learner_frames: list[str] | tuple = ()
 
+    def __init__(self, message: str = "", diagram: str = ""):
+        super().__init__(message)
+        self.diagram = diagram
+
     def _render_traceback_(self) -> list[str]:
         head = f"{_RED}❌ {self.check or 'check'}: {self}{_RESET}"
-        return [head, *self.learner_frames]
+        return [head, *self.diagram.splitlines(), *self.learner_frames]
 
 
 class CheckError(CheckFailed):

@@ -1,0 +1,420 @@
+"""Graded checks in a fresh process, from the learner's source: a notebook cannot reach them.
+
+In a notebook the learner's code and the checks share one Python process, so a cell can
+redefine a check, write a verdict into the results table, or import the package's own answer
+and return it. Four lines did exactly that and read "pass 2/2 | forged". So the grader (``grade.py``)
+grades every check again **in a new Python process that receives the learner's code only as
+text**, the way ``check_tp_mlp`` already runs the learner's function on its ranks:
+
+1. *What runs.* The notebook's code cells before the check cell (check cells excluded), each
+   reduced to its imports, ``def``/``class`` statements and constant assignments
+   (``BLOCK = 16``). Statements that compute things — loading a model, running an experiment,
+   and anything written to tamper — are not repeated. A function that needs a value an earlier
+   cell computed is told so, naming the cell.
+2. *What cannot happen there.* The check is the package's own function, taken before any
+   learner code runs, and its verdict is what that function returns or raises — not a table
+   the learner's code can write. The verdict goes to the grader through a pipe, exactly once;
+   a second message on it marks the check as tampered.
+3. *What is detected.* Before anything runs, the grader reads every code cell of the notebook
+   for the usual forgeries (``tamper_findings``: redefining a course check, touching the
+   results table, writing a verdict). In the fresh process, after the check: any library
+   module whose functions were replaced (by learner code, or by other library functions), and
+   any call the learner's code made to the package's own answer to this exercise
+   (``Exercise.references``) — reported as "you called the package's answer".
+
+What it cannot prevent: the learner's functions still run inside the check's process (they
+must: the check calls them), so code written with native tools (``ctypes``) to rewrite the
+interpreter's state could still fake a verdict. The report names every finding; an instructor
+should read a submission whose findings or grades surprise them.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import types
+from dataclasses import dataclass
+
+from minillm.course.results import CHECK_ERROR, FAIL, NOT_ATTEMPTED, PASS, CheckResult
+
+CHECK_TIMEOUT_S = 300  # one check, fresh process included: the slowest (TP ranks) takes ~60 s
+TAMPERED = "graded as tampered"
+#: The results machinery a notebook has no business touching (``results.py``).
+_GRADING_NAMES = {"_record", "_latest", "graded", "VERDICT_MIME", "require_pass", "_failed", "CheckResult"}
+_VERDICT_TEXT = "vnd.minillm.verdict"
+
+
+@dataclass(frozen=True)
+class LearnerCell:
+    number: int  # 1-based, as the learner sees it (markdown cells counted)
+    source: str
+
+
+# ---------------------------------------------------------------------------------------------
+# In the grader: what to send, and what to refuse before anything runs
+# ---------------------------------------------------------------------------------------------
+
+
+def python_of(source: str) -> str:
+    """A cell's source as plain Python: IPython's magics (``%time``, ``!pip``) become calls,
+    as IPython itself transforms them before running a cell."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    return TransformerManager().transform_cell(source)
+
+
+def learner_cells(nb, before: int, check_cells) -> list[LearnerCell]:
+    """The code cells above index ``before`` that are not check cells."""
+    return [
+        LearnerCell(i + 1, cell.source)
+        for i, cell in enumerate(nb.cells[:before])
+        if cell.cell_type == "code" and i not in check_cells and cell.source.strip()
+    ]
+
+
+def tamper_findings(cells: list[LearnerCell]) -> list[str]:
+    """The forgeries a reader would spot in the learner's code: a course check (or the results
+    machinery) defined, assigned or deleted; the results machinery read or written; a verdict's
+    MIME type written out; a course module's attribute assigned. One line each, with the cell."""
+    from minillm.course import CHECK_CALLS
+
+    guarded = set(CHECK_CALLS) | _GRADING_NAMES
+    findings = []
+    for cell in cells:
+        try:
+            tree = ast.parse(python_of(cell.source))
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            found = None
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name in guarded:
+                found = f"defines `{node.name}`, which the grader owns"
+            elif isinstance(node, ast.Name) and node.id in guarded and not isinstance(node.ctx, ast.Load):
+                found = f"assigns `{node.id}`, which the grader owns"
+            elif isinstance(node, ast.Attribute) and node.attr in guarded:
+                if node.attr in CHECK_CALLS and isinstance(node.ctx, ast.Load):
+                    continue  # minillm.course.check_x(fn): calling a check is what a check cell does
+                found = f"uses `.{node.attr}`, the grader's own record of verdicts"
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _VERDICT_TEXT in node.value:
+                found = "writes out a verdict in the grader's own format"
+            elif isinstance(node, ast.alias) and node.name.split(".")[-1] in _GRADING_NAMES - {"CheckResult"}:
+                found = f"imports `{node.name}`, the grader's own record of verdicts"
+            if found and f"cell {cell.number}: {found}" not in findings:
+                findings.append(f"cell {cell.number}: {found}")
+    return findings
+
+
+def definitions(source: str) -> tuple[str, list[tuple[ast.stmt, bool]], dict[str, str]]:
+    """``source`` as Python, the statements of it the fresh process runs (module docstring, step 1),
+    each with whether it is a constant assignment (which may fail quietly: ``tok = llm.tokenizer``
+    names a model no statement here loads), and the names the dropped statements would have
+    assigned (name → the kind of statement)."""
+    python = python_of(source)
+    kept, dropped = [], {}
+    for node in ast.parse(python).body:
+        if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            kept.append((node, False))
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)) and _constant(node.value):
+            kept.append((node, True))
+        else:
+            for target in _targets(node):
+                dropped[target] = type(node).__name__
+    return python, kept, dropped
+
+
+def _constant(value) -> bool:
+    """A value worth keeping: literals, names and arithmetic on them — nothing that calls code."""
+    if value is None:
+        return False
+    allowed = (ast.Constant, ast.Name, ast.Load, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.BinOp, ast.UnaryOp,
+               ast.operator, ast.unaryop, ast.Attribute)  # fmt: skip
+    return all(isinstance(node, allowed) for node in ast.walk(value))
+
+
+def _targets(node) -> list[str]:
+    names = []
+    for target in getattr(node, "targets", None) or [getattr(node, "target", None)]:
+        if target is not None:
+            names += [n.id for n in ast.walk(target) if isinstance(n, ast.Name)]
+    return names
+
+
+def run_check(check: str, cells: list[LearnerCell], cwd: str | None = None,
+              timeout: float = CHECK_TIMEOUT_S) -> CheckResult:  # fmt: skip
+    """Grade ``check`` on ``cells`` in a fresh Python process (module docstring)."""
+    read, write = os.pipe()
+    job = {"check": check, "cells": [[c.number, c.source] for c in cells], "fd": write}
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "minillm.course.isolated"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            pass_fds=(write,),
+            cwd=cwd,
+            start_new_session=True,  # a learner's stray child processes go with it
+        )
+    finally:
+        os.close(write)
+    with os.fdopen(read, "r", encoding="utf-8", errors="replace") as verdicts:
+        try:
+            output, _ = child.communicate(json.dumps(job).encode(), timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(child)
+            output, _ = child.communicate()
+            tail = _tail(output)
+            return CheckResult(check, FAIL, f"the check did not finish within {timeout:g} s when run on its own "
+                                            f"(a loop that never ends?){tail}")  # fmt: skip
+        lines = [line for line in verdicts.read().splitlines() if line.strip()]
+    if len(lines) != 1:
+        if not lines:
+            return CheckResult(check, FAIL, f"the check's process ended without a verdict (exit code "
+                                            f"{child.returncode}){_tail(output)}")  # fmt: skip
+        return CheckResult(check, FAIL, f"{TAMPERED}: the check's process reported {len(lines)} verdicts, not one")
+    try:
+        verdict = json.loads(lines[0])
+        return CheckResult(check, str(verdict["status"]), str(verdict["message"]))
+    except (ValueError, KeyError, TypeError):
+        return CheckResult(check, FAIL, f"{TAMPERED}: the check's process reported something that is not a verdict")
+
+
+def _kill_group(child: subprocess.Popen) -> None:
+    import signal
+
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        child.kill()
+
+
+def _tail(output: bytes | None, chars: int = 400) -> str:
+    text = (output or b"").decode("utf-8", errors="replace").strip()
+    return f"; its last output: {text[-chars:]!r}" if text else ""
+
+
+# ---------------------------------------------------------------------------------------------
+# In the fresh process
+# ---------------------------------------------------------------------------------------------
+
+
+class _Integrity:
+    """Which functions and classes the library modules hold, to see what the learner's code
+    replaced: in the package, any replacement (nothing of it re-points its own functions
+    except the hooks, checked apart); in torch and the other libraries, which do re-point some
+    of theirs (``torch.manual_seed`` while a check runs), a function that came from a learner
+    cell. Modules imported later are checked for the latter too."""
+
+    PREFIXES = ("minillm", "torch", "triton", "numpy", "math", "builtins", "functools", "operator", "random")
+
+    def __init__(self):
+        from minillm import hooks
+
+        self.before = {name: self._members(module) for name, module in self._modules()}
+        self.hook_defaults = {name: id(point.default) for name, point in hooks.points().items()}
+
+    def _modules(self):
+        for name, module in list(sys.modules.items()):
+            # minillm.hooks re-points its globals as checks override hooks: its points are checked instead
+            if module is not None and name.split(".")[0] in self.PREFIXES and name != "minillm.hooks":
+                yield name, module
+
+    def _hook_changes(self) -> list[str]:
+        """A hook's reference is what checks compare with: it must be the package's, and no
+        override may outlive the check that installed it."""
+        from minillm import hooks
+
+        found = []
+        for name, point in hooks.points().items():
+            for fn in [point.default, *point.overrides]:
+                code = getattr(fn, "__code__", None)
+                if isinstance(code, types.CodeType) and code.co_filename.startswith("<cell "):
+                    found.append(f"{code.co_filename[1:-1]} made its own function the hook {name!r}")
+            if self.hook_defaults.get(name) not in (None, id(None), id(point.default)):
+                found.append(f"the reference of hook {name!r} was replaced")
+        return found
+
+    @staticmethod
+    def _members(module) -> dict[str, int]:
+        try:
+            items = list(vars(module).items())
+        except TypeError:
+            return {}
+        return {k: id(v) for k, v in items if callable(v) and not k.startswith("__")}
+
+    def changes(self) -> list[str]:
+        found = []
+        for name, module in self._modules():
+            try:
+                items = list(vars(module).items())
+            except TypeError:
+                continue
+            old = self.before.get(name)
+            for attr, value in items:
+                if not callable(value) or attr.startswith("__"):
+                    continue
+                code = getattr(value, "__code__", None)
+                if isinstance(code, types.CodeType) and code.co_filename.startswith("<cell "):
+                    found.append(f"{code.co_filename[1:-1]} put its own `{attr}` into {name}")
+                elif old is not None and attr in old and old[attr] != id(value) and name.startswith("minillm"):
+                    found.append(f"{name}.{attr} was replaced")  # (torch re-points some of its own: learner code only)
+        return sorted(set(found + self._hook_changes()))[:5]
+
+
+def _resolve(path: str):
+    """``a.b.C.f`` → the object, importing the longest module prefix."""
+    import importlib
+
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(path)
+
+
+def _reference_codes(check: str) -> dict:
+    """Code object → dotted path, for the package's own answers to ``check``'s exercise."""
+    from minillm.course.exercises import BY_CHECK
+
+    codes = {}
+    exercise = BY_CHECK.get(check)
+    for path in exercise.references if exercise else ():
+        obj = _resolve(path)
+        obj = getattr(obj, "__init__", obj) if isinstance(obj, type) else obj
+        obj = getattr(obj, "fn", obj)  # a @triton.jit kernel keeps its Python function as .fn
+        code = getattr(obj, "__code__", None)
+        if code is not None:
+            codes[code] = path
+    return codes
+
+
+class _ShortcutWatch:
+    """Sees a call of one of ``codes`` whose nearest caller outside the libraries is the
+    learner's code (a learner cell), not the check (``minillm/course``)."""
+
+    def __init__(self, codes: dict):
+        self.codes, self.found = codes, []
+        self.course_dir = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+    def __call__(self, frame, event, arg):
+        if event != "call":
+            return
+        code = frame.f_code
+        if code not in self.codes:
+            if code.co_name.startswith("_") and code.co_filename.startswith(self.course_dir):
+                caller = frame.f_back  # the course's private references answer exercises too
+                if caller is not None and caller.f_code.co_filename.startswith("<cell "):
+                    where = caller.f_code.co_filename[1:-1]
+                    self.found.append(f"{where} calls the course's own {code.co_qualname} (minillm/course)")
+            return
+        caller = frame.f_back
+        while caller is not None:
+            filename = caller.f_code.co_filename
+            if filename.startswith("<cell "):
+                self.found.append(f"{filename[1:-1]} calls {self.codes[frame.f_code]}")
+                return
+            if filename.startswith(self.course_dir):
+                return
+            caller = caller.f_back
+
+    def __enter__(self):
+        import threading
+
+        if self.codes:
+            sys.setprofile(self)
+            threading.setprofile(self)
+        return self
+
+    def __exit__(self, *exc):
+        import threading
+
+        sys.setprofile(None)
+        threading.setprofile(None)
+
+
+def _grade_in_this_process(job: dict) -> dict:
+    import builtins
+    import linecache
+
+    import minillm.course as course
+    from minillm.course.exercises import BY_CHECK
+    from minillm.course.results import CheckError, CheckFailed
+
+    check_name = job["check"]
+    check_fn = getattr(course, check_name)  # the package's check, taken before any learner code runs
+    exercise = BY_CHECK[check_name]
+    codes = _reference_codes(check_name)
+    integrity = _Integrity()
+    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    dropped: dict[str, int] = {}
+    broken = []
+    for number, source in job["cells"]:
+        filename = f"<cell {number}>"
+        try:
+            python, statements, cell_dropped = definitions(source)
+        except SyntaxError as err:
+            broken.append(f"cell {number} has a syntax error ({err.msg}, line {err.lineno})")
+            continue
+        dropped.update({name: number for name in cell_dropped})
+        linecache.cache[filename] = (len(python), None, python.splitlines(True), filename)  # for inspect.getsource
+        for node, quiet in statements:
+            try:  # the learner's definitions, nothing else
+                exec(compile(ast.Module(body=[node], type_ignores=[]), filename, "exec"), namespace)
+            except Exception as err:  # noqa: BLE001 - an import that fails, a bad default value: their cell
+                if quiet:
+                    dropped.update({name: number for name in _targets(node)})
+                else:
+                    broken.append(f"cell {number} raised {type(err).__name__}: {err} when its definitions ran")
+    missing = [name for name in exercise.functions if name not in namespace]
+    if missing:
+        why = "; ".join(broken) or "no cell above the check cell defines it"
+        return {"status": FAIL, "message": f"no `{missing[0]}` is defined before the check cell ({why})"}
+    with _ShortcutWatch(codes) as watch:
+        try:
+            result = check_fn(*(namespace[name] for name in exercise.functions))
+            status, message = result.status, result.message
+        except CheckError as err:
+            status, message = CHECK_ERROR, str(err)
+        except CheckFailed as err:
+            status, message = FAIL, str(err)
+        except Exception as err:  # noqa: BLE001 - what the check cell itself would have raised
+            status, message = FAIL, f"the check raised {type(err).__name__}: {err}"
+    tampering = integrity.changes()
+    if tampering:
+        return {"status": FAIL, "message": f"{TAMPERED}: {'; '.join(tampering)}"}
+    if watch.found:
+        shortcut = watch.found[0]
+        return {"status": FAIL, "message": f"{shortcut} — the package's own answer to this exercise: write it yourself"}
+    if status == FAIL and "NameError" in message:
+        name = message.split("name '", 1)[-1].split("'", 1)[0]
+        if name in dropped:
+            message += (f" — graded in a fresh process, which runs your imports and definitions but not cell "
+                        f"{dropped[name]}'s computation of `{name}`: pass it to your function, or compute it inside")  # fmt: skip
+    if status == PASS and broken:
+        message += f" (note: {'; '.join(broken)})"
+    return {"status": status, "message": message}
+
+
+def main() -> int:
+    job = json.loads(sys.stdin.read())
+    fd = job["fd"]
+    try:
+        verdict = _grade_in_this_process(job)
+    except Exception as err:  # noqa: BLE001 - the grader's own failure, said as such
+        verdict = {"status": CHECK_ERROR, "message": f"grading in a fresh process failed: {type(err).__name__}: {err}"}
+    if verdict["status"] not in (PASS, FAIL, NOT_ATTEMPTED, CHECK_ERROR):
+        verdict = {"status": FAIL, "message": f"{TAMPERED}: an unknown status {verdict['status']!r}"}
+    with os.fdopen(fd, "w", encoding="utf-8") as channel:
+        channel.write(json.dumps(verdict) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""Grades an instructor can trust (``minillm/course/isolated.py``, ``grade.py``): every graded
+check runs again in a fresh process from the learner's source, so a notebook cannot redefine a
+check, write a verdict or hand in the package's own answer; a hung notebook names the code cell
+that hung, with its last output, and is retried once; the same folder graded twice grades alike
+(``test_course_build.py``)."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from minillm.course.grade import grade_notebook
+from minillm.course.isolated import TAMPERED, LearnerCell, definitions, run_check, tamper_findings
+from tests.test_course_build import CH01, chapter01
+
+pytestmark = pytest.mark.slow
+
+SOLVED_NEXT_TOKEN = "def next_token(logits):\n    return int(logits[-1].argmax())\n"
+WRONG_NEXT_TOKEN = "def next_token(logits):\n    return 0\n"
+
+
+def cells(*sources: str) -> list[LearnerCell]:
+    return [LearnerCell(i + 1, textwrap.dedent(s)) for i, s in enumerate(sources)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Forgeries
+# ---------------------------------------------------------------------------------------------
+
+FOUR_LINE_FORGERY = """
+from minillm.course import results
+from minillm.course.results import CheckResult
+def check_next_token(fn):
+    results._record(CheckResult("check_next_token", "pass", "forged"))
+"""
+
+
+def test_the_four_line_forgery_is_caught(tmp_path):
+    """The issue's forgery, in an exercise cell: in the notebook it reads "pass | forged"; graded,
+    every check of the notebook is a fail naming the cell and what it did."""
+    nb = chapter01(solved=False)
+    exercise = next(i for i, c in enumerate(nb.cells) if c.source.startswith("def next_token"))
+    nb.cells[exercise].source += "\n" + FOUR_LINE_FORGERY
+    nbformat.write(nb, tmp_path / f"{CH01}.ipynb")
+    grade = grade_notebook(tmp_path / f"{CH01}.ipynb", timeout=120)
+    assert grade.passed == 0 and grade.points == 0, grade.as_text()
+    first = grade.results[0]
+    assert first.status == "fail" and first.message.startswith(TAMPERED), first.message
+    assert f"cell {exercise + 1}: defines `check_next_token`" in first.message
+    assert "`._record`" in first.message
+
+
+@pytest.mark.parametrize(
+    "forgery",
+    [
+        # the same forgery hidden from a reader: it runs when the def runs (a default value)
+        "def next_token(logits, _=getattr(__import__('minillm.course.results', fromlist=['x']), '_re' + 'cord')"
+        "(getattr(__import__('minillm.course.results', fromlist=['x']), 'Check' + 'Result')"
+        "('check_next_token', 'pass', 'x'))):\n"
+        "    return 0\n",
+        # replacing the check in the package, from a decorator
+        "def swap(fn):\n"
+        "    import minillm.course as c\n"
+        "    setattr(c, 'check_next_token', lambda f: None)\n"
+        "    return fn\n"
+        "@swap\n"
+        "def next_token(logits):\n"
+        "    return 0\n",
+    ],
+    ids=["verdict-written-at-def-time", "check-replaced-by-a-decorator"],
+)
+def test_forgeries_a_reader_would_miss_do_not_pass_in_the_fresh_process(forgery):
+    assert tamper_findings(cells(forgery)) == []  # nothing a reader's scan sees ...
+    result = run_check("check_next_token", cells(forgery))
+    assert result.status == "fail", result  # ... but the check that grades is the package's own
+
+
+def test_a_library_function_replaced_while_the_check_runs_is_tampering():
+    source = (
+        "import torch\n"
+        "def next_token(logits):\n"
+        "    answer = int(logits[-1].argmax())\n"
+        "    torch.argmax = lambda *a, **k: torch.tensor(answer)\n"  # the check's own argmax now agrees
+        "    return answer\n"
+    )
+    result = run_check("check_next_token", cells(source))
+    assert result.status == "fail" and result.message.startswith(TAMPERED), result
+    assert "cell 1 put its own `argmax` into torch" in result.message
+
+
+def test_the_package_answer_imported_and_returned_is_reported():
+    """The issue's shortcut: import the package's own int8 quantizer and return what it returns."""
+    source = """
+    import torch
+    from minillm.quantization.int8 import quantize_int8
+
+    def quantize_per_channel(weight):
+        return quantize_int8(weight)
+    """
+    result = run_check("check_quantize_per_channel", cells(source))
+    assert result.status == "fail", result
+    assert "cell 1 calls minillm.quantization.int8.quantize_int8" in result.message
+    assert "the package's own answer" in result.message
+
+
+def test_the_course_private_reference_is_reported_too():
+    source = """
+    from minillm.course import checks
+
+    def next_token(logits):
+        checks._reference_attention(logits[None, None], logits[None, None], logits[None, None])
+        return int(logits[-1].argmax())
+    """
+    result = run_check("check_next_token", cells(source))
+    assert result.status == "fail" and "cell 1 calls the course's own _reference_attention" in result.message, result
+
+
+def test_a_definition_that_needs_a_computed_global_is_told_why():
+    first = "from minillm import LLM\nllm = LLM('smollm2-135m')\nBIAS = 0\n"
+    second = "def next_token(logits):\n    return int((logits[-1] + BIAS).argmax()) + len(llm.tokenizer) * 0\n"
+    result = run_check("check_next_token", cells(first, second))
+    assert result.status == "fail"
+    assert "cell 1's computation of `llm`" in result.message and "pass it to your function" in result.message
+
+
+def test_only_definitions_imports_and_constants_are_kept():
+    python, kept, dropped = definitions(
+        "import torch\n%time x = 1\nBLOCK = 16\nSHAPE = (BLOCK, 2)\nmodel = torch.nn.Linear(2, 2)\n"
+        "def f():\n    return BLOCK\nprint(f())\nclass A:\n    pass\n"
+    )
+    kinds = [(type(node).__name__, quiet) for node, quiet in kept]
+    assert kinds == [("Import", False), ("Assign", True), ("Assign", True), ("FunctionDef", False),
+                     ("ClassDef", False)]  # fmt: skip
+    assert dropped == {"model": "Assign"} and "run_line_magic" in python
+
+
+def test_a_syntax_error_or_a_missing_function_is_named():
+    result = run_check("check_next_token", cells("def next_token(logits)\n    return 0\n"))
+    assert result.status == "fail" and "no `next_token` is defined" in result.message
+    assert "cell 1 has a syntax error" in result.message
+
+
+def test_a_check_that_never_ends_is_stopped_and_named():
+    source = "def next_token(logits):\n    print('thinking')\n    while True:\n        pass\n"
+    result = run_check("check_next_token", cells(source), timeout=20)
+    assert result.status == "fail" and "did not finish within 20 s" in result.message
+    assert "thinking" in result.message  # its last output
+
+
+def test_a_second_verdict_on_the_channel_is_tampering():
+    """The learner's code finds the grader's pipe and writes a pass on it before the check ends."""
+    source = """
+    import json, os
+
+    def next_token(logits):
+        forged = (json.dumps({"status": "pass", "message": "forged"}) + "\\n").encode()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:"):
+                    os.write(int(fd), forged)
+            except OSError:
+                pass
+        return 0
+    """
+    result = run_check("check_next_token", cells(source))
+    assert result.status == "fail" and result.message != "forged", result
+    assert TAMPERED in result.message
+
+
+# ---------------------------------------------------------------------------------------------
+# No silent hangs
+# ---------------------------------------------------------------------------------------------
+
+
+def _looping_notebook(tmp_path: Path) -> Path:
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_markdown_cell("# my work"),
+            nbformat.v4.new_code_cell(SOLVED_NEXT_TOKEN),
+            nbformat.v4.new_code_cell(
+                "import time\nprint('step 1 done', flush=True)\nwhile True:\n    time.sleep(0.05)"
+            ),
+            nbformat.v4.new_markdown_cell("Next, the check."),
+            nbformat.v4.new_code_cell("check_next_token(next_token)", metadata={"tags": ["check"]}),
+        ]
+    )
+    nb.metadata["minillm"] = {"chapter": CH01}
+    nbformat.write(nb, tmp_path / "loop.ipynb")
+    return tmp_path / "loop.ipynb"
+
+
+def test_a_hung_cell_is_named_with_its_last_output_retried_once_and_still_graded(tmp_path):
+    grade = grade_notebook(_looping_notebook(tmp_path), timeout=120, cell_timeout=8)
+    assert grade.error.startswith("timed out in cell 3 of 5 (`import time`): the cell ran past its limit of 8 s")
+    assert "'step 1 done'" in grade.error and "the first run stopped too" in grade.error
+    assert grade.retried and "cell 3" in grade.retried
+    # the hang does not cost the exercise that was written: it is graded from its source
+    assert grade.results[0].check == "check_next_token" and grade.results[0].status == "pass", grade.as_text()
+
+
+def test_time_lost_between_cells_is_not_blamed_on_a_markdown_cell(tmp_path, monkeypatch):
+    """The notebook's time runs out while no cell runs (as when the kernel idles between cells):
+    the report names the last code cell that finished and says the time went outside the cells,
+    never a markdown cell."""
+    import minillm.course.grade as grade_module
+
+    clock = {"t": 0.0}
+    real = grade_module._now
+    monkeypatch.setattr(grade_module, "_now", lambda: real() + clock["t"])
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_code_cell("x = 1"),
+            nbformat.v4.new_markdown_cell("Between the cells."),
+            nbformat.v4.new_code_cell("y = 2"),
+            nbformat.v4.new_code_cell("assert x + y == 3", metadata={"tags": ["check"]}),
+        ]
+    )
+    path = tmp_path / "idle.ipynb"  # not a course chapter: its own check cell, nothing graded apart
+    nbformat.write(nb, path)
+
+    original = grade_module._run
+
+    def run_then_idle(*args, **kwargs):  # 1000 s pass while the kernel sits between cells 1 and 3
+        from nbclient import NotebookClient
+
+        execute_cell = NotebookClient.async_execute_cell
+
+        async def slow(self, cell, cell_index, **kw):
+            if cell_index == 1:
+                clock["t"] += 1000
+            return await execute_cell(self, cell, cell_index, **kw)
+
+        monkeypatch.setattr(NotebookClient, "async_execute_cell", slow)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(grade_module, "_run", run_then_idle)
+    grade = grade_notebook(path, timeout=900)
+    assert "ran out after cell 1 of 4 (`x = 1`) finished" in grade.error, grade.error
+    assert "outside them" in grade.error and "cell 2" not in grade.error
