@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from minillm.course.isolated import CHECK_TIMEOUT_S, TAMPERED, learner_cells, run_check, tamper_findings
+from minillm.course.isolated import CHECK_TIMEOUT_S, TAMPERED, learner_cells, run_checks, tamper_findings
 from minillm.course.results import FAIL, NOT_ATTEMPTED, PASS, VERDICT_MIME, CheckResult
 
 DEFAULT_TIMEOUT = 900  # seconds for a whole notebook
@@ -349,18 +349,24 @@ def grade_notebook(
         grade.retried = first_error
         if run.error:
             grade.error = f"{run.error} (the first run stopped too: {first_error})"
+    verdicts = {index: _in_notebook_verdict(nb, index, name, nonce) for index, name in graded.items()}
+    # A pass, or no verdict (the notebook stopped first), is graded again on its own, from the
+    # source; a fail or "not attempted" in the notebook stands: nothing a forger gains by it.
+    again = [(name, learner_cells(nb, index, graded)) for index, name in graded.items()
+             if expected is not None and not findings and (verdicts[index] is None or verdicts[index].status == PASS)]  # fmt: skip
+    fresh = run_checks(again, cwd=str(path.parent), timeout=check_timeout) if again else {}
     for index, name in graded.items():
-        in_notebook = _in_notebook_verdict(nb, index, name, nonce)
+        in_notebook = verdicts[index]
         if findings:
             result = CheckResult(name, FAIL, f"{TAMPERED}: " + "; ".join(findings[:3]))
         elif expected is None:  # not a course chapter: its own check cells, as the notebook ran them
             result = in_notebook or _unreported(name, index, run)
-        elif in_notebook is not None and in_notebook.status != PASS:
-            result = in_notebook  # a fail or "not attempted" in the notebook: nothing a forger gains by it
-        else:  # a pass, or no verdict (the notebook stopped first): graded on its own, from the source
-            result = run_check(name, learner_cells(nb, index, graded), cwd=str(path.parent), timeout=check_timeout)
+        elif name in fresh:
+            result = fresh[name]
             if in_notebook is not None and result.status != PASS:
                 result.message += " (the notebook's own run showed a pass; the grade is the check run on its own)"
+        else:
+            result = in_notebook
         grade.results.append(result)
     return grade
 

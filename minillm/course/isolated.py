@@ -145,8 +145,31 @@ def _targets(node) -> list[str]:
 def run_check(check: str, cells: list[LearnerCell], cwd: str | None = None,
               timeout: float = CHECK_TIMEOUT_S) -> CheckResult:  # fmt: skip
     """Grade ``check`` on ``cells`` in a fresh Python process (module docstring)."""
+    return run_checks([(check, cells)], cwd, timeout)[check]
+
+
+def run_checks(jobs: list[tuple[str, list[LearnerCell]]], cwd: str | None = None,
+               timeout: float = CHECK_TIMEOUT_S) -> dict[str, CheckResult]:  # fmt: skip
+    """Grade a notebook's checks, each on its own learner cells, in one fresh Python process (a
+    model the checks load is loaded once), each within ``timeout`` seconds. A check that runs
+    past it is stopped with its process; the checks after it get a new one."""
+    results: dict[str, CheckResult] = {}
+    pending = list(jobs)
+    while pending:
+        done = _run_some(pending, cwd, timeout)
+        results.update(done)
+        pending = [job for job in pending if job[0] not in results]
+    return results
+
+
+def _run_some(jobs, cwd, timeout) -> dict[str, CheckResult]:
+    """One process for ``jobs``, in order, until the end or the first check that runs too long
+    (that one gets its verdict here too; the rest are left for another process)."""
+    import selectors
+    import time
+
     read, write = os.pipe()
-    job = {"check": check, "cells": [[c.number, c.source] for c in cells], "fd": write}
+    payload = {"jobs": [[name, [[c.number, c.source] for c in cells]] for name, cells in jobs], "fd": write}
     try:
         child = subprocess.Popen(
             [sys.executable, "-m", "minillm.course.isolated"],
@@ -159,26 +182,84 @@ def run_check(check: str, cells: list[LearnerCell], cwd: str | None = None,
         )
     finally:
         os.close(write)
-    with os.fdopen(read, "r", encoding="utf-8", errors="replace") as verdicts:
-        try:
-            output, _ = child.communicate(json.dumps(job).encode(), timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(child)
-            output, _ = child.communicate()
-            tail = _tail(output)
-            return CheckResult(check, FAIL, f"the check did not finish within {timeout:g} s when run on its own "
-                                            f"(a loop that never ends?){tail}")  # fmt: skip
-        lines = [line for line in verdicts.read().splitlines() if line.strip()]
-    if len(lines) != 1:
-        if not lines:
-            return CheckResult(check, FAIL, f"the check's process ended without a verdict (exit code "
-                                            f"{child.returncode}){_tail(output)}")  # fmt: skip
-        return CheckResult(check, FAIL, f"{TAMPERED}: the check's process reported {len(lines)} verdicts, not one")
+    child.stdin.write(json.dumps(payload).encode())
+    child.stdin.close()
+    output = bytearray()
+    lines: dict[str, list[str]] = {}
+    names = [name for name, _ in jobs]
+    buffer = b""
+    selector = selectors.DefaultSelector()
+    selector.register(read, selectors.EVENT_READ, "verdicts")
+    selector.register(child.stdout, selectors.EVENT_READ, "output")
+    current, deadline, timed_out = 0, time.monotonic() + timeout, False
+    open_streams = 2
+    while open_streams:
+        wait = deadline - time.monotonic()
+        if wait <= 0:
+            timed_out = True
+            break
+        for key, _ in selector.select(timeout=wait):
+            chunk = os.read(key.fd, 65536)
+            if not chunk:
+                selector.unregister(key.fileobj)
+                open_streams -= 1
+                continue
+            if key.data == "output":
+                output += chunk
+                del output[: max(0, len(output) - 8192)]  # the tail is what a report shows
+                continue
+            buffer += chunk
+            *complete, buffer = buffer.split(b"\n")
+            for line in complete:
+                if not line.strip():
+                    continue
+                name = _check_of(line)
+                lines.setdefault(name, []).append(line.decode("utf-8", errors="replace"))
+                while current < len(names) and names[current] in lines:  # the next check's clock starts
+                    current += 1
+                    deadline = time.monotonic() + timeout
+    selector.close()
+    os.close(read)
+    if timed_out:
+        _kill_group(child)
+    child.wait()
+    results = {}
+    for index, name in enumerate(names):
+        got = lines.get(name, [])
+        if len(got) > 1:
+            results[name] = CheckResult(name, FAIL, f"{TAMPERED}: the check's process reported {len(got)} verdicts "
+                                                    "for it, not one")  # fmt: skip
+        elif got:
+            results[name] = _verdict(name, got[0])
+        elif index == current:  # the check that was running when the process stopped
+            if timed_out:
+                results[name] = CheckResult(name, FAIL, f"the check did not finish within {timeout:g} s when run on "
+                                                        f"its own (a loop that never ends?){_tail(bytes(output))}")  # fmt: skip
+            else:
+                results[name] = CheckResult(name, FAIL, f"the check's process ended without a verdict (exit code "
+                                                        f"{child.returncode}){_tail(bytes(output))}")  # fmt: skip
+    for name in lines:
+        if name not in names:  # a verdict for a check nobody asked about: only forged ones look like that
+            for other in names:
+                results[other] = CheckResult(other, FAIL, f"{TAMPERED}: the check's process reported a verdict "
+                                                          "for a check it was not running")  # fmt: skip
+    return results
+
+
+def _check_of(line: bytes) -> str:
     try:
-        verdict = json.loads(lines[0])
-        return CheckResult(check, str(verdict["status"]), str(verdict["message"]))
+        verdict = json.loads(line)
+        return str(verdict["check"]) if isinstance(verdict, dict) else "?"
+    except (ValueError, KeyError):
+        return "?"
+
+
+def _verdict(name: str, line: str) -> CheckResult:
+    try:
+        verdict = json.loads(line)
+        return CheckResult(name, str(verdict["status"]), str(verdict["message"]))
     except (ValueError, KeyError, TypeError):
-        return CheckResult(check, FAIL, f"{TAMPERED}: the check's process reported something that is not a verdict")
+        return CheckResult(name, FAIL, f"{TAMPERED}: the check's process reported something that is not a verdict")
 
 
 def _kill_group(child: subprocess.Popen) -> None:
@@ -403,16 +484,26 @@ def _grade_in_this_process(job: dict) -> dict:
 
 
 def main() -> int:
-    job = json.loads(sys.stdin.read())
-    fd = job["fd"]
-    try:
-        verdict = _grade_in_this_process(job)
-    except Exception as err:  # noqa: BLE001 - the grader's own failure, said as such
-        verdict = {"status": CHECK_ERROR, "message": f"grading in a fresh process failed: {type(err).__name__}: {err}"}
-    if verdict["status"] not in (PASS, FAIL, NOT_ATTEMPTED, CHECK_ERROR):
-        verdict = {"status": FAIL, "message": f"{TAMPERED}: an unknown status {verdict['status']!r}"}
-    with os.fdopen(fd, "w", encoding="utf-8") as channel:
-        channel.write(json.dumps(verdict) + "\n")
+    payload = json.loads(sys.stdin.read())
+    with os.fdopen(payload["fd"], "w", encoding="utf-8") as channel:
+        tampered = None
+        for name, cells in payload["jobs"]:
+            if tampered:  # the learner's code of an earlier check changed this process: nothing here is trusted
+                verdict = {"status": FAIL, "message": tampered}
+            else:
+                try:
+                    verdict = _grade_in_this_process({"check": name, "cells": cells})
+                except Exception as err:  # noqa: BLE001 - the grader's own failure, said as such
+                    verdict = {"status": CHECK_ERROR,
+                               "message": f"grading in a fresh process failed: {type(err).__name__}: {err}"}  # fmt: skip
+                if verdict["status"] not in (PASS, FAIL, NOT_ATTEMPTED, CHECK_ERROR):
+                    verdict = {"status": FAIL, "message": f"{TAMPERED}: an unknown status {verdict['status']!r}"}
+                if verdict["message"].startswith(TAMPERED):
+                    tampered = (
+                        f"{TAMPERED} (by the code of an earlier check): {verdict['message'][len(TAMPERED) + 2 :]}"
+                    )
+            channel.write(json.dumps({"check": name, **verdict}) + "\n")
+            channel.flush()
     return 0
 
 
