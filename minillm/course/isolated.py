@@ -291,7 +291,7 @@ class _Integrity:
     PREFIXES = ("minillm", "torch", "triton", "numpy", "math", "builtins", "functools", "operator", "random")
 
     def __init__(self):
-        from minillm import hooks
+        import minillm.hooks as hooks
 
         self.before = {name: self._members(module) for name, module in self._modules()}
         self.hook_defaults = {name: id(point.default) for name, point in hooks.points().items()}
@@ -305,7 +305,7 @@ class _Integrity:
     def _hook_changes(self) -> list[str]:
         """A hook's reference is what checks compare with: it must be the package's, and no
         override may outlive the check that installed it."""
-        from minillm import hooks
+        import minillm.hooks as hooks
 
         found = []
         for name, point in hooks.points().items():
