@@ -240,3 +240,17 @@ def test_time_lost_between_cells_is_not_blamed_on_a_markdown_cell(tmp_path, monk
     grade = grade_notebook(path, timeout=900)
     assert "ran out after cell 1 of 4 (`x = 1`) finished" in grade.error, grade.error
     assert "outside them" in grade.error and "cell 2" not in grade.error
+
+
+def test_a_solution_that_uses_the_course_scheduler_view_is_not_a_shortcut():
+    """Chapter 04's solved scheduler reads the check's view of the scheduler (a course class with
+    private-looking dunder methods): that is the exercise's input, not the course's answer."""
+    from minillm.course import CHECKS_BY_CHAPTER
+    from minillm.course.grade import restore_check_cells
+    from minillm.course.isolated import learner_cells, run_checks
+
+    root = Path(__file__).resolve().parent.parent / "solutions"
+    nb = nbformat.read(root / "04_batching.ipynb", as_version=4)
+    graded = restore_check_cells(nb, CHECKS_BY_CHAPTER["04_batching"], "nonce")
+    results = run_checks([(name, learner_cells(nb, i, graded)) for i, name in graded.items()], cwd=str(root))
+    assert {name: r.status for name, r in results.items()} == {name: "pass" for name in graded.values()}, results

@@ -389,7 +389,8 @@ class _ShortcutWatch:
             return
         code = frame.f_code
         if code not in self.codes:
-            if code.co_name.startswith("_") and code.co_filename.startswith(self.course_dir):
+            private = code.co_name.startswith("_") and not code.co_name.endswith("__") and "." not in code.co_qualname
+            if private and code.co_filename.startswith(self.course_dir):  # a module-level _function, not a method
                 caller = frame.f_back  # the course's private references answer exercises too
                 if caller is not None and caller.f_code.co_filename.startswith("<cell "):
                     where = caller.f_code.co_filename[1:-1]
@@ -408,9 +409,8 @@ class _ShortcutWatch:
     def __enter__(self):
         import threading
 
-        if self.codes:
-            sys.setprofile(self)
-            threading.setprofile(self)
+        sys.setprofile(self)  # always: the course's private references are watched for every exercise
+        threading.setprofile(self)
         return self
 
     def __exit__(self, *exc):
