@@ -7,6 +7,8 @@ chunked prefill, after preemption, or with its prefix served from the cache.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -213,7 +215,9 @@ def test_static_batch_waits_for_all_members(tiny_model):
 
 
 def test_dynamic_batch_waits_for_timeout(tiny_model):
+    start = time.perf_counter()
     engine = LLMEngine(tiny_model, dtype="fp32", scheduling_policy="dynamic", batch_timeout=30.0, max_num_seqs=4)
+    assert time.perf_counter() - start < 15  # its own warm-up request does not wait for a batch (it did: 30 s)
     rid = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=2, ignore_eos=True))
     assert engine.step() == [] and not engine.step_records  # one request of four: wait
     engine.requests[rid].metrics.arrival_time -= 31.0  # as if it had waited past the timeout

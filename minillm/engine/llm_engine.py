@@ -179,8 +179,12 @@ class LLMEngine:
 
     def _warm_up(self) -> None:
         """One tiny request through the whole path, so one-time costs (kernel selection, oneDNN
-        primitive creation, allocator growth) are not billed to the first real request."""
-        self.add_request([0], SamplingParams(max_tokens=2, ignore_eos=True), request_id="__warm_up__")
+        primitive creation, allocator growth) are not billed to the first real request. It
+        arrives as if it had waited a whole ``batch_timeout``: a dynamic-batching engine would
+        otherwise hold its own construction until the timeout ran out."""
+        waited = self.clock() - getattr(self.scheduler, "batch_timeout", 0.0)
+        self.add_request([0], SamplingParams(max_tokens=2, ignore_eos=True), request_id="__warm_up__",
+                         arrival_time=waited)  # fmt: skip
         while self.has_unfinished_requests():
             self.step()
         self.step_records.clear()
