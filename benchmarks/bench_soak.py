@@ -150,11 +150,28 @@ def settled_metrics(url: str, seconds: float = 10.0) -> str:
         time.sleep(0.2)
 
 
-def sample_rss(pid: int, every: float, samples: list, stop) -> None:
+def resident_parts(pid: int) -> dict[str, int]:
+    """RSS split as Linux counts it (``/proc/PID/status``): anonymous memory (the heap, tensors,
+    the KV pool), file pages (shared libraries' code and data touched so far, mapped weights) and
+    shared memory. Growth in file pages is code paths run for the first time, not a leak."""
+    parts = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile", "RssShmem"):
+                parts[key] = int(value.split()[0]) * 1024
+    except OSError:  # not Linux
+        pass
+    return parts
+
+
+def sample_rss(pid: int, every: float, samples: list, parts: list, stop) -> None:
     process = psutil.Process(pid)
     start = time.perf_counter()
     while not stop.is_set():
-        samples.append((round(time.perf_counter() - start, 1), process.memory_info().rss))
+        t = round(time.perf_counter() - start, 1)
+        samples.append((t, process.memory_info().rss))
+        parts.append((t, resident_parts(pid)))
         stop.wait(every)
 
 
@@ -166,6 +183,7 @@ def main() -> int:
     parser.add_argument("--body-timeout", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-cache-memory", type=int, default=64 << 20, help="the server's KV pool, bytes")
+    parser.add_argument("--tag", default="", help="suffix for the result file (paired runs of one day)")
     args = parser.parse_args()
 
     import threading
@@ -178,8 +196,8 @@ def main() -> int:
                   "--max-body-bytes", str(2 << 20), "--kv-cache-memory", str(args.kv_cache_memory)]  # fmt: skip
     seconds = args.minutes * 60
     with ServerProcess([args.model], serve_args) as server:
-        samples, stop = [], threading.Event()
-        sampler = threading.Thread(target=sample_rss, args=(server.proc.pid, 5.0, samples, stop), daemon=True)
+        samples, parts, stop = [], [], threading.Event()
+        sampler = threading.Thread(target=sample_rss, args=(server.proc.pid, 5.0, samples, parts, stop), daemon=True)
         sampler.start()
         began = time.perf_counter()
         out = asyncio.run(load(server.url, args.model, seconds, args.concurrency, args.body_timeout, args.seed))
@@ -190,6 +208,10 @@ def main() -> int:
     lost = [o for o in out if o[1] != "ok"]
     warm = [rss for t, rss in samples if t >= 0.2 * seconds] or [samples[-1][1]]
     rss_warm, rss_last, rss_max = warm[0], samples[-1][1], max(warm)
+    warm_parts = [p for t, p in parts if t >= 0.2 * seconds and p] or [parts[-1][1]]
+    drift_by_part = {key: {"after_warmup_mb": warm_parts[0][key] / 1e6, "last_mb": warm_parts[-1][key] / 1e6,
+                           "growth_mb": (warm_parts[-1][key] - warm_parts[0][key]) / 1e6}
+                     for key in warm_parts[0]}  # fmt: skip
     first = sorted(o[2] for o in out if o[2] is not None and o[3] - began < 0.2 * seconds)
     last = sorted(o[2] for o in out if o[2] is not None and o[3] - began > 0.8 * seconds)
 
@@ -209,13 +231,14 @@ def main() -> int:
         "held_after": held, "kv_cache_memory": args.kv_cache_memory,
         "rss_mb": {"after_warmup": rss_warm / 1e6, "last": rss_last / 1e6, "max": rss_max / 1e6,
                    "drift_last_pct": 100 * (rss_last / rss_warm - 1), "drift_max_pct": 100 * (rss_max / rss_warm - 1)},
+        "rss_by_part": drift_by_part,
         "ttft_p99_ms": {"first_fifth": p99(first), "last_fifth": p99(last)},
         "ttft_p50_ms": {"first_fifth": statistics.median(first) * 1000 if first else None,
                         "last_fifth": statistics.median(last) * 1000 if last else None},
-        "healthy_after": healthy, "rss_samples": samples,
+        "healthy_after": healthy, "rss_samples": samples, "rss_part_samples": parts,
     }  # fmt: skip
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"soak-{result['date']}-{machine_tag(result['machine'])}.json"
+    path = RESULTS / f"soak-{result['date']}-{machine_tag(result['machine'])}{'-' + args.tag if args.tag else ''}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     r = result["rss_mb"]
     held_text = ", ".join(f"{name.removeprefix('minillm_')} {value:.0f}" for name, value in held.items())
@@ -225,6 +248,9 @@ def main() -> int:
           f"p99 TTFT {result['ttft_p99_ms']['first_fifth']:.0f} ms first fifth, "
           f"{result['ttft_p99_ms']['last_fifth']:.0f} ms last fifth; healthy after: {healthy}; "
           f"held after: {held_text}")
+    if drift_by_part:
+        print("RSS growth after warm-up by part: " + ", ".join(
+            f"{key} {v['growth_mb']:+.1f} MB (of {v['after_warmup_mb']:.0f})" for key, v in drift_by_part.items()))
     print(f"wrote {path}")
     clean = not any(held.values()) and aborted <= result["left_mid_stream"]
     return 0 if not lost and healthy and clean else 1

@@ -47,3 +47,18 @@ def test_a_nonsense_cap_is_refused():
 @pytest.mark.skipif(sys.platform.startswith("linux"), reason="elsewhere than Linux the calls do nothing")
 def test_elsewhere_nothing_happens():
     assert heap.trim() is False
+
+
+def test_a_served_engine_keeps_no_step_records():
+    """Each record holds two lists as long as the KV pool, and a server steps for hours: the
+    engine's default 10,000 would be carried for nothing. The server reads none, so it keeps none."""
+    from minillm import SamplingParams
+    from minillm.server.launch import build_engines
+
+    engine = build_engines(["tiny-shakespeare-1m"], dtype="fp32", kv_cache_memory=2_000_000)["tiny-shakespeare-1m"].engine
+    engine.add_request("KING.", SamplingParams(max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.num_steps > 0 and len(engine.step_records) == 0
+    kept = build_engines(["tiny-shakespeare-1m"], dtype="fp32", kv_cache_memory=2_000_000, max_step_records=8)
+    assert kept["tiny-shakespeare-1m"].engine.step_records.maxlen == 8  # asked for: kept

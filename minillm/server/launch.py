@@ -20,11 +20,19 @@ from minillm.server.connections import with_header_timeout
 from minillm.server.front_door import default_allowed_hosts
 from minillm.server.response_cache import ResponseCache
 
+# A served engine keeps no per-step records unless asked: nothing in the server reads them, and
+# each holds two lists the length of the KV pool (which blocks are cached, their reference
+# counts), built every step; a server would carry up to 10,000 of them (the engine's default,
+# for notebooks that draw them) for as long as it runs.
+SERVED_STEP_RECORDS = 0
+
 
 def build_engines(models: list[str], max_waiting: int = 256, **engine_args) -> dict[str, AsyncEngine]:
-    """One engine per model name (the name clients put in ``model``), all with ``engine_args``."""
+    """One engine per model name (the name clients put in ``model``), all with ``engine_args``
+    (``max_step_records`` defaults to ``SERVED_STEP_RECORDS``)."""
     from minillm.engine import LLMEngine
 
+    engine_args.setdefault("max_step_records", SERVED_STEP_RECORDS)
     if len(set(models)) != len(models):
         raise ValueError(f"a model is named twice in {models}")
     return {
