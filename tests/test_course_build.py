@@ -73,7 +73,7 @@ def test_grading_solutions_pass_and_students_do_not(chapter):
 def test_grading_a_folder_writes_a_csv(tmp_path):
     submissions = tmp_path / "submissions"
     submissions.mkdir()
-    nbformat.write(chapter01(solved=True), submissions / "01_prefill_and_decode.ipynb")  # the whole chapter: above
+    nbformat.write(chapter01(solved=True), submissions / "01_prefill_and_decode.ipynb")  # its exercises and checks (the whole chapter is graded in the test above)
     nb = chapter01(solved=True)
     for cell in nb.cells:  # a learner who got the attention scale wrong
         cell.source = cell.source.replace("/ math.sqrt(q.shape[-1])", "")
