@@ -50,8 +50,8 @@ def test_elsewhere_nothing_happens():
 
 
 def test_a_served_engine_keeps_no_step_records():
-    """Each record holds two lists as long as the KV pool, and a server steps for hours: the
-    engine's default 10,000 would be carried for nothing. The server reads none, so it keeps none."""
+    """A server steps for hours: the engine's default of 10,000 step records would be built and
+    carried for nothing. The server reads none, so it keeps none."""
     from minillm import SamplingParams
     from minillm.server.launch import build_engines
 

@@ -20,10 +20,9 @@ from minillm.server.connections import with_header_timeout
 from minillm.server.front_door import default_allowed_hosts
 from minillm.server.response_cache import ResponseCache
 
-# A served engine keeps no per-step records unless asked: nothing in the server reads them, and
-# each holds two lists the length of the KV pool (which blocks are cached, their reference
-# counts), built every step; a server would carry up to 10,000 of them (the engine's default,
-# for notebooks that draw them) for as long as it runs.
+# A served engine keeps no per-step records unless asked: nothing in the server reads them, yet
+# each step would build one (its chunks, pool counters) and the engine keeps the last 10,000 (its
+# default, for notebooks that draw them) for as long as the server runs.
 SERVED_STEP_RECORDS = 0
 
 
