@@ -44,9 +44,9 @@ FIRST_CHAPTERS := 00_welcome.ipynb 01_prefill_and_decode.ipynb 10_serving.ipynb
 COLD_CACHE := $(CURDIR)/.cache/cold
 NO_COMPILE := env MINILLM_COMPILE=0
 
-# Where the time goes (Intel Xeon, 2 cores, 2026-12-03, cold caches; an AMD EPYC is about twice
-# as fast): set-up ~3 min, `pytest tests` 53 min (the compiled-decode, grading, parallel-engine and
-# background-compile tests hold 24 of them), the four notebook runs 4 + 8 + 3 + 8 min.
+# Where the time goes (Intel Xeon with AMX, 2 cores, 2026-12-03, cold caches, set-up not timed):
+# `pytest tests` 53 min (pytest --durations: the compiled-decode, grading, parallel-engine and
+# background-compile files hold 25 of them), the four notebook runs 4 + 8 + 3 + 8 min.
 test: setup
 	$(BIN)/ruff check minillm tests benchmarks
 	$(NO_COMPILE) $(BIN)/python -m pytest tests
