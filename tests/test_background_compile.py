@@ -238,9 +238,18 @@ def test_a_niced_process_is_not_a_competitor(monkeypatch):
     niced = subprocess.Popen([sys.executable, "-c", "import os; os.nice(19)\nwhile True: pass"])
     try:
         time.sleep(0.5)
+        looks = []  # (threads, cores busy with others, of which stolen by the hypervisor)
         for _ in range(10):
             time.sleep(0.2)
-            assert governor.adjust() == 2, governor.others_busy
+            looks.append((governor.adjust(), round(governor.others_busy, 2), round(governor.stolen, 2)))
+        # The niced process keeps a whole core busy: counted, every look would see >= ~1 core
+        # taken. A shared CI machine adds noise the test cannot stop: a short burst of another
+        # process (a few looks), and on a virtual machine the host's steal, which the governor
+        # rightly counts (the engine's own thread would be stolen from just the same).
+        unstolen = [busy - stolen for _, busy, stolen in looks]
+        assert sum(busy < 0.4 for busy in unstolen) >= 8, looks
+        unstolen_looks = [threads for threads, _, stolen in looks if stolen < 0.2]
+        assert sum(threads == 2 for threads in unstolen_looks) >= len(unstolen_looks) - 2, looks
     finally:
         niced.kill()
         niced.wait()

@@ -10,6 +10,10 @@ applies, and bad arguments must fail by name.
 
 from __future__ import annotations
 
+import platform
+import threading
+import time
+
 import pytest
 import torch
 
@@ -227,12 +231,87 @@ def test_a_build_failure_is_reported_with_the_compilers_words(monkeypatch):
         )
 
     monkeypatch.setattr(cpu_paged, "_library", broken)
-    cpu_paged.kernel_unavailable_reason.cache_clear()
+    cpu_paged._unavailable_reason.cache_clear()
     try:
         reason = cpu_paged.kernel_unavailable_reason()
     finally:
-        cpu_paged.kernel_unavailable_reason.cache_clear()
+        cpu_paged._unavailable_reason.cache_clear()
     assert reason.startswith("RuntimeError: C++ compile error") and "no omp.h" in reason
+
+
+def test_a_build_started_early_is_the_one_the_engine_waits_for(monkeypatch):
+    """``start_building`` runs the build in a thread; ``kernel_unavailable_reason`` waits for that
+    build rather than starting a second one, and later calls reuse its answer."""
+    calls = []
+    release = threading.Event()
+
+    def slow_build():
+        calls.append(threading.current_thread().name)
+        release.wait(10)
+
+    monkeypatch.setattr(cpu_paged, "_library", slow_build)
+    cpu_paged._unavailable_reason.cache_clear()
+    try:
+        cpu_paged.start_building()
+        deadline = time.monotonic() + 5
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        threading.Timer(0.2, release.set).start()
+        assert cpu_paged.kernel_unavailable_reason() is None
+        cpu_paged.start_building()  # already answered: no new build
+        assert cpu_paged.kernel_unavailable_reason() is None
+        assert calls == ["minillm-cpu-kernel-build"]
+    finally:
+        release.set()
+        cpu_paged._unavailable_reason.cache_clear()
+
+
+class _Loads:
+    """A stand-in for ``CppCodeCache``: records which instruction set each load was given."""
+
+    def __init__(self, fail_first: bool = False):
+        from torch._inductor import codecache
+
+        self.codecache, self.fail_first, self.isas = codecache, fail_first, []
+
+    def load(self, source):
+        self.isas.append(self.codecache.pick_vec_isa())
+        if self.fail_first and len(self.isas) == 1:
+            raise RuntimeError("g++: error: unrecognized command-line option '-mavx512f'")
+        return "library"
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the instruction set is named on x86 only")
+def test_the_kernel_takes_its_instruction_set_from_the_cpu_without_probe_builds(monkeypatch):
+    """Inductor's ``pick_vec_isa`` compiles a probe per instruction set (19 s of a cold first
+    start); the kernel's build names AVX-512 or AVX2 from PyTorch's CPU detection instead, and
+    leaves inductor's own pick in place for everything else."""
+    from torch._inductor import codecache, cpu_vec_isa
+
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", lambda *a: pytest.fail("a probe build ran"))
+    probing = codecache.pick_vec_isa
+    loads = _Loads()
+    assert cpu_paged._build(loads, "source") == "library"
+    expected = "avx512" if torch.cpu._is_avx512_supported() else "avx2" if torch.cpu._is_avx2_supported() else None
+    if expected is None:
+        pytest.skip("neither AVX2 nor AVX-512 here: inductor's own pick applies")
+    assert [str(isa) for isa in loads.isas] == [expected]
+    assert codecache.pick_vec_isa is probing
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the instruction set is named on x86 only")
+def test_a_build_that_fails_with_the_named_set_is_retried_the_probing_way(monkeypatch):
+    from torch._inductor import codecache
+
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    if not torch.cpu._is_avx2_supported():
+        pytest.skip("no AVX2: nothing is named")
+    probed = object()
+    monkeypatch.setattr(codecache, "pick_vec_isa", lambda: probed)
+    loads = _Loads(fail_first=True)
+    assert cpu_paged._build(loads, "source") == "library"
+    assert len(loads.isas) == 2 and loads.isas[0] is not probed and loads.isas[1] is probed
 
 
 def test_a_kernel_that_does_not_build_falls_back_with_a_warning(monkeypatch):

@@ -21,6 +21,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import platform
+import threading
 from pathlib import Path
 
 import torch
@@ -51,12 +53,54 @@ def _library() -> ctypes.CDLL:
     built = Path(where.read_text().strip()) if where.is_file() else None
     if built is not None and built.is_file() and not trusted_cache.verified(built):
         trusted_cache.forget(built)  # replaced since it was built: inductor compiles it again
-    library = CppCodeCache.load(source)
+    library = _build(CppCodeCache, source)
     path = Path(library._name)
     if path.is_file() and (built != path or not trusted_cache.verified(path)):
         trusted_cache.record(path)
         where.write_text(f"{path}\n")
     return library
+
+
+_PICK_LOCK = threading.Lock()
+
+
+def _build(cpp_code_cache, source: str):
+    """``CppCodeCache.load(source)`` with the SIMD instruction set named by the CPU itself.
+
+    Inductor picks its instruction set by compiling and loading a probe program for each one the
+    CPU reports (AMX, AVX-512 VNNI, AVX-512, AVX2, with their bf16/fp16 variants): about 10
+    builds, 19 of the 36 s a learner's first ``LLM(...)`` took on a cold cache (Intel Xeon with
+    AMX, 2 cores; ``benchmarks/bench_cold_kernel.py``). This kernel needs only the vector width,
+    so on x86 it takes AVX-512 or AVX2 as PyTorch's own CPU detection reports them (no builds)
+    for this one library; a build that fails that way is retried the probing way. Everything
+    else inductor compiles still probes as usual (``pick_vec_isa``'s list is not touched)."""
+    from torch._inductor import codecache, cpu_vec_isa
+
+    isa = _isa_from_cpu_flags(cpu_vec_isa)
+    if isa is None:
+        return cpp_code_cache.load(source)
+    with _PICK_LOCK:
+        probing = codecache.pick_vec_isa
+        codecache.pick_vec_isa = lambda: isa
+        try:
+            return cpp_code_cache.load(source)
+        except Exception:
+            pass  # a compiler without these flags: inductor's own probes decide below
+        finally:
+            codecache.pick_vec_isa = probing
+    return cpp_code_cache.load(source)
+
+
+def _isa_from_cpu_flags(cpu_vec_isa):
+    """Inductor's AVX-512 or AVX2 description when this x86 CPU has it (no probe builds), else
+    None (other architectures, or ``ATEN_CPU_CAPABILITY`` set: inductor's own rules apply)."""
+    if platform.machine() not in ("x86_64", "AMD64") or os.environ.get("ATEN_CPU_CAPABILITY"):
+        return None
+    if torch.cpu._is_avx512_supported():
+        return cpu_vec_isa.VecAVX512()
+    if torch.cpu._is_avx2_supported():
+        return cpu_vec_isa.VecAVX2()
+    return None
 
 
 def _source_key(source: str) -> str:
@@ -65,10 +109,28 @@ def _source_key(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()[:20]
 
 
-@functools.cache
+_BUILD_LOCK = threading.Lock()
+
+
 def kernel_unavailable_reason() -> str | None:
     """None when the kernel compiles and loads here; else why not (no C++ compiler, ...).
-    Asked once per process: a failed build is not retried by every engine."""
+    Asked once per process: a failed build is not retried by every engine. Safe from any
+    thread: a second caller waits for the first one's build (``start_building``)."""
+    with _BUILD_LOCK:
+        return _unavailable_reason()
+
+
+def start_building() -> None:
+    """Build (or load) the kernel in a thread now, so that a cold build (seconds of ``g++``, in a
+    subprocess that does not hold the GIL) overlaps what an engine does next — reading the
+    tokenizer and the weights — instead of following it. ``kernel_unavailable_reason`` then
+    waits for it."""
+    if _unavailable_reason.cache_info().currsize == 0:
+        threading.Thread(target=kernel_unavailable_reason, name="minillm-cpu-kernel-build", daemon=True).start()
+
+
+@functools.cache
+def _unavailable_reason() -> str | None:
     try:
         _library()
     except Exception as error:  # any build failure means: use the reference path

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from minillm.attention.cpu_paged import kernel_unavailable_reason
+from minillm.attention.cpu_paged import kernel_unavailable_reason, start_building
 from minillm.config import EngineConfig, ModelConfig, Where, check_compatible, refusal
 from minillm.engine.scheduler import Scheduler
 from minillm.kvcache.addressing import blocks_for, kv_bytes_per_token
@@ -104,6 +104,15 @@ def free_memory_bytes(device: torch.device) -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def start_kernel_build(config: EngineConfig, device: torch.device) -> None:
+    """Start building the CPU decode kernel now when ``resolve_backend`` may pick it (the paged
+    CPU engine on one process, ``auto`` or ``cpu`` backend, a plain pool): on a cold cache its
+    build takes seconds, which then pass while the tokenizer and the weights load."""
+    wanted = config.attention_backend == "cpu" or (config.attention_backend == "auto" and config.kv_cache_dtype == "auto")
+    if wanted and device.type == "cpu" and config.mode == "paged" and config.world_size == 1:
+        start_building()
 
 
 def resolve_backend(config: EngineConfig, device: torch.device) -> str:

@@ -37,7 +37,7 @@ import torch
 
 from minillm.assets import resolve_model
 from minillm.config import EngineConfig, ModelConfig
-from minillm.engine.builder import build_engine_parts, build_parallel_parts
+from minillm.engine.builder import build_engine_parts, build_parallel_parts, start_kernel_build
 from minillm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from minillm.engine.stats import EngineStats
 from minillm.engine.virtual_clock import TimedRunner, VirtualClock
@@ -67,6 +67,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or limit
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}")
+        start_kernel_build(config, self.device)  # a cold C++ build overlaps the tokenizer and weights
         self.tokenizer = Tokenizer(self.model_dir)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
         # Sliding-window attention: the engine's option, else the checkpoint's (Mistral).

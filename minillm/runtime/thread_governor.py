@@ -39,21 +39,24 @@ def threads_for(others_busy: float, cores: int, max_threads: int) -> int:
     return max(1, min(max_threads, int(free + TAKEN)))
 
 
-def _cpu_times(cpus: set[int]) -> tuple[float, float] | None:
-    """(busy, total) jiffies of the CPUs in ``cpus``, busy without niced time; None without /proc."""
+def _cpu_times(cpus: set[int]) -> tuple[float, float, float] | None:
+    """(busy, stolen, total) jiffies of the CPUs in ``cpus``; busy counts the time the hypervisor
+    stole (a stolen core is as late to a barrier as a busy one) but not niced time; None without
+    /proc."""
     try:
         with open("/proc/stat") as f:
             lines = [line.split() for line in f if line.startswith("cpu") and line[3].isdigit()]
     except OSError:
         return None
-    busy = total = 0.0
+    busy = stolen = total = 0.0
     for fields in lines:
         if int(fields[0][3:]) not in cpus:
             continue
         user, nice, system, idle, iowait, irq, softirq, steal = (float(x) for x in fields[1:9])
         busy += user + system + irq + softirq + steal
+        stolen += steal
         total += user + nice + system + idle + iowait + irq + softirq + steal
-    return busy, total
+    return busy, stolen, total
 
 
 def _own_times() -> float | None:
@@ -98,7 +101,8 @@ class ThreadGovernor:
             self.cpus = set(range(os.cpu_count() or 1))
         self.enabled = enabled and self.max_threads > 1 and _cpu_times(self.cpus) is not None
         self.threads = self.max_threads
-        self.others_busy = 0.0  # cores other processes kept busy over the last look
+        self.others_busy = 0.0  # cores other processes (or the hypervisor) kept busy over the last look
+        self.stolen = 0.0  # of which the hypervisor's steal (a virtual machine's host running others)
         self._last = self._sample() if self.enabled else None
 
     def _sample(self):
@@ -114,13 +118,14 @@ class ThreadGovernor:
                 set_threads(self.threads)
             return self.threads
         sample = self._sample()
-        (_, (busy0, total0), own0), (_, (busy1, total1), own1) = self._last, sample
+        (_, (busy0, stolen0, total0), own0), (_, (busy1, stolen1, total1), own1) = self._last, sample
         self._last = sample
         if total1 <= total0:
             return self.threads
         cores = len(self.cpus)
         others = max(0.0, (busy1 - busy0) - (own1 - own0)) / (total1 - total0) * cores
         self.others_busy = others
+        self.stolen = (stolen1 - stolen0) / (total1 - total0) * cores
         self.threads = threads_for(others, cores, self.max_threads)
         if torch.get_num_threads() != self.threads:
             set_threads(self.threads)
