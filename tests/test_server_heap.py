@@ -1,7 +1,11 @@
 """The server's heap hygiene (``minillm/server/heap.py``): freed memory goes back to the OS."""
 
+import json
+import os
+import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import psutil
 import pytest
@@ -62,3 +66,64 @@ def test_a_served_engine_keeps_no_step_records():
     assert engine.num_steps > 0 and len(engine.step_records) == 0
     kept = build_engines(["tiny-shakespeare-1m"], dtype="fp32", kv_cache_memory=2_000_000, max_step_records=8)
     assert kept["tiny-shakespeare-1m"].engine.step_records.maxlen == 8  # asked for: kept
+
+
+def test_kernel_caches_are_bounded_unless_the_operator_chose(monkeypatch):
+    monkeypatch.delenv("LRU_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "4096")  # the operator's choice stays
+    assert heap.bound_kernel_caches(64) == {"LRU_CACHE_CAPACITY": "64"}
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "4096"
+    with pytest.raises(ValueError, match="capacity must be at least 1"):
+        heap.bound_kernel_caches(0)
+
+
+GROWTH = """
+import json, sys
+from minillm.server import heap
+if sys.argv[1] == "bounded":
+    heap.bound_kernel_caches(16)
+sys.path.insert(0, "benchmarks")
+from census_server_heap import malloc_state
+from minillm import LLM, SamplingParams
+llm = LLM("tiny-shakespeare-8m", dtype="fp32", kv_cache_memory=16 << 20, compile=False, enable_prefix_caching=False)
+run = lambda n: llm.generate(" ".join(["KING"] * n), SamplingParams(max_tokens=2, ignore_eos=True))
+for n in (1, 2, 3):
+    run(n)
+before = malloc_state()["in_use"]
+for n in range(4, 64):  # 60 prefill lengths never seen before: new kernel shapes for every linear layer
+    run(n)
+print(json.dumps((malloc_state()["in_use"] - before) / 1e6))
+"""
+
+
+@linux_glibc
+def test_a_served_process_does_not_keep_a_kernel_per_prompt_length():
+    """Issue 30's growth: every new prefill length makes oneDNN kernels for its shape, kept by two
+    1,024-entry caches (about 1.9 MB per length here). Bounded as ``minillm serve`` bounds them,
+    60 new lengths keep a small fraction of what the defaults keep."""
+    grown = {}
+    env = {k: v for k, v in os.environ.items() if k not in heap.KERNEL_CACHE_VARIABLES}
+    for mode in ("default", "bounded"):
+        done = subprocess.run([sys.executable, "-c", GROWTH, mode], capture_output=True, text=True, env=env,
+                              cwd=Path(__file__).parents[1], timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        grown[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert grown["default"] > 40, grown  # what the defaults keep: the growth the soak saw
+    assert grown["bounded"] < grown["default"] / 4, grown
+
+
+def test_serve_bounds_the_caches_before_it_builds_an_engine(monkeypatch):
+    from minillm.server import launch
+
+    monkeypatch.delenv("LRU_CACHE_CAPACITY", raising=False)
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    seen = {}
+
+    def build_engines(models, max_waiting, **engine_args):
+        seen.update({name: os.environ.get(name) for name in heap.KERNEL_CACHE_VARIABLES})
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(launch, "build_engines", build_engines)
+    with pytest.raises(RuntimeError, match="stop here"):
+        launch.serve(["tiny-shakespeare-1m"])
+    assert seen == {name: str(heap.KERNEL_CACHE_CAPACITY) for name in heap.KERNEL_CACHE_VARIABLES}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 import sys
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,34 @@ def _glibc():
 
 
 _LIBC = _glibc()
+
+
+# Entries kept by each of oneDNN's two shape-keyed caches in a served process (see below).
+KERNEL_CACHE_CAPACITY = 256
+KERNEL_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def bound_kernel_caches(capacity: int = KERNEL_CACHE_CAPACITY) -> dict[str, str]:
+    """Bound the two caches of compiled oneDNN kernels that grow with every new matrix shape.
+
+    Each linear layer on CPU runs a oneDNN kernel generated (JIT) for its exact shape: the rows
+    are the step's token count, so every prefill length and every decode batch size makes new
+    ones. oneDNN keeps them in its primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``) and
+    PyTorch's ideep layer in another (``LRU_CACHE_CAPACITY``), 1,024 entries each by default —
+    about 1.9 MB per new prefill length for a small model, kept until 1,024 are reached. That
+    was the served process's steady RSS growth under mixed traffic (issue 30;
+    ``benchmarks/census_server_heap.py`` found it outside Python's allocator). A server sees
+    unbounded variety of lengths, so it keeps ``capacity`` entries (most recently used) of each.
+
+    Both are read when the first kernel is built, so this must run before an engine does
+    anything; a value the operator set in the environment is kept. Returns what was set."""
+    if capacity < 1:
+        raise ValueError(f"bound_kernel_caches: capacity must be at least 1, not {capacity}")
+    set_here = {}
+    for name in KERNEL_CACHE_VARIABLES:
+        if name not in os.environ:
+            os.environ[name] = set_here[name] = str(capacity)
+    return set_here
 
 
 def limit_arenas(count: int = ARENA_MAX) -> bool:

@@ -14,6 +14,7 @@ import time
 
 import uvicorn
 
+from minillm.server import heap
 from minillm.server.app import build_app
 from minillm.server.async_engine import AsyncEngine
 from minillm.server.connections import with_header_timeout
@@ -71,6 +72,7 @@ def serve(
     (``connections.py``); past ``max_connections`` open connections new ones get a 503; a
     request body must arrive in full within ``body_timeout`` s (408); on SIGTERM the server stops
     accepting, lets running requests finish for up to ``shutdown_timeout`` s, then exits."""
+    heap.bound_kernel_caches()  # before any engine builds a kernel: they are read once
     engines = build_engines(models, max_waiting, **engine_args)
     cache = ResponseCache(response_cache) if response_cache else None
     hosts = allowed_hosts if allowed_hosts else default_allowed_hosts(host)
