@@ -269,15 +269,17 @@ def test_a_build_started_early_is_the_one_the_engine_waits_for(monkeypatch):
 class _Loads:
     """A stand-in for ``CppCodeCache``: records which instruction set each load was given."""
 
-    def __init__(self, fail_first: bool = False):
+    def __init__(self, fail_first: str | None = None):
         from torch._inductor import codecache
 
         self.codecache, self.fail_first, self.isas = codecache, fail_first, []
 
     def load(self, source):
-        self.isas.append(self.codecache.pick_vec_isa())
+        isa = self.codecache.pick_vec_isa()
+        self.isas.append(isa)
         if self.fail_first and len(self.isas) == 1:
-            raise RuntimeError("g++: error: unrecognized command-line option '-mavx512f'")
+            flag = isa.build_arch_flags().split()[0]
+            raise RuntimeError(self.fail_first.format(flag=flag))
         return "library"
 
 
@@ -288,15 +290,26 @@ def test_the_kernel_takes_its_instruction_set_from_the_cpu_without_probe_builds(
     leaves inductor's own pick in place for everything else."""
     from torch._inductor import codecache, cpu_vec_isa
 
-    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
-    monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", lambda *a: pytest.fail("a probe build ran"))
-    probing = codecache.pick_vec_isa
-    loads = _Loads()
-    assert cpu_paged._build(loads, "source") == "library"
     expected = "avx512" if torch.cpu._is_avx512_supported() else "avx2" if torch.cpu._is_avx2_supported() else None
     if expected is None:
         pytest.skip("neither AVX2 nor AVX-512 here: inductor's own pick applies")
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", lambda *a: pytest.fail("a probe build ran"))
+    other_thread = []
+
+    class LoadsWhileAnotherThreadAsks(_Loads):
+        def load(self, source):
+            asker = threading.Thread(target=lambda: other_thread.append(codecache.pick_vec_isa()))
+            asker.start()
+            asker.join()
+            return super().load(source)
+
+    monkeypatch.setattr(codecache, "pick_vec_isa", lambda: "probed")  # what inductor's own pick answers
+    probing = codecache.pick_vec_isa
+    loads = LoadsWhileAnotherThreadAsks()
+    assert cpu_paged._build(loads, "source") == "library"
     assert [str(isa) for isa in loads.isas] == [expected]
+    assert other_thread == ["probed"]  # another thread's compile still gets inductor's pick
     assert codecache.pick_vec_isa is probing
 
 
@@ -309,9 +322,22 @@ def test_a_build_that_fails_with_the_named_set_is_retried_the_probing_way(monkey
         pytest.skip("no AVX2: nothing is named")
     probed = object()
     monkeypatch.setattr(codecache, "pick_vec_isa", lambda: probed)
-    loads = _Loads(fail_first=True)
+    loads = _Loads(fail_first="g++: error: unrecognized command-line option '{flag}'")
     assert cpu_paged._build(loads, "source") == "library"
     assert len(loads.isas) == 2 and loads.isas[0] is not probed and loads.isas[1] is probed
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the instruction set is named on x86 only")
+def test_any_other_build_failure_is_raised_not_rebuilt(monkeypatch):
+    """Only a compiler that rejects the named flags earns a second (probing) build: a missing
+    header fails once, with its own words."""
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    if not torch.cpu._is_avx2_supported():
+        pytest.skip("no AVX2: nothing is named")
+    loads = _Loads(fail_first="kernel.cpp:3: fatal error: omp.h: No such file or directory")
+    with pytest.raises(RuntimeError, match="omp.h"):
+        cpu_paged._build(loads, "source")
+    assert len(loads.isas) == 1
 
 
 def test_a_kernel_that_does_not_build_falls_back_with_a_warning(monkeypatch):

@@ -71,24 +71,36 @@ def _build(cpp_code_cache, source: str):
     CPU reports (AMX, AVX-512 VNNI, AVX-512, AVX2, with their bf16/fp16 variants): about 10
     builds, 19 of the 36 s a learner's first ``LLM(...)`` took on a cold cache (Intel Xeon with
     AMX, 2 cores; ``benchmarks/bench_cold_kernel.py``). This kernel needs only the vector width,
-    so on x86 it takes AVX-512 or AVX2 as PyTorch's own CPU detection reports them (no builds)
-    for this one library; a build that fails that way is retried the probing way. Everything
-    else inductor compiles still probes as usual (``pick_vec_isa``'s list is not touched)."""
-    from torch._inductor import codecache, cpu_vec_isa
+    so on x86 it takes AVX-512 or AVX2 as PyTorch's own CPU detection reports them (no builds),
+    for this one library and on this thread only: inductor's ``pick_vec_isa`` answers every
+    other thread as before. A compiler that rejects those flags gets a build the probing way;
+    any other failure is the build's own (raised)."""
+    try:
+        from torch._inductor import codecache, cpu_vec_isa
 
-    isa = _isa_from_cpu_flags(cpu_vec_isa)
+        isa = _isa_from_cpu_flags(cpu_vec_isa)
+        probing = codecache.pick_vec_isa
+    except (ImportError, AttributeError):  # another PyTorch's private names: its own pick
+        return cpp_code_cache.load(source)
     if isa is None:
         return cpp_code_cache.load(source)
+    builder = threading.get_ident()
     with _PICK_LOCK:
-        probing = codecache.pick_vec_isa
-        codecache.pick_vec_isa = lambda: isa
+        codecache.pick_vec_isa = lambda: isa if threading.get_ident() == builder else probing()
         try:
             return cpp_code_cache.load(source)
-        except Exception:
-            pass  # a compiler without these flags: inductor's own probes decide below
+        except Exception as error:
+            if not _rejects_flags(error, isa):
+                raise
         finally:
             codecache.pick_vec_isa = probing
-    return cpp_code_cache.load(source)
+    return cpp_code_cache.load(source)  # inductor's own probes decide
+
+
+def _rejects_flags(error: Exception, isa) -> bool:
+    """Whether a failed build's message names one of ``isa``'s compiler flags (an old compiler)."""
+    said = str(error)
+    return any(flag in said for flag in isa.build_arch_flags().split())
 
 
 def _isa_from_cpu_flags(cpu_vec_isa):
@@ -126,7 +138,17 @@ def start_building() -> None:
     tokenizer and the weights — instead of following it. ``kernel_unavailable_reason`` then
     waits for it."""
     if _unavailable_reason.cache_info().currsize == 0:
-        threading.Thread(target=kernel_unavailable_reason, name="minillm-cpu-kernel-build", daemon=True).start()
+        threading.Thread(target=_build_early, name="minillm-cpu-kernel-build", daemon=True).start()
+
+
+def _build_early() -> None:
+    """``start_building``'s thread. An import error here (inductor's modules imported while the
+    main thread imports others) is not the kernel's answer: forgotten, so the engine's own call
+    builds again."""
+    with _BUILD_LOCK:
+        reason = _unavailable_reason()
+        if reason and reason.startswith(("ImportError", "AttributeError")):
+            _unavailable_reason.cache_clear()
 
 
 @functools.cache
