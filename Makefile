@@ -44,9 +44,10 @@ FIRST_CHAPTERS := 00_welcome.ipynb 01_prefill_and_decode.ipynb 10_serving.ipynb
 COLD_CACHE := $(CURDIR)/.cache/cold
 NO_COMPILE := env MINILLM_COMPILE=0
 
-# Where the time goes (Intel Xeon with AMX, 2 cores, 2026-12-03, cold caches, set-up not timed):
-# `pytest tests` 53 min (pytest --durations: the compiled-decode, grading, parallel-engine and
-# background-compile files hold 25 of them), the four notebook runs 4 + 8 + 3 + 8 min.
+# Where the time goes (Intel Xeon with AMX, 2 cores, 2026-12-03 12:10, cold caches, set-up not
+# timed): `pytest tests` 39 min (its slowest: the background-compile, mutation-sweep, grading and
+# compiled-decode tests, 20-130 s each), the four notebook runs 2 + 4 + 1.5 + 4 min. The same steps
+# took 53 + 4 + 8 + 3 + 8 min that morning on the same kind of machine: compare within a day.
 test: setup
 	$(BIN)/ruff check minillm tests benchmarks
 	$(NO_COMPILE) $(BIN)/python -m pytest tests
