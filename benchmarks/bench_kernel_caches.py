@@ -24,17 +24,15 @@ import json, sys, time
 from minillm.server import heap
 if int(sys.argv[1]):
     heap.bound_kernel_caches(int(sys.argv[1]))
-sys.path.insert(0, "benchmarks")
-from census_server_heap import malloc_state
 from minillm import LLM, SamplingParams
 llm = LLM(sys.argv[3], dtype="fp32", kv_cache_memory=64 << 20, compile=False, enable_prefix_caching=False)
 run = lambda n: llm.generate(" ".join(["KING"] * n), SamplingParams(max_tokens=2, ignore_eos=True))
 for n in (1, 2, 3):
     run(n)
-before, start = malloc_state()["in_use"], time.perf_counter()
+before, start = heap.malloc_stats()["in_use"], time.perf_counter()
 for n in range(4, 4 + int(sys.argv[2])):
     run(n)
-print(json.dumps({"grown_mb": (malloc_state()["in_use"] - before) / 1e6, "seconds": time.perf_counter() - start}))
+print(json.dumps({"grown_mb": (heap.malloc_stats()["in_use"] - before) / 1e6, "seconds": time.perf_counter() - start}))
 """
 
 

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
-import ctypes.util
 import gc
 import sys
 import time
@@ -41,23 +39,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_soak import load, resident_parts  # noqa: E402  (the soak's own load generator)
 
-
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]  # fmt: skip
-
-
-def malloc_state() -> dict[str, int] | None:
-    """glibc's view after a trim: in use, free but held, mmapped (None without glibc's mallinfo2)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallinfo2.restype = MallInfo2
-    except (OSError, AttributeError):
-        return None
-    libc.malloc_trim(0)
-    info = libc.mallinfo2()
-    return {"in_use": info.uordblks, "free_held": info.fordblks, "mmapped": info.hblkhd, "arena": info.arena}
+from minillm.server.heap import malloc_stats  # noqa: E402
 
 
 def objects_by_type() -> tuple[Counter, Counter]:
@@ -80,7 +62,7 @@ def settle(seconds: float = 8.0) -> None:
 def census() -> dict:
     settle()
     counts, sizes = objects_by_type()
-    return {"rss": resident_parts(_pid()), "malloc": malloc_state(), "counts": counts, "sizes": sizes,
+    return {"rss": resident_parts(_pid()), "malloc": malloc_stats(), "counts": counts, "sizes": sizes,
             "traced": tracemalloc.get_traced_memory()[0] if tracemalloc.is_tracing() else 0}  # fmt: skip
 
 

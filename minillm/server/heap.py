@@ -56,7 +56,8 @@ def bound_kernel_caches(capacity: int = KERNEL_CACHE_CAPACITY) -> dict[str, str]
     are the step's token count, so every prefill length and every decode batch size makes new
     ones. oneDNN keeps them in its primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``) and
     PyTorch's ideep layer in another (``LRU_CACHE_CAPACITY``), 1,024 entries each by default —
-    about 1.9 MB per new prefill length for a small model, kept until 1,024 are reached. That
+    1.92 MB per new prompt length for tiny-shakespeare-8m in fp32 (``benchmarks/bench_kernel_caches.py``),
+    kept until 1,024 are reached. That
     was the served process's steady RSS growth under mixed traffic (issue 30;
     ``benchmarks/census_server_heap.py`` found it outside Python's allocator). A server sees
     unbounded variety of lengths, so it keeps ``capacity`` entries (most recently used) of each.
@@ -87,3 +88,23 @@ def trim() -> bool:
     if _LIBC is None:
         return False
     return bool(_LIBC.malloc_trim(0))
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]  # fmt: skip
+
+
+def malloc_stats() -> dict[str, int] | None:
+    """glibc's view of the heap after a trim (``mallinfo2``), in bytes: ``in_use`` (allocated and
+    not freed), ``free_held`` (freed but kept in an arena: fragmentation), ``mmapped`` (large
+    blocks mapped on their own), ``arena`` (all the arenas hold). Growth of ``in_use`` that
+    ``tracemalloc`` does not see was allocated outside Python (PyTorch's C++, a tokenizer's Rust).
+    None without glibc 2.33's ``mallinfo2``."""
+    if _LIBC is None or not hasattr(_LIBC, "mallinfo2"):
+        return None
+    _LIBC.mallinfo2.restype = _MallInfo2
+    _LIBC.malloc_trim(0)
+    info = _LIBC.mallinfo2()
+    return {"in_use": info.uordblks, "free_held": info.fordblks, "mmapped": info.hblkhd, "arena": info.arena}
