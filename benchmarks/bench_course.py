@@ -80,15 +80,17 @@ def _stamp(text: str) -> float:
 def run_notebook(path: Path, cache: Path, timeout: float) -> dict:
     """Execute one notebook in a fresh kernel with the learner's environment; time it."""
     import nbformat
-    from nbclient import NotebookClient
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
+
+    from minillm.course.headless import HeadlessNotebookClient
 
     nb = nbformat.read(path, as_version=4)
     saved = dict(os.environ)
     os.environ["MINILLM_CACHE"] = str(cache)
     os.environ.pop("MINILLM_COMPILE", None)  # the default, as a learner gets it
     os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    client = NotebookClient(
+    # headless: plain nbclient's widget emulation can leave a cell's reply unread until the timeout
+    client = HeadlessNotebookClient(
         nb, timeout=timeout, allow_errors=True, kernel_name="python3", record_timing=True,
         resources={"metadata": {"path": str(path.parent)}},
     )  # fmt: skip

@@ -7,19 +7,21 @@ checks. A notebook that is none of these (no chapter, no course check) is report
 course notebook* and not run.
 
 A notebook is executed top to bottom in a fresh kernel (errors do not stop it: a failed check
-must not hide the ones after it), within a time limit for the whole notebook: one that runs
-past it is stopped and reported as "timed out in cell N" (the checks it never reached are
-*not run*). Before running it, the grader **restores the check cells** of a chapter from the
-course's own list (``CHECK_CALLS``): a check cell the learner edited, emptied or deleted is
-put back, and each is wrapped so that it displays its verdict under a one-time nonce.
-Verdicts are read only from those cells' outputs: text printed elsewhere, or lines written to
-a log file, do not count. Checks that never report are "not attempted". A passed check earns
-its exercise's points (``EXERCISES``); anything else earns none.
+must not hide the ones after it) by a client with no front end (``headless.py``: nbclient's
+emulation of widgets once left a cell's reply unread until the notebook's time ran out). Each
+code cell has a time limit and the whole notebook another: a run that passes either stops with
+the code cell that was running and its last output, and is run once more in a fresh kernel;
+the checks it never reached are *not run*.
 
-What grading cannot prevent: the notebook runs the learner's code in the same Python process
-as the checks, so code written to defeat the grader (replacing the check functions themselves
-before the check cell runs, for instance) can still fake a verdict. Treat grades as a strong
-signal for honest work, and read the code of a submission whose grades surprise you.
+Before running it, the grader **restores the check cells** of a chapter from the course's own
+list (``CHECK_CALLS``): a check cell the learner edited, emptied or deleted is put back, and
+each is wrapped so that it displays its verdict under a one-time nonce. Verdicts are read only
+from those cells' outputs: text printed elsewhere, or lines written to a log file, do not
+count. A pass (or a check the run never reached) is then **graded again in a fresh process**
+from the learner's source (``isolated.py``), which a notebook cannot reach; a fail stands.
+Checks that never report are "not attempted". A passed check earns its exercise's points
+(``EXERCISES``); anything else earns none. What grading still cannot prevent is in
+``isolated.py``'s docstring.
 """
 
 from __future__ import annotations
@@ -233,8 +235,9 @@ def _run(nb, path: Path, timeout: float, cell_timeout: float, graded: dict[int, 
     """Execute ``nb``: each code cell within ``cell_timeout`` seconds and all of them within
     ``timeout``. A stop names the *code* cell that was running and shows its last output; time
     the notebook lost outside its cells (a kernel that idled between them) is said as such."""
-    from nbclient import NotebookClient
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
+
+    from minillm.course.headless import HeadlessNotebookClient
 
     start = _now()
     deadline = start + timeout
@@ -253,7 +256,7 @@ def _run(nb, path: Path, timeout: float, cell_timeout: float, graded: dict[int, 
     def cell_limit(cell) -> int:
         return max(1, math.ceil(min(cell_timeout, deadline - _now())))
 
-    client = NotebookClient(
+    client = HeadlessNotebookClient(  # nbclient's widget emulation can leave a reply unread: see headless.py
         nb,
         timeout_func=cell_limit,
         allow_errors=True,
