@@ -1,17 +1,20 @@
 """Run a notebook with no front end, without the stall that nbclient's widget emulation causes.
 
 Why this exists. nbclient plays the front end for ipywidgets' ``Output`` widget: when a cell
-writes into one (``with out: display(fig)``, as the course's widgets do), nbclient sends the
-widget's new state back to the kernel on the *shell* socket, while the same event loop waits on
-that socket for the cell's reply. ZeroMQ announces a readable socket through an edge-triggered
-descriptor, and that send can use up the edge of a reply that has just arrived: the wait then
-sleeps on until its timeout, where one last zero-timeout poll finds the reply, and the cell
-"finishes" at its time limit, with no error, the kernel idle all along. That is how the grader
+writes into one (``with out: display(fig)``, as chapter 09's planner widget did), nbclient sends
+the widget's new state back to the kernel on the *shell* socket, while the same event loop waits
+on that socket for the cell's reply. What is measured: the reply is there, yet the wait sleeps
+on until its timeout, where pyzmq's last zero-timeout poll finds it, and the cell "finishes" at
+its time limit with no error, the kernel idle all along. The likely mechanism: ZeroMQ announces
+a readable socket through an edge-triggered descriptor (``ZMQ_FD`` in ``zmq_getsockopt``'s
+manual), and the send uses up the edge of a reply that has just arrived. That is how the grader
 once gave chapter 09 a whole notebook's limit of idleness after its planner widget and reported
 "timed out in cell 6" (a markdown cell: the next one to start). Measured with
-``benchmarks/bench_widget_stall.py``: 60 planner-widget cells under a 12 s limit, plain nbclient
-stalls 12-13 of them for the full 12 s (median cell 0.1 s). The same hang is reported upstream:
-https://github.com/jupyter/nbclient/issues/312.
+``benchmarks/bench_widget_stall.py`` (60 such cells under a 12 s limit, Intel Xeon, 2 cores):
+plain nbclient stalled 15 of 60 in one run and 30 of 60 in another for the full 12 s; with
+either change below, 0 of 60. The same hang is reported upstream:
+https://github.com/jupyter/nbclient/issues/312. (The course's own planner widget no longer
+draws while its cell runs — ``minillm/viz/planner.py`` — but a learner's widget code may.)
 
 Two changes, each enough alone in that measurement (``--variants`` runs them one at a time):
 
@@ -19,7 +22,9 @@ Two changes, each enough alone in that measurement (``--variants`` runs them one
   socket while a cell runs, and what a cell writes into a widget lands in the cell itself —
   which is what a grader reads anyway (the last output of a cell that stopped);
 - **the wait for a reply is taken in slices** of at most ``WAIT_SLICE_S``, each ending in that
-  zero-timeout poll, so a wake-up lost any other way costs at most a slice, not the cell's limit.
+  zero-timeout poll, so a wake-up lost any other way costs at most a slice, not the cell's limit
+  (alone, with the emulation on, the median cell took 0.56 s instead of 0.07 s: most replies of
+  such cells lose their wake-up).
 
 The whole wait is unchanged: a cell that truly runs past its limit still raises nbclient's
 ``CellTimeoutError`` in that cell.

@@ -37,7 +37,6 @@ def planner_figure(model: str, device: str, weight_dtype: str = "bf16", kv_dtype
 def planner_widget():
     """Dropdowns for model / device / dtypes / context; redraws the figure and a table."""
     import ipywidgets as w
-    from IPython.display import display
 
     from minillm.parallel.planner import table
 
@@ -52,12 +51,23 @@ def planner_widget():
 
     def redraw(_=None):
         fig, plans = planner_figure(**{k: c.value for k, c in controls.items()})
-        out.clear_output(wait=True)
-        with out:
-            display(fig)
-            print(table(plans))
+        _show_in(out, fig, table(plans) + "\n")
 
     for c in controls.values():
         c.observe(redraw, names="value")
     redraw()
     return w.VBox([w.HBox(list(controls.values())[:3]), w.HBox(list(controls.values())[3:]), out])
+
+
+def _show_in(out, fig, text: str) -> None:
+    """Set what the Output widget ``out`` shows (the figure, then ``text``) in one assignment.
+
+    Not by drawing inside ``with out:`` while the cell runs: that capture makes a notebook runner
+    without a front end (nbclient, and so nbgrader and papermill) send the widget's new state to
+    the kernel while it waits for the cell's reply, and that reply can then sit unread until the
+    cell's time limit — chapter 09 lost a whole grading limit to it (``minillm/course/headless.py``)."""
+    data = fig._repr_mimebundle_() or {}  # what display(fig) shows, as plotly's renderers say (none outside a kernel)
+    out.outputs = (
+        {"output_type": "display_data", "data": data, "metadata": {}},
+        {"output_type": "stream", "name": "stdout", "text": text},
+    )
