@@ -1,7 +1,9 @@
 """Run one notebook on a cold cache exactly as bench_course.py does, with a watchdog: every 2 s
 it samples the CPU of every process in the tree; when they all used < 2 CPU-s in 20 s it dumps
-each one's Python stack with py-spy (``pip install py-spy``), once per stall. For hunting a
-kernel that idles outside its cells (issue 32).
+each one's Python stack with py-spy (``pip install py-spy``), once per stall. Written to hunt
+a kernel that idled outside its cells (issue 32; the cause, found with
+``bench_widget_stall.py``: a runner's widget emulation left a cell's reply unread — see
+``minillm/course/headless.py``); kept for the next idle of that kind.
 
     python benchmarks/watch_notebook.py notebooks/09_parallelism.ipynb /tmp/watch09
 
