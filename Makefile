@@ -44,10 +44,12 @@ FIRST_CHAPTERS := 00_welcome.ipynb 01_prefill_and_decode.ipynb 10_serving.ipynb
 COLD_CACHE := $(CURDIR)/.cache/cold
 NO_COMPILE := env MINILLM_COMPILE=0
 
-# Where the time goes (Intel Xeon with AMX, 2 cores, 2026-12-03 12:10, cold caches, set-up not
-# timed): `pytest tests` 39 min (its slowest: the background-compile, mutation-sweep, grading and
-# compiled-decode tests, 20-130 s each), the four notebook runs 2 + 4 + 1.5 + 4 min. The same steps
-# took 53 + 4 + 8 + 3 + 8 min that morning on the same kind of machine: compare within a day.
+# Where the time goes (Intel Xeon with AMX, 2 cores, 2026-12-03 14:29, cold caches, set-up not
+# timed; each step as below on a frozen copy): `pytest tests` 40 min — its 80 slowest tests take
+# about 29 min of it (the background-compile swap 148 s, grading a folder 68 s, AWQ calibration
+# 66 s, the tp_mlp mutation sweep 63 s, the compiled-decode tests 25-47 s each); the 1,740 others
+# about 11 — then the four notebook runs 2 + 7 + 2.3 + 6 min. CI's whole run at the stop before:
+# 64 min with set-up. The machine moves ±30% within a day: compare steps within one run.
 test: setup
 	$(BIN)/ruff check minillm tests benchmarks
 	$(NO_COMPILE) $(BIN)/python -m pytest tests
