@@ -404,6 +404,27 @@ def test_a_notebook_that_runs_past_its_time_is_stopped_and_the_cell_named(tmp_pa
     assert "no `next_token` is defined" in grade.results[0].message and grade.points == 0 and grade.max_points == 7
 
 
+def test_a_check_shown_on_a_lambda_does_not_make_a_notebook_that_chapter(tmp_path):
+    """Chapter 00 calls ``check_next_token`` on a lambda to show what a check looks like. A copy
+    of it without metadata, under another name, was once graded as chapter 01: 0/4, three
+    NameErrors. It is no chapter (and, with no check cells, not a course notebook); a notebook
+    that defines a chapter's exercise, or checks it, is that chapter."""
+    from minillm.course.grade import find_chapter
+
+    welcome = nbformat.read(SOLUTIONS / "00_welcome.ipynb", as_version=4)
+    welcome.metadata.pop("minillm", None)
+    assert "check_next_token(lambda" in "".join(c.source for c in welcome.cells)
+    assert find_chapter(tmp_path / "solved_00.ipynb", welcome) is None
+    nbformat.write(welcome, tmp_path / "solved_00.ipynb")
+    grade = grade_notebook(tmp_path / "solved_00.ipynb")
+    assert not grade.course and grade.error.startswith("not a course notebook"), grade.as_text()
+
+    mine = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("def pack_int4(q):\n    return q")])
+    assert find_chapter(tmp_path / "mine.ipynb", mine) is None  # half of an exercise: not yet evidence
+    mine.cells.append(nbformat.v4.new_code_cell("def unpack_int4(p):\n    return p"))
+    assert find_chapter(tmp_path / "mine.ipynb", mine) == "07_quantization"
+
+
 @pytest.mark.slow
 def test_a_renamed_copy_without_its_check_cells_still_expects_all_its_checks(tmp_path):
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1")])

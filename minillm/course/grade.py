@@ -1,7 +1,7 @@
 """``minillm course grade``: run learners' notebooks and report every check, with points.
 
 The chapter of a notebook comes from its metadata (``minillm.chapter``, which every built
-notebook carries), else its file name, else the chapter whose checks its code mentions most:
+notebook carries), else its file name, else the chapter whose exercises its code works on most:
 a renamed copy (``submission.ipynb``, ``…-Copy1.ipynb``) still expects all of its chapter's
 checks. A notebook that is none of these (no chapter, no course check) is reported as *not a
 course notebook* and not run.
@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import csv
 import math
+import re
 import secrets
 import subprocess
 import time
@@ -127,8 +128,12 @@ class NotebookGrade:
 
 def find_chapter(notebook: Path, nb=None) -> str | None:
     """The chapter ``notebook`` is: its metadata's ``minillm.chapter``, else its file name, else
-    the chapter whose check names its code mentions most; None for a notebook that is none."""
-    from minillm.course import CHECKS_BY_CHAPTER
+    the chapter with the most exercises its code works on — the check called on the exercise's
+    own function (``check_kv_read(kv_read)``), or that function defined; None for a notebook
+    that is none. A check called on something else is no evidence: chapter 00 calls
+    ``check_next_token`` on a lambda to show what a check looks like, and is not chapter 01."""
+    from minillm.course import CHECK_CALLS, CHECKS_BY_CHAPTER
+    from minillm.course.exercises import BY_CHECK
 
     meta = nb.metadata.get("minillm", {}) if nb is not None else {}
     for chapter in (meta.get("chapter") if isinstance(meta, dict) else None, Path(notebook).stem):
@@ -137,7 +142,12 @@ def find_chapter(notebook: Path, nb=None) -> str | None:
     if nb is None:
         return None
     code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
-    counts = {name: sum(check in code for check in checks) for name, checks in CHECKS_BY_CHAPTER.items()}
+    defined = set(re.findall(r"^\s*def\s+(\w+)\s*\(", code, flags=re.MULTILINE))
+
+    def worked_on(check: str) -> bool:
+        return CHECK_CALLS[check] in code or all(f in defined for f in BY_CHECK[check].functions)
+
+    counts = {name: sum(map(worked_on, checks)) for name, checks in CHECKS_BY_CHAPTER.items()}
     best = max(counts, key=counts.get)
     return best if counts[best] else None
 
