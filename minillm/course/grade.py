@@ -3,7 +3,7 @@
 The chapter of a notebook comes from its metadata (``minillm.chapter``, which every built
 notebook carries), else its file name, else the chapter whose exercises its code works on most:
 a renamed copy (``submission.ipynb``, ``…-Copy1.ipynb``) still expects all of its chapter's
-checks. A notebook that is none of these (no chapter, no course check) is reported as *not a
+checks. A notebook that is none of these (and has no check cell) is reported as *not a
 course notebook* and not run.
 
 A notebook is executed top to bottom in a fresh kernel (errors do not stop it: a failed check
@@ -344,8 +344,8 @@ def grade_notebook(
     if expected is None and not _check_cells(submitted):
         grade.course = False
         grade.error = (
-            f"{NOT_A_COURSE_NOTEBOOK}: no minillm chapter in its metadata or file name, and no course check "
-            "in its code (not run)"
+            f"{NOT_A_COURSE_NOTEBOOK}: no minillm chapter in its metadata or file name, no chapter's exercise "
+            "in its code and no check cell (not run)"
         )
         return grade
     findings = tamper_findings(learner_cells(submitted, len(submitted.cells), ()))
