@@ -8,8 +8,9 @@ on until its timeout, where pyzmq's last zero-timeout poll finds it, and the cel
 its time limit with no error, the kernel idle all along. The likely mechanism: ZeroMQ announces
 a readable socket through an edge-triggered descriptor (``ZMQ_FD`` in ``zmq_getsockopt``'s
 manual), and the send uses up the edge of a reply that has just arrived. That is how the grader
-once gave chapter 09 a whole notebook's limit of idleness after its planner widget and reported
-"timed out in cell 6" (a markdown cell: the next one to start). Measured with
+once gave chapter 09 a whole notebook's limit of idleness after its planner widget: it reported
+"timed out in cell 6", a markdown cell, which it could only say when code cell 5 (the planner)
+replied at the deadline. Measured with
 ``benchmarks/bench_widget_stall.py`` (60 such cells under a 12 s limit, Intel Xeon, 2 cores):
 plain nbclient stalled 15 of 60 in one run and 30 of 60 in another for the full 12 s; with
 either change below, 0 of 60. The same hang is reported upstream:
