@@ -9,7 +9,8 @@ freely. ``WorkerGroup`` owns them:
 - while the driver waits for a message it also watches every worker: one that raises reports
   its traceback and exits, one that dies is seen through its process sentinel — either way
   every worker is stopped and ``RankFailed`` names the rank and why;
-- a KeyboardInterrupt (a notebook's stop button) stops them too (the caller's ``except``);
+- a KeyboardInterrupt (a notebook's stop button) while they run a step stops them too (the
+  caller's ``except``: a pipe may be half read); one between steps leaves them serving;
 - workers ignore Ctrl-C (the driver's to handle) and end themselves when the driver's process
   disappears (a kernel restart kills it without any clean-up), so none is left behind.
 """
