@@ -101,6 +101,14 @@ TINY_VARIANTS = {
 }
 
 
+def child_pids() -> set[int]:
+    """This process's live children. Tests that check nothing was left behind compare it before
+    and after: an earlier test's engine may hold workers until the garbage collector runs."""
+    import multiprocessing
+
+    return {p.pid for p in multiprocessing.active_children()}
+
+
 def build_tiny_model(folder: Path, variant: str, seed: int = 0, **extra) -> Path:
     """Random-weight HF model of a given variant (``extra``: more config overrides), saved as
     safetensors with our tokenizer."""

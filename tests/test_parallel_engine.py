@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from conftest import build_tiny_model
+from conftest import build_tiny_model, child_pids
 
 from minillm import LLM, SamplingParams
 from minillm.layers.tensor_parallel import heads_of_rank, split_evenly
@@ -151,13 +151,6 @@ def _alive(pids):
         except (ProcessLookupError, FileNotFoundError):
             pass
     return alive
-
-
-def _rank_processes() -> set[int]:
-    """This process's live worker children (an earlier test's engine may not be collected yet)."""
-    import multiprocessing
-
-    return {p.pid for p in multiprocessing.active_children() if p.name.startswith("minillm-rank")}
 
 
 def test_a_dead_rank_is_named_and_every_worker_stops(tiny_model):
@@ -343,9 +336,9 @@ def test_a_rank_that_raises_while_loading_is_named_with_its_error(tiny_model, tm
     tensors = load_file(weights)
     tensors["model.layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
     save_file(tensors, weights, metadata={"format": "pt"})
-    before = _rank_processes()
+    before = child_pids()
     with pytest.raises(
         RankFailed, match=r"rank 1 failed: .*ModelLoadError.*model\.layers\.1\.mlp\.down_proj\.weight.*NaN"
     ):
         LLM(folder, dtype="float32", num_threads=1, pipeline_parallel_size=2)
-    assert _rank_processes() <= before  # both ranks of the failed engine were stopped
+    assert child_pids() <= before  # both ranks of the failed engine were stopped

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import child_pids
 
 from minillm import LLM, SamplingParams
 from minillm.config import ModelConfig
@@ -53,15 +54,14 @@ def test_parallel_quantized_engine_gives_the_one_process_tokens(tiny_models, var
 
 
 def test_an_int4_group_that_cannot_cut_a_row_slice_is_refused_before_any_worker(tiny_model):
-    import multiprocessing
-
+    before = child_pids()
     message = (
         r"layers\.0\.attn\.o_proj: int4 group_size=64 does not cut tensor-parallel rank 0's input slice 0:32 "
         r"\(of 64\) into whole groups"
     )
     with pytest.raises(ValueError, match=message):
         LLM(tiny_model, dtype="fp32", quantization="int4", quantization_group_size=64, tensor_parallel_size=2)
-    assert not [p for p in multiprocessing.active_children() if p.name.startswith("minillm-rank")]
+    assert child_pids() <= before
 
 
 @pytest.mark.parametrize(
