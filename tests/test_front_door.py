@@ -192,9 +192,15 @@ def test_health_stays_fast_while_two_megabyte_requests_arrive(guarded):
     stop.set()
     prober.join(10)
     assert codes == [400] * 12
+    # The 90th percentile, not the median or the maximum (`benchmarks/bench_health_under_load.py`,
+    # 4 runs a variant, Intel Xeon, 2 cores, a slow day; `benchmarks/results/health-under-load-*`):
+    # as shipped p90 75-117 ms, max 119-279 ms (653 ms once, in a full suite); with parsing moved
+    # onto the event loop p90 488-1021 ms, while its median (67-474 ms) overlapped the shipped
+    # one's (30-63 ms) and its max (488-1021 ms) a busy run's. The last bound catches a stall of
+    # seconds.
     latencies.sort()
-    assert len(latencies) >= 5 and latencies[len(latencies) // 2] < 0.1, latencies  # the median, on a shared CPU
-    assert latencies[-1] < 0.5, latencies
+    assert len(latencies) >= 5 and latencies[int(len(latencies) * 0.9)] < 0.3, latencies
+    assert latencies[-1] < 2.0, latencies
 
 
 # ---- slow clients, disconnects, shutdown ------------------------------------------------------------

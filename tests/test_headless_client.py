@@ -32,8 +32,12 @@ SETUP = "import ipywidgets as w\nfrom minillm.parallel.planner import table\nfro
 
 
 def _cell_seconds(client_class, cell: str, copies: int, limit: float) -> dict[int, float]:
-    """Seconds each copy of ``cell`` took, as the client saw it, under a per-cell ``limit``."""
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in [SETUP] + [cell] * copies])
+    """Seconds each copy of ``cell`` took, as the client saw it, under a per-cell ``limit``. One
+    more copy runs first, uncounted: a kernel's first plotly figure loads plotly's validators,
+    seconds on a slow machine (6.4 s once here), which is not the stall (a stalled cell takes
+    its whole limit)."""
+    cells = [SETUP] + [cell] * (copies + 1)
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     began, took = {}, {}
     client_class(
         nb, timeout=limit, kernel_name="python3",
@@ -41,7 +45,7 @@ def _cell_seconds(client_class, cell: str, copies: int, limit: float) -> dict[in
         on_cell_executed=lambda cell, cell_index, execute_reply: took.__setitem__(
             cell_index, time.monotonic() - began[cell_index]),
     ).execute()  # fmt: skip
-    return {i: round(s, 1) for i, s in took.items() if i > 0}
+    return {i: round(s, 1) for i, s in took.items() if i > 1}
 
 
 def test_cells_drawing_into_a_widget_reply_without_waiting_for_their_limit():
