@@ -44,12 +44,13 @@ FIRST_CHAPTERS := 00_welcome.ipynb 01_prefill_and_decode.ipynb 10_serving.ipynb
 COLD_CACHE := $(CURDIR)/.cache/cold
 NO_COMPILE := env MINILLM_COMPILE=0
 
-# Where the time goes (Intel Xeon with AMX, 2 cores, 2026-12-03 14:29, cold caches, set-up not
-# timed; each step as below on a frozen copy): `pytest tests` 40 min — its 80 slowest tests take
-# about 29 min of it (the background-compile swap 148 s, grading a folder 68 s, AWQ calibration
-# 66 s, the tp_mlp mutation sweep 63 s, the compiled-decode tests 25-47 s each); the 1,740 others
-# about 11 — then the four notebook runs 2 + 7 + 2.3 + 6 min. CI's whole run at the stop before:
-# 64 min with set-up. The machine moves ±30% within a day: compare steps within one run.
+# Where the time goes (Intel Xeon with AMX, 2 cores, cold caches, set-up not timed; each step as
+# below on a frozen copy, nothing else running). 2026-12-03 14:29: `pytest tests` 40 min, then the
+# four notebook runs 2 + 7 + 2.3 + 6 min. 2026-12-03 17:35, a slower day on the same kind of
+# machine: `pytest tests` 57.6 min — its 100 slowest tests 44 min of it, the compiled-decode family
+# (background-compile swap 177 s, the quantized and per-model compiles 50-87 s each) about 17 — then
+# 2.8 + 8.7 + 2 + 5.4 min: 76.6 min in all. CI ran `pytest tests` in 33 min at the last stop. The
+# machine moves (pytest took 44% longer on the slower day): compare steps within one run.
 test: setup
 	$(BIN)/ruff check minillm tests benchmarks
 	$(NO_COMPILE) $(BIN)/python -m pytest tests
