@@ -21,13 +21,14 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import platform
-import subprocess
 import sys
 import threading
 import time
 
 import httpx
+import torch
+
+from minillm.machine import machine_description
 
 MODEL = "tiny-shakespeare-1m"
 ENGINE = dict(dtype="fp32", kv_cache_memory=8_000_000, max_num_seqs=8)
@@ -85,9 +86,7 @@ def main() -> None:
     import minillm.server.app as app
     from minillm.server import ServerThread, build_app, build_engines
 
-    model = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    name = next((line.split(":", 1)[1].strip() for line in model.splitlines() if line.startswith("Model name")), "?")
-    print(f"# {name}; {platform.python_version()}; amx={'amx_tile' in model}")
+    print(f"# {machine_description(torch.device('cpu'))}")
     for variant in args.variants:
         pool = app.ThreadPoolExecutor
         if variant == "on-loop":

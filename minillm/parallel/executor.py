@@ -7,9 +7,9 @@ broadcasts it) and waits for the logits. The notebook's or server's process neve
 process group, so a kernel can create and drop parallel engines freely.
 
 The processes are a ``WorkerGroup`` (``processes.py``): a rank that raises or dies stops them
-all with ``RankFailed`` naming it; a KeyboardInterrupt during a step stops them too (the step's pipe may be half read). One
-that lands between steps — while the driver schedules or samples — leaves them serving, and
-the engine usable, as a one-process engine is after Ctrl-C.
+all with ``RankFailed`` naming it; a KeyboardInterrupt during a step stops them too (the step's
+pipe may be half read). One that lands between steps — while the driver schedules or samples —
+leaves them serving, and the engine usable, as a one-process engine is after Ctrl-C.
 """
 
 from __future__ import annotations
