@@ -30,6 +30,7 @@ from minillm.attention.contiguous import AttentionMask, ForwardBatch
 from minillm.config import ModelConfig
 from minillm.layers import Linear, LinearMethod
 from minillm.layers.embedding import Embedding
+from minillm.layers.exact_top import refine_top_logits
 from minillm.layers.tensor_parallel import SINGLE, ParallelContext, VocabParallelEmbedding, split_evenly
 from minillm.models.rope import RotaryEmbedding, apply_rope
 
@@ -310,5 +311,6 @@ class LlamaForCausalLM(nn.Module):
         rows = batch.logit_rows
         if rows is not None:
             x = x.flatten(0, 1)[rows]  # [R, hidden]
-        logits = self.lm_head(self.norm(x))
-        return self.parallel.gather_columns(logits, self.vocab_sizes).float()
+        h = self.norm(x)
+        logits = self.parallel.gather_columns(self.lm_head(h), self.vocab_sizes).float()
+        return refine_top_logits(logits, h, self.lm_head)  # bf16 near-ties decided in fp32 (exact_top.py)

@@ -73,6 +73,7 @@ from minillm.attention.cpu_paged import POOL_DTYPES  # also registers the kernel
 from minillm.attention.layout import KVPool, StepLayout
 from minillm.kvcache import addressing
 from minillm.kvcache.paged import PagedKVCache
+from minillm.layers.exact_top import refine_top_logits
 from minillm.models.llama import LlamaForCausalLM
 from minillm.runtime.block_table_rows import BlockTableRows
 from minillm.runtime.fast_path import pad_decode_rows, pad_table_rows, runs_as_rows, token_rows
@@ -364,7 +365,9 @@ class CompiledDecode:
         with torch.no_grad():
             logits, hidden = self.graphs[batch](*inputs)
         self.last_hidden = hidden[: len(rows)]  # every row's last hidden state (a feature-level draft's input)
-        return logits[: len(rows)]
+        # A traced graph cannot pick its rows' near-ties out: decided here in fp32, as the eager step does.
+        model = self.module.model
+        return refine_top_logits(logits[: len(rows)], self.last_hidden, model.lm_head, model.norm)
 
 
 def pool_tensors(pool: KVPool) -> list[torch.Tensor]:
