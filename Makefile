@@ -12,7 +12,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.minillm-installed
 
-.PHONY: setup assets course test cold-cache warmup lint bench clean
+.PHONY: setup assets course test warmup lint bench clean
 
 setup: $(STAMP) assets
 
@@ -36,39 +36,24 @@ course: setup
 
 # pytest runs the eager engine unless a test asks for compile=True (or tests the default itself):
 # compiling every model and pool a test builds would take hours (MINILLM_COMPILE=0 turns
-# compile=None's default off). Chapters 00 and 01 — a learner's first cells — and 10 — the server
-# a learner starts as an operator would — run as shipped: the default engine (its decode step
-# compiling in the background where the model is big enough), on a cold cache that holds only the
-# converted models. The other chapters' subject is not the compile: they run eagerly.
-FIRST_CHAPTERS := 00_welcome.ipynb 01_prefill_and_decode.ipynb 10_serving.ipynb
-COLD_CACHE := $(CURDIR)/.cache/cold
+# compile=None's default off). The notebooks run as tests too (tests/test_notebooks.py): every
+# chapter solved (nbval) and as a learner gets it (nbval-lax); chapters 00, 01 and 10 as shipped,
+# the default engine on a cold cache of their own, the others eagerly.
+#
+# Two workers share the 2 cores (most tests keep one core busy; tests/conftest.py sends the
+# longest work out first and keeps a module's costly fixtures on one worker). Tests marked
+# `quiet` measure the machine or a latency: they run alone, after the workers.
+# Where the time goes: docs/test-time.md (the last measured run, and how to measure the next).
+TEST_WORKERS ?= 2
 NO_COMPILE := env MINILLM_COMPILE=0
+PYTEST := $(NO_COMPILE) $(BIN)/python -m pytest --durations=30
+STEP = @echo "== $(1)"; start=$$(date +%s); $(2); rc=$$?; echo "== $(1): $$(( $$(date +%s) - start )) s"; exit $$rc
 
-# Where the time goes (Intel Xeon with AMX, 2 cores, cold caches, set-up not timed; each step as
-# below on a frozen copy, nothing else running). 2026-12-03 14:29: `pytest tests` 40 min, then the
-# four notebook runs 2 + 7 + 2.3 + 6 min. 2026-12-03 17:35, a slower day on the same kind of
-# machine: `pytest tests` 57.6 min — its 100 slowest tests 44 min of it, the compiled-decode family
-# (background-compile swap 177 s, the quantized and per-model compiles 50-87 s each) about 17 — then
-# 2.8 + 8.7 + 2 + 5.4 min: 76.6 min in all. CI ran `pytest tests` in 33 min at the last stop. The
-# machine moves (pytest took 44% longer on the slower day): compare steps within one run.
-test: setup
-	$(BIN)/ruff check minillm tests benchmarks
-	$(NO_COMPILE) $(BIN)/python -m pytest tests
-	$(MAKE) --no-print-directory cold-cache
-	env -u MINILLM_COMPILE MINILLM_CACHE=$(COLD_CACHE) $(BIN)/python -m pytest --nbval --nbval-current-env \
-		$(addprefix solutions/,$(FIRST_CHAPTERS))
-	$(NO_COMPILE) $(BIN)/python -m pytest --nbval --nbval-current-env solutions \
-		$(addprefix --ignore=solutions/,$(FIRST_CHAPTERS))
-	$(MAKE) --no-print-directory cold-cache
-	env -u MINILLM_COMPILE MINILLM_CACHE=$(COLD_CACHE) $(BIN)/python -m pytest --nbval-lax --nbval-current-env \
-		$(addprefix notebooks/,$(FIRST_CHAPTERS))
-	$(NO_COMPILE) $(BIN)/python -m pytest --nbval-lax --nbval-current-env notebooks \
-		$(addprefix --ignore=notebooks/,$(FIRST_CHAPTERS))
-
-# A cache as a new learner's machine has it: the converted models, nothing compiled or measured.
-cold-cache: assets
-	rm -rf $(COLD_CACHE) && mkdir -p $(COLD_CACHE)
-	for m in $(CURDIR)/.cache/minillm/*/; do test -f $$m/config.json && ln -s $$m $(COLD_CACHE)/; done; true
+test:
+	$(call STEP,setup,$(MAKE) --no-print-directory setup)
+	$(call STEP,ruff,$(BIN)/ruff check minillm tests benchmarks)
+	$(call STEP,pytest on $(TEST_WORKERS) workers,$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not quiet" tests)
+	$(call STEP,pytest quiet,$(PYTEST) -m quiet tests)
 
 # Opt-in, for an instructor preparing machines: compile the course's decode steps now (minutes).
 warmup: setup

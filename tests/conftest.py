@@ -167,3 +167,46 @@ def hf_model(folder: Path, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# Two workers (`make test` runs `pytest -n 2 --dist loadgroup`): what runs where, in what order
+# ---------------------------------------------------------------------------------------------
+
+# Modules whose tests share no costly module-scoped fixture: their tests are spread over the
+# workers one by one. Every other module runs whole on one worker, so a fixture it builds once
+# (a compiled engine, a server) is built once, not once per worker.
+SPREAD_MODULES = {
+    "test_notebooks.py",
+    "test_mutation_sweep.py",
+    "test_check_catalogue.py",
+    "test_course_build.py",
+    "test_grading_isolation.py",
+    "test_quantization.py",
+}
+DURATIONS = Path(__file__).with_name("durations.json")  # seconds per test, from the last measured run
+UNKNOWN_S = 0.5
+NOTEBOOK_S = 150.0  # a notebook not yet in durations.json
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest work first, so that the last minutes do not wait on one long test: each module
+    (or each test of a spread module) is a unit of work; units go out in order of their
+    measured seconds (``durations.json``). Outside xdist the order is left as written."""
+    if not config.pluginmanager.hasplugin("xdist") or not getattr(config.option, "numprocesses", None):
+        return
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    units: dict[str, list] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        unit = item.nodeid if Path(module).name in SPREAD_MODULES else module
+        if unit == module:
+            item.add_marker(pytest.mark.xdist_group(module))
+        units.setdefault(unit, []).append(item)
+
+    def cost(item) -> float:
+        default = NOTEBOOK_S if item.get_closest_marker("notebook") else UNKNOWN_S
+        return seconds.get(item.nodeid, default)
+
+    ordered = sorted(units.values(), key=lambda unit: -sum(cost(i) for i in unit))  # stable: ties keep file order
+    items[:] = [item for unit in ordered for item in unit]

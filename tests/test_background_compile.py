@@ -197,6 +197,7 @@ def test_threads_follow_the_cores_left_free(others, cores, max_threads, expected
     assert thread_governor.threads_for(others, cores, max_threads) == expected
 
 
+@pytest.mark.quiet  # the governor reads the whole machine's load: another worker's tests would be a competitor
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="the governor reads Linux's /proc")
 def test_a_competing_process_takes_a_thread_and_gives_it_back(monkeypatch):
     monkeypatch.setattr(thread_governor, "CHECK_SECONDS", 0.2)
@@ -224,6 +225,7 @@ def test_a_competing_process_takes_a_thread_and_gives_it_back(monkeypatch):
         torch.set_num_threads(saved)
 
 
+@pytest.mark.quiet  # needs a machine where only the niced process competes (it skips otherwise)
 def test_a_niced_process_is_not_a_competitor(monkeypatch):
     """The engine's own background compile runs niced: it must not cost the engine a thread."""
     if not Path("/proc/stat").exists() or len(os.sched_getaffinity(0)) != 2:

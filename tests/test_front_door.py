@@ -159,6 +159,7 @@ def test_ctrl_c_in_the_cli_is_one_line(tiny_model, capsys, monkeypatch):
     assert err.strip() == "minillm: interrupted" and "Traceback" not in err
 
 
+@pytest.mark.quiet  # a latency percentile: another worker's tests would be in it
 def test_health_stays_fast_while_two_megabyte_requests_arrive(guarded):
     """Parsing and tokenizing run off the event loop, and a prompt that cannot fit is refused
     before tokenizing: /health keeps answering while 2 MB bodies (text, and token ids) arrive."""
