@@ -40,7 +40,7 @@ course: setup
 # chapter solved (nbval) and as a learner gets it (nbval-lax); chapters 00, 01 and 10 as shipped,
 # the default engine on a cold cache of their own, the others eagerly.
 #
-# Two workers share the 2 cores (most tests keep one core busy; tests/conftest.py sends the
+# Two workers share the 2 cores, one thread each (tests/conftest.py says why; it also sends the
 # longest work out first and keeps a module's costly fixtures on one worker). Tests marked
 # `quiet` measure the machine or a latency: they run alone, after the workers.
 # Where the time goes: docs/test-time.md (the last measured run, and how to measure the next).
@@ -52,8 +52,8 @@ STEP = @echo "== $(1)"; start=$$(date +%s); $(2); rc=$$?; echo "== $(1): $$(( $$
 test:
 	$(call STEP,setup,$(MAKE) --no-print-directory setup)
 	$(call STEP,ruff,$(BIN)/ruff check minillm tests benchmarks)
-	$(call STEP,pytest on $(TEST_WORKERS) workers,$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not quiet" tests)
-	$(call STEP,pytest quiet,$(PYTEST) -m quiet tests)
+	$(call STEP,pytest on $(TEST_WORKERS) workers,$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not quiet" --junitxml=.cache/test-report-workers.xml tests)
+	$(call STEP,pytest quiet,$(PYTEST) -m quiet --junitxml=.cache/test-report-quiet.xml tests)
 
 # Opt-in, for an instructor preparing machines: compile the course's decode steps now (minutes).
 warmup: setup

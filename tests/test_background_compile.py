@@ -287,7 +287,7 @@ def test_a_cold_first_start_answers_without_waiting_for_the_compile(smollm2_dir,
         print(json.dumps({"seconds": time.perf_counter() - start, "text": out.text, "state": status.state,
                           "compile": llm.resolved.compile, "detail": status.detail}))
     """)
-    env = {k: v for k, v in os.environ.items() if k not in ("MINILLM_COMPILE", "TORCHINDUCTOR_CACHE_DIR")}
+    env = {k: v for k, v in os.environ.items() if k not in ("MINILLM_COMPILE", "TORCHINDUCTOR_CACHE_DIR", "OMP_NUM_THREADS")}
     env["MINILLM_CACHE"] = str(tmp_path)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

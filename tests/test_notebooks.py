@@ -45,6 +45,7 @@ def notebook_env(chapter: str, tmp_path: Path) -> dict[str, str]:
     if chapter in AS_SHIPPED:
         env.pop("MINILLM_COMPILE", None)
         env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # minillm puts it under the cold cache
+        env.pop("OMP_NUM_THREADS", None)  # the machine's own thread count (a busy machine's governor adapts it)
         env["MINILLM_CACHE"] = str(cold_cache(tmp_path / "cold-cache"))
     else:
         env["MINILLM_COMPILE"] = "0"
