@@ -202,8 +202,9 @@ NOTEBOOK_S = 40.0  # a notebook not yet in durations.json
 def pytest_collection_modifyitems(config, items):
     """Longest work first, so that the last minutes do not wait on one long test: each module
     (or each test of a spread module) is a unit of work; units go out in order of their
-    measured seconds (``durations.json``). Outside xdist the order is left as written."""
-    if not config.pluginmanager.hasplugin("xdist") or not getattr(config.option, "numprocesses", None):
+    measured seconds (``durations.json``). Outside xdist the order is left as written.
+    ``tests/test_suite_order.py`` checks both halves (grouping and order) in a real two-worker run."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # xdist's workers collect; its controller only schedules
         return
     seconds = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
     units: dict[str, list] = {}
