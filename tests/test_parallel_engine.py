@@ -223,14 +223,25 @@ def test_an_interrupt_wherever_it_lands_leaves_the_workers_stopped_or_serving(ti
     try:
         pids = [p.pid for p in llm.engine.runner.procs]
         want = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-        start, pressed = llm.engine.num_steps, threading.Event()
+        start, pressed, pressing = llm.engine.num_steps, threading.Event(), threading.Event()
+        step = llm.engine.step
+
+        def step_waiting_for_the_press():
+            # Five steps in, the next step waits until the presser is pressing: on a busy machine
+            # the presser's thread may not be scheduled before a 200-step generate ends (it was
+            # not once, in make test's two-worker run). Where the press lands is still the race.
+            if llm.engine.num_steps >= start + 5 and not pressed.is_set():
+                pressing.wait(30)
+            return step()
 
         def press_stop_a_few_steps_in():
             while llm.engine.num_steps < start + 5 and not pressed.is_set():
                 time.sleep(0.001)
             if not pressed.is_set():
+                pressing.set()
                 _thread.interrupt_main()
 
+        llm.engine.step = step_waiting_for_the_press
         presser = threading.Thread(target=press_stop_a_few_steps_in, daemon=True)
         presser.start()
         try:
@@ -239,6 +250,7 @@ def test_an_interrupt_wherever_it_lands_leaves_the_workers_stopped_or_serving(ti
         finally:
             pressed.set()
             presser.join()
+            llm.engine.step = step
         alive = _alive(pids)
         if alive:
             assert sorted(alive) == sorted(pids)
