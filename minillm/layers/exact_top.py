@@ -9,9 +9,9 @@ and "L" (-1.963) both came out at -1.973, and greedy decoding answered "L'Étoil
 Marseillaise, ..." instead of "The capital of France is Paris." On an Intel Xeon with AMX the
 same weights did not tie.
 
-Computing the whole head in fp32 would fix it at 2.5× the head's cost on that CPU (the head is
-the largest matrix: 49,152 × 576), and PyTorch has no CPU product that reads bf16 and writes
-fp32. So only the logits that could be the row's maximum are recomputed in fp32: every entry
+Computing the whole head in fp32 would fix it at 2.6× the head's cost at batch 1 on that CPU
+(8.5 vs 3.3 ms; at 8 rows the two cost the same; ``benchmarks/bench_exact_top.py``: the
+refinement adds 2-3%), and PyTorch has no CPU product that reads bf16 and writes fp32. So only the logits that could be the row's maximum are recomputed in fp32: every entry
 within two rounding steps of the row's (rounded) maximum. An entry outside that band was at
 least 1.5 steps below the true maximum before rounding, so the row's exact argmax is always in
 the band, and after the recomputation ``argmax`` is exact. Typically the band holds one or two
