@@ -11,7 +11,9 @@ import torch
 from minillm import LLM, SamplingParams
 from minillm.quantization.sparsity import is_two_four, magnitude_scores, two_four_mask, wanda_scores
 from minillm.quantization.w8a8 import (
+    EXACT_FP32_K,
     W8A8Method,
+    exact_float_int8_matmul,
     int8_matmul,
     quantize_activations,
     search_smoothing,
@@ -43,6 +45,20 @@ def test_int8_gemm_is_exact(shape):
     a = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=_gen())
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=_gen(1))
     assert torch.equal(int8_matmul(a, q.t()), (a.long() @ q.long().t()).int())
+
+
+@pytest.mark.parametrize("k", [1, EXACT_FP32_K, EXACT_FP32_K + 1, 2 * EXACT_FP32_K + 300])
+def test_the_fp32_int8_gemm_is_exact_at_the_extremes_and_across_slices(k):
+    """The path CPUs without int8 dot products take: every product at its largest (-128 · -128,
+    127 · -128) over one slice of K and over several, equal to the integer product and to
+    ``torch._int_mm`` (which is exact on every CPU, only slow without VNNI/AMX)."""
+    ends = torch.tensor([-128, 127, -128, -127], dtype=torch.int8)
+    a = torch.stack([ends[0].repeat(k), ends[1].repeat(k), torch.randint(-128, 128, (k,), dtype=torch.int8, generator=_gen())])
+    q_t = torch.stack([ends[2].repeat(k), ends[3].repeat(k), torch.randint(-128, 128, (k,), dtype=torch.int8, generator=_gen(1))], 1)
+    expected = (a.long() @ q_t.long()).int()
+    assert expected[0, 0] == 128 * 128 * k  # 2^24 at one full slice: the bound the slicing keeps
+    assert torch.equal(exact_float_int8_matmul(a, q_t), expected)
+    assert torch.equal(torch._int_mm(a.repeat(6, 1), q_t.repeat(1, 3))[:3, :3], expected)
 
 
 def test_w8a8_layer_is_its_dequantized_definition():
