@@ -53,8 +53,12 @@ def test_the_fp32_int8_gemm_is_exact_at_the_extremes_and_across_slices(k):
     127 · -128) over one slice of K and over several, equal to the integer product and to
     ``torch._int_mm`` (which is exact on every CPU, only slow without VNNI/AMX)."""
     ends = torch.tensor([-128, 127, -128, -127], dtype=torch.int8)
-    a = torch.stack([ends[0].repeat(k), ends[1].repeat(k), torch.randint(-128, 128, (k,), dtype=torch.int8, generator=_gen())])
-    q_t = torch.stack([ends[2].repeat(k), ends[3].repeat(k), torch.randint(-128, 128, (k,), dtype=torch.int8, generator=_gen(1))], 1)
+    a = torch.stack(
+        [ends[0].repeat(k), ends[1].repeat(k), torch.randint(-128, 128, (k,), dtype=torch.int8, generator=_gen())]
+    )
+    q_t = torch.stack(
+        [ends[2].repeat(k), ends[3].repeat(k), torch.randint(-128, 128, (k,), dtype=torch.int8, generator=_gen(1))], 1
+    )
     expected = (a.long() @ q_t.long()).int()
     assert expected[0, 0] == 128 * 128 * k  # 2^24 at one full slice: the bound the slicing keeps
     assert torch.equal(exact_float_int8_matmul(a, q_t), expected)
