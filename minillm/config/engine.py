@@ -92,7 +92,7 @@ class EngineConfig:
                                  "(Linux)", flag="--no-adapt-threads")  # fmt: skip
     seed: int = option(0, "the engine's seed (requests without their own seed draw from it)", cli=False)
     attention_backend: str = option("auto", "attention kernels (default: auto)", choices=ATTENTION_BACKENDS)
-    cpu_prepack: bool = option(True, "oneDNN-prepacked linears on CPU where supported (measured faster)",
+    cpu_prepack: bool = option(True, "oneDNN-prepacked linears on CPU where supported, else half-precision batches in fp32 (measured faster)",
                                flag="--no-cpu-prepack")  # fmt: skip
     # Compile the decode step: the paged engine's on CPU (runtime/compiled_decode.py: graphs compiled once
     # per machine and kept on disk), or the contiguous engine's steps (torch.compile at every start).

@@ -5,6 +5,8 @@ is a ``Linear``. What a layer *stores* and how it *multiplies* is its ``LinearMe
 
 - ``PlainMethod``: the checkpoint's matrix and ``F.linear`` (what every reference test runs);
 - ``CPUPrepackMethod`` (``cpu_prepack.py``): oneDNN's prepacked layout, a CPU fast path;
+- ``CPUUpcastMethod`` (``cpu_upcast.py``): half precision on a CPU oneDNN cannot pack it for —
+  many rows multiplied in fp32;
 - later chapters add more methods the same way (int8 / int4 weights, a tensor-parallel
   shard) — the model code does not change, only the method a layer is given.
 

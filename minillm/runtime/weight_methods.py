@@ -17,8 +17,10 @@ def apply_weight_methods(
 ) -> None:
     """How the linear layers hold their weights: pruned (``sparsity``), quantized
     (``quantization``), then — for the layers left in plain storage — the compressed 2:4 format
-    on a GPU that has sparse kernels, or oneDNN prepacking on CPU; then compilation."""
+    on a GPU that has sparse kernels, or oneDNN prepacking on CPU (or, for half precision on a
+    CPU without half-precision kernels, many rows multiplied in fp32); then compilation."""
     from minillm.layers.cpu_prepack import CPUPrepackMethod, prepack_available
+    from minillm.layers.cpu_upcast import CPUUpcastMethod, half_gemm_is_slow
     from minillm.layers.linear import PLAIN
     from minillm.quantization import prune, quantize_model
     from minillm.quantization.sparsity import SemiStructuredMethod
@@ -40,9 +42,10 @@ def apply_weight_methods(
             if layer.method is PLAIN and layer is not model.lm_head and SemiStructuredMethod.supported(layer):
                 layer.set_method(SemiStructuredMethod())
     prepack = config.cpu_prepack and device.type == "cpu" and prepack_available(dtype)
+    upcast = config.cpu_prepack and device.type == "cpu" and not prepack and half_gemm_is_slow(dtype)
     if config.weight_offload is not None:  # a method around each layer's own; packed tensors are opaque
         _offload(config, model, device)
-        prepack = False
+        prepack = upcast = False
     contiguous_compile = config.compile and config.mode == "contiguous"
     if contiguous_compile and dtype != torch.float32:
         prepack = False  # the contiguous step compiles whole: packed half-precision kernels are opaque there
@@ -53,6 +56,10 @@ def apply_weight_methods(
         for layer in model.linear_layers():
             if layer.method is PLAIN:
                 layer.set_method(CPUPrepackMethod(keep_plain_for_compile=keep_plain))
+    if upcast:  # layers/cpu_upcast.py: oneDNN cannot pack half precision on this CPU
+        for layer in model.linear_layers():
+            if layer.method is PLAIN:
+                layer.set_method(CPUUpcastMethod())
     if contiguous_compile:
         # Measured on CPU: fp32 runs batched steps fastest on prepacked weights and
         # single-sequence steps fastest compiled; half precision fastest compiled throughout.
