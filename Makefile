@@ -52,7 +52,7 @@ STEP = @echo "== $(1)"; start=$$(date +%s); $(2); rc=$$?; echo "== $(1): $$(( $$
 test:
 	$(call STEP,setup,$(MAKE) --no-print-directory setup)
 	$(call STEP,ruff,$(BIN)/ruff check minillm tests benchmarks)
-	$(call STEP,pytest on $(TEST_WORKERS) workers,$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not quiet" --junitxml=.cache/test-report-workers.xml tests)
+	$(call STEP,pytest on $(TEST_WORKERS) workers,$(PYTEST) -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder -m "not quiet" --junitxml=.cache/test-report-workers.xml tests)
 	$(call STEP,pytest quiet,$(PYTEST) -m quiet --junitxml=.cache/test-report-quiet.xml tests)
 
 # Opt-in, for an instructor preparing machines: compile the course's decode steps now (minutes).
