@@ -218,7 +218,12 @@ def test_an_interrupt_between_steps_leaves_the_engine_usable(tiny_model):
 
 def test_an_interrupt_wherever_it_lands_leaves_the_workers_stopped_or_serving(tiny_model):
     """A real Ctrl-C (``interrupt_main``) a few steps in: it lands in a step or between steps,
-    as the machine's timing decides — either way nothing is left half-stopped."""
+    as the machine's timing decides — either way nothing is left half-stopped.
+
+    Ctrl-C raises ``KeyboardInterrupt`` only under Python's own SIGINT handler, which a terminal
+    and a notebook kernel have; a library an earlier test ran in this process may have left
+    another (``conftest.sigint_left_as_found`` names it), so the test puts Python's back."""
+    found = signal.signal(signal.SIGINT, signal.default_int_handler)
     llm = LLM(tiny_model, dtype="float32", num_threads=1, tensor_parallel_size=2)
     try:
         pids = [p.pid for p in llm.engine.runner.procs]
@@ -260,6 +265,7 @@ def test_an_interrupt_wherever_it_lands_leaves_the_workers_stopped_or_serving(ti
                 llm.generate([[4, 5, 6]], GREEDY)
     finally:
         llm.close()
+        signal.signal(signal.SIGINT, found)
     assert _alive(pids) == []
 
 

@@ -2,16 +2,17 @@
 
 oneDNN's bf16/fp16 GEMMs need AVX512 (BW/VL/DQ) or AVX-NE-CONVERT; without them — AMD Zen 2/3
 EPYCs and Ryzens, most laptops — PyTorch multiplies half-precision matrices on a slow path, and
-cannot prepack them (``cpu_prepack.py``). Measured on an AMD EPYC with AVX2 only, one thread,
-SmolLM2's 576 → 1536 projection (``benchmarks/bench_cpu_upcast.py``): a 512-row bf16
-``F.linear`` took 92 ms, converting the weight and the rows to fp32 and multiplying there 12 ms.
-For one row the native kernel wins (0.19 ms against 0.34: the conversion of the whole weight
-is then most of the work), so the upcast starts at ``UPCAST_MIN_ROWS`` rows (``BIG_MATRIX_MIN_ROWS``
-for an LM head): prefill chunks, perplexity, speculative verification of many sequences and big
-decode batches.
+cannot prepack them (``cpu_prepack.py``). Measured on an AMD EPYC with AVX2 only, 2 threads
+(``benchmarks/bench_cpu_upcast.py``): a 512-row bf16 ``F.linear`` of SmolLM2's fused gate/up
+projection (576 → 3072) took 118 ms, converting the weight and the rows to fp32 and multiplying
+there 21 ms; a whole 512-token prefill took 6.38 s, and 1.21 s with this method. For one row the
+native kernel wins (0.25 ms against 1.27: converting the whole weight is then most of the work),
+so the upcast starts at ``UPCAST_MIN_ROWS`` rows (``BIG_MATRIX_MIN_ROWS`` for an LM head): prefill
+chunks, perplexity, speculative verification and decode batches.
 
-The result is the same product summed in fp32 and rounded to the model's dtype once, as the
-native kernel does, in another order: logits move in the last bits, like those of two CPUs.
+The result is the product summed in fp32 and rounded to the model's dtype once; the native
+kernel's differs from it in the last bits, as two CPUs' results do (``tests/test_cpu_upcast.py``:
+the same greedy tokens, perplexity within 0.5%).
 The weights stay in half precision (no extra memory); each call converts them again. A
 compiled step (``torch.compile``, ``torch.export``) gets plain ``F.linear`` and lets the
 compiler lower it its own way.
@@ -24,9 +25,9 @@ import torch.nn.functional as F
 
 from minillm.layers.linear import PlainMethod
 
-UPCAST_MIN_ROWS = 16  # every decoder projection of SmolLM2 wins from 16 rows (2.3-2.6x), most from 8
+UPCAST_MIN_ROWS = 8  # SmolLM2's decoder projections at 2 threads: 3-7% faster at 8 rows, 2-2.2x at 16
 # A matrix this big (an LM head over a 49k vocabulary: 28M) is converted through memory, not cache:
-# at 2 threads SmolLM2's head lost 1.5x at 16 rows and won 1.9x at 64
+# at 2 threads SmolLM2's head lost 1.8x at 16 rows and won 1.7x at 64
 BIG_MATRIX = 8 * 2**20
 BIG_MATRIX_MIN_ROWS = 64
 
