@@ -32,21 +32,6 @@ from minillm.runtime.block_table_rows import BlockTableRows  # noqa: E402
 
 BlockTableRows.verify = True
 
-@pytest.fixture(autouse=True)
-def sigint_left_as_found(request):
-    """A test (or a library it calls) that leaves another SIGINT handler in this process leaves
-    Ctrl-C dead for every later test on the worker, and for a user in the same situation: said
-    as a warning naming the test (the interrupt test in test_parallel_engine.py once failed so)."""
-    import signal
-    import warnings
-
-    before = signal.getsignal(signal.SIGINT)
-    yield
-    after = signal.getsignal(signal.SIGINT)
-    if after is not before:
-        warnings.warn(f"{request.node.nodeid} left the SIGINT handler {after!r} (was {before!r})", stacklevel=1)
-
-
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

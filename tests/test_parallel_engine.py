@@ -221,8 +221,10 @@ def test_an_interrupt_wherever_it_lands_leaves_the_workers_stopped_or_serving(ti
     as the machine's timing decides — either way nothing is left half-stopped.
 
     Ctrl-C raises ``KeyboardInterrupt`` only under Python's own SIGINT handler, which a terminal
-    and a notebook kernel have; a library an earlier test ran in this process may have left
-    another (``conftest.sigint_left_as_found`` names it), so the test puts Python's back."""
+    and a notebook kernel have. A suite started in the background by a shell (``make test &``,
+    ``nohup``) inherits SIGINT ignored, and Python then installs no handler: the press did
+    nothing (DID NOT RAISE) in two such runs of make test. So the test puts Python's handler in
+    place for its press, and back afterwards."""
     found = signal.signal(signal.SIGINT, signal.default_int_handler)
     llm = LLM(tiny_model, dtype="float32", num_threads=1, tensor_parallel_size=2)
     try:
