@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from minillm.layers.linear import PlainMethod
 
-UPCAST_MIN_ROWS = 8  # SmolLM2's decoder projections at 2 threads: 3-7% faster at 8 rows, 2-2.2x at 16
+UPCAST_MIN_ROWS = 8  # SmolLM2's decoder projections at 2 threads: 3-7% faster at 8 rows, 2.0-2.3x at 16
 # A matrix this big (an LM head over a 49k vocabulary: 28M) is converted through memory, not cache:
 # at 2 threads SmolLM2's head lost 1.8x at 16 rows and won 1.7x at 64
 BIG_MATRIX = 8 * 2**20

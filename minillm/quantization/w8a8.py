@@ -44,7 +44,7 @@ EXACT_FP32_K = 1024
 
 def cpu_has_int8_dot() -> bool:
     """Whether this CPU has the int8 dot-product instructions (AVX512-VNNI, AVX-VNNI, AMX-INT8)
-    that PyTorch's CPU ``_int_mm`` is fast with; without them it is a plain loop."""
+    that PyTorch's CPU ``_int_mm`` is fast with; without them it is far slower (``bench_int8_gemm.py``)."""
     caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
     return any(caps.get(flag, False) for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
 
