@@ -11,10 +11,10 @@ then says so, and still shows both paths.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
+from timing import median_ms
 
 from minillm import LLM, SamplingParams
 from minillm.layers.cpu_upcast import BIG_MATRIX_MIN_ROWS, UPCAST_MIN_ROWS, half_gemm_is_slow
@@ -22,16 +22,6 @@ from minillm.machine import machine_description
 
 SHAPES = {"qkv 576→960": (576, 960), "gate/up 576→3072": (576, 3072), "down 1536→576": (1536, 576),
           "head 576→49152": (576, 49152)}  # fmt: skip
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
 
 
 def main() -> None:

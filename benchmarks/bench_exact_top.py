@@ -9,23 +9,13 @@ in bf16, the same plus the refinement, and the whole head in fp32 (the fix not t
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from timing import median_ms
 
 from minillm.layers import Linear
 from minillm.layers.exact_top import refine_top_logits
 from minillm.machine import machine_description
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
 
 
 def main() -> None:

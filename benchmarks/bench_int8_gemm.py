@@ -12,24 +12,14 @@ int8 paths' results are compared for equality as they run.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from timing import median_ms
 
 from minillm.machine import machine_description
 from minillm.quantization.w8a8 import CPU_INT8_DOT, exact_float_int8_matmul
 
 SHAPES = {"q/o 576→576": (576, 576), "gate/up 576→1536": (576, 1536), "down 1536→576": (1536, 576)}
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
 
 
 def main() -> None:
