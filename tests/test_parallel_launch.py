@@ -183,3 +183,77 @@ def _listening_addresses(rank, world_size):
                 if fields[3] == "0A" and fields[9] in inodes:  # LISTEN, and ours
                     addresses.append(fields[1].split(":")[0])
     return addresses
+
+
+# ---------------------------------------------------------------------------------------------
+# How the ranks start (minillm.parallel.start_method)
+# ---------------------------------------------------------------------------------------------
+
+
+def _environment_and_parent(rank, world_size):
+    return os.environ.get("MINILLM_START_PROBE"), os.getppid()
+
+
+def test_ranks_start_from_the_fork_server_with_the_drivers_environment_of_now(monkeypatch):
+    """The ranks are forked from a server that imported torch once (Linux and macOS have one),
+    and each sees the driver's environment as it is at the call, not as it was when the server
+    started."""
+    import multiprocessing
+
+    from minillm.parallel import start_method
+
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        assert start_method.context().get_start_method() == "forkserver"
+    monkeypatch.setenv("MINILLM_START_PROBE", "first")
+    first = run_ranks(_environment_and_parent, 2)
+    assert [value for value, _ in first] == ["first", "first"]
+    monkeypatch.setenv("MINILLM_START_PROBE", "changed since the server started")
+    again = run_ranks(_environment_and_parent, 2)
+    assert [value for value, _ in again] == ["changed since the server started"] * 2
+    assert all(parent != os.getpid() for _, parent in first + again)  # forked by the server, not by us
+
+
+DRIVER = """
+import os, sys, time
+from minillm.parallel.processes import WorkerGroup
+
+def report_and_work(spec, rank, conn):
+    conn.send(("ready", os.getpid()))
+    time.sleep(600)  # busy, never reading its pipe: only the watch on the driver can end it
+
+if __name__ == "__main__":
+    group = WorkerGroup(report_and_work, None, 2)
+    print(*group.gather_ready(), flush=True)
+    time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_workers_end_when_their_driver_is_killed(tmp_path):
+    """A kernel restart kills the driver without any clean-up: its workers — children of the fork
+    server, not of the driver — must notice and end, leaving nothing behind."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        workers = [int(pid) for pid in driver.stdout.readline().split()]
+        assert len(workers) == 2 and all(_running(pid) for pid in workers)
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    deadline = time.monotonic() + 60  # a bound on a hang, not a speed: they poll every 0.5 s
+    while any(_running(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_running(pid) for pid in workers), workers

@@ -2,7 +2,7 @@
 a process behind.
 
 For one function run once on every rank — the course's checks, tests and benchmarks of single
-blocks: spawn the ranks, join them into one process group (gloo on CPU; NCCL on CUDA), run,
+blocks: start the ranks (``start_method``: forked from a server that has imported torch), join them into one process group (gloo on CPU; NCCL on CUDA), run,
 collect each rank's result. (Engines keep long-lived workers instead: ``processes.WorkerGroup``,
 which watches them the same way.) The hard part is failure: a rank that raises, is killed, or hangs
 in a collective would otherwise leave the others blocked forever. So the parent owns the
@@ -24,7 +24,8 @@ import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from minillm.parallel import start_method
 
 
 class RankFailed(RuntimeError):
@@ -72,14 +73,15 @@ def loopback_interface() -> str | None:
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gloo", threads: int = 1) -> list:
     """``fn(rank, world_size, *args)`` on every rank (``fn`` must be a module-level function:
-    the ranks are spawned, not forked); returns the results in rank order."""
+    the ranks unpickle it, as spawned processes would); returns the results in rank order."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive integer")
-    ctx = mp.get_context("spawn")
+    ctx = start_method.context()
     reports = ctx.Queue()
     rendezvous = Rendezvous()
+    env = start_method.environment()
     procs = [
-        ctx.Process(target=_rank_main, args=(fn, rank, world_size, rendezvous, backend, threads, args, reports),
+        ctx.Process(target=_rank_main, args=(fn, rank, world_size, rendezvous, backend, threads, args, reports, env),
                     daemon=True)  # fmt: skip
         for rank in range(world_size)
     ]
@@ -124,7 +126,8 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, backend: str =
         rendezvous.close()
 
 
-def _rank_main(fn, rank, world_size, rendezvous, backend, threads, args, reports) -> None:
+def _rank_main(fn, rank, world_size, rendezvous, backend, threads, args, reports, env=None) -> None:
+    start_method.adopt_environment(env)
     torch.set_num_threads(threads)
     try:
         rendezvous.join(backend, rank, world_size, dt.timedelta(seconds=60))

@@ -1,0 +1,77 @@
+"""How worker processes start: forked from a server that has already imported torch.
+
+A *spawned* process is a fresh interpreter: before it runs a line of ours it imports torch and
+minillm again. On an AMD EPYC with 2 cores a 2-rank all-reduce took 1.7 s spawned and 0.04 s
+forked from the server, a 4-rank one 3.4 s and 0.08 s, a 2-rank engine's start and 8 tokens
+5.0 s and 2.4 s (medians, ``benchmarks/bench_worker_start.py``). Every course check of a
+parallel exercise and every parallel engine paid that, per rank, per call. Forking
+the driver itself would be instant but is unsafe: a notebook kernel or a server has threads,
+an OpenMP pool, perhaps a CUDA context, and a fork copies them half-made.
+
+Python's **forkserver** start method (Linux's default from Python 3.14) is the safe middle: the
+first worker start launches one server process for this driver, which imports the modules named
+in ``PRELOAD`` and then only forks copies of itself, one per new worker — a process that has run
+no thread and no kernel, so the copies are sound. ``multiprocessing`` still starts each child
+the way ``spawn`` does in every other respect (the target and its arguments are pickled; a
+script must guard its engine with ``if __name__ == "__main__":``). Where there is no fork server
+(Windows), workers are spawned.
+
+One thing a spawned child has that a forked one lacks: the driver's environment *as it is now*
+(the server copied it once, when it started). So every worker starts with ``adopt_environment``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch.multiprocessing as mp
+
+#: What the fork server imports once, so that no worker imports it again: torch, and the
+#: modules whose functions the workers run (ranks of a check, of an engine, of a cluster).
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "minillm.parallel.launch",
+    "minillm.parallel.processes",
+    "minillm.parallel.executor",
+    "minillm.cluster.disagg",
+    "minillm.cluster.replicas",
+    "minillm.course.checks_parallel",
+)
+
+
+def context():
+    """The multiprocessing context workers start from: the fork server where the platform has one."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts (the first worker)
+    return ctx
+
+
+def environment() -> dict[str, str]:
+    """The driver's environment, to hand to a worker (``adopt_environment``)."""
+    return dict(os.environ)
+
+
+def adopt_environment(env: dict[str, str] | None) -> None:
+    """In a worker, first thing: the driver's environment from when it started this worker."""
+    if env is not None and env != os.environ:
+        os.environ.clear()
+        os.environ.update(env)
+
+
+def driver_gone(driver_pid: int, first_parent: int) -> bool:
+    """Has the driver ``driver_pid`` ended? A spawned worker's parent is the driver: it changes
+    from ``first_parent`` (the parent when the worker started) when the driver dies. A forked
+    worker's parent is the fork server, which lives on while it has workers: so the driver's pid
+    is checked too."""
+    if os.getppid() != first_parent:
+        return True
+    try:
+        os.kill(driver_pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # the pid now belongs to another user's process: ours is gone
+        return True
+    return False
