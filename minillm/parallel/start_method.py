@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 PRELOAD = (
     "torch",
     "torch.distributed",
+    "torch._dynamo",  # entered by any TorchDispatchMode (the TP check watches collectives with one): 1.5 s
     "minillm.parallel.launch",
     "minillm.parallel.processes",
     "minillm.parallel.executor",
