@@ -36,7 +36,7 @@ course: setup
 
 # pytest runs the eager engine unless a test asks for compile=True (or tests the default itself):
 # compiling every model and pool a test builds would take hours (MINILLM_COMPILE=0 turns
-# compile=None's default off). The notebooks run as tests too (tests/test_notebooks.py): every
+# compile=None's default off). Those compiles run at normal priority (tests/conftest.py says why). The notebooks run as tests too (tests/test_notebooks.py): every
 # chapter solved (nbval) and as a learner gets it (nbval-lax); chapters 00, 01 and 10 as shipped,
 # the default engine on a cold cache of their own, the others eagerly.
 #

@@ -18,7 +18,7 @@ import torch
 
 from minillm import LLM, SamplingParams
 from minillm.runtime import compiled_decode, thread_governor
-from minillm.runtime.compile_worker import cache_inductor_templates
+from minillm.runtime.compile_worker import NICENESS, NICENESS_VARIABLE, cache_inductor_templates, niceness
 
 ENGINE = dict(dtype="fp32", block_size=4, max_num_seqs=4, enable_prefix_caching=False)
 PROMPTS = ["To be, or not to be", "Caches keep keys and values; attention reads them back."]
@@ -43,12 +43,18 @@ def shared_packages(shared_folder, monkeypatch):
     return shared_folder
 
 
-def test_the_engine_answers_while_its_step_compiles_then_swaps_it_in(tiny_model, shared_packages):
+def test_the_engine_answers_while_its_step_compiles_then_swaps_it_in(tiny_model, shared_packages, monkeypatch):
+    """As shipped: the compiler at the lowest priority (the suite runs the others' at normal)."""
+    monkeypatch.delenv(NICENESS_VARIABLE, raising=False)
     packages = shared_packages
     assert not list(packages.glob("*.pt2"))  # cold: the first of the module's tests to use it
     llm = LLM(tiny_model, compile=True, compile_batch_sizes=(1, 4), **ENGINE)
     status = llm.fast_path_status()
     assert status.state == "building" and status.batch_sizes == (1, 4) and status.progress < 1, status
+    build = llm.engine.graphs.build
+    while build._worker is None and build.status().state == "building":  # its thread starts the worker
+        time.sleep(0.05)
+    assert os.getpriority(os.PRIO_PROCESS, build._worker.pid) == NICENESS == 19
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     eager_tokens = llm.generate(PROMPTS[0], params)[0].token_ids  # answered before any graph exists
     assert len(eager_tokens) == 8
@@ -157,6 +163,28 @@ def test_the_compiler_leaves_with_the_engine_process(tiny_model, tmp_path):
     else:
         os.kill(pid, 9)
         pytest.fail("the compile worker outlived its engine's process")
+
+
+@pytest.mark.parametrize("value", ["20", "-1", "low", "1.5"])
+def test_a_bad_compile_niceness_fails_the_build_by_name(tiny_model, packages, monkeypatch, value):
+    """MINILLM_COMPILE_NICENESS takes 0-19: anything else fails the build with a message naming
+    the variable, and the engine decodes eagerly."""
+    monkeypatch.setenv(NICENESS_VARIABLE, value)
+    with pytest.raises(ValueError, match=NICENESS_VARIABLE):
+        niceness()
+    llm = LLM(tiny_model, compile=True, compile_batch_sizes=(4,), **ENGINE)
+    status = llm.wait_for_fast_path(timeout=60)
+    assert status.state == "failed" and NICENESS_VARIABLE in status.detail, status
+    assert len(llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
+    assert not list(packages.glob("job-*")) and not list(packages.glob("tensors-*"))
+
+
+def test_the_compile_niceness_defaults_to_the_lowest_and_takes_0_to_19(monkeypatch):
+    monkeypatch.delenv(NICENESS_VARIABLE, raising=False)
+    assert niceness() == NICENESS == 19
+    for value in ("0", "7", "19"):
+        monkeypatch.setenv(NICENESS_VARIABLE, value)
+        assert niceness() == int(value)
 
 
 def test_inductor_templates_are_parsed_once_per_source():
@@ -287,7 +315,8 @@ def test_a_cold_first_start_answers_without_waiting_for_the_compile(smollm2_dir,
         print(json.dumps({"seconds": time.perf_counter() - start, "text": out.text, "state": status.state,
                           "compile": llm.resolved.compile, "detail": status.detail}))
     """)
-    env = {k: v for k, v in os.environ.items() if k not in ("MINILLM_COMPILE", "TORCHINDUCTOR_CACHE_DIR", "OMP_NUM_THREADS")}
+    shipped = ("MINILLM_COMPILE", "MINILLM_COMPILE_NICENESS", "TORCHINDUCTOR_CACHE_DIR", "OMP_NUM_THREADS")
+    env = {k: v for k, v in os.environ.items() if k not in shipped}
     env["MINILLM_CACHE"] = str(tmp_path)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -44,6 +44,7 @@ def notebook_env(chapter: str, tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "PYTEST_XDIST"))}
     if chapter in AS_SHIPPED:
         env.pop("MINILLM_COMPILE", None)
+        env.pop("MINILLM_COMPILE_NICENESS", None)  # the compiler at the lowest priority, as shipped
         env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # minillm puts it under the cold cache
         env.pop("OMP_NUM_THREADS", None)  # the machine's own thread count (a busy machine's governor adapts it)
         env["MINILLM_CACHE"] = str(cold_cache(tmp_path / "cold-cache"))

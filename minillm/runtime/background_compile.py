@@ -36,12 +36,14 @@ import torch
 from minillm import trusted_cache
 from minillm.config import EngineConfig
 from minillm.layers.cpu_prepack import release_plain_weights
+from minillm.runtime.compile_worker import niceness
 from minillm.runtime.compiled_decode import CompiledDecode, folded_tensors, packages_dir
 
-# The worker lowers its priority before it imports anything (torch's import is seconds of CPU).
+# The worker lowers its priority (argv[1], compile_worker.niceness()) before it imports anything:
+# torch's import is seconds of CPU.
 LAUNCH = (
-    "import os, sys; os.nice(19); "  # compile_worker.NICENESS
-    "from minillm.runtime.compile_worker import main; sys.exit(main(sys.argv[1:]))"
+    "import os, sys; os.nice(int(sys.argv[1])); "
+    "from minillm.runtime.compile_worker import main; sys.exit(main(sys.argv[2:]))"
 )
 
 
@@ -161,6 +163,7 @@ class BackgroundBuild:
 
     def _compile(self, missing: dict[int, str]) -> None:
         self._set("building", "starting the compiler in a low-priority process")
+        nice = niceness()  # a bad MINILLM_COMPILE_NICENESS fails the build here, named, before any file is written
         job = CompileJob(**{**vars(self.job), "paths": missing})
         folder = trusted_cache.private_dir(packages_dir())
         # The engine's exact tensors travel with the job: a model rebuilt from the checkpoint can
@@ -175,7 +178,7 @@ class BackgroundBuild:
                 if self._closed:
                     raise RuntimeError("the engine was closed before its decode step compiled")
                 self._worker = subprocess.Popen(
-                    [sys.executable, "-c", LAUNCH, handle.name],
+                    [sys.executable, "-c", LAUNCH, str(nice), handle.name],
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     text=True,
