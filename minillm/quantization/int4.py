@@ -11,10 +11,11 @@ Storage (what a checkpoint holds): ``pack_int4`` puts two 4-bit values in each b
 nibble first. On CPU, PyTorch's ``_weight_int4pack_mm_for_cpu`` consumes its own tiled layout
 (made once by ``_convert_weight_to_int4pack_for_cpu``) and a ``[groups, out, 2]`` table of
 ``(scale, zero)`` with ``w = (q - 8) · scale + zero`` — so our zero is ``min + 8 · scale``.
-On CUDA the layer keeps the packed ``[out, in/2]`` bytes with fp32 ``[out, groups]`` scales and
-minima, and calls our Triton kernel (``triton_matmul.int4_matmul``: reads half a byte per weight
-and dequantizes in registers). Elsewhere the layer dequantizes and calls ``F.linear`` (the
-numerical reference).
+That kernel is for bf16 activations (a bf16 engine on CPU). On CUDA the layer keeps the packed
+``[out, in/2]`` bytes with fp32 ``[out, groups]`` scales and minima, and calls our Triton kernel
+(``triton_matmul.int4_matmul``: reads half a byte per weight and dequantizes in registers).
+Elsewhere (fp32 or fp16 on CPU) the layer dequantizes and calls ``F.linear`` (the numerical
+reference).
 """
 
 from __future__ import annotations
@@ -119,11 +120,15 @@ class Int4Method(LoadsSavedTensors):
         layer.int4 = pack_int4(q)  # the storage format: two values per byte
         layer.int4_scale, layer.int4_min = scale, low
         layer.cpu_int4 = None
-        if device.type == "cpu":
-            table_dtype = torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32
+        # PyTorch's CPU kernel for bf16 activations; fp32 ones dequantize and multiply instead. On
+        # an AMD EPYC without AVX-512, 2 threads, a 1536x576 layer: one fp32 row 1.14 ms through
+        # the kernel, 0.65 ms dequantized; 512 rows (a prompt) 523 ms against 11 ms. At one thread
+        # the kernel won below 8 rows (1.9 against 5.5 ms for one) and lost 24-63x from 16 rows
+        # (benchmarks/bench_int4_cpu.py). bf16 rows stay on the kernel: 4-14x faster there.
+        if device.type == "cpu" and weight.dtype == torch.bfloat16:
             zero = low + 8 * scale  # the kernel computes (q - 8) * scale + zero
             layer.cpu_int4 = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
-            layer.cpu_table = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(table_dtype)
+            layer.cpu_table = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
             layer.int4 = None  # the kernel's tiled copy is what the matmul reads
         layer.weight = None
 
@@ -143,8 +148,8 @@ class Int4Method(LoadsSavedTensors):
         if use_triton(x) and layer.int4 is not None:
             return self.apply_triton(layer, x)
         rows = x.reshape(-1, layer.in_features)
-        if layer.cpu_int4 is not None and x.dtype in (torch.bfloat16, torch.float32):
-            y = torch._weight_int4pack_mm_for_cpu(rows, layer.cpu_int4, self.group_size, layer.cpu_table.to(x.dtype))
+        if layer.cpu_int4 is not None and x.dtype == torch.bfloat16:
+            y = torch._weight_int4pack_mm_for_cpu(rows, layer.cpu_int4, self.group_size, layer.cpu_table)
         else:
             q = unpack_int4(layer.int4)
             y = F.linear(rows, dequantize_int4(q, layer.int4_scale, layer.int4_min, x.dtype))

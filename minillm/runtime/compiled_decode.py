@@ -31,8 +31,10 @@ the compiled step instead of turning it off.
 
 Prompt steps stay eager: they are dominated by large matrix products. Quantized linear layers
 compile too: their matmuls (``_weight_int8pack_mm`` for int8, ``_weight_int4pack_mm_for_cpu``
-for int4 and AWQ, W8A8's int8 × int8 product) are calls inside the graph, with the quantized
-weights folded in as constants.
+for int4 and AWQ in bf16, W8A8's int8 × int8 product) are calls inside the graph, with the
+quantized weights folded in as constants. (An fp32 int4 layer dequantizes before its product —
+``quantization/int4.py`` says why — and the compiler folds that into an fp32 constant: the graph
+of an fp32 int4 engine holds dense weights.)
 
 The graphs are compiled with AOTInductor (``torch.export`` + ``aoti_compile_and_package``)
 into a package file under ``<cache>/compiled/``, named by a digest of everything the compiled
