@@ -52,7 +52,9 @@ def test_the_engine_answers_while_its_step_compiles_then_swaps_it_in(tiny_model,
     status = llm.fast_path_status()
     assert status.state == "building" and status.batch_sizes == (1, 4) and status.progress < 1, status
     build = llm.engine.graphs.build
-    while build._worker is None and build.status().state == "building":  # its thread starts the worker
+    # The worker nices itself first thing, then reports "compiling": look after that report
+    # (looking as soon as the process exists would see it before its first line ran).
+    while "compiling the" not in build.status().detail and build.status().state == "building":
         time.sleep(0.05)
     assert os.getpriority(os.PRIO_PROCESS, build._worker.pid) == NICENESS == 19
     params = SamplingParams(max_tokens=8, ignore_eos=True)

@@ -1,9 +1,8 @@
-"""Worker processes owned by a driver: started, joined into one process group, watched, stopped.
+"""Worker processes owned by a driver: spawned, joined into one process group, watched, stopped.
 
 Every multi-process engine here (tensor / pipeline parallel, disaggregated prefill/decode) has
-the same shape: the driver — a notebook kernel, a server, a script — starts ``world_size``
-workers (``start_method``: forked from a server that has imported torch) joined by
-``torch.distributed`` (gloo on CPU, NCCL on CUDA) and talks to them over pipes; the driver
+the same shape: the driver — a notebook kernel, a server, a script — spawns ``world_size``
+workers joined by ``torch.distributed`` (gloo on CPU, NCCL on CUDA) and talks to them over pipes; the driver
 itself never joins the process group, so it can create and drop engines freely. ``WorkerGroup`` owns them:
 
 - while the driver waits for a message it also watches every worker: one that raises reports
@@ -28,6 +27,7 @@ from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from minillm.parallel import start_method
 from minillm.parallel.launch import RankFailed, Rendezvous
@@ -37,12 +37,12 @@ STEP_TIMEOUT = 600.0
 
 
 class WorkerGroup:
-    """``target(spec, rank, conn)`` on ``world_size`` new processes (``target`` must be a
+    """``target(spec, rank, conn)`` on ``world_size`` spawned processes (``target`` must be a
     module-level function). ``stop_ranks``: who is told ``("stop",)`` at shutdown (the others
     are told by them, e.g. rank 0's broadcast)."""
 
     def __init__(self, target, spec, world_size: int, backend: str = "gloo", threads: int = 1, stop_ranks=(0,)):
-        ctx = start_method.context()
+        ctx = mp.get_context("spawn")  # not start_method's fork server: see its docstring
         self.rendezvous = Rendezvous()
         self.conns, self.procs = [], []
         env = start_method.environment()
@@ -103,7 +103,7 @@ class WorkerGroup:
                     proc.join(1.0)
                     hint = ""
                     if doing.startswith("load"):
-                        hint = (" (the workers start as spawned ones do: a script must create a parallel engine under "
+                        hint = (" (the workers are spawned: a script must create a parallel engine under "
                                 "`if __name__ == '__main__':`, or each worker re-runs the script)")  # fmt: skip
                     self._fail(rank, f"exited with code {proc.exitcode} without a word{hint}")
 
