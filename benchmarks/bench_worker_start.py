@@ -11,13 +11,13 @@ first call starts the server (it imports torch once). Run:
 
 from __future__ import annotations
 
-import platform
 import statistics
-import subprocess
 import time
 
+import torch
 import torch.multiprocessing as mp
 
+from minillm.machine import machine_description
 from minillm.parallel import start_method
 from minillm.parallel.launch import run_ranks
 
@@ -46,24 +46,13 @@ def seconds(fn) -> tuple[float, float]:
     return first, statistics.median(times)
 
 
-def cpu() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-        flags = next(line.split(":", 1)[1].split() for line in out.splitlines() if line.startswith("Flags"))
-        wide = [f for f in flags if f.startswith(("avx512", "amx", "avx_vnni"))] or ["avx2 only" if "avx2" in flags else "no avx2"]
-        return f"{model} ({', '.join(wide[:4])}{', ...' if len(wide) > 4 else ''})"
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
-
-
 def main() -> None:
     fork_server = start_method.context
     shapes = {
         "check, 2 ranks": lambda: run_ranks(all_reduce, 2),
         "check, 4 ranks": lambda: run_ranks(all_reduce, 4),
     }
-    print(f"{cpu()}, {mp.cpu_count()} CPUs; first call, then the median of {REPEATS}")
+    print(f"{machine_description(torch.device('cpu'))}; first call, then the median of {REPEATS}")
     print(f"{'shape':>22} {'spawned':>18} {'fork server':>18} {'ratio':>7}")
     for name, fn in shapes.items():
         start_method.context = lambda: mp.get_context("spawn")

@@ -45,10 +45,9 @@ class WorkerGroup:
         ctx = mp.get_context("spawn")  # not start_method's fork server: see its docstring
         self.rendezvous = Rendezvous()
         self.conns, self.procs = [], []
-        env = start_method.environment()
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            args = (target, spec, rank, world_size, self.rendezvous, backend, threads, child, os.getpid(), env)
+            args = (target, spec, rank, world_size, self.rendezvous, backend, threads, child, os.getpid())
             proc = ctx.Process(target=_bootstrap, args=args, daemon=True, name=f"minillm-rank{rank}")
             proc.start()
             child.close()
@@ -202,8 +201,7 @@ def _exit_with_driver(driver_pid: int) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _bootstrap(target, spec, rank, world_size, rendezvous, backend, threads, conn, driver_pid, env) -> None:
-    start_method.adopt_environment(env)
+def _bootstrap(target, spec, rank, world_size, rendezvous, backend, threads, conn, driver_pid) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
     _exit_with_driver(driver_pid)
     torch.set_num_threads(threads)
