@@ -1,10 +1,10 @@
 """How long a parallel call takes to start its workers: spawned (a fresh interpreter per rank)
 against forked from the fork server that has imported torch (``minillm.parallel.start_method``).
 
-Two shapes, each timed both ways in this one run: a course check's 2-rank all-reduce and a
-4-rank one (``run_ranks``, which uses the fork server; an engine's workers are spawned, the
-module's docstring says why). The first call of each way is printed apart: the fork server's
-first call starts the server (it imports torch once). Run:
+Three shapes, each timed both ways in this one run: a course check's 2-rank all-reduce and a
+4-rank one (``run_ranks``), and a tensor-parallel engine of the 8M model on 2 ranks, created and
+asked for 8 tokens (``WorkerGroup``). The first call of each way is printed apart: the fork
+server's first call starts the server (it imports torch once). Run:
 
     python benchmarks/bench_worker_start.py
 """
@@ -17,6 +17,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
+from minillm import LLM, SamplingParams
 from minillm.machine import machine_description
 from minillm.parallel import start_method
 from minillm.parallel.launch import run_ranks
@@ -31,6 +32,12 @@ def all_reduce(rank, world_size):
     t = torch.ones(4)
     dist.all_reduce(t)
     return t.tolist()
+
+
+def tp_engine():
+    llm = LLM("tiny-shakespeare-8m", dtype="fp32", tensor_parallel_size=2, compile=False)
+    llm.generate("KING.\nNow is", SamplingParams(max_tokens=8, ignore_eos=True))
+    llm.close()
 
 
 def seconds(fn) -> tuple[float, float]:
@@ -51,6 +58,7 @@ def main() -> None:
     shapes = {
         "check, 2 ranks": lambda: run_ranks(all_reduce, 2),
         "check, 4 ranks": lambda: run_ranks(all_reduce, 4),
+        "TP-2 engine, 8 tokens": tp_engine,
     }
     print(f"{machine_description(torch.device('cpu'))}; first call, then the median of {REPEATS}")
     print(f"{'shape':>22} {'spawned':>18} {'fork server':>18} {'ratio':>7}")

@@ -359,3 +359,23 @@ def test_a_kernel_that_does_not_build_falls_back_with_a_warning(monkeypatch):
 def test_config_refuses_the_kernel_where_it_does_not_apply(args, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(attention_backend="cpu", **args)
+
+
+def test_the_kernel_build_thread_leaves_setuptools_to_the_engines_thread():
+    """``start_building`` imports setuptools (through ``torch.utils.cpp_extension``) before its
+    thread starts: setuptools puts a ``backports`` package on ``sys.path`` as it imports, and the
+    engine's thread meanwhile imports urllib3 (``from backports import zstd``) for the tokenizer.
+    The two on two threads failed a worker's start once with ``KeyError: 'backports'``. In a fresh
+    process, where nothing has imported setuptools yet."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import minillm.attention.cpu_paged as cp; "
+        "assert 'setuptools' not in sys.modules, 'imported before the test'; "
+        "cp._unavailable_reason.cache_clear(); cp.start_building(); "
+        "print('setuptools' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "True"

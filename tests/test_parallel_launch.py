@@ -238,8 +238,8 @@ def _running(pid: int) -> bool:
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
 def test_workers_end_when_their_driver_is_killed(tmp_path):
-    """A kernel restart kills the driver without any clean-up: its workers, busy and never reading
-    their pipes, must notice and end, leaving nothing behind."""
+    """A kernel restart kills the driver without any clean-up: its workers — children of the fork
+    server, not of the driver — must notice and end, leaving nothing behind."""
     import signal
     import subprocess
     import sys

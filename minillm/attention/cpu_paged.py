@@ -136,8 +136,16 @@ def start_building() -> None:
     """Build (or load) the kernel in a thread now, so that a cold build (seconds of ``g++``, in a
     subprocess that does not hold the GIL) overlaps what an engine does next — reading the
     tokenizer and the weights — instead of following it. ``kernel_unavailable_reason`` then
-    waits for it."""
+    waits for it.
+
+    One import happens here, on the caller's thread, first: ``torch.utils.cpp_extension`` (0.15 s),
+    which imports setuptools. Setuptools appends its vendored packages to ``sys.path`` and
+    imports a ``backports`` namespace package; the tokenizer the caller reads next imports
+    urllib3, which runs ``from backports import zstd``. With the two imports on two threads, a
+    worker's tokenizer import failed once in a suite run with ``KeyError: 'backports'``."""
     if _unavailable_reason.cache_info().currsize == 0:
+        import torch.utils.cpp_extension  # noqa: F401  (setuptools on this thread, not the build's)
+
         threading.Thread(target=_build_early, name="minillm-cpu-kernel-build", daemon=True).start()
 
 

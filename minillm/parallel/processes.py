@@ -1,8 +1,9 @@
-"""Worker processes owned by a driver: spawned, joined into one process group, watched, stopped.
+"""Worker processes owned by a driver: started, joined into one process group, watched, stopped.
 
 Every multi-process engine here (tensor / pipeline parallel, disaggregated prefill/decode) has
-the same shape: the driver — a notebook kernel, a server, a script — spawns ``world_size``
-workers joined by ``torch.distributed`` (gloo on CPU, NCCL on CUDA) and talks to them over pipes; the driver
+the same shape: the driver — a notebook kernel, a server, a script — starts ``world_size``
+workers (``start_method``: forked from a server that has imported torch) joined by
+``torch.distributed`` (gloo on CPU, NCCL on CUDA) and talks to them over pipes; the driver
 itself never joins the process group, so it can create and drop engines freely. ``WorkerGroup`` owns them:
 
 - while the driver waits for a message it also watches every worker: one that raises reports
@@ -27,7 +28,6 @@ from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from minillm.parallel import start_method
 from minillm.parallel.launch import RankFailed, Rendezvous
@@ -37,17 +37,18 @@ STEP_TIMEOUT = 600.0
 
 
 class WorkerGroup:
-    """``target(spec, rank, conn)`` on ``world_size`` spawned processes (``target`` must be a
+    """``target(spec, rank, conn)`` on ``world_size`` new processes (``target`` must be a
     module-level function). ``stop_ranks``: who is told ``("stop",)`` at shutdown (the others
     are told by them, e.g. rank 0's broadcast)."""
 
     def __init__(self, target, spec, world_size: int, backend: str = "gloo", threads: int = 1, stop_ranks=(0,)):
-        ctx = mp.get_context("spawn")  # not start_method's fork server: see its docstring
+        ctx = start_method.context()
         self.rendezvous = Rendezvous()
         self.conns, self.procs = [], []
+        env = start_method.environment()
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            args = (target, spec, rank, world_size, self.rendezvous, backend, threads, child, os.getpid())
+            args = (target, spec, rank, world_size, self.rendezvous, backend, threads, child, os.getpid(), env)
             proc = ctx.Process(target=_bootstrap, args=args, daemon=True, name=f"minillm-rank{rank}")
             proc.start()
             child.close()
@@ -102,7 +103,7 @@ class WorkerGroup:
                     proc.join(1.0)
                     hint = ""
                     if doing.startswith("load"):
-                        hint = (" (the workers are spawned: a script must create a parallel engine under "
+                        hint = (" (the workers start as spawned ones do: a script must create a parallel engine under "
                                 "`if __name__ == '__main__':`, or each worker re-runs the script)")  # fmt: skip
                     self._fail(rank, f"exited with code {proc.exitcode} without a word{hint}")
 
@@ -201,7 +202,8 @@ def _exit_with_driver(driver_pid: int) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _bootstrap(target, spec, rank, world_size, rendezvous, backend, threads, conn, driver_pid) -> None:
+def _bootstrap(target, spec, rank, world_size, rendezvous, backend, threads, conn, driver_pid, env) -> None:
+    start_method.adopt_environment(env)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
     _exit_with_driver(driver_pid)
     torch.set_num_threads(threads)

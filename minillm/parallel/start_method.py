@@ -1,26 +1,19 @@
 """How worker processes start: forked from a server that has already imported torch.
 
 A *spawned* process is a fresh interpreter: before it runs a line of ours it imports torch and
-minillm again. On an AMD EPYC with 2 cores a 2-rank all-reduce took 2.2 s spawned and 0.06 s
-forked from the server, a 4-rank one 4.7 s and 0.17 s (medians after the first call,
-``benchmarks/bench_worker_start.py``). Every course check of a
-parallel exercise paid that, per rank, per call. Forking the driver itself would be instant but
-is unsafe: a notebook kernel or a server has threads, an OpenMP pool, perhaps a CUDA context,
-and a fork copies them half-made.
-
-**Used for ``run_ranks`` only** (the checks, tests and benchmarks of single blocks). An engine's
-long-lived workers (``processes.WorkerGroup``) are still spawned: in the suite's first run with
-them forked, one disaggregated worker of dozens failed while importing transformers with
-``KeyError: 'backports'`` (urllib3's ``from backports import zstd``, which should have raised
-ImportError), not reproduced alone and not understood. An engine starts once and serves for
-minutes, so its workers' 2.6 s was not worth an import that can fail.
+minillm again. On an AMD EPYC with 2 cores a 2-rank all-reduce took 2.5 s spawned and 0.09 s
+forked from the server, a 4-rank one 5.4 s and 0.13 s, a 2-rank engine started and asked for
+8 tokens 7.0 s and 1.1 s (medians after the first call, ``benchmarks/bench_worker_start.py``).
+Every course check of a parallel exercise and every parallel engine paid that, per rank, per
+call. Forking the driver itself would be instant but is unsafe: a notebook kernel or a server
+has threads, an OpenMP pool, perhaps a CUDA context, and a fork copies them half-made.
 
 Python's **forkserver** start method (Linux's default from Python 3.14) is the safe middle: the
 first worker start launches one server process for this driver, which imports the modules named
 in ``PRELOAD`` and then only forks copies of itself, one per new worker — a process that has run
 no thread and no kernel, so the copies are sound. ``multiprocessing`` still starts each child
 the way ``spawn`` does in every other respect (the target and its arguments are pickled; a
-script must guard its call with ``if __name__ == "__main__":``). Where there is no fork server
+script must guard its engine with ``if __name__ == "__main__":``). Where there is no fork server
 (Windows), workers are spawned.
 
 One thing a spawned child has that a forked one lacks: the driver's environment *as it is now*
@@ -33,13 +26,17 @@ import os
 
 import torch.multiprocessing as mp
 
-#: What the fork server imports once, so that no rank imports it again: torch, and the modules
-#: whose functions the ranks run (the course's parallel checks).
+#: What the fork server imports once, so that no worker imports it again: torch, and the
+#: modules whose functions the workers run (ranks of a check, of an engine, of a cluster).
 PRELOAD = (
     "torch",
     "torch.distributed",
     "torch._dynamo",  # entered by any TorchDispatchMode (the TP check watches collectives with one): 1.5 s
     "minillm.parallel.launch",
+    "minillm.parallel.processes",
+    "minillm.parallel.executor",
+    "minillm.cluster.disagg",
+    "minillm.cluster.replicas",
     "minillm.course.checks_parallel",
 )
 
