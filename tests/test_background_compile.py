@@ -329,9 +329,13 @@ def test_a_cold_first_start_answers_without_waiting_for_the_compile(smollm2_dir,
     assert result["seconds"] < 60, result
 
 
-def test_a_count_lowered_on_a_busy_moment_does_not_cap_the_next_engine():
+def test_a_count_lowered_on_a_busy_moment_does_not_cap_the_next_engine(monkeypatch):
     """A governor that dropped to one thread leaves torch at one thread; the next engine's
-    governor still starts from the process's own setting (a user's explicit count is kept)."""
+    governor still starts from the process's own setting (a user's explicit count is kept).
+    (From a process whose governors have set nothing yet: an earlier engine's governor that last
+    set 2 threads would make the user's own 2 look like its doing.)"""
+    monkeypatch.setattr(thread_governor, "_governed", None)
+    monkeypatch.setattr(thread_governor, "_ungoverned", None)
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(2)

@@ -104,19 +104,19 @@ wrong(CP, "shift it down: packed >> 4", _pack_int4, lambda p: unpack(p, lambda p
 CI = "check_quantize_int4"
 
 
-def int4_row_by_row(weight, group_size):
-    """Independent: one group at a time in Python loops; a constant group gets scale 1."""
+def int4_group_by_group(weight, group_size):
+    """Independent: one column of groups at a time in a Python loop (every row at once); a
+    constant group gets scale 1. (Row by row too, it took 40 s over the model's layers.)"""
     out, cols = weight.shape
     q = torch.empty(out, cols, dtype=torch.uint8)
     scales = torch.empty(out, cols // group_size)
     minima = torch.empty(out, cols // group_size)
-    for r in range(out):
-        for j in range(cols // group_size):
-            block = weight[r, j * group_size : (j + 1) * group_size].to(torch.float32)
-            lo, hi = block.min(), block.max()
-            s = (hi - lo) / 15 if hi > lo else torch.tensor(1.0)
-            q[r, j * group_size : (j + 1) * group_size] = torch.round((block - lo) / s).to(torch.uint8)
-            scales[r, j], minima[r, j] = s, lo
+    for j in range(cols // group_size):
+        block = weight[:, j * group_size : (j + 1) * group_size].to(torch.float32)
+        lo, hi = block.min(dim=1).values, block.max(dim=1).values
+        s = torch.where(hi > lo, (hi - lo) / 15, torch.tensor(1.0))
+        q[:, j * group_size : (j + 1) * group_size] = torch.round((block - lo[:, None]) / s[:, None]).to(torch.uint8)
+        scales[:, j], minima[:, j] = s, lo
     return q, scales, minima
 
 
@@ -215,7 +215,7 @@ def int4_bf16_scale(weight, group_size):
     return q.to(torch.uint8).reshape(weight.shape), scale.float(), low.float()
 
 
-right(CI, int4_row_by_row)
+right(CI, int4_group_by_group)
 right(CI, int4_aminmax_where)
 right(CI, int4_in_float64)
 wrong(CI, "rounded down (torch.floor", lambda w, g: _int4(w, g, rounding=torch.floor))
