@@ -254,3 +254,27 @@ def test_a_solution_that_uses_the_course_scheduler_view_is_not_a_shortcut():
     graded = restore_check_cells(nb, CHECKS_BY_CHAPTER["04_batching"], "nonce")
     results = run_checks([(name, learner_cells(nb, i, graded)) for i, name in graded.items()], cwd=str(root))
     assert {name: r.status for name, r in results.items()} == {name: "pass" for name in graded.values()}, results
+
+
+def test_a_grading_script_without_a_main_guard_runs_once(tmp_path):
+    """The fresh process each notebook's checks run in is forked from a server that has imported
+    torch and the course (``isolated._Checker``). Started the way ``spawn`` starts a process, it
+    would import the grader's main script again: an instructor's script without
+    ``if __name__ == "__main__":`` would then grade again inside every grading. It runs once, and
+    the check's verdict comes back."""
+    import subprocess
+    import sys
+
+    runs = tmp_path / "runs.txt"
+    script = tmp_path / "grade_my_class.py"
+    script.write_text(textwrap.dedent(f"""
+        from minillm.course.isolated import LearnerCell, run_checks
+        with open({str(runs)!r}, "a") as f:
+            f.write("ran\\n")
+        cell = LearnerCell(1, "def next_token(logits):\\n    return int(logits[-1].argmax())")
+        print(run_checks([("check_next_token", [cell])])["check_next_token"].status)
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "pass", done.stdout[-2000:]
+    assert runs.read_text() == "ran\n"

@@ -4,7 +4,8 @@ In a notebook the learner's code and the checks share one Python process, so a c
 redefine a check, write a verdict into the results table, or import the package's own answer
 and return it. Four lines did exactly that and read "pass 2/2 | forged". So the grader (``grade.py``)
 grades every check again **in a new Python process that receives the learner's code only as
-text**, the way ``check_tp_mlp`` already runs the learner's function on its ranks:
+text** (forked from a server that has imported torch and the course and has run no learner code:
+``_Checker``), the way ``check_tp_mlp`` already runs the learner's function on its ranks:
 
 1. *What runs.* The notebook's code cells before the check cell (check cells excluded), each
    reduced to its imports, ``def``/``class`` statements and constant assignments
@@ -31,9 +32,9 @@ should read a submission whose findings or grades surprise them.
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
-import subprocess
 import sys
 import types
 from dataclasses import dataclass
@@ -168,29 +169,15 @@ def _run_some(jobs, cwd, timeout) -> dict[str, CheckResult]:
     import selectors
     import time
 
-    read, write = os.pipe()
-    payload = {"jobs": [[name, [[c.number, c.source] for c in cells]] for name, cells in jobs], "fd": write}
-    try:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "minillm.course.isolated"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            pass_fds=(write,),
-            cwd=cwd,
-            start_new_session=True,  # a learner's stray child processes go with it
-        )
-    finally:
-        os.close(write)
-    child.stdin.write(json.dumps(payload).encode())
-    child.stdin.close()
+    child = _Checker({"jobs": [[name, [[c.number, c.source] for c in cells]] for name, cells in jobs]}, cwd)
+    read = child.verdicts
     output = bytearray()
     lines: dict[str, list[str]] = {}
     names = [name for name, _ in jobs]
     buffer = b""
     selector = selectors.DefaultSelector()
     selector.register(read, selectors.EVENT_READ, "verdicts")
-    selector.register(child.stdout, selectors.EVENT_READ, "output")
+    selector.register(child.output, selectors.EVENT_READ, "output")
     current, deadline, timed_out = 0, time.monotonic() + timeout, False
     open_streams = 2
     while open_streams:
@@ -219,9 +206,8 @@ def _run_some(jobs, cwd, timeout) -> dict[str, CheckResult]:
                     current += 1
                     deadline = time.monotonic() + timeout
     selector.close()
-    os.close(read)
     if timed_out:
-        _kill_group(child)
+        child.kill_group()
     child.wait()
     results = {}
     for index, name in enumerate(names):
@@ -262,13 +248,89 @@ def _verdict(name: str, line: str) -> CheckResult:
         return CheckResult(name, FAIL, f"{TAMPERED}: the check's process reported something that is not a verdict")
 
 
-def _kill_group(child: subprocess.Popen) -> None:
-    import signal
+class _Checker:
+    """The fresh process that grades: forked from the fork server (``parallel/start_method.py``),
+    which has imported torch and the course and nothing else — no learner code has run in it, so
+    its copies start as clean as a new interpreter, without one's 4-6 s of imports per notebook
+    graded. It runs in a session of its own (its stray children are stopped with it), in the
+    notebook's folder, with its output and its verdicts on two pipes of their own."""
 
+    def __init__(self, payload: dict, cwd: str | None):
+        from minillm.parallel import start_method
+
+        ctx = start_method.context()
+        verdicts, verdicts_w = ctx.Pipe(duplex=False)
+        output, output_w = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(
+            target=_forked_main,
+            args=(json.dumps(payload), verdicts_w, output_w, cwd, start_method.environment()),
+            daemon=False,  # a check may start processes of its own (a daemon may not)
+            name="minillm-grader",
+        )
+        with _main_script_hidden():
+            self.process.start()
+        verdicts_w.close()  # the child holds the write ends: reading them ends at its exit
+        output_w.close()
+        self._ends = (verdicts, output)
+        self.verdicts, self.output = verdicts.fileno(), output.fileno()
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def kill_group(self) -> None:
+        import signal
+
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            self.process.kill()
+
+    def wait(self) -> None:
+        self.process.join()
+        for end in self._ends:
+            end.close()
+
+
+@contextlib.contextmanager
+def _main_script_hidden():
+    """A started process that the fork server makes imports the driver's main script again (as
+    ``spawn`` does), unless the script guards itself with ``if __name__ == "__main__":`` — an
+    instructor's grading script might not, and would then grade again in every checker. The checker
+    needs nothing of it: ``multiprocessing`` is not told of it while the process starts."""
+    main = sys.modules.get("__main__")
+    saved = {name: getattr(main, name) for name in ("__file__", "__spec__") if hasattr(main, name)}
     try:
-        os.killpg(child.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        child.kill()
+        for name in saved:
+            if name == "__spec__":
+                main.__spec__ = None
+            else:
+                delattr(main, name)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(main, name, value)
+
+
+def _forked_main(payload: str, verdicts, output, cwd: str | None, env: dict) -> None:
+    """The checker's first lines (``_Checker``): its own session and folder, its output on the
+    pipe, then ``main``."""
+    from minillm.parallel import start_method
+
+    os.setsid()
+    start_method.adopt_environment(env)
+    if cwd is not None:
+        os.chdir(cwd)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(output.fileno(), 1)
+    os.dup2(output.fileno(), 2)
+    try:
+        code = run(json.loads(payload), os.dup(verdicts.fileno()))
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
 
 
 def _tail(output: bytes | None, chars: int = 400) -> str:
@@ -484,8 +546,14 @@ def _grade_in_this_process(job: dict) -> dict:
 
 
 def main() -> int:
+    """``python -m minillm.course.isolated``: the payload on stdin, the verdicts to its ``fd``."""
     payload = json.loads(sys.stdin.read())
-    with os.fdopen(payload["fd"], "w", encoding="utf-8") as channel:
+    return run(payload, payload["fd"])
+
+
+def run(payload: dict, fd: int) -> int:
+    """Grade ``payload``'s jobs in this process, one verdict line per check to ``fd``."""
+    with os.fdopen(fd, "w", encoding="utf-8") as channel:
         tampered = None
         for name, cells in payload["jobs"]:
             if tampered:  # the learner's code of an earlier check changed this process: nothing here is trusted

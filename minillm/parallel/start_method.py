@@ -38,6 +38,7 @@ PRELOAD = (
     "minillm.cluster.disagg",
     "minillm.cluster.replicas",
     "minillm.course.checks_parallel",
+    "minillm.course.isolated",  # the grader's fresh process for each notebook's checks
 )
 
 
