@@ -1489,6 +1489,19 @@ wrong(
     "one turn longer",
     lambda e, b: _key_variant(e, b | ({"messages": b["messages"][:1]} if "messages" in b else {})),  # first turn only
 )
+FIELDS_A_LEARNER_LISTS = ("model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stop", "n",
+                          "logprobs", "top_logprobs", "temperature", "top_p", "seed")  # fmt: skip
+wrong(CK, "differ only in ignore_eos", lambda e, b: _key_variant(e, b, only=FIELDS_A_LEARNER_LISTS))
+wrong(
+    CK,
+    "differ only in repetition_penalty",
+    lambda e, b: _key_variant(e, b, only=FIELDS_A_LEARNER_LISTS + ("ignore_eos",)),
+)
+wrong(
+    CK,
+    "differ only in max_completion_tokens in a chat request",
+    lambda e, b: _key_variant(e, b, drop=("stream", "stream_options", "user", "max_completion_tokens")),
+)
 wrong(
     CK,
     "differ only in stop (one more stop string)",

@@ -368,6 +368,32 @@ def _diagnose_attention(causal_attention, q, k, v, got) -> None:
     )
 
 
+LARGE_SCORE = 100.0  # exp(100) overflows float32 (its largest value is 3.4e38, about e^88.7)
+
+
+def _check_large_scores(causal_attention, q, k, v) -> None:
+    """The same inputs with q scaled until the largest scaled score is ``LARGE_SCORE``: scores
+    that large come from real models (sharp heads, long contexts, a bf16 model's outliers). A
+    softmax written as exp(x) / sum(exp(x)) overflows to inf / inf = NaN there; subtracting each
+    row's max first (softmax(x) = softmax(x - max x)) keeps every exp at most 1."""
+    t, s = q.shape[-2], k.shape[-2]
+    allowed = torch.ones(t, s, dtype=torch.bool).tril(diagonal=s - t)
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~allowed, float("-inf"))
+    factor = LARGE_SCORE / float(scores.max())  # the largest score a query may see becomes LARGE_SCORE
+    big_q = q * factor
+    got = causal_attention(big_q.clone(), k.clone(), v.clone())
+    expected = _reference_attention(big_q, k, v)
+    if isinstance(got, torch.Tensor) and not bool(torch.isfinite(got).all()):
+        bad = "NaN" if bool(torch.isnan(got).any()) else "inf"
+        raise CheckFailed(
+            f"with q × {factor:.1f} (the largest scaled score is {LARGE_SCORE:.0f}) your attention returned {bad}: "
+            f"exp({LARGE_SCORE:.0f}) overflows float32, whose largest value is 3.4e38 ≈ e^88.7, and inf / inf is NaN. "
+            "Subtract each row's max score before exp (softmax(x) = softmax(x − max x), so every exp is at most 1), "
+            "or use torch.softmax, which does"
+        )
+    compare_tensors(got, expected, f"causal_attention with q × {factor:.1f} (scaled scores up to {LARGE_SCORE:.0f})")
+
+
 _NAN_HINT = (
     "a query whose scores are all -inf softmaxes to NaN: every query must keep at least the keys at and "
     "before its own position (does your mask hide the diagonal?)"
@@ -411,6 +437,7 @@ def check_causal_attention(causal_attention, model: str = DEFAULT_MODEL) -> str:
             "of the scores). Multiply them by v to get the output [B, H, T, head_dim]"
         )
     compare_tensors(got, expected, "causal_attention(q, k, v) with T = S = 5", nan_hint=_NAN_HINT)
+    _check_large_scores(causal_attention, q, k, v)
     llm = _engine(model, "naive")
     from minillm import SamplingParams
 

@@ -36,6 +36,15 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Who is the kin
         "temperature": 0}  # fmt: skip
 
 
+#: Fields of a completion request that change a greedy answer, beyond the ones checked by name above:
+#: a key over a fixed list of fields ("model", "prompt", "max_tokens", ...) drops them, and then a request
+#: that may not stop at the end-of-text token, or that penalises repeats, gets another request's answer.
+ANSWER_FIELDS = {
+    "ignore_eos": True,  # the answer runs on past the end-of-text token
+    "repetition_penalty": 1.3,  # a repeated token's logit is divided down
+}
+
+
 def _differs(cache_key, change: dict, field: str, endpoint: str = "/v1/completions", base_body: dict = GREEDY,
              base_endpoint: str = "/v1/completions") -> None:  # fmt: skip
     base = _key(cache_key, base_endpoint, base_body, "a greedy request")
@@ -95,6 +104,8 @@ def check_cache_key(cache_key, model: str = MODEL) -> str:
     _differs(cache_key, {"stop": ["\n\n", "."]}, "stop (one more stop string)")
     _differs(cache_key, {"n": 3}, "n (how many completions)")
     _differs(cache_key, {"logprobs": 2}, "logprobs")
+    for field, value in ANSWER_FIELDS.items():
+        _differs(cache_key, {field: value}, field)
     chat = "/v1/chat/completions"
     other_chat = {"messages": [{"role": "user", "content": "Who is the queen?"}]}
     _differs(cache_key, other_chat, "messages (another chat)", chat, CHAT, chat)
@@ -103,6 +114,9 @@ def check_cache_key(cache_key, model: str = MODEL) -> str:
     _differs(cache_key, longer, "messages (the same chat, one turn longer)", chat, CHAT, chat)
     _differs(cache_key, {"n": 2}, "n in a chat request", chat, CHAT, chat)
     _differs(cache_key, {"logprobs": True, "top_logprobs": 2}, "logprobs in a chat request", chat, CHAT, chat)
+    _differs(cache_key, {"max_completion_tokens": 3}, "max_completion_tokens in a chat request", chat, CHAT, chat)
+    for field, value in ANSWER_FIELDS.items():
+        _differs(cache_key, {field: value}, f"{field} in a chat request", chat, CHAT, chat)
     return _live(cache_key, model)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import functools
+import math
 import numbers
 import sys
 import types
@@ -449,6 +450,7 @@ def check_block_hash(block_hash, model: str = DEFAULT_MODEL) -> str:
             "the same tokens after different prefixes got the same hash: include parent_hash in what you hash, "
             "so a block's name stands for its whole prefix (its K/V depend on everything before it)"
         )
+    _check_hash_width(block_hash)
     prompts = [SYSTEM + p for p in PROMPTS[:3]]
     engine = _paged_engine(model, block_size=8)
     with hooks.override(block_hash=block_hash):
@@ -468,6 +470,28 @@ def check_block_hash(block_hash, model: str = DEFAULT_MODEL) -> str:
         f"with your hash, requests sharing the {len(engine.tokenizer.encode(SYSTEM))}-token system prompt reused "
         f"{hits} of their prompt tokens from the cache, tokens identical to recomputing them"
     )
+
+
+def _check_hash_width(block_hash, blocks: int = 512) -> None:
+    """A block's name must have room for every block a server ever caches: hashes cut to 4 bytes
+    take 2^32 values, and among ~77,000 blocks two share a name with even odds (the birthday
+    bound) — the second request then reads the first one's K/V. 512 names of a 56-bit-or-wider
+    hash reach past 2^48 with near certainty; a narrower one never does."""
+    names = [block_hash(None, [n, n + 1, n + 2, n + 3]) for n in range(blocks)]
+    bits = max(int(h).bit_length() for h in names)
+    if len(set(names)) < blocks:
+        raise CheckFailed(
+            f"{blocks - len(set(names))} of {blocks} different blocks got a name another block already had: "
+            "two prefixes that share a name share their cached K/V; keep 8 bytes of the digest"
+        )
+    if bits <= 48:
+        bytes_kept = (bits + 7) // 8
+        pairs = f"{math.sqrt(math.pi / 2 * 2**bits):,.0f}"
+        raise CheckFailed(
+            f"your hashes fit in {bits} bits (about {bytes_kept} bytes of the digest): among {pairs} cached blocks "
+            "two share a name with even odds (the birthday bound), and a request would read another prefix's K/V; "
+            "keep 8 bytes: int.from_bytes(h.digest()[:8], 'little')"
+        )
 
 
 def _expect_double_free(release_block, bm, block_id: int, what: str) -> None:
@@ -828,6 +852,35 @@ def check_choose_victim(choose_victim, model: str = DEFAULT_MODEL) -> str:
     )
 
 
+def _check_budget_spent(scheduler, out, limit: int) -> None:
+    """With chunked prefill a prompt's chunk is cut short only by the budget running out: a step
+    that left budget unused while a scheduled prompt still had tokens to compute lost it somewhere —
+    most often to a ``reserve`` that returned False (the sequence was preempted itself to free
+    blocks: nothing was scheduled for it) and whose tokens were taken off the budget anyway."""
+    from minillm.sequence import SequenceStatus
+
+    unused = limit - out.num_tokens
+    if not scheduler.enable_chunked_prefill or unused <= 0:
+        return
+    for chunk in out.chunks:
+        seq = chunk.seq
+        after = len(seq) - (chunk.start + chunk.num_tokens)
+        if seq.status is SequenceStatus.RUNNING and seq not in out.admitted and after > 0:
+            itself = [q for q in out.preempted if q not in {c.seq for c in out.chunks}]
+            cause = (
+                f" In this step scheduler.reserve preempted request {itself[0].request_id} itself to free blocks "
+                "and returned False: nothing was scheduled for it, so its tokens must stay in the budget — take n "
+                "off the budget only when reserve returns True"
+                if itself
+                else ""
+            )
+            raise CheckFailed(
+                f"a step scheduled {out.num_tokens} of its {limit} budget tokens, and request {seq.request_id}'s "
+                f"prompt chunk of {chunk.num_tokens} left {after} of its tokens for later: {unused} budget tokens "
+                f"went unused.{cause}"
+            )
+
+
 class _WithBudget:
     """The scheduler as one hand-made step shows it to the learner's ``schedule_continuous``: the
     same scheduler (every method and list is its own) with another token budget for that step."""
@@ -875,6 +928,7 @@ def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -
                 f"a step scheduled {out.num_tokens} tokens, over the budget of {limit} ({old} for running "
                 f"sequences, {new} for newly admitted ones): {fix}"
             )
+        _check_budget_spent(self, out, limit)
         if len(self.running) > self.max_num_seqs:
             raise CheckFailed(
                 f"{len(self.running)} sequences running, more than max_num_seqs={self.max_num_seqs}: admit only "
@@ -1044,6 +1098,22 @@ def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -
         tight.add_request(PROMPTS[3], _params())
         newcomer = tight.scheduler.waiting[0]
         tight.step()
+        # And a full pool of 9 blocks: request A (priority 1) decodes into a new block while the more
+        # urgent B still prefills its 33-token prompt. reserve preempts A itself (and returns False);
+        # B's chunk takes the whole budget.
+        from minillm import SamplingParams
+
+        squeezed = _paged_engine(model, block_size=4, max_num_batched_tokens=budget, max_num_seqs=4,
+                                 kv_cache_memory=_pool_bytes(model, 9, 4), enable_prefix_caching=False)  # fmt: skip
+        squeezed.add_request(list(range(5, 17)), SamplingParams(max_tokens=12, ignore_eos=True), priority=1)
+        for _ in range(2):
+            squeezed.step()
+        yielding = squeezed.scheduler.running[0]
+        squeezed.add_request(list(range(7, 40)), SamplingParams(max_tokens=2, ignore_eos=True), priority=0)
+        while squeezed.has_unfinished_requests():
+            squeezed.step()
+        if not yielding.num_preemptions:
+            raise CheckError("the hand-made state (a request that must preempt itself) was not reached")
     if newcomer.status is not SequenceStatus.RUNNING:
         raise CheckFailed(
             f"a step with a budget of 2 ran request {decoding.request_id}'s decode and left 1 token unused while "

@@ -241,6 +241,34 @@ def attention_manual_softmax_sum_all(q, k, v):
 
 wrong(CA, "attention weights sum to", attention_manual_softmax_sum_all)
 
+
+def attention_manual_softmax_no_max(q, k, v):
+    """A hand-written softmax, exp over its row sum, that never subtracts the row's max."""
+    scores = _scores(q, k, q.shape[-1] ** -0.5).masked_fill(~_keep(q), float("-inf"))
+    weights = scores.exp()
+    return weights / weights.sum(dim=-1, keepdim=True) @ v
+
+
+def attention_exp2_no_max(q, k, v):
+    """The same mistake in base 2 (as fast kernels write it): exp2(x · log2 e) overflows just the same."""
+    scores = _scores(q, k, q.shape[-1] ** -0.5 * math.log2(math.e)).masked_fill(~_keep(q), float("-inf"))
+    weights = torch.exp2(scores)
+    return weights / weights.sum(dim=-1, keepdim=True) @ v
+
+
+wrong(CA, "exp(100) overflows float32", attention_manual_softmax_no_max)
+wrong(CA, "exp(100) overflows float32", attention_exp2_no_max)
+
+
+def attention_softmax_row_max(q, k, v):
+    """Independent: a hand-written softmax that subtracts each row's max (amax over the keys)."""
+    scores = _scores(q, k, q.shape[-1] ** -0.5).masked_fill(~_keep(q), float("-inf"))
+    weights = (scores - scores.amax(dim=-1, keepdim=True)).exp()
+    return weights / weights.sum(dim=-1, keepdim=True) @ v
+
+
+right(CA, attention_softmax_row_max)
+
 # ---- filter_logits (the sampler's filter) ---------------------------------------------------
 
 FL = "check_filter_logits"

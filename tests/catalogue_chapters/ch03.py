@@ -315,6 +315,19 @@ def _hash_parent_packed_as_is(parent_hash, token_ids):
     return _digest_int(hashlib.sha256(struct.pack(f"<Q{len(token_ids)}q", parent_hash, *token_ids)))
 
 
+def _hash_four_bytes(parent_hash, token_ids):
+    h = hashlib.sha256((parent_hash or 0).to_bytes(8, "little"))
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return int.from_bytes(h.digest()[:4], "little")  # "4 bytes is plenty": 2^32 names
+
+
+def _hash_mod_prime(parent_hash, token_ids):
+    h = hashlib.blake2b(str((parent_hash, tuple(token_ids))).encode())
+    return int.from_bytes(h.digest(), "little") % 1_000_003  # a small table's worth of names
+
+
+wrong("check_block_hash", "your hashes fit in 32 bits (about 4 bytes of the digest)", _hash_four_bytes)
+wrong("check_block_hash", "your hashes fit in 20 bits", _hash_mod_prime)
 wrong("check_block_hash", "it ignores token 3 of the block", _hash_skips_last_token)
 wrong("check_block_hash", "token ids go up to the vocabulary size", _hash_one_byte_tokens)
 wrong("check_block_hash", "parent_hash is a hash your function returned (a 254-bit int)", _hash_whole_digest)

@@ -308,3 +308,24 @@ def _schedule_stops_with_one_token_left(scheduler):
 
 
 wrong("check_continuous_schedule", "a chunk of a single token", _schedule_stops_with_one_token_left)
+
+
+def _schedule_ignores_reserve(scheduler):
+    """Takes every running sequence's tokens off the budget, whatever ``reserve`` returned (False:
+    the sequence was preempted itself, and nothing was scheduled for it)."""
+    out = SchedulerOutput()
+    budget = scheduler.max_num_batched_tokens
+    for seq in scheduler.running_in_order():
+        if budget == 0:
+            break
+        if seq.status is not SequenceStatus.RUNNING:
+            continue
+        n = scheduler.tokens_to_run(seq, budget, out)
+        if n:
+            scheduler.reserve(seq, n, out)
+            budget -= n
+    _admit(scheduler, out, budget)
+    return out
+
+
+wrong("check_continuous_schedule", "take n off the budget only when reserve returns True", _schedule_ignores_reserve)
