@@ -160,8 +160,9 @@ wrong(
 # ---- schedule_continuous --------------------------------------------------------------------
 
 
-def _running_first(scheduler, out, order=None, decodes_only=False):
-    """The running sequences' tokens (as the solution schedules them, unless told otherwise); the budget left."""
+def _running_first(scheduler, out, order=None, decodes_only=False, trust_reserve=True):
+    """The running sequences' tokens (as the solution schedules them, unless told otherwise); the budget left.
+    ``trust_reserve=False``: their tokens come off the budget whatever ``reserve`` returned."""
     budget = scheduler.max_num_batched_tokens
     for seq in scheduler.running_in_order() if order is None else order:
         if budget == 0:
@@ -169,7 +170,7 @@ def _running_first(scheduler, out, order=None, decodes_only=False):
         if seq.status is not SequenceStatus.RUNNING or (decodes_only and not seq.is_decoding):
             continue
         n = scheduler.tokens_to_run(seq, budget, out)
-        if n and scheduler.reserve(seq, n, out):
+        if n and (scheduler.reserve(seq, n, out) or not trust_reserve):
             budget -= n
     return budget
 
@@ -314,17 +315,7 @@ def _schedule_ignores_reserve(scheduler):
     """Takes every running sequence's tokens off the budget, whatever ``reserve`` returned (False:
     the sequence was preempted itself, and nothing was scheduled for it)."""
     out = SchedulerOutput()
-    budget = scheduler.max_num_batched_tokens
-    for seq in scheduler.running_in_order():
-        if budget == 0:
-            break
-        if seq.status is not SequenceStatus.RUNNING:
-            continue
-        n = scheduler.tokens_to_run(seq, budget, out)
-        if n:
-            scheduler.reserve(seq, n, out)
-            budget -= n
-    _admit(scheduler, out, budget)
+    _admit(scheduler, out, _running_first(scheduler, out, trust_reserve=False))
     return out
 
 
