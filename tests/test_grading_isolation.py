@@ -7,6 +7,7 @@ that hung, with its last output, and is retried once; the same folder graded twi
 from __future__ import annotations
 
 import textwrap
+import time
 from pathlib import Path
 
 import nbformat
@@ -148,6 +149,29 @@ def test_a_check_that_never_ends_is_stopped_and_named():
     result = run_check("check_next_token", cells(source), timeout=20)
     assert result.status == "fail" and "did not finish within 20 s" in result.message
     assert "thinking" in result.message  # its last output
+
+
+def test_ctrl_c_while_a_check_runs_stops_its_process_too():
+    """The grader's Ctrl-C while a check runs: the check's process (and its session) ends with it,
+    instead of running on to its end — the grader would otherwise wait for it as it exits."""
+    import _thread
+    import signal
+    import threading
+
+    from conftest import child_pids
+
+    before = child_pids()
+    source = "def next_token(logits):\n    while True:\n        pass\n"
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # (a shell's `cmd &` ignores SIGINT)
+    started = threading.Event()
+    try:
+        threading.Thread(target=lambda: (started.wait(), time.sleep(3), _thread.interrupt_main()), daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            started.set()
+            run_check("check_next_token", cells(source), timeout=120)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert child_pids() - before == set()
 
 
 def test_a_second_verdict_on_the_channel_is_tampering():

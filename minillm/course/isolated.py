@@ -178,37 +178,42 @@ def _run_some(jobs, cwd, timeout) -> dict[str, CheckResult]:
     selector = selectors.DefaultSelector()
     selector.register(read, selectors.EVENT_READ, "verdicts")
     selector.register(child.output, selectors.EVENT_READ, "output")
-    current, deadline, timed_out = 0, time.monotonic() + timeout, False
-    open_streams = 2
-    while open_streams:
-        wait = deadline - time.monotonic()
-        if wait <= 0:
-            timed_out = True
-            break
-        for key, _ in selector.select(timeout=wait):
-            chunk = os.read(key.fd, 65536)
-            if not chunk:
-                selector.unregister(key.fileobj)
-                open_streams -= 1
-                continue
-            if key.data == "output":
-                output += chunk
-                del output[: max(0, len(output) - 8192)]  # the tail is what a report shows
-                continue
-            buffer += chunk
-            *complete, buffer = buffer.split(b"\n")
-            for line in complete:
-                if not line.strip():
+    current, deadline, timed_out, interrupted = 0, time.monotonic() + timeout, False, False
+    try:
+        open_streams = 2
+        while open_streams:
+            wait = deadline - time.monotonic()
+            if wait <= 0:
+                timed_out = True
+                break
+            for key, _ in selector.select(timeout=wait):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    selector.unregister(key.fileobj)
+                    open_streams -= 1
                     continue
-                name = _check_of(line)
-                lines.setdefault(name, []).append(line.decode("utf-8", errors="replace"))
-                while current < len(names) and names[current] in lines:  # the next check's clock starts
-                    current += 1
-                    deadline = time.monotonic() + timeout
-    selector.close()
-    if timed_out:
-        child.kill_group()
-    child.wait()
+                if key.data == "output":
+                    output += chunk
+                    del output[: max(0, len(output) - 8192)]  # the tail is what a report shows
+                    continue
+                buffer += chunk
+                *complete, buffer = buffer.split(b"\n")
+                for line in complete:
+                    if not line.strip():
+                        continue
+                    name = _check_of(line)
+                    lines.setdefault(name, []).append(line.decode("utf-8", errors="replace"))
+                    while current < len(names) and names[current] in lines:  # the next check's clock starts
+                        current += 1
+                        deadline = time.monotonic() + timeout
+    except BaseException:  # Ctrl-C while waiting: the checker goes too (the grader would wait for it at exit)
+        interrupted = True
+        raise
+    finally:
+        selector.close()
+        if timed_out or interrupted:
+            child.kill_group()
+        child.wait()
     results = {}
     for index, name in enumerate(names):
         got = lines.get(name, [])
