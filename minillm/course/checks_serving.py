@@ -486,7 +486,7 @@ def _check_hash_width(block_hash, blocks: int = 512) -> None:
         )
     if bits <= 48:
         bytes_kept = (bits + 7) // 8
-        pairs = f"{math.sqrt(math.pi / 2 * 2**bits):,.0f}"
+        pairs = f"{math.sqrt(2 * math.log(2) * 2**bits):,.0f}"  # 50% odds of a shared name
         raise CheckFailed(
             f"your hashes fit in {bits} bits (about {bytes_kept} bytes of the digest): among {pairs} cached blocks "
             "two share a name with even odds (the birthday bound), and a request would read another prefix's K/V; "
