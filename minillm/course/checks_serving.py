@@ -1110,8 +1110,15 @@ def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -
             squeezed.step()
         yielding = squeezed.scheduler.running[0]
         squeezed.add_request(list(range(7, 40)), SamplingParams(max_tokens=2, ignore_eos=True), priority=0)
-        while squeezed.has_unfinished_requests():
+        for _ in range(100):  # ~30 steps finish both; a scheduler that stalls must not hang the check
+            if not squeezed.has_unfinished_requests():
+                break
             squeezed.step()
+        else:
+            raise CheckFailed(
+                "two requests in a 9-block pool were still unfinished after 100 steps under your scheduler: every "
+                "step must give the running sequences tokens while the budget and the blocks last"
+            )
         if not yielding.num_preemptions:
             raise CheckError("the hand-made state (a request that must preempt itself) was not reached")
     if newcomer.status is not SequenceStatus.RUNNING:
