@@ -32,7 +32,6 @@ should read a submission whose findings or grades surprise them.
 from __future__ import annotations
 
 import ast
-import contextlib
 import json
 import os
 import sys
@@ -272,7 +271,7 @@ class _Checker:
             daemon=False,  # a check may start processes of its own (a daemon may not)
             name="minillm-grader",
         )
-        with _main_script_hidden():
+        with start_method.without_main_script():
             self.process.start()
         verdicts_w.close()  # the child holds the write ends: reading them ends at its exit
         output_w.close()
@@ -297,26 +296,6 @@ class _Checker:
             end.close()
 
 
-@contextlib.contextmanager
-def _main_script_hidden():
-    """A started process that the fork server makes imports the driver's main script again (as
-    ``spawn`` does), unless the script guards itself with ``if __name__ == "__main__":`` — an
-    instructor's grading script might not, and would then grade again in every checker. The checker
-    needs nothing of it: ``multiprocessing`` is not told of it while the process starts."""
-    main = sys.modules.get("__main__")
-    saved = {name: getattr(main, name) for name in ("__file__", "__spec__") if hasattr(main, name)}
-    try:
-        for name in saved:
-            if name == "__spec__":
-                main.__spec__ = None
-            else:
-                delattr(main, name)
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(main, name, value)
-
-
 def _forked_main(payload: str, verdicts, output, cwd: str | None, env: dict) -> None:
     """The checker's first lines (``_Checker``): its own session and folder, its output on the
     pipe, then ``main``."""
@@ -330,12 +309,7 @@ def _forked_main(payload: str, verdicts, output, cwd: str | None, env: dict) -> 
     os.dup2(devnull, 0)
     os.dup2(output.fileno(), 1)
     os.dup2(output.fileno(), 2)
-    try:
-        code = run(json.loads(payload), os.dup(verdicts.fileno()))
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    os._exit(code)
+    run(json.loads(payload), os.dup(verdicts.fileno()))  # multiprocessing flushes the output as the process ends
 
 
 def _tail(output: bytes | None, chars: int = 400) -> str:

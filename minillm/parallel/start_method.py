@@ -22,7 +22,9 @@ One thing a spawned child has that a forked one lacks: the driver's environment 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 
 import torch.multiprocessing as mp
 
@@ -77,3 +79,25 @@ def driver_gone(driver_pid: int, first_parent: int) -> bool:
     except PermissionError:  # the pid now belongs to another user's process: ours is gone
         return True
     return False
+
+
+@contextlib.contextmanager
+def without_main_script():
+    """Start a process inside this block and it will not import the driver's main script.
+
+    A process started from the fork server (or spawned) imports the driver's ``__main__`` file
+    again, as ``__mp_main__``, so that functions defined there can be unpickled; a script without
+    ``if __name__ == "__main__":`` then runs again in the child. A child whose target lives in a
+    package needs none of it — the grader's checker (``course/isolated.py``): an instructor's
+    grading script without the guard would grade again inside every grading. ``multiprocessing``
+    reads the script's path from ``__main__.__file__`` / ``__spec__`` while the process starts, so
+    they are hidden for that moment."""
+    main = vars(sys.modules["__main__"]) if "__main__" in sys.modules else {}
+    saved = {name: main[name] for name in ("__file__", "__spec__") if name in main}
+    try:
+        main.pop("__file__", None)
+        if "__spec__" in saved:
+            main["__spec__"] = None
+        yield
+    finally:
+        main.update(saved)
