@@ -162,6 +162,16 @@ torch_attention = _declare(
     grouped K/V heads, the T queries being the last T of the S key positions. Every layer of
     the naive and contiguous engines, and the paged reference step, call it.""",
 )
+decoder_layer = _declare(
+    "decoder_layer",
+    "decoder_layer(layer, x[B, T, hidden], cos, signed_sin, step) -> [B, T, hidden]",
+    "01 prefill and decode (the whole model)",
+    "minillm.models.llama",
+    "minillm/models/llama.py",
+    """One transformer block: RMSNorm, attention (q/k/v, RoPE, the step's attention, o), the
+    residual, RMSNorm, the SwiGLU MLP, the residual. The model's forward calls it once per layer
+    with the cos/sin rows of the step's positions and the step's attention (which knows the cache).""",
+)
 filter_logits = _declare(
     "filter_logits",
     "filter_logits(logits[R, V] fp32, temperature, top_k, top_p) -> [R, V]",

@@ -116,13 +116,23 @@ def _cells(chapter: str) -> list[dict]:
 
 
 def solution_cell(exercise) -> str:
-    """The code cell just before the exercise's check cell: the solved function(s)."""
+    """The nearest code cell before the exercise's check cell that holds a solution: the solved
+    function(s) (a test-sized example cell may sit between them)."""
     cells = _cells(exercise.chapter)
     at = next(i for i, c in enumerate(cells) if "".join(c["source"]).strip() == exercise.call)
-    source = "".join(cells[at - 1]["source"])
-    if BEGIN not in source:
-        raise ValueError(f"{exercise.check}: the cell before `{exercise.call}` has no {BEGIN}")
-    return source
+    for cell in reversed(cells[:at]):
+        source = "".join(cell["source"])
+        if BEGIN in source:
+            return source
+        if any(e.call == source.strip() for e in _exercises()):
+            break  # the previous exercise's check: this one has no solution cell of its own
+    raise ValueError(f"{exercise.check}: no cell between the previous check and `{exercise.call}` has {BEGIN}")
+
+
+def _exercises():
+    from minillm.course import EXERCISES
+
+    return EXERCISES
 
 
 def chapter_namespace(chapter: str) -> dict:
@@ -392,6 +402,11 @@ _CLAMP_NEVER_BINDS = (
     "after rounding a clamp at ±128 never binds: the clamp is a guard, and a wider guard changes nothing"
 )
 EQUIVALENT: dict[str, dict[str, str]] = {
+    "check_transformer": {
+        "line 12: `0` → `-1` in `a = causal_attention(q[None], k[None], v[None])[0]  # [H,...`": (
+            "the batch dim added by [None] has size 1, so its last item is its first"
+        ),
+    },
     "check_filter_logits": {
         "line 2: `<` → `<=` in `if 0 < top_k < x.shape[-1]:` (#2)": (
             "top_k equal to the vocabulary size keeps every logit (each is >= the smallest), exactly what "

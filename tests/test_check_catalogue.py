@@ -245,7 +245,7 @@ def test_a_crash_inside_the_check_is_not_blamed_on_the_learner(monkeypatch):
     def broken(*args, **kwargs):
         raise IndexError("index 0 is out of bounds")  # a bug in the check's own code
 
-    monkeypatch.setattr(checks, "_reference_tokens", broken)
+    monkeypatch.setattr(checks, "reference_tokens", broken)
     with pytest.raises(CheckError) as err:
         course.check_generate_naive(generate_naive)
     assert "the check itself failed — please report" in str(err.value)

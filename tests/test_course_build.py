@@ -94,10 +94,10 @@ def test_grading_a_folder_writes_a_csv(tmp_path):
     assert by_name["alice"].passed == 3
     failed = [r for r in by_name["alice"].results if r.status == "fail"]
     assert failed[0].check == "check_causal_attention" and "not scaled" in failed[0].message
-    assert (by_name["alice"].points, by_name["alice"].max_points) == (5, 7)
+    assert (by_name["alice"].points, by_name["alice"].max_points) == (5, 11)  # the whole model uses her attention too
     rows = list(csv.DictReader(open(submissions / "grades.csv")))
     assert len(rows) == 2 and {r["check_causal_attention"] for r in rows} == {"pass", "fail"}
-    assert {(r["points"], r["max_points"]) for r in rows} == {("7", "7"), ("5", "7")}
+    assert {(r["points"], r["max_points"]) for r in rows} == {("11", "11"), ("5", "11")}
 
 
 # ------------------------------------------------------------------------------------------
@@ -105,12 +105,18 @@ def test_grading_a_folder_writes_a_csv(tmp_path):
 # ------------------------------------------------------------------------------------------
 
 HEADER = (
-    "import math\nimport torch\n"
+    "import math\nimport torch\nimport torch.nn.functional as F\n"
     "from minillm.course import check_causal_attention, check_filter_logits, check_generate_naive, check_next_token, "
-    "forward_logits"
+    "check_transformer, forward_logits, apply_rotary, model_weights, rope_cos_sin"
 )
-EXERCISES = ("def next_token", "def generate_naive", "def filter_logits", "def causal_attention")
-CH01_CHECKS = ["check_next_token", "check_generate_naive", "check_filter_logits", "check_causal_attention"]
+EXERCISES = ("def next_token", "def generate_naive", "def filter_logits", "def causal_attention", "def rms_norm")
+CH01_CHECKS = [
+    "check_next_token",
+    "check_generate_naive",
+    "check_filter_logits",
+    "check_causal_attention",
+    "check_transformer",
+]
 
 
 def chapter01(solved: bool) -> nbformat.NotebookNode:
@@ -150,7 +156,7 @@ def test_forged_verdicts_and_edited_check_cells_do_not_count(tmp_path):
     grade = grade_notebook(path, timeout=120)
     assert grade.error is None, grade.error
     # nothing forged counts, and the forgery itself is named: every check fails as tampered
-    assert [r.status for r in grade.results] == ["fail"] * 4, grade.as_text()
+    assert [r.status for r in grade.results] == ["fail"] * len(CH01_CHECKS), grade.as_text()
     assert all(r.message.startswith("graded as tampered: cell 2: writes out a verdict") for r in grade.results)
 
 
@@ -163,7 +169,7 @@ def test_restored_check_cells_grade_a_solved_notebook(tmp_path):
     path = tmp_path / "01_prefill_and_decode.ipynb"
     nbformat.write(nb, path)
     grade = grade_notebook(path, timeout=120)
-    assert grade.passed == 4, grade.as_text()
+    assert grade.passed == len(CH01_CHECKS), grade.as_text()
 
 
 @pytest.mark.slow
@@ -174,9 +180,9 @@ def test_one_broken_notebook_does_not_stop_a_folder(tmp_path):
     nbformat.write(chapter01(solved=True), tmp_path / "carol" / "01_prefill_and_decode.ipynb")
     grades = {Path(g.notebook).parent.name: g for g in grade_folder(tmp_path, timeout=120)}
     assert grades["bob"].error and grades["bob"].passed == 0
-    assert grades["carol"].passed == 4 and grades["carol"].error is None
+    assert grades["carol"].passed == len(CH01_CHECKS) and grades["carol"].error is None
     rows = {Path(r["notebook"]).parent.name: r for r in csv.DictReader(open(tmp_path / "grades.csv"))}
-    assert rows["bob"]["error"] and rows["carol"]["passed"] == "4"
+    assert rows["bob"]["error"] and rows["carol"]["passed"] == "5"
 
 
 def test_check_calls_match_the_shipped_check_cells():
@@ -198,7 +204,7 @@ def test_a_renamed_copy_is_still_graded_as_its_chapter(tmp_path):
     nbformat.write(nb, path)
     grade = grade_notebook(path, timeout=120)
     assert [r.check for r in grade.results] == CH01_CHECKS
-    assert [r.status for r in grade.results] == ["not attempted"] * 4, grade.as_text()
+    assert [r.status for r in grade.results] == ["not attempted"] * len(CH01_CHECKS), grade.as_text()
 
 
 # ------------------------------------------------------------------------------------------
@@ -408,8 +414,8 @@ def test_a_notebook_that_runs_past_its_time_is_stopped_and_the_cell_named(tmp_pa
     assert time.monotonic() - start < 90  # 6 s a run, one retry, then each check on its own
     assert grade.error.startswith("timed out in cell 3 of 4 (`import time`): the notebook ran past its limit of 6 s")
     # graded from the source all the same: nothing above the check cell defines the exercise
-    assert [r.status for r in grade.results] == ["fail"] * 4
-    assert "no `next_token` is defined" in grade.results[0].message and grade.points == 0 and grade.max_points == 7
+    assert [r.status for r in grade.results] == ["fail"] * len(CH01_CHECKS)
+    assert "no `next_token` is defined" in grade.results[0].message and grade.points == 0 and grade.max_points == 11
 
 
 def test_a_check_shown_on_a_lambda_does_not_make_a_notebook_that_chapter(tmp_path):
@@ -440,7 +446,7 @@ def test_a_renamed_copy_without_its_check_cells_still_expects_all_its_checks(tmp
     nbformat.write(nb, tmp_path / "my copy.ipynb")
     grade = grade_notebook(tmp_path / "my copy.ipynb", timeout=120)
     assert [r.check for r in grade.results] == CH01_CHECKS
-    assert grade.passed == 0 and grade.max_points == 7, grade.as_text()
+    assert grade.passed == 0 and grade.max_points == 11, grade.as_text()
 
 
 @pytest.mark.slow
@@ -456,12 +462,12 @@ def test_grade_command_prints_points_as_json_and_writes_a_csv(tmp_path, capsys):
     assert main(["course", "grade", str(tmp_path), "--json", "--timeout", "120"]) == 0
     by_name = {Path(g["notebook"]).name: g for g in json.loads(capsys.readouterr().out)}
     carol, scratch = by_name["carol.ipynb"], by_name["scratch.ipynb"]
-    assert (carol["chapter"], carol["points"], carol["max_points"], carol["passed"]) == (CH01, 7, 7, 4), carol
-    assert [c["points"] for c in carol["checks"]] == [1, 2, 2, 2]
+    assert (carol["chapter"], carol["points"], carol["max_points"], carol["passed"]) == (CH01, 11, 11, 5), carol
+    assert [c["points"] for c in carol["checks"]] == [1, 2, 2, 2, 4]
     assert scratch["course_notebook"] is False and scratch["points"] is None
     rows = {Path(r["notebook"]).name: r for r in csv.DictReader(open(tmp_path / "grades.csv"))}
-    assert (rows["carol.ipynb"]["points"], rows["carol.ipynb"]["max_points"]) == ("7", "7")
-    assert list(rows["carol.ipynb"])[6:10] == CH01_CHECKS
+    assert (rows["carol.ipynb"]["points"], rows["carol.ipynb"]["max_points"]) == ("11", "11")
+    assert list(rows["carol.ipynb"])[6:11] == CH01_CHECKS
 
 
 def test_cells_without_ids_get_the_same_ids_on_every_build(tmp_path):

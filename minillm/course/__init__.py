@@ -12,6 +12,7 @@ from minillm.course.checks import (
     check_kv_write,
     check_next_token,
 )
+from minillm.course.checks_forward import check_transformer
 from minillm.course.checks_attention import (
     check_flash_kernel,
     check_gqa_attention,
@@ -47,6 +48,7 @@ from minillm.course.checks_spec import (
 from minillm.course.exercises import EXERCISES, Exercise, chapters, hint
 from minillm.course.helpers import forward_logits, forward_step, new_cache
 from minillm.course.results import CheckFailed, CheckResult, require_pass
+from minillm.course.weights import LayerWeights, ModelWeights, apply_rotary, model_weights, rope_cos_sin
 
 #: Every check, by chapter: what `minillm course grade` expects a complete notebook to pass.
 CHECKS_BY_CHAPTER = chapters()
@@ -97,6 +99,12 @@ __all__ = [
     "check_tree_attention_mask",
     "check_slot_mapping",
     "check_tp_mlp",
+    "check_transformer",
+    "LayerWeights",
+    "ModelWeights",
+    "apply_rotary",
+    "model_weights",
+    "rope_cos_sin",
     "forward_logits",
     "forward_step",
     "new_cache",

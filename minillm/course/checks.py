@@ -26,21 +26,25 @@ STEPS = 32
 
 
 @functools.lru_cache(maxsize=4)
-def _engine(model: str, mode: str = "contiguous"):
+def engine(model: str, mode: str = "contiguous"):
+    """The engine a check plugs learner code into: fp32, the torch attention, one per model and
+    mode (cached: every check of a kernel shares it)."""
     from minillm import LLM
 
     return LLM(model, dtype="fp32", mode=mode, attention_backend="torch", seed=0)
 
 
-def _prompt_ids(llm) -> list[int]:
+def prompt_ids(llm) -> list[int]:
+    """The checks' prompt, in ``llm``'s tokens."""
     return llm.tokenizer.encode(PROMPT)
 
 
-def _reference_tokens(model: str, steps: int = STEPS) -> list[int]:
+def reference_tokens(model: str, steps: int = STEPS) -> list[int]:
+    """The naive engine's greedy continuation of the checks' prompt: what every rung must reproduce."""
     from minillm import SamplingParams
 
-    llm = _engine(model, "naive")
-    return llm.generate([_prompt_ids(llm)], SamplingParams(max_tokens=steps, ignore_eos=True))[0].token_ids
+    llm = engine(model, "naive")
+    return llm.generate([prompt_ids(llm)], SamplingParams(max_tokens=steps, ignore_eos=True))[0].token_ids
 
 
 def _refuse_prompt_echo(got, prompt: list[int], steps: int, what: str) -> None:
@@ -211,8 +215,8 @@ def check_next_token(next_token, model: str = DEFAULT_MODEL) -> str:
         )
     if got != 7:
         raise CheckFailed(f"next_token returned {got} for constructed logits whose last row peaks at token 7")
-    llm = _engine(model)
-    ids = _prompt_ids(llm)
+    llm = engine(model)
+    ids = prompt_ids(llm)
     expected = int(forward_logits(llm.model, ids)[-1].argmax())
     real = next_token(forward_logits(llm.model, ids))
     if real != expected:
@@ -223,11 +227,11 @@ def check_next_token(next_token, model: str = DEFAULT_MODEL) -> str:
 @check
 def check_generate_naive(generate_naive, model: str = DEFAULT_MODEL) -> str:
     """``generate_naive(model, prompt_ids, max_new_tokens) -> list[int]``: the no-cache loop."""
-    llm = _engine(model, "naive")
-    ids = _prompt_ids(llm)
+    llm = engine(model, "naive")
+    ids = prompt_ids(llm)
     given = list(ids)
     got = generate_naive(llm.model, given, STEPS)
-    expected = _reference_tokens(model)
+    expected = reference_tokens(model)
     _diagnose_return(got, ids, given, STEPS, "generate_naive")
     _diagnose_tokens(got, llm.model, ids, expected, "generate_naive", rows_steps=4)
     compare_tokens(
@@ -438,14 +442,14 @@ def check_causal_attention(causal_attention, model: str = DEFAULT_MODEL) -> str:
         )
     compare_tensors(got, expected, "causal_attention(q, k, v) with T = S = 5", nan_hint=_NAN_HINT)
     _check_large_scores(causal_attention, q, k, v)
-    llm = _engine(model, "naive")
+    llm = engine(model, "naive")
     from minillm import SamplingParams
 
     with hooks.override(torch_attention=_attention_adapter(causal_attention)):  # every layer's attention
-        got_tokens = llm.generate([_prompt_ids(llm)], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
+        got_tokens = llm.generate([prompt_ids(llm)], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
     compare_tokens(
         got_tokens,
-        _reference_tokens(model, 16),
+        reference_tokens(model, 16),
         "the model running your attention",
         "compare your function with the reference on small tensors first",
     )
@@ -488,8 +492,8 @@ def _forward_passes(model):
 def _cached_tokens(model: str, steps: int = STEPS) -> list[int]:
     from minillm import SamplingParams
 
-    llm = _engine(model, "contiguous")
-    return llm.generate([_prompt_ids(llm)], SamplingParams(max_tokens=steps, ignore_eos=True))[0].token_ids
+    llm = engine(model, "contiguous")
+    return llm.generate([prompt_ids(llm)], SamplingParams(max_tokens=steps, ignore_eos=True))[0].token_ids
 
 
 @check
@@ -549,7 +553,7 @@ def check_kv_write(kv_write, model: str = DEFAULT_MODEL) -> str:
         got = _cached_tokens(model)
     compare_tokens(
         got,
-        _reference_tokens(model),
+        reference_tokens(model),
         "the engine writing through your kv_write",
         "the prefill writes the whole prompt at start=0, each decode step one token at its position",
     )
@@ -592,7 +596,7 @@ def check_kv_read(kv_read, model: str = DEFAULT_MODEL) -> str:
         got_tokens = _cached_tokens(model)
     compare_tokens(
         got_tokens,
-        _reference_tokens(model),
+        reference_tokens(model),
         "the engine reading through your kv_read",
         "attention must see every cached position up to and including the new token",
     )
@@ -602,8 +606,8 @@ def check_kv_read(kv_read, model: str = DEFAULT_MODEL) -> str:
 @check
 def check_generate_cached(generate_cached, model: str = DEFAULT_MODEL) -> str:
     """``generate_cached(model, prompt_ids, max_new_tokens)``: prefill once, then one token per step."""
-    llm = _engine(model, "contiguous")
-    ids = _prompt_ids(llm)
+    llm = engine(model, "contiguous")
+    ids = prompt_ids(llm)
     given = list(ids)
     with _forward_passes(llm.model) as calls:
         got = generate_cached(llm.model, given, STEPS)
@@ -654,7 +658,7 @@ def check_generate_cached(generate_cached, model: str = DEFAULT_MODEL) -> str:
                     f"decode step {step} fed token {call.first_token}, but the token generated before it is "
                     f"{got[step - 1]} (your token {step - 1}): each step feeds the newest token, [new[-1]]"
                 )
-    expected = _reference_tokens(model)
+    expected = reference_tokens(model)
     _diagnose_tokens(got, llm.model, ids, expected, "generate_cached", rows_steps=1)
     compare_tokens(
         got,

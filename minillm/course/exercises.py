@@ -95,6 +95,29 @@ EXERCISES: list[Exercise] = [
         ),
     ),
     Exercise(
+        "01_prefill_and_decode",
+        "check_transformer",
+        "check_transformer(rms_norm, decoder_layer, transformer_forward)",
+        24,
+        3,
+        4,
+        (
+            "Three pieces. rms_norm: divide x by sqrt(mean(x²) + eps) over the last dim, times weight. decoder_layer "
+            "(pre-norm, two residual halves): h = norm(x); q, k, v = h @ W.T for each, cut into heads [heads, T, "
+            "head_dim]; rotate q and k; repeat each K/V head for its group of query heads; your causal attention; "
+            "merge the heads; x + o_proj; then h = norm(x) and x + down(silu(gate(h)) * up(h)). "
+            "transformer_forward: embedding rows → every layer → final norm → LM head.",
+            "`h = rms_norm(x, w.input_layernorm, eps)`; `q = (h @ w.q_proj.T).view(T, H, D).transpose(0, 1)` (k, v "
+            "with KV heads); `q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)`; "
+            "`k, v = k.repeat_interleave(H // KV, dim=0), v.repeat_interleave(H // KV, dim=0)`; "
+            "`a = causal_attention(q[None], k[None], v[None])[0]`; `x = x + a.transpose(0, 1).reshape(T, H * D) @ "
+            "w.o_proj.T`; `h = rms_norm(x, w.post_attention_layernorm, eps)`; `return x + (F.silu(h @ w.gate_proj.T) "
+            "* (h @ w.up_proj.T)) @ w.down_proj.T`. Forward: `w = model_weights(model)`, `x = w.embed_tokens["
+            "torch.tensor(ids)]`, `cos, sin = rope_cos_sin(model, len(ids))`, loop the layers, `return rms_norm(x, "
+            "w.norm, eps) @ w.lm_head.T`.",
+        ),
+    ),
+    Exercise(
         "02_kv_cache",
         "check_kv_write",
         "check_kv_write(kv_write)",
@@ -515,6 +538,14 @@ REFERENCES: dict[str, tuple[str, ...]] = {
         "minillm.attention.torch_attention",
         "minillm.attention.torch_ref.attention",
         "minillm.attention.sdpa_attention",
+    ),
+    "check_transformer": (
+        "minillm.models.llama.LlamaForCausalLM.forward",
+        "minillm.models.llama.DecoderLayer.forward",
+        "minillm.course.helpers.forward_logits",
+        "minillm.course.helpers.forward_step",
+        "minillm.course.checks_forward.reference_layer",
+        "minillm.course.checks_forward.reference_rms_norm",
     ),
     "check_kv_write": ("minillm.kvcache.contiguous.kv_write",),
     "check_kv_read": ("minillm.kvcache.contiguous.kv_read",),

@@ -131,6 +131,13 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attn_norm(x))
 
 
+@hooks.reference("decoder_layer")
+def run_decoder_layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step) -> torch.Tensor:
+    """The package's block: the module itself (a hook, so chapter 01 can run a learner's block as
+    every layer of the real model; one call more per layer)."""
+    return layer(x, cos, sin, step)
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, parallel: ParallelContext = SINGLE):
         """``parallel``: build only this rank's shard (see the module docstring)."""
@@ -304,7 +311,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(batch.input_ids) if hidden is None else hidden
         cos, sin = self.rope.lookup(batch.positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, step)
+            x = hooks.decoder_layer(layer, x, cos, sin, step)  # chapter 01's learner writes one
         return x
 
     def _logits(self, batch, x: torch.Tensor) -> torch.Tensor:
