@@ -57,3 +57,48 @@ def test_an_unwritten_function_run_on_other_processes_is_not_attempted():
     from minillm.course import check_tp_mlp
 
     assert check_tp_mlp(tp_mlp_skeleton).status == NOT_ATTEMPTED
+
+
+# ---- chapter 01's whole model: the check's own reference and the weights view -------------------
+
+
+def test_the_checks_textbook_layer_is_the_engines_layer(tiny_model):
+    """``reference_layer`` (what a learner's block is compared with on hand-made inputs) computes
+    what the engine's ``DecoderLayer`` computes, on every layer of a real forward pass."""
+    import minillm.hooks as hooks
+    from minillm import LLM, SamplingParams
+    from minillm.course.checks_forward import reference_layer
+    from minillm.course.weights import layer_weights, rope_cos_sin
+
+    llm = LLM(tiny_model, dtype="fp32", mode="naive", attention_backend="torch")
+    seen = []
+    inner = hooks.current("decoder_layer")
+
+    def record(layer, x, cos, sin, step):
+        out = inner(layer, x, cos, sin, step)
+        seen.append((layer, x[0].clone(), out[0].clone()))
+        return out
+
+    with hooks.override(decoder_layer=record):
+        llm.generate(["To be, or not to be"], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(seen) == 2 * llm.model_config.num_layers
+    for layer, x, out in seen:
+        cos, sin = rope_cos_sin(llm.model, x.shape[0])
+        torch.testing.assert_close(reference_layer(x, layer_weights(layer), cos, sin, llm.model_config), out,
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_model_weights_reads_the_same_matrices_through_any_weight_method(tiny_model):
+    """The bf16 default engine keeps no plain matrix (oneDNN-packed): the view reads it back
+    through the layer itself, bit for bit the checkpoint's bf16 values."""
+    from minillm import LLM
+    from minillm.course import model_weights
+
+    plain = model_weights(LLM(tiny_model, dtype="fp32", mode="naive").model)
+    packed_model = LLM(tiny_model, dtype="bf16").model
+    packed = model_weights(packed_model)
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        a, b = getattr(plain.layers[1], name), getattr(packed.layers[1], name)
+        assert b.dtype == torch.bfloat16 and torch.equal(a.to(torch.bfloat16), b), name
+    assert torch.equal(plain.lm_head.to(torch.bfloat16), packed.lm_head)
+    assert model_weights(packed_model).layers[0] is packed.layers[0]  # read once, then cached

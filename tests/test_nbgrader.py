@@ -78,7 +78,13 @@ def test_generate_assignment_then_autograde_scores_right_wrong_and_not_attempted
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
         scores = {
             check: (grade.score, grade.max_score)
-            for check in ("check_next_token", "check_generate_naive", "check_filter_logits", "check_causal_attention")
+            for check in (
+                "check_next_token",
+                "check_generate_naive",
+                "check_filter_logits",
+                "check_causal_attention",
+                "check_transformer",
+            )
             for grade in [gradebook.find_grade(check, CH01, CH01, "alice")]
         }
         total = gradebook.find_submission(CH01, "alice")
@@ -87,8 +93,9 @@ def test_generate_assignment_then_autograde_scores_right_wrong_and_not_attempted
             "check_generate_naive": (0, 2),  # a check that is not attempted does not raise: the hidden test does
             "check_filter_logits": (0, 2),
             "check_causal_attention": (0, 2),
+            "check_transformer": (0, 4),
         }
-        assert (total.score, total.max_score) == (1, 7)
+        assert (total.score, total.max_score) == (1, 11)
     graded = nbformat.read(course / "autograded" / "alice" / CH01 / f"{CH01}.ipynb", as_version=4)
     check = next(c for c in graded.cells if c.metadata.get("nbgrader", {}).get("grade_id") == "check_generate_naive")
     assert "require_pass('check_generate_naive')" in check.source  # the hidden test was put back
