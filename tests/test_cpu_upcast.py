@@ -46,9 +46,19 @@ def test_a_head_sized_matrix_waits_for_more_rows():
     assert torch.equal(layer(x), F.linear(x.float(), layer.weight.float()).bfloat16())
 
 
+def no_half_kernels(monkeypatch, slow: bool = True) -> None:
+    """Make this CPU look like one without bf16 kernels (``slow``) or with them, whatever it is:
+    oneDNN's check answers both questions there — no native GEMM, and no prepacking either."""
+    from minillm.layers import cpu_prepack
+
+    native = cpu_prepack.prepack_available
+    monkeypatch.setattr(cpu_upcast, "half_gemm_is_slow", lambda dtype: slow and dtype == torch.bfloat16)
+    monkeypatch.setattr(cpu_prepack, "prepack_available", lambda dtype: native(dtype) and not (slow and dtype == torch.bfloat16))
+
+
 def test_the_engine_upcasts_exactly_where_the_cpu_has_no_half_kernels(monkeypatch):
     for slow in (True, False):
-        monkeypatch.setattr(cpu_upcast, "half_gemm_is_slow", lambda dtype, slow=slow: slow and dtype == torch.bfloat16)
+        no_half_kernels(monkeypatch, slow)
         for dtype, wanted in (("bf16", "cpu_upcast" if slow else None), ("fp32", None)):
             llm = LLM("tiny-shakespeare-1m", dtype=dtype, enable_prefix_caching=False)
             names = {layer.method.name for layer in llm.model.linear_layers()}
@@ -66,7 +76,7 @@ def test_greedy_tokens_and_perplexity_match_the_native_kernel(monkeypatch):
     from minillm.assets import heldout_text
     from minillm.evaluation import perplexity
 
-    monkeypatch.setattr(cpu_upcast, "half_gemm_is_slow", lambda dtype: dtype == torch.bfloat16)
+    no_half_kernels(monkeypatch)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     results = {}
     for prepack in (True, False):
