@@ -209,6 +209,16 @@ rope_tables = _declare(
     with ``i + D/2``: built once when a model is loaded (outside the compiled step); every
     forward pass looks its tokens' rows up by absolute position.""",
 )
+apply_rope = _declare(
+    "apply_rope",
+    "apply_rope(x[B, T, heads, D], cos[B, T, 1, D], signed_sin[B, T, 1, D]) -> [B, T, heads, D]",
+    "02 KV cache (the cached model)",
+    "minillm.models.rope",
+    "minillm/models/llama.py",
+    """Rotate each head's (i, i + D/2) pairs of q and k by their positions' angles, before the
+    keys are cached: every layer of every engine calls it once per step, on q and k together.
+    The sin table has rotate_half's minus sign folded into its first half.""",
+)
 slot_mapping = _declare(
     "slot_mapping",
     "slot_mapping(block_table, start, num_tokens, block_size) -> list[int]",

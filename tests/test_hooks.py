@@ -171,6 +171,21 @@ def test_decoder_layer_calls_go_through_the_hook(contiguous, tiny_model):
         assert tokens(llm) != reference
 
 
+def test_apply_rope_calls_go_through_the_hook(contiguous, tiny_model):
+    llm, reference = contiguous
+    calls = []
+    with hooks.override(apply_rope=recorder("apply_rope", calls)):
+        assert tokens(llm) == reference
+    assert len(calls) >= 2 * llm.model_config.num_layers  # every layer, every step
+    paged = LLM(tiny_model, dtype="fp32")  # the default engine's layers too
+    calls.clear()
+    with hooks.override(apply_rope=recorder("apply_rope", calls)):
+        tokens(paged)
+    assert len(calls) >= 2 * llm.model_config.num_layers
+    with hooks.override(apply_rope=lambda x, cos, sin: x):  # no positions at all
+        assert tokens(llm) != reference
+
+
 def test_filter_logits_calls_go_through_the_hook(contiguous):
     llm, greedy = contiguous
     sampled = tokens(llm, SAMPLED)

@@ -12,7 +12,9 @@ from minillm.course.checks import (
     check_kv_write,
     check_next_token,
 )
+from minillm.course.checks_cache import check_cached_model
 from minillm.course.checks_forward import check_transformer
+from minillm.course.checks_forward import reference_rms_norm as rms_norm
 from minillm.course.checks_attention import (
     check_flash_kernel,
     check_gqa_attention,
@@ -100,6 +102,8 @@ __all__ = [
     "check_slot_mapping",
     "check_tp_mlp",
     "check_transformer",
+    "check_cached_model",
+    "rms_norm",
     "LayerWeights",
     "ModelWeights",
     "apply_rotary",

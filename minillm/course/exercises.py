@@ -171,6 +171,28 @@ EXERCISES: list[Exercise] = [
         ),
     ),
     Exercise(
+        "02_kv_cache",
+        "check_cached_model",
+        "check_cached_model(apply_rope, KVCache, cached_forward)",
+        33,
+        3,
+        4,
+        (
+            "apply_rope: x·cos + rotate_half(x)·sin, rotate_half([x1, x2]) = [-x2, x1] over the two halves of the last "
+            "dim. KVCache: one [kv_heads, max_len, head_dim] buffer per layer for K and one for V, made once; append "
+            "writes positions start..start+T-1 and returns the slices 0..start+T-1. cached_forward: chapter 01's "
+            "layer, with the RoPE rows of positions start..start+T-1, K/V through the cache, and a mask that lets "
+            "query i see keys 0..start+i.",
+            "`half = x.shape[-1] // 2`; `return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin`. "
+            "`self.k = [torch.zeros(num_kv_heads, max_len, head_dim, dtype=dtype) for _ in range(num_layers)]` (and "
+            "v); append: `self.k[layer][:, start:start + T] = k`, `return self.k[layer][:, :start + T], ...`. In "
+            "cached_forward: `cos, sin = (t[start:] for t in rope_cos_sin(model, start + T))`; `visible = "
+            "torch.arange(start + T)[None] <= torch.arange(start, start + T)[:, None]`; per layer `k, v = "
+            "cache.append(i, start, k, v)` after rotating k, then repeat_interleave the K/V heads and "
+            "`softmax((q @ k.mT / sqrt(D)).masked_fill(~visible, -inf)) @ v`.",
+        ),
+    ),
+    Exercise(
         "03_paged_kv_cache",
         "check_slot_mapping",
         "check_slot_mapping(slot_mapping)",
@@ -550,6 +572,18 @@ REFERENCES: dict[str, tuple[str, ...]] = {
     "check_kv_write": ("minillm.kvcache.contiguous.kv_write",),
     "check_kv_read": ("minillm.kvcache.contiguous.kv_read",),
     "check_rope_tables": ("minillm.models.rope.rope_tables",),
+    "check_cached_model": (
+        "minillm.models.rope.apply_rope",
+        "minillm.models.rope.rotate_half",
+        "minillm.course.weights.apply_rotary",
+        "minillm.course.checks_cache.reference_apply_rope",
+        "minillm.kvcache.ContiguousKVCache.write",
+        "minillm.kvcache.ContiguousKVCache.read",
+        "minillm.models.llama.LlamaForCausalLM.forward",
+        "minillm.models.llama.DecoderLayer.forward",
+        "minillm.course.helpers.forward_step",
+        "minillm.course.helpers.forward_logits",
+    ),
     "check_slot_mapping": ("minillm.kvcache.addressing.slot_mapping",),
     "check_gather_kv": ("minillm.attention.paged.gather_kv",),
     "check_block_allocation": (

@@ -32,7 +32,7 @@ from minillm.layers import Linear, LinearMethod
 from minillm.layers.embedding import Embedding
 from minillm.layers.exact_top import refine_top_logits
 from minillm.layers.tensor_parallel import SINGLE, ParallelContext, VocabParallelEmbedding, split_evenly
-from minillm.models.rope import RotaryEmbedding, apply_rope
+from minillm.models.rope import RotaryEmbedding
 
 __all__ = ["AttentionMask", "ForwardBatch", "LlamaForCausalLM"]
 
@@ -78,7 +78,7 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         h, kv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(b, t, h + 2 * kv, self.head_dim)
-        qk = apply_rope(qkv[:, :, : h + kv], cos, sin)  # q and k heads rotated in one go
+        qk = hooks.apply_rope(qkv[:, :, : h + kv], cos, sin)  # q and k heads rotated in one go
         out = step.attend(self.layer_index, qk[:, :, :h], qk[:, :, h:], qkv[:, :, h + kv :], self.scale)
         return self.o_proj(out.reshape(b, t, self.q_size))  # row parallel: the layer all-reduces
 

@@ -90,6 +90,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+@hooks.reference("apply_rope")
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x[B, T, heads, D]``: ``x·cos + rotate_half(x)·sin``.
 
