@@ -484,3 +484,24 @@ def test_the_command_line_default_time_limit_is_the_graders():
     from minillm.course.grade import DEFAULT_CELL_TIMEOUT, DEFAULT_TIMEOUT
 
     assert DEFAULT_GRADE_TIMEOUT == DEFAULT_TIMEOUT and DEFAULT_GRADE_CELL_TIMEOUT == DEFAULT_CELL_TIMEOUT
+
+
+def test_a_cell_that_runs_the_learners_code_outside_its_check_lets_run_all_go_on():
+    """Chapter 01's example cells call ``decoder_layer`` and ``transformer_forward``: in a student
+    notebook they raise the stub's NotImplementedError until the exercise is written, so they are
+    tagged ``raises-exception`` (JupyterLab's Run All, nbclient and nbval go on past them); the
+    exercise cell, the check cell and a cell that only mentions a name are not."""
+    from minillm.course.build import RUNS_LEARNER_CODE, student_notebook
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("def decoder_layer(x):\n    ### BEGIN SOLUTION\n    return x\n    ### END SOLUTION"),
+        nbformat.v4.new_code_cell("print(decoder_layer(1))"),
+        nbformat.v4.new_code_cell("check_transformer(rms_norm, decoder_layer, transformer_forward)"),
+        nbformat.v4.new_code_cell("f = decoder_layer  # named, not called"),
+    ]
+    tagged = [RUNS_LEARNER_CODE in c.metadata.get("tags", []) for c in student_notebook(nb, CH01).cells]
+    assert tagged == [False, True, False, False]
+    shipped = nbformat.read(NOTEBOOKS / f"{CH01}.ipynb", as_version=4)
+    calls = [c for c in shipped.cells if RUNS_LEARNER_CODE in c.metadata.get("tags", [])]
+    assert len(calls) == 2 and all("transformer_forward(" in c.source or "decoder_layer(" in c.source for c in calls)

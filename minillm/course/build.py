@@ -21,7 +21,7 @@ on their own and a class graded with nbgrader:
    nbgrader's algorithm (``nbgrader_checksum``).
 
 Cells are also tagged ``exercise`` and ``check`` (any cell that calls a ``check_...``
-function). Saved widget state (``metadata.widgets``) and execution timings are dropped.
+function), and ``raises-exception`` when they run an exercise's function outside its check. Saved widget state (``metadata.widgets``) and execution timings are dropped.
 
 Exercises are written as functions, so a student notebook still runs top to bottom: defining
 an unfinished function raises nothing, its check reports "not attempted", and the chapter goes
@@ -46,6 +46,10 @@ _BEGIN, _END = "BEGIN SOLUTION", "END SOLUTION"
 _BEGIN_HIDDEN, _END_HIDDEN = "BEGIN HIDDEN TESTS", "END HIDDEN TESTS"
 STUB = ("# YOUR CODE HERE", "raise NotImplementedError()")
 EXERCISE_TAG, CHECK_TAG = "exercise", "check"
+#: A cell that runs the learner's functions outside their check (a test-sized example): before
+#: the exercise is written it raises the stub's NotImplementedError, and this tag lets JupyterLab's
+#: "Run All", nbclient and nbval go on past it, so the chapter still runs top to bottom.
+RUNS_LEARNER_CODE = "raises-exception"
 NBGRADER_SCHEMA = 3
 _CHECK_CALL = re.compile(r"^\s*(?:\w+\s*=\s*)?check_\w+\(", re.MULTILINE)
 _DEF = re.compile(r"^\s*(?:async\s+)?def\s+(\w+)", re.MULTILINE)
@@ -137,6 +141,8 @@ def source_notebook(
     if chapter:
         nb.metadata["minillm"] = {**nb.metadata.get("minillm", {}), "chapter": chapter}
     exercises = {e.call: e for e in EXERCISES if e.chapter == chapter}
+    written = sorted({name for e in exercises.values() for name in e.functions})
+    learner_calls = re.compile(rf"\b({'|'.join(written)})\s*\(") if written else None
     graded: dict[str, int] = {}
     ids: set[str] = set()
     for index, cell in enumerate(nb.cells):
@@ -162,6 +168,8 @@ def source_notebook(
                 cell.metadata["nbgrader"] = _nbgrader_meta(grade_id, solution=True)
             if _CHECK_CALL.search(visible):
                 tags.append(CHECK_TAG)
+            elif not is_exercise and learner_calls and learner_calls.search(visible) and RUNS_LEARNER_CODE not in tags:
+                tags.append(RUNS_LEARNER_CODE)
             exercise = exercises.get(visible.strip())
             if exercise is not None and exercise.check not in graded and not is_exercise:
                 graded[exercise.check] = index
