@@ -514,6 +514,9 @@ def _course_figures():
     from minillm.viz.planner import planner_figure
 
     yield "09 planner_figure", planner_figure("Llama-3.1-405B", "H200 SXM 141GB", context=131072)[0], MIN_ROW_PX
+    from minillm.viz.dashboard import ServerDashboard
+
+    yield "10 dashboard", ServerDashboard("http://127.0.0.1:8000", "tiny-shakespeare-8m").figure(), 0
     for row in committed_parallel_result()["bubble"]:  # real spans of one PP=2 decode step
         yield f"09 pipeline_gantt, {row['microbatches']} micro-batches", pipeline_gantt(row["example_spans"]), MIN_ROW_PX
 
@@ -580,11 +583,47 @@ def test_widgets_display_with_a_static_copy_of_their_chart():
     from minillm.viz.display import PLOTLY_MIME, WIDGET_MIME
     from minillm.viz.flash_tiles import flash_tiling_widget
 
+    from minillm.viz.dashboard import ServerDashboard
+    from minillm.viz.planner import planner_widget
+
     formatter = InteractiveShell.instance().display_formatter
-    for widget in (kv_memory_widget(), flash_tiling_widget()):
+    dashboard = ServerDashboard("http://127.0.0.1:8000", "tiny-shakespeare-8m")
+    for widget in (kv_memory_widget(), flash_tiling_widget(), planner_widget(), dashboard.show()):
         bundle, _ = formatter.format(widget)
         assert WIDGET_MIME in bundle and "run the cell" in bundle["text/plain"]
         static = bundle[PLOTLY_MIME]
         assert [t.get("name") for t in static["data"]] == [t.name for t in widget.figure.data]
         assert static["layout"]["height"] == widget.figure.layout.height
         assert len(json.dumps(static)) < 50_000  # kilobytes of JSON, no JavaScript
+
+
+def test_the_quantization_trade_off_labels_do_not_pile_up():
+    """Chapter 07's trade-off chart: methods on one spot share a label, no two labels overlap and no
+    label covers another method's marker centre, for every dropdown choice and both committed runs."""
+    from minillm.viz.quant import COLORBAR_PX, QUALITIES, SPEEDS, committed_result, quant_tradeoff_figure
+    from minillm.viz.style import NOTEBOOK_WIDTH, X_AXIS, label_box
+
+    def overlap(a, b):
+        return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+    for model in ("smollm2-135m", "tiny-shakespeare-8m"):
+        for quality in QUALITIES:
+            for speed in SPEEDS:
+                try:
+                    fig = quant_tradeoff_figure(committed_result(model), quality, speed)
+                except ValueError:
+                    continue  # a measure this run did not take
+                points = fig.data[1]
+                (x0, x1), (y0, y1) = fig.layout.xaxis.range, fig.layout.yaxis.range
+                width = NOTEBOOK_WIDTH - fig.layout.margin.l - fig.layout.margin.r - COLORBAR_PX
+                height = fig.layout.height - fig.layout.margin.t - X_AXIS
+                px = [((x - x0) / (x1 - x0) * width, (y1 - y) / (y1 - y0) * height, size / 2)
+                      for x, y, size in zip(points.x, points.y, points.marker.size)]  # fmt: skip
+                assert sorted(" · ".join(t for t in points.text if t).split(" · ")) == sorted(points.hovertext)
+                boxes = [(i, label_box(x, y, r, t, spot)) for i, ((x, y, r), t, spot)
+                         in enumerate(zip(px, points.text, points.textposition)) if t]  # fmt: skip
+                for n, (i, a) in enumerate(boxes):
+                    assert not any(overlap(a, b) for _, b in boxes[n + 1 :]), (model, quality, speed, points.text[i])
+                    owned = {k for k, t in enumerate(points.text) if not t}
+                    centres = [(x, y) for k, (x, y, _) in enumerate(px) if k != i and k not in owned]
+                    assert not any(a[0] < x < a[2] and a[1] < y < a[3] for x, y in centres), (model, quality, speed)

@@ -107,7 +107,7 @@ def test_tradeoff_figure_reads_the_committed_benchmark():
     data = json.loads(path.read_text())
     fig = quant_tradeoff_figure(path)
     points = fig.data[1]
-    assert list(points.text) == [r["method"] for r in data["rows"]]
+    assert list(points.hovertext) == [r["method"] for r in data["rows"]]
     assert list(points.x) == pytest.approx([r["weight_bytes"] / 1e6 for r in data["rows"]])
     assert list(points.marker.color) == [r["decode_tok_s_b1"] for r in data["rows"]]
     title = fig.layout.title.text

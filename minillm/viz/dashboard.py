@@ -79,6 +79,7 @@ class ServerDashboard:
         self.series: dict[str, list[float | None]] = {k: [] for k in (
             "t", "tok_s", "ttft_p99", "tpot_p99", "running", "waiting", "kv_used", "kv_total")}  # fmt: skip
         self.widget = None
+        self.shown = self.handle = None  # what ``display`` showed, and its display handle
 
     def poll(self) -> dict[str, float | None]:
         text = httpx.get(self.url + "/metrics", timeout=10).text
@@ -112,6 +113,8 @@ class ServerDashboard:
         import plotly.graph_objects as go
         from plotly.subplots import make_subplots
 
+        import minillm.viz.style as style
+
         fig = make_subplots(
             rows=2, cols=2, shared_xaxes=True, vertical_spacing=0.12,
             subplot_titles=("output tokens/s", "p99 latency since the last poll (s)", "requests", "KV blocks"),
@@ -124,7 +127,15 @@ class ServerDashboard:
         ]  # fmt: skip
         for row, col, name, key in traces:
             fig.add_trace(go.Scatter(x=t, y=self.series[key], name=name, mode="lines+markers"), row=row, col=col)
-        fig.update_layout(height=480, margin=dict(t=40, b=30, l=40, r=10), title=f"{self.model} at {self.url}")
+        title = f"{self.model} at {self.url}"
+        fig.update_layout(
+            template="plotly_white",
+            height=480,
+            title=style.title(title),
+            margin=dict(t=style.top_margin(title, extra=style.SUBPLOT_TITLE), b=style.X_AXIS + style.LEGEND_ROW, l=50,
+                        r=10),  # fmt: skip
+            legend=style.legend_at_bottom(480),
+        )
         fig.update_xaxes(title_text="seconds", row=2)
         try:
             return go.FigureWidget(fig)
@@ -140,8 +151,22 @@ class ServerDashboard:
                 trace.x, trace.y = self.series["t"], self.series[key]
 
     def show(self):
+        """The live figure, in a box that a saved notebook shows as a static copy of the chart
+        as it was when the cell ran (``viz/display.py``), not as the widget's raw listing."""
+        from minillm.viz.display import FigureBox
+
         self.widget = self.figure()
-        return self.widget
+        if not hasattr(self.widget, "batch_update"):  # no ipywidgets: the plain figure
+            return self.widget
+        return FigureBox([self.widget], figure=self.widget, description=f"live dashboard of {self.url}")
+
+    def display(self) -> None:
+        """Show the dashboard in the notebook; when ``watch`` ends, the output is refreshed so
+        that the saved notebook's static copy is the chart the load left, not an empty one."""
+        from IPython.display import display
+
+        self.shown = self.show()
+        self.handle = display(self.shown, display_id=True)
 
     async def watch(self, stop: asyncio.Event, interval: float = 0.5) -> None:
         """Poll every ``interval`` seconds until ``stop`` is set (run it as an asyncio task)."""
@@ -152,3 +177,5 @@ class ServerDashboard:
             except asyncio.TimeoutError:
                 pass
         await asyncio.to_thread(self.poll)
+        if self.handle is not None:
+            self.handle.update(self.shown)  # the saved notebook's static copy: the chart as the load left it

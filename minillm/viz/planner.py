@@ -12,6 +12,8 @@ def planner_figure(model: str, device: str, weight_dtype: str = "bf16", kv_dtype
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
+    import minillm.viz.style as style
+
     plans = []
     for tp, pp in degrees:
         try:
@@ -28,9 +30,16 @@ def planner_figure(model: str, device: str, weight_dtype: str = "bf16", kv_dtype
                          showlegend=False), row=1, col=2)  # fmt: skip
     memory = DEVICES[device].memory_gb
     fig.add_hline(y=memory, line_dash="dash", annotation_text=f"{device}: {memory:.0f} GB", row=1, col=1)
-    fig.update_layout(barmode="stack", height=440, margin=dict(t=90, b=110, l=60, r=20),
-                      title=dict(text=f"{model} on {device}, weights {weight_dtype}, KV {kv_dtype}", y=0.93),
-                      legend=dict(orientation="h", yanchor="top", y=-0.2, x=0))  # fmt: skip
+    title = f"{model} on {device}, weights {weight_dtype}, KV {kv_dtype}"
+    height = 440
+    fig.update_layout(
+        template="plotly_white",
+        barmode="stack",
+        height=height,
+        title=style.title(title),
+        margin=dict(t=style.top_margin(title, extra=style.SUBPLOT_TITLE), b=style.X_AXIS + style.LEGEND_ROW, l=60, r=20),
+        legend=style.legend_at_bottom(height),
+    )
     return fig, plans
 
 
@@ -47,16 +56,21 @@ def planner_widget():
         kv_dtype=w.Dropdown(options=list(DTYPE_BYTES), value="bf16", description="KV cache"),
         context=w.Dropdown(options=[2048, 4096, 8192, 32768, 131072], value=4096, description="context"),
     )
+    from minillm.viz.display import FigureBox
+
     out = w.Output()
+    box = FigureBox([w.HBox(list(controls.values())[:3]), w.HBox(list(controls.values())[3:]), out], figure=None,
+                    description="the parallelism planner")  # fmt: skip
 
     def redraw(_=None):
         fig, plans = planner_figure(**{k: c.value for k, c in controls.items()})
+        box.figure = fig  # the static copy a saved notebook shows is the chart last drawn
         _show_in(out, fig, table(plans) + "\n")
 
     for c in controls.values():
         c.observe(redraw, names="value")
     redraw()
-    return w.VBox([w.HBox(list(controls.values())[:3]), w.HBox(list(controls.values())[3:]), out])
+    return box
 
 
 def _show_in(out, fig, text: str) -> None:

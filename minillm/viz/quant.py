@@ -248,6 +248,9 @@ def _machine_words(machine: dict) -> str:
     return ", ".join(parts)
 
 
+COLORBAR_PX = 60  # the colour bar and its tick labels, right of the plot
+
+
 def quant_tradeoff_figure(results, quality: str = "ppl_shakespeare", speed: str = "decode_tok_s_b1"):
     """Every method of a ``bench_quant.py`` result as one point: weight MB (x) against
     ``quality`` (y, lower is better), marker colour and size by ``speed``; bf16 (the
@@ -265,6 +268,26 @@ def quant_tradeoff_figure(results, quality: str = "ppl_shakespeare", speed: str 
     ref = next((r for r in rows if r["method"] in ("bf16", "fp16", "fp32")), rows[0])
     speeds = [r[speed] for r in rows]
     top_speed = max(speeds)
+    when = f", {data['date']}" if data.get("date") else ""
+    title = (
+        f"{data['model']}: perplexity against weight memory ({ref['method']} dashed)<br>"
+        f"measured on {_machine_words(data['machine'])}{when}<br>"
+        f"colour and size: {SPEEDS[speed]}"
+    )
+    height, top = 440, style.top_margin(title, size=14)
+    ys = [r[quality] for r in rows]
+    pad = (max(ys) - min(ys)) * 0.15 or 1.0
+    x_range, y_range = (0, max(r["weight_bytes"] for r in rows) / 1e6 * 1.08), (min(ys) - pad, max(ys) + 2 * pad)
+    # Labels placed in pixels (plot area: the notebook column less the margins and the colour bar),
+    # so methods that land on one spot share a label and close ones take different sides.
+    width_px, height_px = style.NOTEBOOK_WIDTH - 70 - 70 - COLORBAR_PX, height - top - style.X_AXIS
+    points = [
+        ((r["weight_bytes"] / 1e6 - x_range[0]) / (x_range[1] - x_range[0]) * width_px,
+         (y_range[1] - r[quality]) / (y_range[1] - y_range[0]) * height_px,
+         (14 + 26 * r[speed] / top_speed) / 2)
+        for r in rows
+    ]  # fmt: skip
+    labels, spots = style.place_labels(points, [r["method"] for r in rows])
     fig = go.Figure()
     fig.add_trace(
         go.Scatter(
@@ -281,8 +304,9 @@ def quant_tradeoff_figure(results, quality: str = "ppl_shakespeare", speed: str 
             x=[r["weight_bytes"] / 1e6 for r in rows],
             y=[r[quality] for r in rows],
             mode="markers+text",
-            text=[r["method"] for r in rows],
-            textposition="top center",
+            text=labels,
+            textposition=spots,
+            hovertext=[r["method"] for r in rows],
             customdata=[
                 [r["weight_bytes"] / ref["weight_bytes"], r[quality] / ref[quality] - 1, r[speed] / ref[speed]]
                 for r in rows
@@ -297,28 +321,19 @@ def quant_tradeoff_figure(results, quality: str = "ppl_shakespeare", speed: str 
                 line=dict(width=1, color="#333"),
             ),
             hovertemplate=(
-                "%{text}: %{x:.0f} MB (%{customdata[0]:.2f}× bf16), perplexity %{y:.2f} "
+                "%{hovertext}: %{x:.0f} MB (%{customdata[0]:.2f}× bf16), perplexity %{y:.2f} "
                 "(%{customdata[1]:+.1%}), %{marker.color:.0f} tok/s (%{customdata[2]:.2f}× bf16)<extra></extra>"
             ),
             showlegend=False,
         )
     )
-    when = f", {data['date']}" if data.get("date") else ""
-    title = (
-        f"{data['model']}: perplexity against weight memory ({ref['method']} dashed)<br>"
-        f"measured on {_machine_words(data['machine'])}{when}<br>"
-        f"colour and size: {SPEEDS[speed]}"
-    )
-    height = 440
-    ys = [r[quality] for r in rows]
-    pad = (max(ys) - min(ys)) * 0.15 or 1.0
     fig.update_layout(
         template="plotly_white",
         height=height,
         title=style.title(title, size=14),
-        xaxis=dict(title="weights held (MB)", rangemode="tozero"),
-        yaxis=dict(title=QUALITIES[quality], range=[min(ys) - pad, max(ys) + 2 * pad]),
-        margin=dict(l=70, r=70, t=style.top_margin(title, size=14), b=style.X_AXIS),
+        xaxis=dict(title="weights held (MB)", range=list(x_range)),
+        yaxis=dict(title=QUALITIES[quality], range=list(y_range)),
+        margin=dict(l=70, r=70, t=top, b=style.X_AXIS),
     )
     return fig
 

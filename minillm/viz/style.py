@@ -22,6 +22,7 @@ LEGEND_ROW = 24  # a one-row horizontal legend
 GAP = 8
 X_AXIS = 56  # below the plot: tick labels and an axis title
 SLIDER = 70  # a plotly slider without its current-value label: rail, ticks, step labels
+SUBPLOT_TITLE = 30  # above a row of subplots: plotly's 16 px subplot-title annotations
 
 
 def lines(text: str) -> list[str]:
@@ -81,3 +82,60 @@ def legend_at_bottom(height: int) -> dict:
         yref="container",
         yanchor="top",
     )
+
+
+#: Where a point's label may go, tried in this order: (textposition, dx, dy) — the label box's
+#: centre relative to the marker's, in units of (half label width + marker radius, half label
+#: height + marker radius); pixel y grows downwards.
+LABEL_SPOTS = (
+    ("top center", 0, -1), ("bottom center", 0, 1), ("middle right", 1, 0), ("middle left", -1, 0),
+    ("top right", 1, -1), ("top left", -1, -1), ("bottom right", 1, 1), ("bottom left", -1, 1),
+)  # fmt: skip
+
+
+def label_box(x: float, y: float, radius: float, text: str, spot: str, size: float = 12) -> tuple[float, ...]:
+    """The box ``(left, top, right, bottom)`` in px that plotly's ``textposition=spot`` gives the
+    label ``text`` of a marker of ``radius`` px centred at (``x``, ``y``) px."""
+    w, h = text_width(text, size), LINE * size
+    _, dx, dy = next(s for s in LABEL_SPOTS if s[0] == spot)
+    cx, cy = x + dx * (w / 2 + radius), y + dy * (h / 2 + radius)
+    return cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2
+
+
+def _overlap(a, b) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+def place_labels(points: list[tuple[float, float, float]], texts: list[str], size: float = 12,
+                 merge_px: float = 4.0) -> tuple[list[str], list[str]]:
+    """Labels for markers at ``points`` = (x px, y px, radius px) that do not pile up: markers
+    within ``merge_px`` of an earlier one share its label ("a · b"), and each label takes the
+    first of ``LABEL_SPOTS`` whose box meets no label placed before it and no other marker — or,
+    in a crowd, one that meets no label and covers no other marker's centre.
+    Returns (texts, textpositions), one per point ("" for a point whose label is merged)."""
+    owner = list(range(len(points)))
+    for i, (x, y, _) in enumerate(points):
+        for j in range(i):
+            if owner[j] == j and abs(points[j][0] - x) <= merge_px and abs(points[j][1] - y) <= merge_px:
+                owner[i] = j
+                break
+    shown = [" · ".join(texts[k] for k in range(len(points)) if owner[k] == i) if owner[i] == i else ""
+             for i in range(len(points))]  # fmt: skip
+    markers = [(x - r, y - r, x + r, y + r) for x, y, r in points]
+    placed: list[tuple[float, ...]] = []
+    spots = []
+    for i, (x, y, r) in enumerate(points):
+        if not shown[i]:
+            spots.append("top center")
+            continue
+        boxes = {s: label_box(x, y, r, shown[i], s, size) for s, _, _ in LABEL_SPOTS}
+        others = [m for k, m in enumerate(markers) if owner[k] != i]
+        centres = [((m[0] + m[2]) / 2, (m[1] + m[3]) / 2) for m in others]
+        no_label = [s for s, b in boxes.items() if not any(_overlap(b, p) for p in placed)]
+        clear = [s for s in no_label if not any(_overlap(boxes[s], m) for m in others)]
+        uncovered = [s for s in no_label if not any(boxes[s][0] < cx < boxes[s][2] and boxes[s][1] < cy < boxes[s][3]
+                                                    for cx, cy in centres)]  # fmt: skip
+        spot = (clear or uncovered or no_label or ["top center"])[0]
+        spots.append(spot)
+        placed.append(label_box(x, y, r, shown[i], spot, size))
+    return shown, spots
