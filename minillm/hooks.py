@@ -309,6 +309,16 @@ try_admit = _declare(
     """Start a waiting sequence if its first chunk fits the budget and the pool; the tokens
     scheduled (0: it keeps waiting, nothing changed).""",
 )
+step_layout = _declare(
+    "step_layout",
+    "step_layout(runner, chunks) -> StepLayout",
+    "04 batching (the runner's inputs)",
+    "minillm.runtime.paged_runner",
+    "minillm/runtime/paged_runner.py",
+    """The paged runner's inputs for one mixed step: every chunk's new tokens flat (the decodes
+    first), their positions and pool slots, each sequence's query and context length, the block
+    tables padded to one width, and which rows' logits the step returns, in the chunks' order.""",
+)
 pool_heads = _declare(
     "pool_heads",
     "pool_heads(weight[H*D, in], num_heads, num_kv_heads) -> [KV*D, in]",

@@ -425,6 +425,23 @@ def test_try_admit_calls_go_through_the_hook(tiny_model, paged):
 # ---------------------------------------------------------------------------------------------
 
 
+def test_step_layout_calls_go_through_the_hook(tiny_model):
+    llm = LLM(tiny_model, dtype="fp32", attention_backend="torch", compile=False, max_num_batched_tokens=16)
+    reference = tokens(llm)
+    calls = []
+    with hooks.override(step_layout=recorder("step_layout", calls)):
+        assert tokens(llm) == reference
+    assert len(calls) >= 16  # every step of the paged runner (prompts chunked by the 16-token budget)
+
+    def swapped_rows(runner, chunks):
+        layout = hooks.default("step_layout")(runner, chunks)
+        layout.logit_index = layout.logit_index.flip(0)  # the requests' logits swapped
+        return layout
+
+    with hooks.override(step_layout=swapped_rows):
+        assert tokens(llm) != reference
+
+
 def test_pool_heads_calls_go_through_the_hook(tiny_models, tmp_path):
     from minillm.config import ModelConfig
     from minillm.kv_head_pooling import pool_kv_heads

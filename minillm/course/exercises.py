@@ -285,6 +285,25 @@ EXERCISES: list[Exercise] = [
         ),
     ),
     Exercise(
+        "04_batching",
+        "check_prepare_inputs",
+        "check_prepare_inputs(prepare_inputs)",
+        22,
+        2,
+        3,
+        (
+            "Put the one-token chunks (decodes) first, then the rest. Walk them in that order: every token adds its id, "
+            "its position (start + i) and its slot (the id of the block holding that position × block_size + the "
+            "offset); every chunk adds its query length n and context length start + n. Pad each block table with "
+            "null_block to the blocks the longest context needs. Logit rows: each chunk's last num_logits flat rows, "
+            "listed in the order of `chunks`.",
+            "`order = [c for c in chunks if len(c.token_ids) == 1] + [c for c in chunks if len(c.token_ids) > 1]`; "
+            "slot `c.block_table[p // block_size] * block_size + p % block_size`; `width = max(-(-n // block_size) for "
+            "n in context_lens)`; table `(c.block_table + [null_block] * width)[:width]`; keep each chunk's end row "
+            "`ends[id(c)]` and `logit_rows = [ends[id(c)] - k for c in chunks for k in range(c.num_logits, 0, -1)]`.",
+        ),
+    ),
+    Exercise(
         "05_attention_variants",
         "check_gqa_attention",
         "check_gqa_attention(gqa_attention)",
@@ -594,6 +613,12 @@ REFERENCES: dict[str, tuple[str, ...]] = {
     "check_chunk_tokens": ("minillm.engine.scheduler.tokens_to_run",),
     "check_choose_victim": ("minillm.engine.scheduler.choose_victim",),
     "check_continuous_schedule": ("minillm.engine.scheduler.schedule",),
+    "check_prepare_inputs": (
+        "minillm.runtime.paged_runner.PagedRunner.layout",
+        "minillm.runtime.fast_path.flat_inputs",
+        "minillm.runtime.runner.select_logit_rows",
+        "minillm.course.checks_runner.reference_inputs",
+    ),
     "check_gqa_attention": (
         "minillm.attention.torch_ref.attention",
         "minillm.attention.torch_attention",

@@ -16,6 +16,7 @@ from collections.abc import Hashable
 
 import torch
 
+import minillm.hooks as hooks
 from minillm.attention.layout import KVPool, StepLayout
 from minillm.kvcache import addressing
 from minillm.kvcache.paged import PagedKVCache
@@ -61,7 +62,7 @@ class PagedRunner:
             if len(rows) < len(logits):  # a one-token chunk in the middle of a prompt: no logits wanted
                 logits = logits[torch.tensor(rows, device=logits.device, dtype=torch.long)]
             return logits
-        layout = self.layout(chunks)
+        layout = hooks.step_layout(self, chunks)  # chapter 04's learner writes one
         layout.keep_hidden = inputs.want_hidden
         logits = self.model(layout)
         if inputs.want_hidden:
@@ -75,7 +76,8 @@ class PagedRunner:
         self.block_tables.release(request_id)
 
     def layout(self, chunks: list[ChunkInput]) -> StepLayout:
-        """The flat layout of ``chunks`` (see ``StepLayout``)."""
+        """The flat layout of ``chunks`` (see ``StepLayout``): the decodes first, sorted by their
+        start (neighbours in the pool's order), then the other chunks as they come."""
         bs = self.cache.block_size
         decodes = sorted((c for c in chunks if c.is_decode), key=lambda c: c.start)
         order = decodes + [c for c in chunks if not c.is_decode]
@@ -100,3 +102,10 @@ class PagedRunner:
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+@hooks.reference("step_layout")
+def step_layout(runner: PagedRunner, chunks: list[ChunkInput]) -> StepLayout:
+    """The package's inputs for a step: ``runner.layout`` (a hook, so chapter 04 can run a
+    learner's input building in the real engine)."""
+    return runner.layout(chunks)
