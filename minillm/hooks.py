@@ -319,6 +319,16 @@ step_layout = _declare(
     first), their positions and pool slots, each sequence's query and context length, the block
     tables padded to one width, and which rows' logits the step returns, in the chunks' order.""",
 )
+paged_attention = _declare(
+    "paged_attention",
+    "paged_attention(step, layer, q[N, H, D], k[N, KV, D], v[N, KV, D], scale) -> [N, H, D]",
+    "05 attention variants (the attention layer over the paged cache)",
+    "minillm.attention.paged",
+    "minillm/attention/paged.py",
+    """The reference backend's attention for one layer of a mixed step, once the step's new K/V
+    are in the pool: each sequence's queries against its keys read through its block table,
+    grouped K/V heads, causal, and the sliding window when the model has one.""",
+)
 pool_heads = _declare(
     "pool_heads",
     "pool_heads(weight[H*D, in], num_heads, num_kv_heads) -> [KV*D, in]",

@@ -442,6 +442,18 @@ def test_step_layout_calls_go_through_the_hook(tiny_model):
         assert tokens(llm) != reference
 
 
+def test_paged_attention_calls_go_through_the_hook(tiny_model):
+    for backend in ("torch", "cpu"):  # the reference step, and the CPU kernels' (its decodes in C++)
+        llm = LLM(tiny_model, dtype="fp32", attention_backend=backend, compile=False, max_num_batched_tokens=16)
+        reference = tokens(llm)
+        calls = []
+        with hooks.override(paged_attention=recorder("paged_attention", calls)):
+            assert tokens(llm) == reference
+        assert len(calls) >= 16 * llm.model_config.num_layers  # every layer of every step
+        with hooks.override(paged_attention=lambda step, layer, q, k, v, scale: torch.zeros_like(q)):
+            assert tokens(llm) != reference
+
+
 def test_pool_heads_calls_go_through_the_hook(tiny_models, tmp_path):
     from minillm.config import ModelConfig
     from minillm.kv_head_pooling import pool_kv_heads

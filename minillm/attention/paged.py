@@ -172,9 +172,13 @@ class ReferencePagedStep:
         """``q[1, N, H, D]``, ``k, v[1, N, KV, D]`` for the step's new tokens → ``[1, N, H, D]``."""
         q, k, v = q[0], k[0], v[0]
         k, v = write_kv(self.pool, layer, self.layout.slot_mapping, k, v)
+        return hooks.paged_attention(self, layer, q, k, v, scale)[None]  # chapter 05's learner writes one
+
+    def attend_written(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """``q[N, H, D]`` against the pool once ``k, v[N, KV, D]`` (the new tokens') are in it."""
         nd = self.layout.num_decodes
         if nd == q.shape[0]:  # a pure decode step: no output buffer to fill piecewise
-            return self._decode(q, layer, scale)[None]
+            return self._decode(q, layer, scale)
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], layer, scale)
@@ -189,7 +193,7 @@ class ReferencePagedStep:
                 ks, vs = ks[:, :, : span.context_len], vs[:, :, : span.context_len]
                 o = self.attention_fn(qs, ks, vs, span.mask, False, scale)
             out[span.start : span.end] = o[0].transpose(0, 1)
-        return out[None]
+        return out
 
     def _decode(self, q: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
         """All decode rows, bucket by bucket (rows are sorted by context length, so little padding)."""
@@ -212,6 +216,15 @@ class ReferencePagedStep:
         else:
             o = self.attention_fn(q, ks, vs, bucket.mask, False, scale)  # [B, H, 1, D]
         return o.squeeze(2)
+
+
+@hooks.reference("paged_attention")
+def paged_attention(
+    step: ReferencePagedStep, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The package's: ``step.attend_written`` (decode rows in buckets of similar length, each
+    prompt chunk on its own; a hook so chapter 05 can run a learner's layer in the engine)."""
+    return step.attend_written(layer, q, k, v, scale)
 
 
 class StaticDecodeStep:

@@ -346,6 +346,25 @@ EXERCISES: list[Exercise] = [
         ),
     ),
     Exercise(
+        "05_attention_variants",
+        "check_paged_attention",
+        "check_paged_attention(paged_attention)",
+        18,
+        3,
+        3,
+        (
+            "Walk the sequences; row by row of q, n = query_lens[i] of them. Read positions 0..ctx-1 of the pool "
+            "through the sequence's block table, repeat_interleave the K/V heads up to H, score q·kᵀ·scale, and "
+            "mask: the queries sit at ctx-n..ctx-1, each sees keys up to itself (and with a window w, only its last "
+            "w). Softmax, times v; concatenate the sequences.",
+            "`slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(ctx)])`; "
+            "`k = k_slots[slots].repeat_interleave(H // KV, dim=1)`; `scores = torch.einsum('thd,shd->hts', "
+            "q[row:row + n], k) * scale`; `pos = torch.arange(ctx - n, ctx)[:, None]`, `keys = torch.arange(ctx)`, "
+            "`allowed = keys <= pos` (`& (keys > pos - window)`); `torch.einsum('hts,shd->thd', "
+            "scores.masked_fill(~allowed, -inf).softmax(-1), v)`.",
+        ),
+    ),
+    Exercise(
         "06_flash_attention",
         "check_online_softmax",
         "check_online_softmax(online_softmax_update)",
@@ -623,6 +642,15 @@ REFERENCES: dict[str, tuple[str, ...]] = {
         "minillm.attention.torch_ref.attention",
         "minillm.attention.torch_attention",
         "minillm.attention.sdpa_attention",
+    ),
+    "check_paged_attention": (
+        "minillm.attention.paged.ReferencePagedStep.attend_written",
+        "minillm.attention.paged.gather_kv",
+        "minillm.attention.torch_ref.attention",
+        "minillm.attention.torch_attention",
+        "minillm.attention.sdpa_attention",
+        "minillm.attention.cpu_paged.paged_decode_attention",
+        "minillm.course.checks_paged_attention.reference_paged_attention",
     ),
     "check_head_pooling": ("minillm.kv_head_pooling.pool_heads",),
     "check_window_release": ("minillm.kvcache.block_manager.blocks_behind_window",),

@@ -1,0 +1,95 @@
+"""Chapter 05's paged attention layer (``check_paged_attention``): right answers written
+independently, and the wrong ones a learner writes, one slip each (``attention(...)``)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from check_catalogue import right, wrong
+
+PA = "check_paged_attention"
+
+
+def attention(**slip):
+    def paged_attention(q, k_slots, v_slots, query_lens, context_lens, block_tables, block_size, scale, window=None):
+        heads, kv_heads = q.shape[1], k_slots.shape[1]
+        out, row = [], 0
+        for n, ctx, table in zip(query_lens, context_lens, block_tables.tolist()):
+            seen = len(table) * block_size if slip.get("whole_blocks") else ctx
+            if slip.get("block_index"):
+                slots = torch.arange(seen)  # the position as the slot: as if the blocks were in order
+            else:
+                slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(seen)])
+            k, v = k_slots[slots], v_slots[slots]
+            if slip.get("tile"):
+                k, v = k.repeat(1, heads // kv_heads, 1), v.repeat(1, heads // kv_heads, 1)
+            else:
+                k, v = k.repeat_interleave(heads // kv_heads, dim=1), v.repeat_interleave(heads // kv_heads, dim=1)
+            s = scale if not slip.get("no_scale") else 1.0
+            if slip.get("sqrt_scale"):
+                s = 1 / math.sqrt(q.shape[-1]) ** 0.5
+            scores = torch.einsum("thd,shd->hts", q[row : row + n], k) * s
+            first = 0 if slip.get("from_zero") else ctx - n
+            pos = torch.arange(first, first + n)[:, None]
+            keys = torch.arange(seen)[None, :]
+            allowed = keys <= pos if not slip.get("no_causal") else torch.ones(n, seen, dtype=torch.bool)
+            if slip.get("whole_blocks") and n == 1:  # "a decode sees everything": no mask for one query
+                allowed = torch.ones(n, seen, dtype=torch.bool)
+            if window is not None and not slip.get("no_window"):
+                allowed = allowed & ((keys >= pos - window) if slip.get("window_plus_one") else (keys > pos - window))
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            probs = torch.softmax(scores, dim=-2 if slip.get("softmax_over_queries") else -1)
+            out.append(torch.einsum("hts,shd->thd", probs, v))
+            row += n
+        return torch.cat(out)
+
+    return paged_attention
+
+
+def paged_sdpa(q, k_slots, v_slots, query_lens, context_lens, block_tables, block_size, scale, window=None):
+    """Views the pool as blocks, gathers whole blocks with index_select, and lets SDPA do the rest
+    (GQA through enable_gqa, an explicit boolean mask)."""
+    blocks = k_slots.view(-1, block_size, *k_slots.shape[1:]), v_slots.view(-1, block_size, *v_slots.shape[1:])
+    outs, row = [], 0
+    for i, (n, ctx) in enumerate(zip(query_lens, context_lens)):
+        need = -(-ctx // block_size)
+        ids = block_tables[i, :need]
+        k, v = (b.index_select(0, ids).flatten(0, 1)[:ctx] for b in blocks)  # [ctx, KV, D]
+        pos = torch.arange(ctx - n, ctx)
+        keys = torch.arange(ctx)
+        mask = keys[None] <= pos[:, None]
+        if window is not None:
+            mask &= keys[None] > (pos[:, None] - window)
+        o = F.scaled_dot_product_attention(q[row : row + n].transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None], attn_mask=mask, scale=scale, enable_gqa=True)  # fmt: skip
+        outs.append(o[0].transpose(0, 1))
+        row += n
+    return torch.cat(outs)
+
+
+def attention_in_place(q, k_slots, v_slots, query_lens, context_lens, block_tables, block_size, scale, window=None):
+    """Scales q in place "to save a multiply per score"."""
+    q.mul_(scale)
+    return attention()(q, k_slots, v_slots, query_lens, context_lens, block_tables, block_size, 1.0, window)
+
+
+right(PA, attention())
+right(PA, paged_sdpa)
+
+for slip, message in (
+    ({"tile": True}, "K/V heads were repeated as [0, 1, 0, 1]"),
+    ({"whole_blocks": True}, "past its context"),
+    ({"from_zero": True}, "the causal mask put a chunk's queries at positions 0..n-1"),
+    ({"window_plus_one": True}, "the window lets a query see window + 1 keys"),
+    ({"no_window": True}, "the sliding window was ignored"),
+    ({"no_scale": True}, "not multiplied by `scale`"),
+    ({"block_index": True}, "paged_attention on the example step: sequence 0"),
+    ({"no_causal": True}, "paged_attention on the example step: sequence 1"),
+    ({"softmax_over_queries": True}, "paged_attention on the example step: sequence 0"),
+    ({"sqrt_scale": True}, "paged_attention on the example step: sequence 0"),
+):
+    wrong(PA, message, attention(**slip))
+wrong(PA, "changed one of its inputs in place", attention_in_place)
+wrong(PA, "shape", lambda q, *args, **kwargs: attention()(q, *args, **kwargs)[None])
