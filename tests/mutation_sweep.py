@@ -433,6 +433,17 @@ EQUIVALENT: dict[str, dict[str, str]] = {
             "float error, so after rounding a clamp at 16 never binds"
         ),
     },
+    "check_int4_linear": {  # the same quantizer as check_quantize_int4's, inside the class
+        "line 4: `1e-12` → `2e-12` in `self.scale = ((w.amax(dim=-1) - self.minimum) / 15).clamp...`": (
+            "the floor only keeps a constant group's scale from 0; 2e-12 is as far below any real group's step as 1e-12"
+        ),
+        "line 5: `0` → `-1` in `q = torch.round((w - self.minimum[..., None]) / self.scal...`": (
+            "w - minimum is >= 0, so q is never below 0 and the lower clamp never binds"
+        ),
+        "line 5: `15` → `16` in `q = torch.round((w - self.minimum[..., None]) / self.scal...`": (
+            "(w - min) / scale is at most 15 plus far less than half a step of float error, so a clamp at 16 never binds"
+        ),
+    },
     "check_quantize_kv": {
         "line 2: `127` → `128` in `q = torch.round(x.float() / scale[..., None]).clamp(-127,...`": _CLAMP_NEVER_BINDS,
         "line 2: `127` → `128` in `q = torch.round(x.float() / scale[..., None]).clamp(-127,...` (#2)": (

@@ -14,6 +14,7 @@ from minillm.course.checks import (
 )
 from minillm.course.checks_cache import check_cached_model
 from minillm.course.checks_forward import check_transformer
+from minillm.course.checks_int4_linear import check_int4_linear
 from minillm.course.checks_paged_attention import check_paged_attention
 from minillm.course.checks_runner import check_prepare_inputs
 from minillm.course.checks_forward import reference_rms_norm as rms_norm
@@ -107,6 +108,7 @@ __all__ = [
     "check_cached_model",
     "check_prepare_inputs",
     "check_paged_attention",
+    "check_int4_linear",
     "rms_norm",
     "LayerWeights",
     "ModelWeights",

@@ -437,6 +437,25 @@ EXERCISES: list[Exercise] = [
     ),
     Exercise(
         "07_quantization",
+        "check_int4_linear",
+        "check_int4_linear(Int4Linear)",
+        19,
+        3,
+        3,
+        (
+            "__init__: reshape the weight to [out, groups, group_size], take each group's min and (max - min) / 15, "
+            "round to levels 0..15, pack the even columns in the low nibble and the odd ones in the high; keep only "
+            "the packed bytes, the scales and the minima. __call__: unpack (& 0x0F, >> 4, interleaved back), "
+            "q * scale + minimum per group, then x @ Ŵᵀ in x's dtype.",
+            "`self.minimum = w.amin(-1)`; `self.scale = ((w.amax(-1) - self.minimum) / 15).clamp(min=1e-12)`; "
+            "`q = torch.round((w - self.minimum[..., None]) / self.scale[..., None]).clamp(0, 15).to(torch.uint8)"
+            ".reshape(out, cols)`; `self.packed = q[:, 0::2] | (q[:, 1::2] << 4)`. Call: `q = torch.stack([p & 0x0F, "
+            "p >> 4], dim=-1).reshape(out, -1)`; `w = q.float().reshape(out, -1, g) * self.scale[..., None] + "
+            "self.minimum[..., None]`; `return x @ w.reshape(out, cols).to(x.dtype).T`.",
+        ),
+    ),
+    Exercise(
+        "07_quantization",
         "check_quantize_kv",
         "check_quantize_kv(quantize_kv_on_write)",
         4,
@@ -665,6 +684,14 @@ REFERENCES: dict[str, tuple[str, ...]] = {
     ),
     "check_quantize_int4": ("minillm.quantization.int4.quantize_int4",),
     "check_pack_int4": ("minillm.quantization.int4.pack_int4", "minillm.quantization.int4.unpack_int4"),
+    "check_int4_linear": (
+        "minillm.quantization.int4.quantize_int4",
+        "minillm.quantization.int4.dequantize_int4",
+        "minillm.quantization.int4.pack_int4",
+        "minillm.quantization.int4.unpack_int4",
+        "minillm.quantization.int4.Int4Method.apply",
+        "minillm.course.checks_int4_linear.reference_weight",
+    ),
     "check_quantize_kv": (
         "minillm.kvcache.quantization.quantize_kv",
         "minillm.quantization.int8.quantize_int8",

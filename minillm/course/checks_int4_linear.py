@@ -1,0 +1,155 @@
+"""Chapter 07's whole piece: the learner's int4 linear layer — quantize a weight group-wise, pack
+two values per byte, and multiply with the weight dequantized on the fly.
+
+``Int4Linear(weight, group_size)`` keeps only the packed bytes and the groups' scales and
+minima (``tensors()`` lists what it keeps); ``layer(x)`` returns ``x @ Ŵᵀ``. Two stages:
+
+1. **diagnosis on a hand-made layer** — a random ``[32, 64]`` weight in groups of 16: the bytes
+   it keeps (half a byte per weight plus the groups' two numbers, or a named reason why not),
+   then the weight it effectively multiplies by (read back by multiplying the identity) against
+   the reference quantizer's and its classic variants (the nibbles swapped, no minimum, one
+   scale per row, truncation instead of rounding, 16 levels out of range), and the output dtype;
+2. **the plug-in run** — the learner's class as the weight method of every int4 layer of the
+   real engine (the tiny model, fp32, ``quantization="int4"``): greedy tokens equal to the
+   package's int4 engine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minillm.course.compare import compare_tensors, compare_tokens
+from minillm.course.results import CheckFailed, check, learner_function
+
+OUT, IN, GROUP = 32, 64, 16
+
+
+def reference_weight(weight: torch.Tensor, group_size: int, mistake: str | None = None) -> torch.Tensor:
+    """The weight an int4 layer multiplies by (``q * scale + minimum`` per group), or a slip's."""
+    out, cols = weight.shape
+    groups = cols if mistake == "per_row" else group_size
+    w = weight.float().reshape(out, cols // groups, groups)
+    low, high = w.amin(-1), w.amax(-1)
+    levels = 16.0 if mistake == "sixteen_levels" else 15.0
+    scale = ((high - low) / levels).clamp(min=1e-12)
+    ratio = (w - low[..., None]) / scale[..., None]
+    q = (ratio.floor() if mistake == "truncated" else torch.round(ratio)).clamp(0, 15)
+    if mistake == "swapped_nibbles":
+        q = q.reshape(out, -1, 2).flip(-1).reshape(q.shape)
+    back = q * scale[..., None] + (0 if mistake == "no_minimum" else low[..., None])
+    return back.reshape(out, cols)
+
+
+MISTAKES = {
+    "swapped_nibbles": "the weight comes back with each pair of neighbours swapped: pack and unpack must agree on "
+    "the order — the even column in the low nibble (q[:, 0::2] | q[:, 1::2] << 4), and & 0x0F gives it back first",
+    "no_minimum": "the dequantized weight is q * scale without the group's minimum: add it back, q * scale + minimum",
+    "per_row": "every row has one scale and minimum: int4 needs one per group of group_size inputs (a row's range "
+    "is too wide for 16 levels)",
+    "truncated": "the levels were truncated (a cast to uint8 floors): round to the nearest level first, "
+    "torch.round((w - minimum) / scale)",
+    "sixteen_levels": "the scale divides the range by 16: 4 bits give levels 0..15, so the step is (max - min) / 15",
+}
+
+
+def _held_bytes(layer) -> int:
+    tensors = layer.tensors()
+    if not isinstance(tensors, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise CheckFailed("Int4Linear.tensors() should return a list of the tensors the layer keeps")
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _check_example(Int4Linear) -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(OUT, IN, generator=gen) * 0.05
+    given = weight.clone()
+    layer = Int4Linear(given, GROUP)
+    if not torch.equal(given, weight):
+        raise CheckFailed("Int4Linear changed the weight it was given in place: quantize a copy")
+    held, packed = _held_bytes(layer), OUT * IN // 2
+    numbers = 2 * (OUT * IN // GROUP) * 4  # a float32 scale and minimum per group
+    allowed = packed + numbers + 64  # and a little slack
+    if held >= OUT * IN * 4:
+        raise CheckFailed(
+            f"Int4Linear keeps {held} bytes for a {OUT}x{IN} weight: at least the float weight itself "
+            f"({OUT * IN * 4} bytes). Keep only the packed values and the groups' scales and minima"
+        )
+    if held >= OUT * IN + numbers:
+        raise CheckFailed(
+            f"Int4Linear keeps {held} bytes for {OUT * IN} weights: a byte (or more) per weight. Pack two 4-bit values "
+            "per byte, (q[:, 0::2] | q[:, 1::2] << 4) as uint8"
+        )
+    if held > allowed:
+        raise CheckFailed(f"Int4Linear keeps {held} bytes; half a byte per weight and two numbers per group make {allowed}")
+    call = learner_function(layer.__call__)
+    effective = call(torch.eye(IN)).T  # row i of I @ Ŵᵀ is Ŵ's column i
+    expected = reference_weight(weight, GROUP)
+    if isinstance(effective, torch.Tensor) and effective.shape == expected.shape and not torch.allclose(
+            effective, expected, atol=1e-6):
+        for mistake, why in MISTAKES.items():
+            if torch.allclose(effective, reference_weight(weight, GROUP, mistake), atol=1e-6):
+                raise CheckFailed(why)
+    compare_tensors(effective, expected, f"the weight your Int4Linear multiplies by ({OUT}x{IN}, groups of {GROUP})",
+                    atol=1e-6)  # fmt: skip
+    x = torch.randn(3, 5, IN, generator=gen)
+    compare_tensors(call(x), x @ expected.T, "Int4Linear on x[3, 5, 64] (any leading dims)", atol=1e-5)
+    half = call(x.bfloat16())
+    if not isinstance(half, torch.Tensor) or half.dtype != torch.bfloat16:
+        got = half.dtype if isinstance(half, torch.Tensor) else type(half).__name__
+        raise CheckFailed(f"Int4Linear on bf16 activations returned {got}: return the activations' dtype")
+
+
+class LearnerInt4Method:
+    """A weight method whose storage and matmul are a learner's ``Int4Linear`` (built from the
+    layer's float weight, handed over because an int4 layer no longer holds it)."""
+
+    name = "int4 (yours)"
+
+    def __init__(self, cls, group_size: int, weight: torch.Tensor):
+        self.cls, self.group_size, self.weight = cls, group_size, weight
+
+    def process_weights(self, layer) -> None:
+        layer.learner_int4 = self.cls(self.weight, self.group_size)
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        y = layer.learner_int4(x)
+        return y if layer.bias is None else y + layer.bias
+
+    def held_tensors(self, layer) -> list[torch.Tensor]:
+        return list(layer.learner_int4.tensors())
+
+
+def install(Int4Linear, int4_engine, plain_engine) -> int:
+    """Give every int4 layer of ``int4_engine`` the learner's class as its method, built from the
+    same layer's float weight in ``plain_engine``. Returns how many layers it replaced."""
+    plain = dict(plain_engine.model.named_modules())
+    count = 0
+    for name, module in int4_engine.model.named_modules():
+        method = getattr(module, "method", None)
+        if method is not None and method.name == "int4":
+            module.set_method(LearnerInt4Method(Int4Linear, method.group_size, plain[name].weight.detach()))
+            count += 1
+    return count
+
+
+@check
+def check_int4_linear(Int4Linear, model: str = "tiny-shakespeare-1m") -> str:
+    """``Int4Linear(weight[out, in], group_size)``: ``layer(x)`` and ``layer.tensors()``."""
+    from minillm import LLM, SamplingParams
+
+    _check_example(Int4Linear)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = ["ROMEO.\nBut soft, what light", "KING.\nNow is the winter"]
+    args = dict(dtype="fp32", compile=False, enable_prefix_caching=False)
+    engine = LLM(model, quantization="int4", **args)
+    expected = [o.token_ids for o in engine.generate(prompts, params)]
+    replaced = install(Int4Linear, engine, LLM(model, cpu_prepack=False, **args))
+    got = [o.token_ids for o in engine.generate(prompts, params)]
+    for i, (g, e) in enumerate(zip(got, expected)):
+        compare_tokens(g, e, f"request {i} of the int4 engine with your Int4Linear in every int4 layer",
+                       "your layer matched on the example: what differs on the model's own shapes?")
+    return (
+        f"your Int4Linear ran all {replaced} int4 layers of the engine (half a byte per weight plus the groups' "
+        "scales and minima) and gave the package's int4 engine's greedy tokens"
+    )
+

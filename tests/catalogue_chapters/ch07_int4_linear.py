@@ -1,0 +1,123 @@
+"""Chapter 07's int4 linear layer (``check_int4_linear``): right answers written independently, and
+the wrong ones a learner writes, one slip each (``layer_class(...)``)."""
+
+from __future__ import annotations
+
+import torch
+from check_catalogue import right, wrong
+
+IL = "check_int4_linear"
+
+
+def layer_class(**slip):
+    class Int4Linear:
+        def __init__(self, weight, group_size):
+            out, cols = weight.shape
+            g = cols if slip.get("per_row") else group_size
+            w = weight.detach().float().reshape(out, cols // g, g)
+            self.minimum = w.amin(-1)
+            self.scale = ((w.amax(-1) - self.minimum) / (16 if slip.get("sixteen") else 15)).clamp(min=1e-12)
+            ratio = (w - self.minimum[..., None]) / self.scale[..., None]
+            q = (ratio if slip.get("truncate") else torch.round(ratio)).clamp(0, 15).to(torch.uint8).reshape(out, cols)
+            if slip.get("unpacked"):
+                self.packed = q
+            elif slip.get("high_first"):
+                self.packed = (q[:, 0::2] << 4) | q[:, 1::2]
+            else:
+                self.packed = q[:, 0::2] | (q[:, 1::2] << 4)
+            self.g, self.out, self.cols = g, out, cols
+            self.weight = weight if slip.get("keeps_weight") else None
+            if slip.get("in_place"):
+                weight.sub_(weight.mean())  # "centres" the caller's weight after quantizing it
+
+        def tensors(self):
+            kept = [self.packed, self.scale, self.minimum]
+            return kept + [self.weight] if self.weight is not None else kept
+
+        def __call__(self, x):
+            if slip.get("unpacked"):
+                q = self.packed
+            else:
+                q = torch.stack([self.packed & 0x0F, self.packed >> 4], dim=-1).reshape(self.out, -1)
+            w = q.float().reshape(self.out, -1, self.g) * self.scale[..., None]
+            if not slip.get("no_minimum"):
+                w = w + self.minimum[..., None]
+            w = w.reshape(self.out, self.cols)
+            if slip.get("fp32_out"):
+                return x.float() @ w.T
+            return x @ w.to(x.dtype).T
+
+    return Int4Linear
+
+
+class Int4Grouped:
+    """Groups as a 3-D view throughout; unpacking with a bit-shift table and a gather."""
+
+    def __init__(self, weight, group_size):
+        self.rows, self.cols = weight.shape
+        w = weight.detach().float().view(self.rows, -1, group_size)
+        lo, hi = w.min(dim=-1).values, w.max(dim=-1).values
+        self.step = torch.clamp((hi - lo) / 15.0, min=1e-12)
+        self.low = lo
+        q = ((w - lo.unsqueeze(-1)) / self.step.unsqueeze(-1)).round().clamp_(0, 15).to(torch.uint8).view(self.rows, -1)
+        self.data = (q[:, 1::2] << 4) + q[:, ::2]
+
+    def tensors(self):
+        return [self.data, self.step, self.low]
+
+    def __call__(self, x):
+        shifts = torch.tensor([0, 4], dtype=torch.uint8)
+        q = ((self.data.unsqueeze(-1) >> shifts) & 15).flatten(1)  # [rows, cols]
+        w = (q.view(self.rows, self.step.shape[1], -1).float() * self.step[..., None] + self.low[..., None])
+        return torch.nn.functional.linear(x, w.view(self.rows, self.cols).to(x.dtype))
+
+
+right(IL, layer_class())
+right(IL, Int4Grouped)
+
+for slip, message in (
+    ({"per_row": True}, "every row has one scale and minimum"),
+    ({"sixteen": True}, "the scale divides the range by 16"),
+    ({"truncate": True}, "the levels were truncated"),
+    ({"high_first": True}, "each pair of neighbours swapped"),
+    ({"no_minimum": True}, "without the group's minimum"),
+    ({"unpacked": True}, "a byte (or more) per weight"),
+    ({"keeps_weight": True}, "at least the float weight itself"),
+    ({"in_place": True}, "changed the weight it was given in place"),
+    ({"fp32_out": True}, "return the activations' dtype"),
+):
+    wrong(IL, message, layer_class(**slip))
+
+
+class NoTensors(layer_class()):
+    def tensors(self):
+        return {"packed": self.packed}
+
+
+class KeepsFloat16(layer_class()):
+    """Keeps a "small" fp16 copy of the dequantized weight for speed: 2 bytes per weight."""
+
+    def __init__(self, weight, group_size):
+        super().__init__(weight, group_size)
+        self.cache = weight.half()
+
+    def tensors(self):
+        return super().tensors() + [self.cache]
+
+
+class WrongGroupAxis(layer_class()):
+    """Groups taken down the output rows instead of along the inputs."""
+
+    def __init__(self, weight, group_size):
+        super().__init__(weight.T.contiguous(), group_size)
+        self.transposed = True
+
+    def __call__(self, x):
+        q = torch.stack([self.packed & 0x0F, self.packed >> 4], dim=-1).reshape(self.out, -1)
+        w = q.float().reshape(self.out, -1, self.g) * self.scale[..., None] + self.minimum[..., None]
+        return x @ w.reshape(self.out, self.cols).to(x.dtype)
+
+
+wrong(IL, "tensors() should return a list", NoTensors)
+wrong(IL, "a byte (or more) per weight", KeepsFloat16)
+wrong(IL, "the weight your Int4Linear multiplies by", WrongGroupAxis)
