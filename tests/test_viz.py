@@ -580,10 +580,9 @@ def test_widgets_display_with_a_static_copy_of_their_chart():
 
     from IPython.core.interactiveshell import InteractiveShell
 
+    from minillm.viz.dashboard import ServerDashboard
     from minillm.viz.display import PLOTLY_MIME, WIDGET_MIME
     from minillm.viz.flash_tiles import flash_tiling_widget
-
-    from minillm.viz.dashboard import ServerDashboard
     from minillm.viz.planner import planner_widget
 
     formatter = InteractiveShell.instance().display_formatter

@@ -12,12 +12,6 @@ from minillm.course.checks import (
     check_kv_write,
     check_next_token,
 )
-from minillm.course.checks_cache import check_cached_model
-from minillm.course.checks_forward import check_transformer
-from minillm.course.checks_int4_linear import check_int4_linear
-from minillm.course.checks_paged_attention import check_paged_attention
-from minillm.course.checks_runner import check_prepare_inputs
-from minillm.course.checks_forward import reference_rms_norm as rms_norm
 from minillm.course.checks_attention import (
     check_flash_kernel,
     check_gqa_attention,
@@ -25,6 +19,11 @@ from minillm.course.checks_attention import (
     check_online_softmax,
     check_window_release,
 )
+from minillm.course.checks_cache import check_cached_model
+from minillm.course.checks_forward import check_transformer
+from minillm.course.checks_forward import reference_rms_norm as rms_norm
+from minillm.course.checks_int4_linear import check_int4_linear
+from minillm.course.checks_paged_attention import check_paged_attention
 from minillm.course.checks_parallel import check_kv_heads, check_prefix_rule, check_tp_mlp
 from minillm.course.checks_quant import (
     check_pack_int4,
@@ -33,6 +32,7 @@ from minillm.course.checks_quant import (
     check_quantize_per_channel,
 )
 from minillm.course.checks_rope import check_rope_tables
+from minillm.course.checks_runner import check_prepare_inputs
 from minillm.course.checks_sampling import check_filter_logits
 from minillm.course.checks_server import check_cache_key, check_detokenize_step
 from minillm.course.checks_serving import (

@@ -188,10 +188,9 @@ def layer_heads_by_column(x, w, cos, sin, config):
 
 def layer_no_transpose(x, w, cos, sin, config):
     """Multiplies by the stored matrices as if they were [in, out]."""
-    T, H, KV, D = x.shape[0], config.num_heads, config.num_kv_heads, config.head_dim
+    T, H, D = x.shape[0], config.num_heads, config.head_dim
     h = rms_a(x, w.input_layernorm, config.rms_norm_eps)
-    q = (h @ w.q_proj).view(T, H, D).transpose(0, 1)
-    return q
+    return (h @ w.q_proj).view(T, H, D).transpose(0, 1)  # fails here: [T, hidden] @ [H*D, hidden]
 
 
 def layer_sdpa_not_causal(x, w, cos, sin, config):
