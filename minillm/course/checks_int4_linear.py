@@ -53,7 +53,7 @@ MISTAKES = {
 
 
 def _held_bytes(layer) -> int:
-    tensors = layer.tensors()
+    tensors = learner_function(layer.tensors)()
     if not isinstance(tensors, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in tensors):
         raise CheckFailed("Int4Linear.tensors() should return a list of the tensors the layer keeps")
     return sum(t.numel() * t.element_size() for t in tensors)
@@ -109,14 +109,14 @@ class LearnerInt4Method:
         self.cls, self.group_size, self.weight = cls, group_size, weight
 
     def process_weights(self, layer) -> None:
-        layer.learner_int4 = self.cls(self.weight, self.group_size)
+        layer.learner_int4 = learner_function(self.cls)(self.weight, self.group_size)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        y = layer.learner_int4(x)
+        y = learner_function(layer.learner_int4)(x)  # what it raises is the learner's, not the engine's
         return y if layer.bias is None else y + layer.bias
 
     def held_tensors(self, layer) -> list[torch.Tensor]:
-        return list(layer.learner_int4.tensors())
+        return list(learner_function(layer.learner_int4.tensors)())
 
 
 def install(Int4Linear, int4_engine, plain_engine) -> int:

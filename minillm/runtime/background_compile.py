@@ -19,6 +19,7 @@ up from an interpreter:
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import pickle
@@ -27,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +87,17 @@ class CompileJob:
     parent_pid: int = field(default_factory=os.getpid)
 
 
+EXIT_WAIT_S = 30.0  # at interpreter exit: how long a build thread may take to leave torch's C++ code
+_LIVE_BUILDS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_builds_at_exit() -> None:
+    """Every build still alive at interpreter exit stops first (``BackgroundBuild._at_exit``)."""
+    for build in list(_LIVE_BUILDS):
+        build._at_exit()
+
+
 class BackgroundBuild:
     """Loads or compiles ``compiled``'s packages behind a running engine (module docstring)."""
 
@@ -99,6 +112,7 @@ class BackgroundBuild:
         self._failure_reported = False
         self._thread = threading.Thread(target=self._run, daemon=True, name="minillm-fast-path")
         self._thread.start()
+        _LIVE_BUILDS.add(self)  # weakly: an engine's build must not outlive it for the sake of exit
 
     # ----------------------------------------------------------------------------------------
     # What the engine and the learner see
@@ -123,6 +137,16 @@ class BackgroundBuild:
                 return None
             self._failure_reported = True
             return self._detail
+
+    def _at_exit(self) -> None:
+        """Stop the build before the interpreter finalizes. The build thread is a daemon, but it
+        runs torch's C++ code (saving the tensors for the worker, loading a compiled package):
+        a process that exits right after its first answer, mid-build, otherwise tears down the
+        C++ runtime under that thread and dies with "terminate called without an active
+        exception" (SIGABRT) after its output is written. Closing makes the thread leave at its
+        next step (the worker is stopped, the job is not started); the wait is bounded."""
+        self.close()
+        self._thread.join(EXIT_WAIT_S)
 
     def close(self) -> None:
         """Stop the worker (an engine closed before its step was compiled)."""
