@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 import minillm.hooks as hooks
+from minillm.course.checks_forward import refusing_model_calls
 from minillm.course.compare import compare_tensors, compare_tokens
 from minillm.course.helpers import forward_step, new_cache
 from minillm.course.results import CheckFailed, check, learner_function
@@ -171,14 +172,10 @@ def _check_cache_class(KVCache) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _refuse_model_calls(model):
-    def refuse(module, args):
-        raise CheckFailed(
-            "cached_forward ran the package's model (model(...), forward_step or a layer module): build the step from "
-            "model_weights(model), your apply_rope and your KVCache"
-        )
-
-    return [m.register_forward_pre_hook(refuse) for m in (model, *model.layers)]
+REFUSED = (
+    "cached_forward ran the package's model (model(...), forward_step or a layer module): build the step from "
+    "model_weights(model), your apply_rope and your KVCache"
+)
 
 
 def _check_cached_forward(cached_forward, KVCache, llm, expected_tokens: list[int]) -> None:
@@ -194,12 +191,8 @@ def _check_cached_forward(cached_forward, KVCache, llm, expected_tokens: list[in
     for i in range(TOKENS):
         ids, start = steps[-1]
         expected = forward_step(model, ids, start, ours)
-        handles = _refuse_model_calls(model)
-        try:
+        with refusing_model_calls(model, REFUSED):
             got = cached_forward(model, list(ids), start, theirs)
-        finally:
-            for h in handles:
-                h.remove()
         what = (f"the prefill ({len(ids)} tokens at 0..{len(ids) - 1})" if start == 0
                 else f"decode step {i} (one token at position {start})")
         if isinstance(got, torch.Tensor) and got.shape == expected.shape and not torch.allclose(

@@ -17,6 +17,7 @@ The check works in three stages, each naming the part that is wrong:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -277,26 +278,32 @@ def layer_adapter(decoder_layer, config):
     return run
 
 
-def _refuse_model_calls(model):
-    """Forward pre-hooks that fail the check if the learner's forward runs the package's model
-    or any of its layers (``model(...)``, ``forward_logits``, ``model.layers[i](...)``)."""
+@contextlib.contextmanager
+def refusing_model_calls(model, message: str):
+    """Inside the ``with``, running the package's model or any of its layers (``model(...)``,
+    ``forward_logits``, ``forward_step``, ``model.layers[i](...)``) fails the check with
+    ``message``: forward pre-hooks, removed on the way out."""
 
     def refuse(module, args):
-        raise CheckFailed(
-            "transformer_forward ran the package's model (model(...), forward_logits or a layer module): build the "
-            "forward from model_weights(model) and your own decoder_layer"
-        )
+        raise CheckFailed(message)
 
-    modules = [model, *model.layers]
-    return [m.register_forward_pre_hook(refuse) for m in modules]
+    handles = [m.register_forward_pre_hook(refuse) for m in (model, *model.layers)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _check_forward(transformer_forward, llm, expected_tokens: list[int]) -> None:
     model = llm.model
     ids = llm.tokenizer.encode("ROMEO.\nBut soft, what light")
     expected = forward_logits(model, ids)
-    handles = _refuse_model_calls(model)
-    try:
+    refused = (
+        "transformer_forward ran the package's model (model(...), forward_logits or a layer module): build the "
+        "forward from model_weights(model) and your own decoder_layer"
+    )
+    with refusing_model_calls(model, refused):
         got = transformer_forward(model, list(ids))
         if isinstance(got, torch.Tensor) and got.dim() == 1 and got.shape[0] == expected.shape[1]:
             raise CheckFailed(
@@ -316,9 +323,6 @@ def _check_forward(transformer_forward, llm, expected_tokens: list[int]) -> None
         for _ in range(TOKENS):
             tokens.append(int(transformer_forward(model, seq)[-1].argmax()))
             seq.append(tokens[-1])
-    finally:
-        for h in handles:
-            h.remove()
     compare_tokens(tokens, expected_tokens, "greedy tokens from your transformer_forward",
                    "the logits matched on the prompt: does your forward depend on anything but the ids it is given?")
 
