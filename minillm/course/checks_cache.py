@@ -21,7 +21,7 @@ import torch
 
 import minillm.hooks as hooks
 from minillm.course.checks_forward import refusing_model_calls
-from minillm.course.compare import compare_tensors, compare_tokens
+from minillm.course.compare import compare_tensors, compare_tokens, name_the_slip
 from minillm.course.helpers import forward_step, new_cache
 from minillm.course.results import CheckFailed, check, learner_function
 
@@ -81,10 +81,7 @@ def _check_apply_rope(apply_rope, config) -> None:
     if not torch.equal(given, x):
         raise CheckFailed("apply_rope changed its input x in place: compute on new tensors")
     expected = reference_apply_rope(x, cos, sin)
-    if isinstance(got, torch.Tensor) and got.shape == expected.shape and not torch.allclose(got, expected, atol=1e-5):
-        for mistake, why in _rope_mistakes(x, cos, sin):
-            if torch.allclose(got, mistake, atol=1e-5):
-                raise CheckFailed(why)
+    name_the_slip(got, expected, _rope_mistakes(x, cos, sin))
     compare_tensors(got, expected, "apply_rope(x[3 heads, 7 positions, 8 dims], cos, sin)")
     batched = apply_rope(x[None], cos, sin)  # [1, heads, T, D]: any leading dims
     compare_tensors(batched, expected[None], "apply_rope on x[1, 3, 7, 8] (rotate the last dim, whatever comes before)")

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import minillm.hooks as hooks
-from minillm.course.compare import compare_tensors, compare_tokens
+from minillm.course.compare import compare_tensors, compare_tokens, name_the_slip
 from minillm.course.helpers import forward_logits
 from minillm.course.results import CheckFailed, LearnerRaised, check
 from minillm.course.weights import LayerWeights, apply_rotary, layer_weights, rope_cos_sin
@@ -82,10 +82,7 @@ def _check_rms_norm(rms_norm) -> None:
     if not torch.equal(given, x):
         raise CheckFailed("rms_norm changed its input x in place: compute on new tensors")
     expected = reference_rms_norm(x, weight, eps)
-    if isinstance(got, torch.Tensor) and got.shape == expected.shape and not torch.allclose(got, expected, atol=1e-5):
-        for mistake, why in _rms_norm_mistakes(x, weight, eps):
-            if torch.allclose(got, mistake, atol=1e-5):
-                raise CheckFailed(why)
+    name_the_slip(got, expected, _rms_norm_mistakes(x, weight, eps))
     compare_tensors(got, expected, "rms_norm(x[5, 16], weight, eps=1e-5)")
     zero = rms_norm(torch.zeros(2, 16), weight, eps)
     if not isinstance(zero, torch.Tensor) or not bool(torch.isfinite(zero).all()):
@@ -221,10 +218,9 @@ def _check_layer(decoder_layer, config) -> None:
     cos, sin = rope_cos_sin(cfg, T)
     expected = reference_layer(x, w, cos, sin, cfg)
     got = _run_layer(decoder_layer, x, w, cos, sin, cfg, "a random layer")
-    if isinstance(got, torch.Tensor) and got.shape == expected.shape and not torch.allclose(got, expected, atol=1e-5):
-        for mistake, why in LAYER_MISTAKES.items():
-            if torch.allclose(got, reference_layer(x, w, cos, sin, cfg, mistake), atol=1e-5):
-                raise CheckFailed(f"your RMSNorm is right; in decoder_layer, {why}")
+    slips = ((reference_layer(x, w, cos, sin, cfg, m), f"your RMSNorm is right; in decoder_layer, {why}")
+             for m, why in LAYER_MISTAKES.items())  # fmt: skip
+    if name_the_slip(got, expected, slips):
         _localise(decoder_layer, x, w, cos, sin, cfg)
     compare_tensors(got, expected, f"decoder_layer on a random layer (T = {T}, hidden {cfg.hidden_size}, 4 query "
                     "heads over 2 K/V heads of 8 dims)")

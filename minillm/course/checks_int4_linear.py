@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from minillm.course.compare import compare_tensors, compare_tokens
+from minillm.course.compare import compare_requests, compare_tensors, name_the_slip
 from minillm.course.results import CheckFailed, check, learner_function
 
 OUT, IN, GROUP = 32, 64, 16
@@ -84,11 +84,7 @@ def _check_example(Int4Linear) -> None:
     call = learner_function(layer.__call__)
     effective = call(torch.eye(IN)).T  # row i of I @ Ŵᵀ is Ŵ's column i
     expected = reference_weight(weight, GROUP)
-    if isinstance(effective, torch.Tensor) and effective.shape == expected.shape and not torch.allclose(
-            effective, expected, atol=1e-6):
-        for mistake, why in MISTAKES.items():
-            if torch.allclose(effective, reference_weight(weight, GROUP, mistake), atol=1e-6):
-                raise CheckFailed(why)
+    name_the_slip(effective, expected, ((reference_weight(weight, GROUP, m), why) for m, why in MISTAKES.items()), 1e-6)
     compare_tensors(effective, expected, f"the weight your Int4Linear multiplies by ({OUT}x{IN}, groups of {GROUP})",
                     atol=1e-6)  # fmt: skip
     x = torch.randn(3, 5, IN, generator=gen)
@@ -145,9 +141,8 @@ def check_int4_linear(Int4Linear, model: str = "tiny-shakespeare-1m") -> str:
     expected = [o.token_ids for o in engine.generate(prompts, params)]
     replaced = install(Int4Linear, engine, LLM(model, cpu_prepack=False, **args))
     got = [o.token_ids for o in engine.generate(prompts, params)]
-    for i, (g, e) in enumerate(zip(got, expected)):
-        compare_tokens(g, e, f"request {i} of the int4 engine with your Int4Linear in every int4 layer",
-                       "your layer matched on the example: what differs on the model's own shapes?")
+    compare_requests(got, expected, "request {i} of the int4 engine with your Int4Linear in every int4 layer",
+                     "your layer matched on the example: what differs on the model's own shapes?")
     return (
         f"your Int4Linear ran all {replaced} int4 layers of the engine (half a byte per weight plus the groups' "
         "scales and minima) and gave the package's int4 engine's greedy tokens"

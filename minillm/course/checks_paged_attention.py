@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 import minillm.hooks as hooks
-from minillm.course.compare import compare_tensors, compare_tokens
+from minillm.course.compare import compare_requests, compare_tensors, name_the_slip
 from minillm.course.results import CheckFailed, check
 
 WINDOW = 12  # the plug-in run's sliding window (keys), short enough to bite on the check's prompts
@@ -90,10 +90,8 @@ def _check_example(paged_attention) -> None:
             raise CheckFailed("paged_attention changed one of its inputs in place: the pool and q are read-only here")
         expected = reference_paged_attention(**args)
         what = "paged_attention on the example step" + (f" with a window of {window}" if window else "")
-        if isinstance(got, torch.Tensor) and got.shape == expected.shape and not torch.allclose(got, expected, atol=1e-5):
-            for mistake, why in MISTAKES.items():
-                if torch.allclose(got, reference_paged_attention(**args, mistake=mistake), atol=1e-5):
-                    raise CheckFailed(why)
+        slips = ((reference_paged_attention(**args, mistake=m), why) for m, why in MISTAKES.items())
+        if name_the_slip(got, expected, slips):
             bad = _first_bad_sequence(got, expected, args["query_lens"])
             raise CheckFailed(
                 f"{what}: sequence {bad} ({['the decode at context 7', 'the fresh 5-token prompt', 'the 3-token chunk continuing to context 10'][bad]}) "
@@ -149,9 +147,8 @@ def check_paged_attention(paged_attention, model: str = "tiny-shakespeare-1m") -
     counts: dict = {}
     with hooks.override(paged_attention=attention_adapter(paged_attention, counts)):
         got = [o.token_ids for o in llm.generate(list(PROMPTS), params)]
-    for i, (g, e) in enumerate(zip(got, expected)):
-        compare_tokens(g, e, f"request {i} of the paged engine running your attention (window {WINDOW})",
-                       "your function matched the example step: what differs on the engine's own steps?")
+    compare_requests(got, expected, f"request {{i}} of the paged engine running your attention (window {WINDOW})",
+                     "your function matched the example step: what differs on the engine's own steps?")
     if counts.get("mixed", 0) == 0:
         raise CheckFailed("internal: the check's run had no step mixing decodes with prompt chunks")
     return (

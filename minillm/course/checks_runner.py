@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 import minillm.hooks as hooks
-from minillm.course.compare import compare_tokens
+from minillm.course.compare import compare_requests
 from minillm.course.results import CheckFailed, check
 from minillm.runtime.runner import ChunkInput
 
@@ -226,9 +226,8 @@ def check_prepare_inputs(prepare_inputs, model: str = "tiny-shakespeare-1m") -> 
     counts: dict = {}
     with hooks.override(step_layout=layout_adapter(prepare_inputs, counts)):
         got = [o.token_ids for o in llm.generate(list(PROMPTS), params)]
-    for i, (g, e) in enumerate(zip(got, expected)):
-        compare_tokens(g, e, f"request {i} of the paged engine running your prepare_inputs",
-                       "your function matched the example step: what differs on the engine's own steps?")
+    compare_requests(got, expected, "request {i} of the paged engine running your prepare_inputs",
+                     "your function matched the example step: what differs on the engine's own steps?")
     if counts.get("mixed", 0) == 0:
         raise CheckFailed("internal: the check's run had no step mixing decodes with prompt chunks")
     return (

@@ -35,6 +35,13 @@ def compare_tokens(got, expected: list[int], what: str, hint: str) -> None:
         raise CheckFailed(f"{what} returned {len(got)} tokens, expected {len(expected)}. Hint: {hint}")
 
 
+def compare_requests(got: list, expected: list[list[int]], what: str, hint: str) -> None:
+    """Each request's tokens (``got[i]``, a list of ints) must be ``expected[i]``: name the
+    request and its first differing token (``what`` may use ``{i}`` for the request's index)."""
+    for i, (tokens, reference) in enumerate(zip(got, expected)):
+        compare_tokens(tokens, reference, what.format(i=i), hint)
+
+
 def compare_tensors(got, expected: torch.Tensor, what: str, atol: float = 1e-5, nan_hint: str = "") -> None:
     """``got`` must match ``expected`` in type, shape, dtype and values (within ``atol``); a NaN
     or inf where the reference is finite is named with ``nan_hint``."""
@@ -60,3 +67,20 @@ def compare_tensors(got, expected: torch.Tensor, what: str, atol: float = 1e-5, 
             f"{what} differs from the reference by up to {worst:.3g} at index {where}: "
             f"got {got_f[where].item():.5g}, expected {exp_f[where].item():.5g}"
         )
+
+
+def name_the_slip(got, expected: torch.Tensor, slips, atol: float = 1e-5) -> bool:
+    """When ``got`` is a tensor of ``expected``'s shape and dtype with other values, raise the
+    message of the first of ``slips`` — ``(what a known mistake computes, its message)`` pairs,
+    best given as a generator so that each is computed only if reached — whose values it has.
+
+    Returns True when ``got`` differs and matches none (the caller may diagnose further), False
+    when it is right or not comparable (``compare_tensors`` then names the shape or dtype)."""
+    if not (isinstance(got, torch.Tensor) and got.shape == expected.shape and got.dtype == expected.dtype):
+        return False
+    if torch.allclose(got, expected, atol=atol):
+        return False
+    for value, message in slips:
+        if torch.allclose(got, value, atol=atol):
+            raise CheckFailed(message)
+    return True
