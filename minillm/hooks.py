@@ -455,3 +455,14 @@ detokenize_step = _declare(
     it (``IncrementalDetokenizer.add``), and what it returns is the text a stream sends. It
     holds back an incomplete UTF-8 character and keeps a token's leading space.""",
 )
+stream_events = _declare(
+    "stream_events",
+    "stream_events(streams, fmt, n, include_usage, prompt_tokens, abort) -> async iterator of bytes",
+    "10 serving (the streaming endpoint)",
+    "minillm.server.streaming",
+    "minillm/server/app.py",
+    """A streamed request's response body: its prompts' delta streams read concurrently and
+    turned into server-sent events in the order the deltas arrive (a chat's role chunk first,
+    one chunk per delta, the usage chunk, ``[DONE]``; an error event instead when a stream
+    fails), and on the way out an abort for every prompt that had not finished.""",
+)

@@ -58,6 +58,7 @@ def pool_bytes(model_dir, blocks: int, block_size: int) -> int:
 def test_every_hook_has_its_reference_registered_by_its_owner():
     import minillm.kv_head_pooling  # noqa: F401  (a checkpoint tool: nothing in the engine imports it)
     import minillm.quantization.checkpoint  # noqa: F401  (the quantization modules load lazily)
+    import minillm.server.streaming  # noqa: F401  (the server's app imports it)
 
     for name, point in hooks.points().items():
         assert point.doc and point.signature.startswith(name + "(") and point.chapter, name
@@ -728,3 +729,46 @@ def test_detokenize_step_calls_go_through_the_hook(tiny_model):
 
     with hooks.override(detokenize_step=one_token_at_a_time):
         assert [o.text for o in llm.generate(PROMPTS, GREEDY)] != reference
+
+
+# ---------------------------------------------------------------------------------------------
+# Chapter 10: the streaming endpoint
+# ---------------------------------------------------------------------------------------------
+
+
+def test_stream_events_calls_go_through_the_hook(tiny_model):
+    import httpx
+
+    import json
+
+    from minillm.server import ServerThread, build_app, build_engines
+    from minillm.server.launch import served_name
+
+    engines = build_engines([str(tiny_model)], dtype="fp32", kv_cache_memory=4_000_000)
+    body = {"model": served_name(str(tiny_model)), "prompt": PROMPTS[:2], "max_tokens": 6, "temperature": 0, "stream": True}
+
+    def events(server) -> list:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+            lines = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+        return [e if e == "[DONE]" else {**json.loads(e), "id": "-", "created": 0} for e in lines]
+
+    calls = []
+    inner = hooks.current("stream_events")
+
+    def record(*args):
+        calls.append(args)
+        return inner(*args)
+
+    async def done_at_once(streams, fmt, n, include_usage, prompt_tokens, abort):  # drops every delta
+        for p in range(len(streams)):
+            abort(p)
+        yield b"data: [DONE]\n\n"
+
+    with ServerThread(build_app(engines)) as server:
+        reference = events(server)
+        assert len(reference) == 2 * 6 + 1 and reference[-1] == "[DONE]"
+        with hooks.override(stream_events=record):
+            assert sorted(map(str, events(server))) == sorted(map(str, reference))  # the two prompts may interleave
+        assert len(calls) == 1 and len(calls[0][0]) == 2  # one call per request, one stream per prompt
+        with hooks.override(stream_events=done_at_once):
+            assert events(server) == ["[DONE]"]

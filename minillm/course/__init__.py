@@ -50,6 +50,7 @@ from minillm.course.checks_spec import (
     check_rollback,
     check_tree_attention_mask,
 )
+from minillm.course.checks_streaming import check_stream_events
 from minillm.course.exercises import EXERCISES, Exercise, chapters, hint
 from minillm.course.helpers import forward_logits, forward_step, new_cache
 from minillm.course.results import CheckFailed, CheckResult, require_pass
@@ -77,6 +78,7 @@ __all__ = [
     "check_block_hash",
     "check_cache_key",
     "check_detokenize_step",
+    "check_stream_events",
     "check_causal_attention",
     "check_filter_logits",
     "check_choose_victim",

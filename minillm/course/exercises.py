@@ -592,6 +592,27 @@ EXERCISES: list[Exercise] = [
     ),
     Exercise(
         "10_serving",
+        "check_stream_events",
+        "check_stream_events(stream_events)",
+        36,
+        3,
+        3,
+        (
+            "Start one reader task per prompt that copies its stream's deltas (or the exception it raises) into one "
+            "asyncio.Queue as (p, delta); then loop on the queue until every prompt's request_finished delta came: "
+            "one chunk per delta for choice p * n + delta.index, in arrival order. A chat starts with a role chunk "
+            "for every choice; usage (if asked) and DONE come last; an exception becomes error_event(exc) and ends "
+            "the stream. In a finally, cancel the readers that are not done and abort(p) their prompts.",
+            "`pump(p, deltas)`: `try: async for d in deltas: await q.put((p, d))` / `except Exception as exc: await "
+            "q.put((p, exc))`; `tasks = [asyncio.ensure_future(pump(p, s)) for p, s in enumerate(streams)]`. Loop: "
+            "`p, d = await q.get()`; an exception: `yield error_event(d); return`; else `k = p * n + d.index`, `yield "
+            "sse(fmt.chunk([fmt.delta_choice(k, d.text, d.finish_reason, d.logprobs, False, offsets[k])]))`, "
+            "`offsets[k] += len(d.text)`, add `len(d.output.token_ids)` when `d.output`, count `d.request_finished`. "
+            "`finally: for p, t in enumerate(tasks): if not t.done(): t.cancel(); abort(p)`.",
+        ),
+    ),
+    Exercise(
+        "10_serving",
         "check_cache_key",
         "check_cache_key(cache_key)",
         6,
@@ -704,6 +725,7 @@ REFERENCES: dict[str, tuple[str, ...]] = {
     "check_kv_heads": ("minillm.layers.tensor_parallel.heads_of_rank",),
     "check_prefix_rule": ("minillm.cluster.router.Router.route",),
     "check_detokenize_step": ("minillm.tokenizer.detokenize_step",),
+    "check_stream_events": ("minillm.server.streaming.stream_events",),
     "check_cache_key": ("minillm.server.response_cache.cache_key",),
 }
 

@@ -31,8 +31,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+import minillm.hooks as hooks
 from minillm.errors import RequestFailed
-from minillm.server import heap
+from minillm.server import (
+    heap,
+    streaming,  # noqa: F401 (registers hooks.stream_events' reference)
+)
 from minillm.server.async_engine import AsyncEngine, EngineDead, QueueFull
 from minillm.server.body_limit import BodyLimit
 from minillm.server.front_door import FrontDoor
@@ -40,7 +44,7 @@ from minillm.server.metrics import ServerMetrics
 from minillm.server.plan import choose_engine, parse, plan, response_of
 from minillm.server.protocol import APIError, error_body
 from minillm.server.response_cache import ResponseCache
-from minillm.server.responses import DONE, Formatter, sse, usage
+from minillm.server.responses import Formatter
 
 log = logging.getLogger("minillm.server")
 PARSE_THREADS = 2
@@ -251,62 +255,24 @@ def build_app(
                     t.cancel()
                     engine.abort(seq.request_id)
 
-    async def _stream(
+    def _stream(
         engine: AsyncEngine, seqs, streams, fmt: Formatter, include_usage: bool, model: str, prompt_tokens: int
     ) -> AsyncIterator[bytes]:
-        """Merge the samples' deltas into one event stream, in the order they are produced."""
-        merged: asyncio.Queue = asyncio.Queue()
+        """The request's event stream: ``hooks.stream_events`` (``server/streaming.py``, chapter
+        10's exercise) over its deltas, with the metrics of finished samples and aborts kept here."""
 
-        async def pump(index: int, deltas):
-            try:
-                async for delta in deltas:
-                    await merged.put((index, delta))
-            except BaseException as exc:  # noqa: BLE001 (reported in-band; cancellation ends the task)
-                await merged.put((index, exc))
-                raise
-
-        tasks = [asyncio.ensure_future(pump(k, d)) for k, d in enumerate(streams)]
-        n = len(seqs) and seqs[0].params.n
-        choices = len(seqs) * n
-        offsets, first = [0] * choices, [True] * choices
-        remaining, completion_tokens = len(seqs), 0
-        try:
-            if fmt.chat:  # the role comes first, in a chunk of its own, as OpenAI sends it
-                yield sse(fmt.chunk([fmt.delta_choice(k, "", None, None, True) for k in range(choices)]))
-                first = [False] * choices
-            while remaining:
-                prompt_index, item = await merged.get()
-                if isinstance(item, RequestFailed):
-                    yield sse(error_body(str(item), "invalid_request_error", item.param))
-                    return
-                if isinstance(item, BaseException):
-                    message = str(item) if isinstance(item, EngineDead) else f"{type(item).__name__}: {item}"
-                    yield sse(error_body(message, "server_error"))
-                    return
-                delta = item
-                k = prompt_index * n + delta.index
-                # One chunk per engine step, even when the detokenizer holds the text back (an
-                # incomplete UTF-8 character, a possible stop string): clients see every token's
-                # timing, and the text arrives once it is certain.
-                yield sse(fmt.chunk([fmt.delta_choice(k, delta.text, delta.finish_reason, delta.logprobs, first[k],
-                                                      offsets[k])]))  # fmt: skip
-                offsets[k] += len(delta.text)
-                if delta.output is not None:
-                    completion_tokens += len(delta.output.token_ids)
+        async def observed(deltas):
+            async for delta in deltas:
+                if delta.output is not None:  # a sample finished
                     metrics.observe_finished(model, delta.output)
-                if delta.request_finished:
-                    remaining -= 1
-            if include_usage:
-                yield sse(fmt.chunk([], usage(prompt_tokens, completion_tokens)))
-            yield DONE
-        finally:
-            unfinished = [seq for t, seq in zip(tasks, seqs) if not t.done()]
-            if unfinished:  # the client left (or an error ended the stream): abort the rest
-                metrics.aborted.labels(model).inc(len(unfinished))
-            for t in tasks:
-                t.cancel()
-            for seq in unfinished:  # a task cancelled before it started never runs its own abort
-                engine.abort(seq.request_id)
+                yield delta
+
+        def abort(p: int) -> None:  # the client left (or an error ended the stream) before prompt p finished
+            metrics.aborted.labels(model).inc()
+            engine.abort(seqs[p].request_id)
+
+        n = len(seqs) and seqs[0].params.n
+        return hooks.stream_events([observed(d) for d in streams], fmt, n, include_usage, prompt_tokens, abort)
 
     return app
 
