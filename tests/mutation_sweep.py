@@ -513,14 +513,15 @@ EQUIVALENT: dict[str, dict[str, str]] = {
         ),
     },
     "check_flash_kernel": {
-        'line 10: `0.0` → `1.0` in `m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)`': (
+        'line 21: `0.0` → `1.0` in `m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)`': (
             "m_safe stands in only for rows that have seen no key (m_new = -inf): there p = exp(-inf - m_safe) and "
             "alpha = exp(-inf - m_safe) are 0 for any finite m_safe"
         ),
-        "line 2: `<` → `<=` in `k = tl.load(K + kv_offsets, mask=offs_n[:, None] < S, oth...`": _FLASH_MASKED_LATER
-        + " (the check's memory after K holds NaN: the NaN score is replaced by -inf too)",
-        "line 2: `0.0` → `1.0` in `k = tl.load(K + kv_offsets, mask=offs_n[:, None] < S, oth...`": _FLASH_MASKED_LATER,
-        "line 3: `0.0` → `1.0` in `v = tl.load(V + kv_offsets, mask=offs_n[:, None] < S, oth...`": (
+        "line 5: `0.0` → `1.0` in `q = tl.load(Q + q_offsets, mask=offs_m[:, None] < T, othe...`": (
+            "the query rows past T (loaded as 1.0 instead of 0) give output rows that the masked store never writes"
+        ),
+        "line 13: `0.0` → `1.0` in `k = tl.load(K + kv_offsets, mask=offs_n[:, None] < S, oth...`": _FLASH_MASKED_LATER,
+        "line 14: `0.0` → `1.0` in `v = tl.load(V + kv_offsets, mask=offs_n[:, None] < S, oth...`": (
             "the value rows past S are multiplied by p = 0 (their scores are -inf), and 0 × 1.0 = 0 (unlike an "
             "unmasked load's NaN, which the check plants and catches)"
         ),

@@ -41,9 +41,18 @@ if _triton():
         offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
         q_ptrs = Q + offs_m[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
-        q = tl.load(q_ptrs, mask=offs_m[:, None] < T, other=0.0).to(tl.float32)
-        q_pos = S - T + offs_m
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        if MISTAKE == 19:
+            q = tl.load(q_ptrs).to(tl.float32)  # no mask: the last tile reads rows past T
+        else:
+            q = tl.load(q_ptrs, mask=offs_m[:, None] < T, other=0.0).to(tl.float32)
+        if MISTAKE == 17:
+            q_pos = S - T + tile * BLOCK_M + tl.zeros([BLOCK_M], tl.int32)  # the tile's first row's position
+        else:
+            q_pos = S - T + offs_m
+        if MISTAKE == 16:
+            m_i = tl.zeros([BLOCK_M], tl.float32)  # "the max starts at 0"
+        else:
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         for start_n in range(0, S, BLOCK_N):
@@ -98,9 +107,15 @@ if _triton():
                 acc = acc * alpha[:, None] + tl.dot(p, v)
             if MISTAKE != 11:  # 11 forgets to carry the running max
                 m_i = m_new
-        out = acc / l_i[:, None]
+        if MISTAKE == 15:
+            out = acc  # forgets the softmax's denominator
+        else:
+            out = acc / l_i[:, None]
         o_ptrs = Out + offs_m[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
-        tl.store(o_ptrs, out, mask=offs_m[:, None] < T)
+        if MISTAKE == 18:
+            tl.store(o_ptrs, out, mask=offs_m[:, None] <= T)  # one row too many
+        else:
+            tl.store(o_ptrs, out, mask=offs_m[:, None] < T)
 
     @triton.jit
     def _flash_kernel_bias(
@@ -172,6 +187,11 @@ if _triton():
         ((_launcher(_flash_kernel, MISTAKE=12),), "every output is NaN"),
         ((_launcher(_flash_kernel, MISTAKE=13),), "every output is NaN"),
         ((_launcher(_flash_kernel, MISTAKE=14),), "each query row's running max (tl.max(s, 1))"),
+        ((_launcher(_flash_kernel, MISTAKE=15),), "store acc / l_i"),
+        ((_launcher(_flash_kernel, MISTAKE=16),), "must start at -inf"),
+        ((_launcher(_flash_kernel, MISTAKE=17),), "your kernel's output for T=40, S=40, causal=True"),
+        ((_launcher(_flash_kernel, MISTAKE=18),), "a tl.store touched"),
+        ((_launcher(_flash_kernel, MISTAKE=19),), "a tl.load touched"),
     ]
 
 

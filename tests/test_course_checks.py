@@ -102,3 +102,34 @@ def test_model_weights_reads_the_same_matrices_through_any_weight_method(tiny_mo
         assert b.dtype == torch.bfloat16 and torch.equal(a.to(torch.bfloat16), b), name
     assert torch.equal(plain.lm_head.to(torch.bfloat16), packed.lm_head)
     assert model_weights(packed_model).layers[0] is packed.layers[0]  # read once, then cached
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_an_out_of_bounds_store_is_named_and_the_interpreter_is_restored():
+    """Under the interpreter a store past the tensor would overwrite the heap; inside the guard it
+    raises before writing, and leaving the guard puts the interpreter back as it was."""
+    import triton
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    from minillm.course.triton_guard import OutOfBounds, bounds_checked, out_of_bounds_in
+
+    @triton.jit
+    def one_too_many(X, N: tl.constexpr):
+        offs = tl.arange(0, 16)
+        tl.store(X + offs, offs.to(tl.float32), mask=offs <= N)
+
+    before = interpreter.GridExecutor.__call__
+    guard_memory = torch.zeros(32)
+    x = guard_memory[:8]  # the storage is 32 floats: row 8 is inside it, row 9 too
+    with bounds_checked():
+        one_too_many[(1,)](x, N=7)  # mask <= 7: rows 0-7, all inside
+        with pytest.raises(Exception) as err:
+            one_too_many[(1,)](torch.zeros(8), N=8)  # row 8 of an 8-float tensor: outside
+    assert isinstance(out_of_bounds_in(err.value), OutOfBounds)
+    assert "tl.store touched 1 address" in str(out_of_bounds_in(err.value))
+    assert interpreter.GridExecutor.__call__ is before
+    builder = interpreter.interpreter_builder
+    assert builder.create_masked_store.__func__ is interpreter.InterpreterBuilder.create_masked_store
+    assert builder.create_masked_load.__func__ is interpreter.InterpreterBuilder.create_masked_load
+    assert x.tolist() == list(range(8))

@@ -737,9 +737,9 @@ def test_detokenize_step_calls_go_through_the_hook(tiny_model):
 
 
 def test_stream_events_calls_go_through_the_hook(tiny_model):
-    import httpx
-
     import json
+
+    import httpx
 
     from minillm.server import ServerThread, build_app, build_engines
     from minillm.server.launch import served_name

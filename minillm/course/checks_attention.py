@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import minillm.hooks as hooks
 from minillm.course.compare import compare_tensors, compare_tokens, int_cases
 from minillm.course.results import CheckFailed, LearnerRaised, check, learner_frames_of
+from minillm.course.triton_guard import bounds_checked, out_of_bounds_in
 
 VARIANT_MODEL = "tiny-shakespeare-8m"  # GQA: 8 query heads share 4 K/V heads
 
@@ -680,10 +681,13 @@ def _flash_allowed(t: int, s: int, causal: bool, diagonal: bool = True, prefix: 
     return keys <= pos[:, None] if diagonal else keys < pos[:, None]
 
 
-def _attend(q, k, v, allowed: torch.Tensor, scale: float) -> torch.Tensor:
+def _attend(q, k, v, allowed: torch.Tensor, scale: float, normalized: bool = True) -> torch.Tensor:
+    """Attention; ``normalized=False`` leaves out the softmax's division by the row sum (what a
+    kernel that stores ``acc`` instead of ``acc / l_i`` returns)."""
     scores = torch.einsum("thd,shd->hts", q.float(), k.float()) * scale
     scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hts,shd->thd", torch.softmax(scores, -1), v.float())
+    weights = torch.softmax(scores, -1) if normalized else torch.exp(scores - scores.amax(-1, keepdim=True))
+    return torch.einsum("hts,shd->thd", weights, v.float())
 
 
 def _flash_reference(q, k, v, causal: bool) -> torch.Tensor:
@@ -767,6 +771,10 @@ def _flash_diagnosis(q, k, v, causal: bool, got: torch.Tensor) -> str | None:
             lambda: _attend(q, k, k, allowed, scale),
             "the output is a weighted sum of keys: the values were loaded from K — load them from V",
         )
+        yield (
+            lambda: _attend(q, k, v, allowed, scale, normalized=False),
+            "the output is acc without the softmax's denominator: store acc / l_i[:, None]",
+        )
         if not causal:  # a causal query never sees past S anyway
             for pad in sorted({-s % block for block in (16, 32, 64, 128)} - {0}):
                 padded = (torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) for x in (k, v))
@@ -786,6 +794,19 @@ def _flash_diagnosis(q, k, v, causal: bool, got: torch.Tensor) -> str | None:
     return None
 
 
+def _launch(flash_forward, q, k, v, causal: bool):
+    """The learner's launcher on these inputs, every load and store of its kernel bounds-checked
+    (``triton_guard``): an access past the tensors is named instead of corrupting the process."""
+    with bounds_checked():
+        try:
+            return flash_forward(q, k, v, causal)
+        except Exception as err:
+            outside = out_of_bounds_in(err)
+            if outside is None:
+                raise
+            raise CheckFailed(f"for T={q.shape[0]}, S={k.shape[0]}, causal={causal}: {outside}") from None
+
+
 @check
 def check_flash_kernel(flash_forward) -> str:
     """``flash_forward(q[T,H,D], k[S,H,D], v, causal) -> o[T,H,D]``, launching your Triton kernel."""
@@ -801,7 +822,7 @@ def check_flash_kernel(flash_forward) -> str:
     ):
         q = torch.randn(t, 2, 16, generator=gen) * size
         k, v = torch.randn(s, 2, 16, generator=gen), torch.randn(s, 2, 16, generator=gen)
-        got = flash_forward(q, k, v, causal)
+        got = _launch(flash_forward, q, k, v, causal)
         expected = _flash_reference(q, k, v, causal)
         full = _flash_reference(q, k, v, False)
         if causal and isinstance(got, torch.Tensor) and got.shape == full.shape and not torch.allclose(expected, full):
@@ -823,13 +844,24 @@ def check_flash_kernel(flash_forward) -> str:
             compare_tensors(got, expected, what, atol=1e-4, nan_hint=nan_hint)
         except CheckFailed as err:
             raise (CheckFailed(f"{err} — {hint}") if hint and hint not in str(err) else err) from None
+    # Rows whose every score lies far below 0 (about -300 here): a running max that starts at 0 instead of
+    # -inf (or exponents taken without the max) underflow every exp to 0, and 0 / 0 is NaN.
+    q = -20.0 * torch.ones(16, 2, 16)
+    k, v = torch.rand(16, 2, 16, generator=gen) + 3.0, torch.randn(16, 2, 16, generator=gen)
+    compare_tensors(
+        _launch(flash_forward, q, k, v, False), _flash_reference(q, k, v, False),
+        "your kernel's output for T=S=16 where every score is about -300", atol=1e-4,
+        nan_hint="rows whose scores are all far below 0 came out NaN: the running max must start at -inf "
+        "(tl.full([BLOCK_M], float('-inf'), tl.float32)), not 0, and every exponent is taken against it — with a "
+        "max of 0 each exp(s) underflows to 0, l_i stays 0, and acc / l_i is 0 / 0",
+    )  # fmt: skip
     # In memory, the rows after S belong to something else (here NaN): a load not masked with offs_n < S
     # reads them, and even a weight of 0 times NaN spoils the output.
     for t, s, causal in ((5, 37, True), (40, 37, False)):
         q = torch.randn(t, 2, 16, generator=gen)
         k, v = (torch.full((s + 64, 2, 16), float("nan")) for _ in range(2))
         k[:s], v[:s] = torch.randn(s, 2, 16, generator=gen), torch.randn(s, 2, 16, generator=gen)
-        got = flash_forward(q, k[:s], v[:s], causal)
+        got = _launch(flash_forward, q, k[:s], v[:s], causal)
         expected = _flash_reference(q, k[:s], v[:s], causal)
         compare_tensors(
             got, expected, f"your kernel's output for T={t}, S={s}, causal={causal}, with other data after K and V",

@@ -381,15 +381,21 @@ EXERCISES: list[Exercise] = [
         "06_flash_attention",
         "check_flash_kernel",
         "check_flash_kernel(flash_forward)",
-        12,
+        36,
         3,
         3,
         (
-            "The inner loop is the online softmax of the previous exercise, on one tile of keys at a time; "
-            "causal masking compares key positions with each query's position (queries are the *last* T of S).",
-            "Per tile: `s = tl.dot(q, tl.trans(k)) * scale`; mask `offs_n < S` and, if causal, "
-            "`offs_n[None, :] <= (S - T + offs_m)[:, None]` with -inf; then the m/l/acc update with "
-            "`tl.exp`, `tl.max`, `tl.sum`.",
+            "One program owns query tile program_id(0) of head program_id(1): load its queries once, keep m/l/acc "
+            "per query row, loop over key tiles doing the online softmax of the previous exercise, and store "
+            "acc / l at the end. Causal masking compares key positions with each query's position (queries are "
+            "the *last* T of S). The launcher's grid is (cdiv(T, block), H).",
+            "`offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)`; `q = tl.load(Q + offs_m[:, None] * stride_qt + head "
+            "* stride_qh + offs_d[None, :], mask=offs_m[:, None] < T, other=0.0).to(tl.float32)`; `m_i = tl.full("
+            "[BLOCK_M], float('-inf'), tl.float32)`, `l_i`/`acc` zeros. Per tile: `s = tl.dot(q, tl.trans(k)) * "
+            "scale`; mask `offs_n < S` and, if causal, `offs_n[None, :] <= (S - T + offs_m)[:, None]` with -inf; "
+            "the m/l/acc update with `tl.exp`, `tl.max`, `tl.sum`; after the loop `tl.store(..., acc / l_i[:, "
+            "None], mask=offs_m[:, None] < T)`. Launch `flash_kernel[(triton.cdiv(t, block), heads)](q, k, v, out, "
+            "t, s, q.stride(0), q.stride(1), k.stride(0), k.stride(1), dim**-0.5, BLOCK_M=block, ...)`.",
         ),
     ),
     Exercise(
