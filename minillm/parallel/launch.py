@@ -131,6 +131,10 @@ def _rank_main(fn, rank, world_size, rendezvous, backend, threads, args, reports
     torch.set_num_threads(threads)
     try:
         rendezvous.join(backend, rank, world_size, dt.timedelta(seconds=60))
+        # Every rank past its connections before any goes on: a rank whose function needs no
+        # collective would otherwise finish and tear its sockets down while a slower rank is still
+        # connecting to it ("Gloo connectFullMesh failed ... Connection closed by peer").
+        dist.barrier()
         # Pickled here, by value: a tensor put on the queue as it is would be shared through a file
         # descriptor that the parent fetches from this process, which may have exited by then.
         reports.put(("ok", rank, pickle.dumps(fn(rank, world_size, *args))))
