@@ -51,6 +51,7 @@ from minillm.course.checks_spec import (
     check_tree_attention_mask,
 )
 from minillm.course.checks_streaming import check_stream_events
+from minillm.course.checks_tp_attention import check_tp_attention
 from minillm.course.exercises import EXERCISES, Exercise, chapters, hint
 from minillm.course.helpers import forward_logits, forward_step, new_cache
 from minillm.course.results import CheckFailed, CheckResult, require_pass
@@ -79,6 +80,7 @@ __all__ = [
     "check_cache_key",
     "check_detokenize_step",
     "check_stream_events",
+    "check_tp_attention",
     "check_causal_attention",
     "check_filter_logits",
     "check_choose_victim",

@@ -551,6 +551,25 @@ EXERCISES: list[Exercise] = [
     ),
     Exercise(
         "09_parallelism",
+        "check_tp_attention",
+        "check_tp_attention(tp_attention)",
+        16,
+        3,
+        3,
+        (
+            "Split the heads, not the hidden size: a rank keeps num_heads // world_size query heads and "
+            "num_kv_heads // world_size K/V heads (whole groups, so its query heads read only its K/V heads): rows "
+            "of wq, wk, wv; attends causally with GQA (query head j reads K/V head j // group); multiplies by its "
+            "columns of wo — a partial [T, H] sum — and all-reduces that.",
+            "`d = wq.shape[0] // num_heads`; `nq, nkv = num_heads // world_size, num_kv_heads // world_size`; "
+            "`q = (x @ wq[rank*nq*d:(rank+1)*nq*d].T).view(t, nq, d).transpose(0, 1)`, k and v likewise with "
+            "nkv; `k, v = k.repeat_interleave(nq // nkv, 0), ...`; scores `q @ k.transpose(1, 2) / math.sqrt(d)` "
+            "with -inf above the diagonal; `out = (scores.softmax(-1) @ v).transpose(0, 1).reshape(t, nq * d) @ "
+            "wo[:, rank*nq*d:(rank+1)*nq*d].T`; `dist.all_reduce(out)`; `return out`.",
+        ),
+    ),
+    Exercise(
+        "09_parallelism",
         "check_kv_heads",
         "check_kv_heads(heads_of_rank)",
         10,
@@ -728,6 +747,7 @@ REFERENCES: dict[str, tuple[str, ...]] = {
     "check_accept_sampled": ("minillm.speculative.acceptance.accept_sampled",),
     "check_rollback": ("minillm.kvcache.block_manager.blocks_to_roll_back",),
     "check_tree_attention_mask": ("minillm.speculative.tree.tree_attention_mask",),
+    "check_tp_attention": ("minillm.course.checks_tp_attention.attention",),
     "check_kv_heads": ("minillm.layers.tensor_parallel.heads_of_rank",),
     "check_prefix_rule": ("minillm.cluster.router.Router.route",),
     "check_detokenize_step": ("minillm.tokenizer.detokenize_step",),

@@ -138,9 +138,10 @@ def _rank_main(fn, rank, world_size, rendezvous, backend, threads, args, reports
         # Pickled here, by value: a tensor put on the queue as it is would be shared through a file
         # descriptor that the parent fetches from this process, which may have exited by then.
         reports.put(("ok", rank, pickle.dumps(fn(rank, world_size, *args))))
-    except BaseException:  # noqa: BLE001 (reported to the parent, which ends every rank)
+    except BaseException as exc:  # noqa: BLE001 (reported to the parent, which ends every rank)
         tb = traceback.format_exc(limit=8)
-        reports.put(("error", rank, tb.strip().splitlines()[-1] + "\n" + tb))  # the error first, then where
+        first = " ".join("".join(traceback.format_exception_only(type(exc), exc)).split())  # one line, however long
+        reports.put(("error", rank, first + "\n" + tb))  # the error first, then where
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
