@@ -105,7 +105,7 @@ def reference(name: str) -> Callable[[Callable], Callable]:
 @contextlib.contextmanager
 def override(**implementations: Callable) -> Iterator[None]:
     """Run the given hooks with these functions inside the ``with``; restore them on the way
-    out, also when the body raises. ``override(take_free_block=mine, release_block=mine_too)``.
+    out, also when the body raises. ``override(block_hash=mine, blocks_to_roll_back=mine_too)``.
 
     Unknown names raise ``ValueError`` (naming the known hooks) and non-callables ``TypeError``,
     before anything is installed."""
@@ -246,23 +246,15 @@ block_hash = _declare(
     """The name of a full block, chained to its prefix: the prefix cache finds, registers and
     imports blocks by it.""",
 )
-take_free_block = _declare(
-    "take_free_block",
-    "take_free_block(bm: BlockManager) -> block id",
-    "03 paged KV cache (the allocator)",
+block_pool = _declare(
+    "block_pool",
+    "block_pool(num_blocks) -> BlockPool (allocate, ref, release, register, lookup, forget)",
+    "03 paged KV cache (the block allocator)",
     "minillm.kvcache.block_manager",
     "minillm/kvcache/block_manager.py",
-    """Hand out one block with ref_count 1: from the free list, else by evicting the least
-    recently used cached block. Every new block of every sequence comes from here.""",
-)
-release_block = _declare(
-    "release_block",
-    "release_block(bm: BlockManager, block_id) -> None",
-    "03 paged KV cache (the allocator)",
-    "minillm.kvcache.block_manager",
-    "minillm/kvcache/block_manager.py",
-    """Drop one reference to a block; at zero it goes to the free list, or — holding a prefix
-    hash — to the evictable cached blocks. A double free raises RuntimeError.""",
+    """The allocator every block manager is built on: the free list, the reference counts, the
+    prefix cache's hash table and its LRU of unreferenced cached blocks. Every block of every
+    sequence is taken, shared, named, found and given back through it.""",
 )
 tokens_to_run = _declare(
     "tokens_to_run",

@@ -109,7 +109,7 @@ def test_an_override_is_restored_after_an_exception_and_nests():
 def test_a_bad_override_installs_nothing():
     reference = hooks.current("block_hash")
     with pytest.raises(TypeError, match="needs a function"):
-        with hooks.override(block_hash=lambda p, t: 0, take_free_block=42):
+        with hooks.override(block_hash=lambda p, t: 0, block_pool=42):
             pass
     with pytest.raises(ValueError):
         with hooks.override(block_hash=lambda p, t: 0, nope=print):
@@ -307,41 +307,54 @@ def test_block_hash_calls_go_through_the_hook(tiny_model):
 
 
 def _block_tables(tiny_model, **override) -> list[dict]:
-    engine = LLMEngine(tiny_model, dtype="fp32", block_size=4)
+    with hooks.override(**override):  # the pool is built with the engine
+        engine = LLMEngine(tiny_model, dtype="fp32", block_size=4)
     engine.record_block_tables = True
-    with hooks.override(**override):
-        for p in PROMPTS:
-            engine.add_request(p, GREEDY)
-        while engine.has_unfinished_requests():
-            engine.step()
+    for p in PROMPTS:
+        engine.add_request(p, GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
     assert engine.stats().kv_blocks_used == 0
+    engine.block_manager.check_invariants()
     return [r.block_tables for r in engine.step_records]
 
 
-def test_take_free_block_calls_go_through_the_hook(tiny_model):
+def test_block_pool_calls_go_through_the_hook(tiny_model):
+    from minillm.kvcache.block_manager import BlockPool
+
     reference = _block_tables(tiny_model)
-    calls = []
-    assert _block_tables(tiny_model, take_free_block=recorder("take_free_block", calls)) == reference
-    assert calls
+    built = []
 
-    def newest_first(bm):  # a valid allocator, but it hands out the free list's other end
-        block_id = bm.free_ids.pop()
-        bm.blocks[block_id].ref_count = 1
-        return block_id
+    def recording(num_blocks):
+        built.append(num_blocks)
+        return hooks.default("block_pool")(num_blocks)
 
-    assert _block_tables(tiny_model, take_free_block=newest_first) != reference
+    assert _block_tables(tiny_model, block_pool=recording) == reference
+    assert len(built) == 1 and built[0] > 0
+
+    class NewestFirst(BlockPool):  # a valid pool, but it hands out the free list's other end
+        def allocate(self):
+            if not self.free_ids:
+                return super().allocate()
+            block_id = self.free_ids.pop()
+            self.blocks[block_id].ref_count = 1
+            return block_id
+
+    assert _block_tables(tiny_model, block_pool=NewestFirst) != reference
 
 
-def test_release_block_calls_go_through_the_hook(paged):
+def test_a_pool_that_never_frees_leaks_every_block(paged):
+    from minillm.kvcache.block_manager import BlockPool
+
     make, reference = paged
-    calls = []
-    llm = make()
-    with hooks.override(release_block=recorder("release_block", calls)):
-        assert tokens(llm) == reference
-    assert calls and llm.engine.stats().kv_blocks_used == 0
-    leaky = make()
-    with hooks.override(release_block=lambda bm, block_id: None):
-        assert tokens(leaky) == reference
+
+    class Leaky(BlockPool):
+        def release(self, block_id):
+            pass
+
+    with hooks.override(block_pool=Leaky):
+        leaky = make()
+    assert tokens(leaky) == reference
     assert leaky.engine.stats().kv_blocks_used > 0  # every block it ever took
 
 

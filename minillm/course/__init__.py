@@ -19,6 +19,7 @@ from minillm.course.checks_attention import (
     check_online_softmax,
     check_window_release,
 )
+from minillm.course.checks_block_pool import check_block_pool
 from minillm.course.checks_cache import check_cached_model
 from minillm.course.checks_forward import check_transformer
 from minillm.course.checks_forward import reference_rms_norm as rms_norm
@@ -36,7 +37,6 @@ from minillm.course.checks_runner import check_prepare_inputs
 from minillm.course.checks_sampling import check_filter_logits
 from minillm.course.checks_server import check_cache_key, check_detokenize_step
 from minillm.course.checks_serving import (
-    check_block_allocation,
     check_block_hash,
     check_choose_victim,
     check_chunk_tokens,
@@ -75,8 +75,8 @@ __all__ = [
     "require_pass",
     "check_accept_greedy",
     "check_accept_sampled",
-    "check_block_allocation",
     "check_block_hash",
+    "check_block_pool",
     "check_cache_key",
     "check_detokenize_step",
     "check_stream_events",

@@ -218,20 +218,6 @@ EXERCISES: list[Exercise] = [
     ),
     Exercise(
         "03_paged_kv_cache",
-        "check_block_allocation",
-        "check_block_allocation(take_free_block, release_block)",
-        14,
-        2,
-        2,
-        (
-            "Take from the free list first; only when it is empty evict the *least* recently used cached block. "
-            "Release: decrement, and at zero a hashed block goes to `evictable`, others to `free_ids`.",
-            "`bm.evictable` is an OrderedDict, oldest first: `popitem(last=False)`, then `del bm.cached[block.hash]` "
-            "and `block.hash = None`. A release of a block whose ref_count is already 0 raises RuntimeError.",
-        ),
-    ),
-    Exercise(
-        "03_paged_kv_cache",
         "check_block_hash",
         "check_block_hash(block_hash)",
         4,
@@ -242,6 +228,28 @@ EXERCISES: list[Exercise] = [
             "bytes, and chain the parent's hash in.",
             "`h = hashlib.sha256(); h.update((parent_hash or 0).to_bytes(8, 'little')); "
             "h.update(struct.pack(f'<{len(ids)}q', *ids))`; return `int.from_bytes(h.digest()[:8], 'little')`.",
+        ),
+    ),
+    Exercise(
+        "03_paged_kv_cache",
+        "check_block_pool",
+        "check_block_pool(BlockPool)",
+        45,
+        3,
+        3,
+        (
+            "Keep blocks (Block objects), free_ids (a deque), cached (hash -> id) and evictable (an OrderedDict, "
+            "oldest first). allocate: the free list first, else evict the oldest evictable block (forgetting its "
+            "name), ref_count 1, RuntimeError when neither. ref: +1, out of evictable if it was unreferenced. "
+            "release: -1 (RuntimeError at 0); at 0 a named block goes to evictable, any other to the free list. "
+            "register: name an unnamed block unless the hash is taken. lookup: the named block only if its stored "
+            "parent and tokens match. forget: drop the name; unreferenced, the block becomes free.",
+            "allocate: `if self.free_ids: b = self.free_ids.popleft()` / `elif self.evictable: b, _ = "
+            "self.evictable.popitem(last=False)`, `del self.cached[blk.hash]`, `blk.hash, blk.parent_hash, "
+            "blk.token_ids = None, None, ()` / `else: raise RuntimeError(...)`; `self.blocks[b].ref_count = 1`. "
+            "release: `if blk.ref_count <= 0: raise RuntimeError`; `blk.ref_count -= 1`; at 0 `self.evictable[b] = "
+            "None` if `blk.hash is not None` else `self.free_ids.append(b)`. lookup: `b = self.cached.get(h)`; None "
+            "unless `blk.parent_hash == parent and blk.token_ids == tuple(token_ids)`.",
         ),
     ),
     Exercise(
@@ -689,9 +697,9 @@ REFERENCES: dict[str, tuple[str, ...]] = {
     ),
     "check_slot_mapping": ("minillm.kvcache.addressing.slot_mapping",),
     "check_gather_kv": ("minillm.attention.paged.gather_kv",),
-    "check_block_allocation": (
-        "minillm.kvcache.block_manager.take_free_block",
-        "minillm.kvcache.block_manager.release_block",
+    "check_block_pool": tuple(
+        f"minillm.kvcache.block_manager.BlockPool.{name}"
+        for name in ("__init__", "allocate", "ref", "release", "register", "lookup", "forget")
     ),
     "check_block_hash": ("minillm.kvcache.block_manager.block_hash",),
     "check_chunk_tokens": ("minillm.engine.scheduler.tokens_to_run",),

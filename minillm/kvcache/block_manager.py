@@ -94,37 +94,6 @@ def blocks_to_roll_back(table: list[int], num_tokens: int, block_size: int) -> t
     return table[:keep], [b for b in reversed(table[keep:]) if b != RELEASED]
 
 
-@hooks.reference("take_free_block")
-def take_free_block(bm: BlockManager) -> int:
-    """Hand out one block with ``ref_count`` 1: the next on the free list, or — when the list
-    is empty — the least recently used cached block, evicted (its hash forgotten)."""
-    if bm.free_ids:
-        block_id = bm.free_ids.popleft()
-    else:  # evict the least recently used cached block
-        block_id, _ = bm.evictable.popitem(last=False)
-        block = bm.blocks[block_id]
-        del bm.cached[block.hash]
-        block.hash, block.parent_hash, block.token_ids = None, None, ()
-    bm.blocks[block_id].ref_count = 1
-    return block_id
-
-
-@hooks.reference("release_block")
-def release_block(bm: BlockManager, block_id: int) -> None:
-    """Drop one reference to ``block_id``. Unreferenced, it goes back on the free list — or, if
-    it holds a prefix hash, to the evictable cached blocks (newest last), its K/V kept for a
-    later hit. Releasing an unreferenced block is a double free: ``RuntimeError``."""
-    block = bm.blocks[block_id]
-    if block.ref_count <= 0:
-        raise RuntimeError(f"block {block_id} freed while not referenced (double free)")
-    block.ref_count -= 1
-    if block.ref_count == 0:
-        if block.hash is not None:
-            bm.evictable[block_id] = None  # keep its K/V for the prefix cache
-        else:
-            bm.free_ids.append(block_id)
-
-
 @dataclass
 class PoolStats:
     """The KV memory of running requests, for step records: counters, not walks over tables.
@@ -147,6 +116,95 @@ class Block:
     token_ids: tuple[int, ...] = ()  # the tokens of a hashed block, to verify a hash hit
 
 
+@hooks.reference("block_pool")
+class BlockPool:
+    """The allocator under the block manager: who holds each block, and which full blocks the
+    prefix cache can still hand out again.
+
+    Four structures, which the manager's statistics and invariant checks read as they are:
+    ``blocks`` (each block's ``ref_count`` and, once registered, its ``hash``, ``parent_hash`` and
+    ``token_ids``), ``free_ids`` (never used, or evicted; handed out first in first out),
+    ``cached`` (prefix hash → block id, for every named block, referenced or not) and
+    ``evictable`` (named blocks nobody references, least recently released first). A block is
+    in exactly one place: referenced, on the free list, or evictable. Chapter 03's exercise
+    writes this class; the engine builds its pool through ``hooks.block_pool``.
+    """
+
+    def __init__(self, num_blocks: int):
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_ids: deque[int] = deque(range(num_blocks))
+        self.cached: dict[int, int] = {}
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+
+    def allocate(self) -> int:
+        """A block with ``ref_count`` 1: the next free one, else the least recently used cached
+        block, evicted (its name forgotten). ``RuntimeError`` when there is neither."""
+        if self.free_ids:
+            block_id = self.free_ids.popleft()
+        elif self.evictable:
+            block_id, _ = self.evictable.popitem(last=False)
+            block = self.blocks[block_id]
+            del self.cached[block.hash]
+            block.hash, block.parent_hash, block.token_ids = None, None, ()
+        else:
+            raise RuntimeError("the KV pool has no free block")
+        self.blocks[block_id].ref_count = 1
+        return block_id
+
+    def ref(self, block_id: int) -> None:
+        """One more owner of a held or cached block (a prefix hit, a fork): a cached block
+        nobody held is no longer evictable."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.evictable[block_id]
+        block.ref_count += 1
+
+    def release(self, block_id: int) -> None:
+        """One owner fewer. Unreferenced, a named block waits in ``evictable`` (newest last) with
+        its K/V kept for a later hit; any other goes back on the free list. Releasing an
+        unreferenced block is a double free: ``RuntimeError``."""
+        block = self.blocks[block_id]
+        if block.ref_count <= 0:
+            raise RuntimeError(f"block {block_id} freed while not referenced (double free)")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is not None:
+                self.evictable[block_id] = None
+            else:
+                self.free_ids.append(block_id)
+
+    def register(self, block_id: int, block_hash: int, parent_hash: int | None, token_ids: Sequence[int]) -> None:
+        """Name a full block by its prefix hash, so a later prompt can find it. A block that
+        has a name keeps it, and a hash that names a block already keeps that block."""
+        block = self.blocks[block_id]
+        if block.hash is None and block_hash not in self.cached:
+            block.hash, block.parent_hash, block.token_ids = block_hash, parent_hash, tuple(token_ids)
+            self.cached[block_hash] = block_id
+
+    def lookup(self, block_hash: int, parent_hash: int | None, token_ids: Sequence[int]) -> int | None:
+        """The block named ``block_hash`` if it holds exactly this prefix (the same parent and
+        tokens: a hash collision is not a hit), else None."""
+        block_id = self.cached.get(block_hash)
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        if block.parent_hash != parent_hash or block.token_ids != tuple(token_ids):
+            return None
+        return block_id
+
+    def forget(self, block_id: int) -> None:
+        """Drop a block's name (a rollback left it part-filled, or the cache is reset): an
+        unreferenced cached block becomes a plain free one."""
+        block = self.blocks[block_id]
+        if block.hash is None:
+            return
+        del self.cached[block.hash]
+        block.hash, block.parent_hash, block.token_ids = None, None, ()
+        if block.ref_count == 0:
+            del self.evictable[block_id]
+            self.free_ids.append(block_id)
+
+
 class BlockManager:
     """Fixed-size blocks, a free list, reference counts, block tables and a prefix cache."""
 
@@ -158,10 +216,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_ids: deque[int] = deque(range(num_blocks))  # never used, or evicted
-        self.cached: dict[int, int] = {}  # block hash -> block id, for every hashed block
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # hashed, unreferenced; LRU first
+        self.pool = hooks.block_pool(num_blocks)  # the allocator (chapter 03's exercise plugs in here)
         self.tables: dict[Hashable, list[int]] = {}  # request id -> block table
         self.num_tokens: dict[Hashable, int] = {}  # request id -> slots reserved in its table
         self.chains: dict[Hashable, list[int]] = {}  # request id -> hashes of its full blocks so far
@@ -176,6 +231,26 @@ class BlockManager:
     # ----------------------------------------------------------------------------------------
     # Counters
     # ----------------------------------------------------------------------------------------
+
+    # The pool's structures, read where statistics and invariants need them (``BlockPool``).
+    @property
+    def blocks(self) -> list[Block]:
+        return self.pool.blocks
+
+    @property
+    def free_ids(self) -> deque[int]:
+        """Never used, or evicted."""
+        return self.pool.free_ids
+
+    @property
+    def cached(self) -> dict[int, int]:
+        """Block hash -> block id, for every hashed block."""
+        return self.pool.cached
+
+    @property
+    def evictable(self) -> OrderedDict[int, None]:
+        """Hashed, unreferenced blocks, least recently used first."""
+        return self.pool.evictable
 
     @property
     def num_free_blocks(self) -> int:
@@ -217,28 +292,22 @@ class BlockManager:
     # Allocation
     # ----------------------------------------------------------------------------------------
 
-    def _ref(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            del self.evictable[block_id]  # back in use: no longer evictable
-        block.ref_count += 1
-
-    # Every block is taken and released through hooks take_free_block and release_block (the
-    # allocator of chapter 03's exercise, module functions above); the counters are kept here,
-    # around them, so a learner's allocator is measured by the same statistics.
+    # Every block is taken, shared and released through the pool (a learner's ``BlockPool`` in
+    # chapter 03); the counters are kept here, around it, so a learner's pool is measured by the
+    # same statistics.
 
     def _take(self) -> int:
-        block_id = hooks.take_free_block(self)
+        block_id = self.pool.allocate()
         self.fill[block_id] = 0
         return block_id
 
     def _attach(self, block_id: int) -> None:
         if self.blocks[block_id].ref_count == 0:  # back in use: its slots count again
             self.num_filled_slots += self.fill[block_id]
-        self._ref(block_id)
+        self.pool.ref(block_id)
 
     def _release(self, block_id: int) -> None:
-        hooks.release_block(self, block_id)
+        self.pool.release(block_id)
         if self.blocks[block_id].ref_count == 0:
             self.num_filled_slots -= self.fill[block_id]
             if self.blocks[block_id].hash is None:
@@ -265,12 +334,9 @@ class BlockManager:
             for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
                 chunk = tokens[start : start + self.block_size]
                 h = hooks.block_hash(parent, chunk)
-                block_id = self.cached.get(h)
+                block_id = self.pool.lookup(h, parent, chunk)  # None on a miss, or a collision
                 if block_id is None:
                     break
-                block = self.blocks[block_id]
-                if block.parent_hash != parent or block.token_ids != tuple(chunk):
-                    break  # a hash collision: not the same prefix after all
                 self._attach(block_id)
                 table.append(block_id)
                 parent = h
@@ -356,10 +422,7 @@ class BlockManager:
             chain.append(h)
             if table[j] == RELEASED:  # gone behind a sliding window: only the hash chain goes on
                 continue
-            block = self.blocks[table[j]]
-            if block.hash is None and h not in self.cached:  # else this content is cached already
-                block.hash, block.parent_hash, block.token_ids = h, parent, tuple(chunk)
-                self.cached[h] = block.block_id
+            self.pool.register(table[j], h, parent, chunk)  # unless this content is cached already
 
     def fork(self, parent: PagedSequence, child: PagedSequence) -> None:
         """``child`` shares every block of ``parent`` (e.g. several samples of one prompt)."""
@@ -418,9 +481,7 @@ class BlockManager:
         if keep and partial < self.block_size and table[-1] != RELEASED:
             block = self.blocks[table[-1]]
             if block.ref_count == 1:  # ours alone: no longer full, so no longer a cached prefix
-                if block.hash is not None:
-                    del self.cached[block.hash]
-                    block.hash, block.parent_hash, block.token_ids = None, None, ()
+                self.pool.forget(block.block_id)
                 self._set_fill(block.block_id, partial)
         del self.chains[seq.request_id][num_tokens // self.block_size :]
         self.num_tokens[seq.request_id] = num_tokens
@@ -463,15 +524,13 @@ class BlockManager:
         parent = None
         for j, h in enumerate(prompt_block_hashes(token_ids, self.block_size)):
             chunk = tuple(token_ids[j * self.block_size : (j + 1) * self.block_size])
-            block_id = self.cached.get(h)
-            if block_id is not None and self.blocks[block_id].token_ids == chunk:
+            block_id = self.pool.lookup(h, parent, chunk)
+            if block_id is not None:
                 self._attach(block_id)  # held, so importing the next block cannot evict it
-            elif block_id is None and self.num_free_blocks > 0:
+            elif h not in self.cached and self.num_free_blocks > 0:
                 block_id = self._take()
                 self._set_fill(block_id, self.block_size)
-                block = self.blocks[block_id]
-                block.hash, block.parent_hash, block.token_ids = h, parent, chunk
-                self.cached[h] = block_id
+                self.pool.register(block_id, h, parent, chunk)
                 to_fill.append((j, block_id))
             else:
                 break
@@ -489,13 +548,9 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached, unreferenced block and the hit statistics (blocks in use keep theirs)."""
-        while self.evictable:
-            block_id, _ = self.evictable.popitem(last=False)
-            block = self.blocks[block_id]
-            del self.cached[block.hash]
-            block.hash, block.parent_hash, block.token_ids = None, None, ()
+        for block_id in list(self.evictable):
+            self.pool.forget(block_id)  # unreferenced: back on the free list
             self.fill[block_id] = 0
-            self.free_ids.append(block_id)
         self.prefix_queries = self.prefix_hits = 0
 
     # ----------------------------------------------------------------------------------------
