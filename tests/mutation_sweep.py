@@ -512,6 +512,16 @@ EQUIVALENT: dict[str, dict[str, str]] = {
             "[B, 1, 1, T, S]"
         ),
     },
+    "check_speculative_decode": {
+        **{
+            f"line 2: {change} in `cache = new_cache(model, len(ids) + max_new_tokens + k + 1)`": (
+                "the cache needs at most len(prompt) + max_new_tokens + k - 1 positions (the last pass starts at "
+                "position len(prompt) + max_new_tokens - 2 at the latest and feeds k + 1 tokens): a cache a position "
+                "or two larger, or exactly that size, holds the same K/V"
+            )
+            for change in ("`+` → `-`", "`1` → `2`", "`1` → `0`")
+        },
+    },
     "check_flash_kernel": {
         'line 21: `0.0` → `1.0` in `m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)`': (
             "m_safe stands in only for rows that have seen no key (m_new = -inf): there p = exp(-inf - m_safe) and "

@@ -50,6 +50,7 @@ from minillm.course.checks_spec import (
     check_rollback,
     check_tree_attention_mask,
 )
+from minillm.course.checks_spec_step import check_speculative_decode
 from minillm.course.checks_streaming import check_stream_events
 from minillm.course.checks_tp_attention import check_tp_attention
 from minillm.course.exercises import EXERCISES, Exercise, chapters, hint
@@ -79,6 +80,7 @@ __all__ = [
     "check_block_pool",
     "check_cache_key",
     "check_detokenize_step",
+    "check_speculative_decode",
     "check_stream_events",
     "check_tp_attention",
     "check_causal_attention",

@@ -40,12 +40,50 @@ def _class_of(BlockPool) -> type:
     return cls
 
 
-def _pool(cls: type, num_blocks: int):
-    """``cls(num_blocks)`` whose methods report what they raise as the learner's."""
-    pool = learner_function(cls)(num_blocks)
-    for name in METHODS:
-        setattr(pool, name, learner_function(getattr(pool, name)))
-    return pool
+class GradedPool:
+    """The learner's pool, built from their class, with each method's exceptions reported as
+    theirs; the manager reads the four structures through it."""
+
+    def __init__(self, cls: type, num_blocks: int):
+        self.inner = learner_function(cls)(num_blocks)
+
+    @property
+    def blocks(self):
+        return self.inner.blocks
+
+    @property
+    def free_ids(self):
+        return self.inner.free_ids
+
+    @property
+    def cached(self):
+        return self.inner.cached
+
+    @property
+    def evictable(self):
+        return self.inner.evictable
+
+    def allocate(self) -> int:
+        return learner_function(self.inner.allocate)()
+
+    def ref(self, block_id: int) -> None:
+        learner_function(self.inner.ref)(block_id)
+
+    def release(self, block_id: int) -> None:
+        learner_function(self.inner.release)(block_id)
+
+    def register(self, block_id: int, block_hash: int, parent_hash, token_ids) -> None:
+        learner_function(self.inner.register)(block_id, block_hash, parent_hash, token_ids)
+
+    def lookup(self, block_hash: int, parent_hash, token_ids):
+        return learner_function(self.inner.lookup)(block_hash, parent_hash, token_ids)
+
+    def forget(self, block_id: int) -> None:
+        learner_function(self.inner.forget)(block_id)
+
+
+def _pool(cls: type, num_blocks: int) -> GradedPool:
+    return GradedPool(cls, num_blocks)
 
 
 def _raises_runtime_error(call, what: str, should: str) -> None:
@@ -235,25 +273,25 @@ def _live(cls: type, model: str) -> str:
     from minillm.course.checks_serving import (
         PROMPTS,
         SYSTEM,
-        _check_pool,
-        _compare_requests,
-        _paged_engine,
-        _pool_bytes,
-        _reference,
-        _run_all,
+        assert_pool_clean,
+        compare_request_tokens,
+        contiguous_reference,
+        paged_engine,
+        pool_bytes,
+        run_all,
     )
 
     prompts = [SYSTEM + p for p in PROMPTS] * 2
-    args = dict(block_size=4, kv_cache_memory=_pool_bytes(model, 40, 4), enable_prefix_caching=True)
-    package = _paged_engine(model, **args)
-    _run_all(package, prompts)
+    args = dict(block_size=4, kv_cache_memory=pool_bytes(model, 40, 4), enable_prefix_caching=True)
+    package = paged_engine(model, **args)
+    run_all(package, prompts)
     with hooks.override(block_pool=lambda num_blocks: _pool(cls, num_blocks)):
-        engine = _paged_engine(model, **args)
-    if not isinstance(engine.block_manager.pool, cls):
+        engine = paged_engine(model, **args)
+    if not isinstance(engine.block_manager.pool, GradedPool):
         raise CheckError("the engine was not built on the learner's class")
-    outputs = _run_all(engine, prompts)
-    _check_pool(engine)
-    _compare_requests(outputs, _reference(model, tuple(prompts)), "the engine on your BlockPool",
+    outputs = run_all(engine, prompts)
+    assert_pool_clean(engine)
+    compare_request_tokens(outputs, contiguous_reference(model, tuple(prompts)), "the engine on your BlockPool",
                       "the diagnosis passed: what differs when many requests share and evict blocks?")  # fmt: skip
     hits, expected = engine.block_manager.prefix_hits, package.block_manager.prefix_hits
     if hits != expected:

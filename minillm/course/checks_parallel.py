@@ -35,7 +35,7 @@ class _InLearner(Exception):
     """Raised on a rank when the learner's code raised there; its message is the learner's error."""
 
 
-def _source(fn, what: str) -> str:
+def source_of(fn, what: str) -> str:
     """The learner's function as text, to be run on the ranks (they cannot unpickle a notebook's function)."""
     name = getattr(fn, "__name__", "")
     try:
@@ -50,14 +50,14 @@ def _source(fn, what: str) -> str:
     return source
 
 
-def _learner_fn(source: str, name: str):
+def learner_fn_from_source(source: str, name: str):
     """On a rank: define the learner's function again from its source (with the usual imports)."""
     space = {"torch": torch, "F": F, "dist": dist, "math": math}
     exec(compile(source, f"<your {name}>", "exec"), space)  # the learner's own code, in a namespace of its own
     return space[name]
 
 
-def _as_learner(call, *args):
+def as_learner(call, *args):
     """On a rank: run learner code; what it raises is reported as the learner's."""
     try:
         return call(*args)
@@ -65,7 +65,7 @@ def _as_learner(call, *args):
         raise _InLearner(f"{type(err).__name__}: {err}") from None
 
 
-def _ranks(child, world: int, *args, hints: dict[str, str] | None = None) -> list:
+def run_on_ranks(child, world: int, *args, hints: dict[str, str] | None = None) -> list:
     """``run_ranks`` with its failures turned into verdicts: the learner's error as a CheckFailed
     (with the rank, and a hint chosen by what the error says), a collective that not every rank
     joined as just that."""
@@ -116,7 +116,7 @@ def _mlp(x, gate, up, down) -> torch.Tensor:
     return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
 
 
-class _AllReduceWatch(TorchDispatchMode):
+class AllReduceWatch(TorchDispatchMode):
     """Sees every collective the learner's code makes, however it is spelled (``dist.all_reduce``,
     ``torch.distributed.all_reduce``, a process group's own method): each reaches PyTorch's
     dispatcher as a ``c10d`` operator (``c10d.allreduce_``, ``c10d.reduce_``, ...). Nothing is
@@ -147,9 +147,9 @@ def _tp_mlp_rank(rank, world, source, name, x, gate, up, down) -> dict:
     """One rank: run the learner's function, counting its all-reduces, and return what it
     returned — as a numpy array, which travels to the parent by value: a tensor would be shared
     through a file descriptor that the rank, exiting, may close before the parent reads it."""
-    fn = _as_learner(_learner_fn, source, name)
-    with _AllReduceWatch() as watch:
-        out = _as_learner(fn, x.clone(), gate.clone(), up.clone(), down.clone(), rank, world)
+    fn = as_learner(learner_fn_from_source, source, name)
+    with AllReduceWatch() as watch:
+        out = as_learner(fn, x.clone(), gate.clone(), up.clone(), down.clone(), rank, world)
     array = out.detach().float().cpu().numpy() if isinstance(out, torch.Tensor) else None
     return {"out": array, "type": type(out).__name__, "all_reduces": watch.shapes, "collectives": watch.others}
 
@@ -262,7 +262,7 @@ def _diagnose_mlp(results: list[dict], ref: torch.Tensor, partial: list[torch.Te
 def check_tp_mlp(tp_mlp) -> str:
     """``tp_mlp(x, gate, up, down, rank, world_size) -> Tensor``: one rank's share of a SwiGLU MLP
     (column-parallel gate/up, row-parallel down) and the one all-reduce that completes it."""
-    source = _source(tp_mlp, "tp_mlp")
+    source = source_of(tp_mlp, "tp_mlp")
     g = torch.Generator().manual_seed(9)
     x = torch.randn(TOKENS, HIDDEN, generator=g)
     gate, up = (torch.randn(INTER, HIDDEN, generator=g) / HIDDEN**0.5 for _ in range(2))
@@ -274,7 +274,7 @@ def check_tp_mlp(tp_mlp) -> str:
         "gate and up are [I, H]: a rank keeps rows lo:hi of both; down is [H, I]: it keeps the matching "
         "columns down[:, lo:hi] (its input dimension)"
     )
-    results = _ranks(_tp_mlp_rank, WORLD, source, tp_mlp.__name__, x, gate, up, down, hints={"shapes": hint})
+    results = run_on_ranks(_tp_mlp_rank, WORLD, source, tp_mlp.__name__, x, gate, up, down, hints={"shapes": hint})
     for res in results:
         res["out"] = None if res["out"] is None else torch.from_numpy(res["out"])
     _diagnose_mlp(results, ref, partial, (x, gate, up, down))
@@ -506,10 +506,10 @@ def _kv_tokens_rank(rank, world, source, name, folder, prompt, steps):
     from minillm.layers.tensor_parallel import ParallelContext
     from minillm.models.loader import load_model
 
-    fn = _as_learner(_learner_fn, source, name)
+    fn = as_learner(learner_fn_from_source, source, name)
 
     def heads_of_rank(*args):  # the model slices weights with .start/.stop: hand it ranges
-        q, kv = (list(h) for h in _as_learner(fn, *args))
+        q, kv = (list(h) for h in as_learner(fn, *args))
         return range(q[0], q[-1] + 1), range(kv[0], kv[-1] + 1)
 
     with hooks.override(heads_of_rank=heads_of_rank):  # every attention layer's shard
@@ -525,7 +525,7 @@ def check_kv_heads(heads_of_rank) -> str:
     from minillm.assets import resolve_model
     from minillm.models.loader import load_model
 
-    source = _source(heads_of_rank, "heads_of_rank")
+    source = source_of(heads_of_rank, "heads_of_rank")
     for nh, nkv, tp, what in HEAD_CASES:
         _check_layout(heads_of_rank, nh, nkv, tp, what)
     for nh, nkv, tp in IMPOSSIBLE:
@@ -535,7 +535,7 @@ def check_kv_heads(heads_of_rank) -> str:
     for model, tp in TOKEN_RUNS:
         folder = resolve_model(model)
         expected = _greedy(load_model(folder, torch.float32, "cpu", 64), PROMPT_IDS, NEW_TOKENS)
-        got = _ranks(_kv_tokens_rank, tp, source, heads_of_rank.__name__, str(folder), PROMPT_IDS, NEW_TOKENS)[0]
+        got = run_on_ranks(_kv_tokens_rank, tp, source, heads_of_rank.__name__, str(folder), PROMPT_IDS, NEW_TOKENS)[0]
         if got != expected:
             raise CheckFailed(
                 f"built with your heads_of_rank at TP={tp}, {model} generated {got}; the single-process model "

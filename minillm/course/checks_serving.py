@@ -42,7 +42,7 @@ def _params():
 
 
 @functools.lru_cache(maxsize=4)
-def _reference(model: str, prompts: tuple[str, ...]) -> list[list[int]]:
+def contiguous_reference(model: str, prompts: tuple[str, ...]) -> list[list[int]]:
     """Each prompt alone through the contiguous-cache engine (chapter 02's rung)."""
     from minillm import LLM
 
@@ -50,13 +50,13 @@ def _reference(model: str, prompts: tuple[str, ...]) -> list[list[int]]:
     return [llm.generate(p, _params())[0].token_ids for p in prompts]
 
 
-def _paged_engine(model: str, **kwargs):
+def paged_engine(model: str, **kwargs):
     from minillm import LLMEngine
 
     return LLMEngine(model, dtype="fp32", attention_backend="torch", **kwargs)
 
 
-def _pool_bytes(engine_model: str, blocks: int, block_size: int) -> int:
+def pool_bytes(engine_model: str, blocks: int, block_size: int) -> int:
     from minillm.assets import resolve_model
     from minillm.config import ModelConfig
     from minillm.kvcache.addressing import kv_bytes_per_token
@@ -65,7 +65,7 @@ def _pool_bytes(engine_model: str, blocks: int, block_size: int) -> int:
     return blocks * block_size * kv_bytes_per_token(config, torch.float32)
 
 
-def _run_all(engine, prompts, max_steps: int = 2000) -> dict:
+def run_all(engine, prompts, max_steps: int = 2000) -> dict:
     """Add every prompt, step to completion; outputs by request id. Fails on a hang or loss."""
     ids = [engine.add_request(p, _params()) for p in prompts]
     done: dict = {}
@@ -83,7 +83,7 @@ def _run_all(engine, prompts, max_steps: int = 2000) -> dict:
     return {i: done[i] for i in ids}
 
 
-def _compare_requests(outputs: dict, expected: list[list[int]], what: str, hint: str) -> None:
+def compare_request_tokens(outputs: dict, expected: list[list[int]], what: str, hint: str) -> None:
     for n, (out, ref) in enumerate(zip(outputs.values(), expected)):
         got = out.token_ids
         if got != ref:
@@ -98,14 +98,14 @@ def _run_scattered(model: str, hook: dict, what: str, hint: str) -> None:
     """Every prompt through a paged engine whose free list is scattered (a sequence's blocks
     are not adjacent in the pool), with ``hook`` = {hook name: the learner's function} in
     place; each request must match the contiguous cache."""
-    engine = _paged_engine(model, block_size=4)
+    engine = paged_engine(model, block_size=4)
     engine.block_manager.free_ids.rotate(7)
     with hooks.override(**hook):
-        outputs = _run_all(engine, PROMPTS)
-    _compare_requests(outputs, _reference(model, tuple(PROMPTS)), what, hint)
+        outputs = run_all(engine, PROMPTS)
+    compare_request_tokens(outputs, contiguous_reference(model, tuple(PROMPTS)), what, hint)
 
 
-def _check_pool(engine) -> None:
+def assert_pool_clean(engine) -> None:
     try:
         engine.block_manager.check_invariants()
     except AssertionError as err:
@@ -451,20 +451,20 @@ def check_block_hash(block_hash, model: str = DEFAULT_MODEL) -> str:
         )
     _check_hash_width(block_hash)
     prompts = [SYSTEM + p for p in PROMPTS[:3]]
-    engine = _paged_engine(model, block_size=8)
+    engine = paged_engine(model, block_size=8)
     with hooks.override(block_hash=block_hash):
-        first = _run_all(engine, prompts[:1])
-        rest = _run_all(engine, prompts[1:])
-    _compare_requests(
+        first = run_all(engine, prompts[:1])
+        rest = run_all(engine, prompts[1:])
+    compare_request_tokens(
         first | rest,
-        _reference(model, tuple(prompts)),
+        contiguous_reference(model, tuple(prompts)),
         "requests with a cached prefix",
         "hash (parent_hash, tuple(token_ids))",
     )
     hits = [o.num_cached_tokens for o in rest.values()]
     if min(hits) == 0:
         raise CheckFailed("later requests sharing the system prompt found nothing in the prefix cache")
-    _check_pool(engine)
+    assert_pool_clean(engine)
     return (
         f"with your hash, requests sharing the {len(engine.tokenizer.encode(SYSTEM))}-token system prompt reused "
         f"{hits} of their prompt tokens from the cache, tokens identical to recomputing them"
@@ -615,12 +615,12 @@ def check_chunk_tokens(chunk_tokens, model: str = DEFAULT_MODEL) -> str:
 
     steps = []
     for chunked in (True, False):
-        engine = _paged_engine(model, block_size=4, max_num_batched_tokens=8, enable_chunked_prefill=chunked)
+        engine = paged_engine(model, block_size=4, max_num_batched_tokens=8, enable_chunked_prefill=chunked)
         with hooks.override(tokens_to_run=tokens_to_run):
             outputs = _run_arriving(engine, PROMPTS)
-        _compare_requests(
+        compare_request_tokens(
             outputs,
-            _reference(model, tuple(PROMPTS)),
+            contiguous_reference(model, tuple(PROMPTS)),
             f"requests with an 8-token budget, chunked_prefill={chunked}, on your chunk_tokens",
             "the budget is shared by the whole step",
         )
@@ -685,8 +685,8 @@ def check_choose_victim(choose_victim, model: str = DEFAULT_MODEL) -> str:
                     f" (with equal priorities the earlier arrival, {got}, outranks {seq}: compare the whole sort_key)"
                 )
             raise CheckFailed(f"{call} returned {got!r}, expected {expected}: {why}")
-    engine = _paged_engine(
-        model, block_size=4, max_num_batched_tokens=32, max_num_seqs=4, kv_cache_memory=_pool_bytes(model, 24, 4)
+    engine = paged_engine(
+        model, block_size=4, max_num_batched_tokens=32, max_num_seqs=4, kv_cache_memory=pool_bytes(model, 24, 4)
     )
     victims = []
 
@@ -700,13 +700,13 @@ def check_choose_victim(choose_victim, model: str = DEFAULT_MODEL) -> str:
     priorities = [1, 0, 1, 0, 2]
     with hooks.override(choose_victim=chooser):
         outputs = _run_arriving(engine, PROMPTS, priorities)
-    _compare_requests(
+    compare_request_tokens(
         outputs,
-        _reference(model, tuple(PROMPTS)),
+        contiguous_reference(model, tuple(PROMPTS)),
         "requests preempted by your choice",
         "a preempted request recomputes its tokens later; the choice only decides who waits",
     )
-    _check_pool(engine)
+    assert_pool_clean(engine)
     if not victims:
         raise CheckError("the workload was meant to run out of blocks, but nothing was preempted")
     return (
@@ -762,8 +762,8 @@ def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -
     from minillm.sequence import SequenceStatus
 
     budget = 16
-    engine = _paged_engine(
-        model, block_size=4, max_num_batched_tokens=budget, max_num_seqs=4, kv_cache_memory=_pool_bytes(model, 24, 4)
+    engine = paged_engine(
+        model, block_size=4, max_num_batched_tokens=budget, max_num_seqs=4, kv_cache_memory=pool_bytes(model, 24, 4)
     )
     steps = []
     queue: list = []  # the waiting sequences in order, as the current step began
@@ -926,19 +926,19 @@ def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -
             "no request ever joined while others were running: that is static batching. Admit waiting "
             "sequences in the same step as the running ones, while seats, budget and blocks last"
         )
-    _compare_requests(
+    compare_request_tokens(
         done,
-        _reference(model, tuple(PROMPTS)),
+        contiguous_reference(model, tuple(PROMPTS)),
         "requests under your scheduler",
         "schedule decodes first, then admit in FCFS order",
     )
-    _check_pool(engine)
+    assert_pool_clean(engine)
     preemptions = sum(o.num_preemptions for o in done.values())
     if not preemptions:
         raise CheckError("the workload was meant to run out of blocks, but nothing was preempted")
     # A hand-made state: request 0 (priority 1) is ahead of the more urgent request 1 (priority 0) in
     # scheduler.running, both decoding, and one step has a budget of one token: it goes to request 1.
-    small = _paged_engine(model, block_size=4, max_num_batched_tokens=budget, max_num_seqs=4)
+    small = paged_engine(model, block_size=4, max_num_batched_tokens=budget, max_num_seqs=4)
     with hooks.override(schedule=schedule_step, reserve=reserve, try_admit=try_admit, tokens_to_run=tokens_to_run):
         for priority in (1, 0):
             small.add_request(PROMPTS[4], _params(), priority=priority)
@@ -951,7 +951,7 @@ def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -
         small.step()
         # And one request decoding, one waiting, a budget of 2 (chunked prefill, the default): the decode
         # takes 1 token and the newcomer's prompt starts with a chunk of the 1 left.
-        tight = _paged_engine(model, block_size=4, max_num_batched_tokens=budget, max_num_seqs=4)
+        tight = paged_engine(model, block_size=4, max_num_batched_tokens=budget, max_num_seqs=4)
         tight.add_request(PROMPTS[4], _params())
         tight.step()
         decoding = tight.scheduler.running[0]
@@ -966,8 +966,8 @@ def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -
         # B's chunk takes the whole budget.
         from minillm import SamplingParams
 
-        squeezed = _paged_engine(model, block_size=4, max_num_batched_tokens=budget, max_num_seqs=4,
-                                 kv_cache_memory=_pool_bytes(model, 9, 4), enable_prefix_caching=False)  # fmt: skip
+        squeezed = paged_engine(model, block_size=4, max_num_batched_tokens=budget, max_num_seqs=4,
+                                 kv_cache_memory=pool_bytes(model, 9, 4), enable_prefix_caching=False)  # fmt: skip
         squeezed.add_request(list(range(5, 17)), SamplingParams(max_tokens=12, ignore_eos=True), priority=1)
         for _ in range(2):
             squeezed.step()

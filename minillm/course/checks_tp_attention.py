@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from minillm.course.checks_parallel import _AllReduceWatch, _as_learner, _learner_fn, _ranks, _source
+from minillm.course.checks_parallel import AllReduceWatch, as_learner, learner_fn_from_source, run_on_ranks, source_of
 from minillm.course.results import CheckFailed, check
 
 WORLD, TOKENS = 2, 6
@@ -81,11 +81,11 @@ def _model_case() -> tuple:
 def _rank(rank, world, source, name, cases) -> list[dict]:
     """One rank: the learner's function on every case, its all-reduces counted (outputs as numpy:
     a tensor would travel through a file descriptor the exiting rank may close first)."""
-    fn = _as_learner(_learner_fn, source, name)
+    fn = as_learner(learner_fn_from_source, source, name)
     results = []
     for x, wq, wk, wv, wo, nh, nkv in cases:
-        with _AllReduceWatch() as watch:
-            out = _as_learner(fn, x.clone(), wq.clone(), wk.clone(), wv.clone(), wo.clone(), nh, nkv, rank, world)
+        with AllReduceWatch() as watch:
+            out = as_learner(fn, x.clone(), wq.clone(), wk.clone(), wv.clone(), wo.clone(), nh, nkv, rank, world)
         array = out.detach().float().cpu().numpy() if isinstance(out, torch.Tensor) else None
         results.append({"out": array, "type": type(out).__name__, "all_reduces": watch.shapes})
     return results
@@ -169,7 +169,7 @@ def try_on_ranks(tp_attention, seed: int = 0) -> tuple[list[torch.Tensor], torch
     """Run ``tp_attention`` on two ranks over a small hand-made layer (8 query heads over 4 K/V
     heads, hidden size 40, 6 tokens): each rank's output, and the one-process attention's."""
     case = _case(seed, 40, 8, 4, 8)
-    results = _ranks(_rank, WORLD, _source(tp_attention, "tp_attention"), tp_attention.__name__, [case])
+    results = run_on_ranks(_rank, WORLD, source_of(tp_attention, "tp_attention"), tp_attention.__name__, [case])
     outs = [None if r[0]["out"] is None else torch.from_numpy(r[0]["out"]) for r in results]
     return outs, attention(*case)
 
@@ -177,7 +177,7 @@ def try_on_ranks(tp_attention, seed: int = 0) -> tuple[list[torch.Tensor], torch
 @check
 def check_tp_attention(tp_attention) -> str:
     """``tp_attention(x, wq, wk, wv, wo, num_heads, num_kv_heads, rank, world_size) -> [T, H]``."""
-    source = _source(tp_attention, "tp_attention")
+    source = source_of(tp_attention, "tp_attention")
     cases = [
         ("8 query heads over 4 K/V heads (2 ranks)", _case(11, 40, 8, 4, 8)),
         ("6 query heads over 2 K/V heads, groups of 3 (2 ranks)", _case(12, 40, 6, 2, 8)),
@@ -189,7 +189,7 @@ def check_tp_attention(tp_attention) -> str:
         "invalid for input of size": "split the heads, not the hidden size: num_heads // world_size query heads and "
         "num_kv_heads // world_size K/V heads per rank, each of dim = wq.shape[0] // num_heads",
     }
-    per_rank = _ranks(_rank, WORLD, source, tp_attention.__name__, [c for _, c in cases], hints=hints)
+    per_rank = run_on_ranks(_rank, WORLD, source, tp_attention.__name__, [c for _, c in cases], hints=hints)
     for k, (what, case) in enumerate(cases):
         _diagnose(what, case, [per_rank[r][k] for r in range(WORLD)])
     x, wq = cases[-1][1][:2]

@@ -531,6 +531,25 @@ EXERCISES: list[Exercise] = [
     ),
     Exercise(
         "08_speculative_decoding",
+        "check_speculative_decode",
+        "check_speculative_decode(speculative_decode)",
+        14,
+        2,
+        3,
+        (
+            "One cache for the whole run. Prefill the prompt in one pass and take its last row's argmax. Then, "
+            "until max_new_tokens are made: propose up to k tokens with propose_ngram(ids, k), run the last token "
+            "and the proposals in one pass at position len(ids) - 1, keep what accept_greedy says, and start the "
+            "next pass after the kept tokens — that overwrites the rejected proposals' K/V (the rollback). Count "
+            "every pass, the prefill too.",
+            "`cache = new_cache(model, len(ids) + max_new_tokens + k + 1)`; `logits = forward_step(model, ids, 0, "
+            "cache)`; `ids.append(int(logits[-1].argmax()))`; loop: `drafts = propose_ngram(ids, k)`, `logits = "
+            "forward_step(model, [ids[-1]] + drafts, len(ids) - 1, cache)`, `ids += accept_greedy(logits.argmax(-1)"
+            ".tolist(), drafts)`; return `(ids[len(prompt_ids):][:max_new_tokens], passes)`.",
+        ),
+    ),
+    Exercise(
+        "08_speculative_decoding",
         "check_tree_attention_mask",
         "check_tree_attention_mask(tree_attention_mask)",
         5,

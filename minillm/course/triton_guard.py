@@ -74,11 +74,11 @@ def bounds_checked() -> Iterator[None]:
             _state.ranges = outer
 
     def checked_load(ptrs, mask, other, cache_policy, is_volatile):
-        _check("load", ptrs, mask, np.dtype(interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize)
+        _check("load", ptrs, mask, ptrs.get_element_ty().primitive_bitwidth // 8)
         return load(ptrs, mask, other, cache_policy, is_volatile)
 
     def checked_store(ptrs, value, mask, cache_policy):
-        _check("store", ptrs, mask, np.dtype(interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize)
+        _check("store", ptrs, mask, ptrs.get_element_ty().primitive_bitwidth // 8)
         return store(ptrs, value, mask, cache_policy)
 
     interpreter.GridExecutor.__call__ = call
