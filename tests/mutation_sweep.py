@@ -420,15 +420,15 @@ EQUIVALENT: dict[str, dict[str, str]] = {
         ),
     },
     "check_quantize_int4": {
-        "line 3: `1e-12` → `2e-12` in `scale = ((w.amax(dim=-1) - minimum) / 15).clamp(min=1e-12)`": (
+        "line 5: `1e-12` → `2e-12` in `scale = ((w.amax(dim=-1) - minimum) / 15).clamp(min=1e-12)`": (
             "the floor only keeps a constant group's scale from 0 (any positive scale gives its weights level 0 and "
             "back min exactly); 2e-12 is as far below any real group's step as 1e-12"
         ),
-        "line 4: `0` → `-1` in `q = torch.round((w - minimum[..., None]) / scale[..., Non...`": (
+        "line 6: `0` → `-1` in `q = torch.round((w - minimum[..., None]) / scale[..., Non...`": (
             "w - minimum is >= 0 (a float subtraction of the group's min never goes negative), so q is never below 0 "
             "and the lower clamp never binds"
         ),
-        "line 4: `15` → `16` in `q = torch.round((w - minimum[..., None]) / scale[..., Non...`": (
+        "line 6: `15` → `16` in `q = torch.round((w - minimum[..., None]) / scale[..., Non...`": (
             "(w - min) / scale is at most (max - min) / ((max - min) / 15) = 15 plus far less than half a step of "
             "float error, so after rounding a clamp at 16 never binds"
         ),

@@ -17,7 +17,7 @@ import torch
 
 import minillm.hooks as hooks
 from minillm.course.compare import compare_tokens
-from minillm.course.results import CheckFailed, check
+from minillm.course.results import CheckFailed, check, learner_cause
 
 QUANT_MODEL = "tiny-shakespeare-8m"  # trained here in fp32: quantization error is its own, not inherited
 PROMPTS = ["KING.\nNow is the winter of our discontent", "ROMEO.\nBut soft, what light", "HAMLET.\nTo be, or not"]
@@ -510,6 +510,34 @@ def _relative_error(w: torch.Tensor, parts) -> float:
     return float((back - w.float()).norm() / w.float().norm())
 
 
+def _check_group_mismatch(quantize_int4_groups) -> None:
+    """A group size that does not divide the input features is bad input: a ValueError naming it.
+    (Without a check, reshape either raises about shapes, naming neither number, or — reshaping
+    the whole matrix flat — makes groups that span two rows.)"""
+    weight = torch.randn(4, 40, generator=torch.Generator().manual_seed(13))
+    try:
+        quantize_int4_groups(weight, 32)
+    except Exception as err:
+        raised = learner_cause(err) or err
+        if not isinstance(raised, ValueError):
+            raise CheckFailed(
+                f"quantize_int4_groups on a [4, 40] weight in groups of 32 raised {type(raised).__name__}: {raised}. "
+                "40 inputs do not split into groups of 32: check cols % group_size first and raise ValueError "
+                "naming group_size and the input features"
+            ) from None
+        if "32" not in str(raised) or "40" not in str(raised):
+            raise CheckFailed(
+                f"quantize_int4_groups raised ValueError({str(raised)!r}) for groups of 32 over 40 inputs: name both "
+                "numbers, so the caller sees which layer and which setting clash"
+            ) from None
+        return
+    raise CheckFailed(
+        "quantize_int4_groups quantized a [4, 40] weight in groups of 32 without complaint: 40 inputs do not split "
+        "into groups of 32 (the last 8 belong to no group, or a group spans two rows) — raise ValueError naming "
+        "group_size and the input features"
+    )
+
+
 @check
 def check_quantize_int4(quantize_int4_groups, model: str = QUANT_MODEL) -> str:
     """``quantize_int4_groups(weight[out, in], group_size) -> (q uint8 [out, in], scale [out, groups],
@@ -556,6 +584,7 @@ def check_quantize_int4(quantize_int4_groups, model: str = QUANT_MODEL) -> str:
         compare_tokens(
             got, ref, f"prompt {n} on your int4 weights", "compare q, scale and minimum with quantize_int4's"
         )
+    _check_group_mismatch(quantize_int4_groups)
     return (
         f"your quantizer ran on the {len(calls)} decoder linear layers of the {model.split('-')[-1].upper()} model "
         f"in groups of {calls[0]} ({learner.model.weight_bytes() / 1e6:.1f} MB of weights held): "

@@ -424,13 +424,15 @@ EXERCISES: list[Exercise] = [
         "07_quantization",
         "check_quantize_int4",
         "check_quantize_int4(quantize_int4_groups)",
-        5,
+        7,
         2,
         2,
         (
             "View the row-major weight as [out, in // group_size, group_size]: the last axis is one group of "
-            "consecutive input weights. Its min maps to level 0, its max to 15; a constant group has max = min.",
-            "`w = weight.float().reshape(weight.shape[0], -1, group_size)`; `minimum = w.amin(-1)`; "
+            "consecutive input weights. Its min maps to level 0, its max to 15; a constant group has max = min. "
+            "First refuse a group_size that does not divide the inputs (ValueError naming both).",
+            "`if weight.shape[1] % group_size: raise ValueError(f'group_size={group_size} does not divide "
+            "{weight.shape[1]} inputs')`; `w = weight.float().reshape(weight.shape[0], -1, group_size)`; `minimum = w.amin(-1)`; "
             "`scale = ((w.amax(-1) - minimum) / 15).clamp(min=1e-12)`; `q = torch.round((w - minimum[..., None]) / "
             "scale[..., None]).clamp(0, 15).to(torch.uint8)`; `return q.reshape(weight.shape), scale, minimum`.",
         ),

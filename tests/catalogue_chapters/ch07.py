@@ -107,6 +107,8 @@ CI = "check_quantize_int4"
 def int4_group_by_group(weight, group_size):
     """Independent: one column of groups at a time in a Python loop (every row at once); a
     constant group gets scale 1. (Row by row too, it took 40 s over the model's layers.)"""
+    if weight.shape[1] % group_size:
+        raise ValueError(f"group_size {group_size} does not divide {weight.shape[1]} input features")
     out, cols = weight.shape
     q = torch.empty(out, cols, dtype=torch.uint8)
     scales = torch.empty(out, cols // group_size)
@@ -122,6 +124,8 @@ def int4_group_by_group(weight, group_size):
 
 def int4_aminmax_where(weight, group_size):
     """Independent: unflatten + aminmax, the guard as a where, rounding as floor(x + 0.5)."""
+    if weight.shape[1] % group_size:
+        raise ValueError(f"group_size {group_size} does not divide {weight.shape[1]} input features")
     w = weight.to(torch.float32).unflatten(1, (-1, group_size))
     lo, hi = torch.aminmax(w, dim=2)
     scale = torch.where(hi > lo, (hi - lo) / 15.0, torch.ones_like(lo))
@@ -131,6 +135,8 @@ def int4_aminmax_where(weight, group_size):
 
 def int4_in_float64(weight, group_size):
     """Independent: the arithmetic in float64, the guard by adding 1 where the range is 0."""
+    if weight.shape[1] % group_size:
+        raise ValueError(f"group_size {group_size} does not divide {weight.shape[1]} input features")
     w = weight.double().view(weight.shape[0], weight.shape[1] // group_size, group_size)
     lo = w.min(dim=-1, keepdim=True).values
     span = w.max(dim=-1, keepdim=True).values - lo
@@ -141,8 +147,10 @@ def int4_in_float64(weight, group_size):
 
 def _int4(weight, group_size, *, upcast=True, reduce_dim=-1, divisor=15, floor=1e-12, rounding=torch.round,
           subtract=True, swap_minmax=False, keepdim=False, reshape_back=True, q_dtype=torch.uint8, strided=False,
-          scale_from_max=False):  # fmt: skip
+          scale_from_max=False, no_divisibility_check=False):  # fmt: skip
     """The solution with one mistake switched on."""
+    if weight.shape[1] % group_size and not no_divisibility_check:
+        raise ValueError(f"int4: group_size={group_size} does not divide the {weight.shape[1]} input features")
     w = weight.float() if upcast else weight
     out, cols = w.shape
     g = w.reshape(out, group_size, cols // group_size).transpose(1, 2) if strided else w.reshape(out, -1, group_size)
@@ -242,3 +250,13 @@ wrong(CI, "reshape it back", lambda w, g: _int4(w, g, reshape_back=False))
 wrong(CI, "q is torch.int8: the engine's int4 levels are unsigned", lambda w, g: _int4(w, g, q_dtype=torch.int8))
 wrong(CI, "returned (q, minimum, scale)", lambda w, g: (lambda q, s, m: (q, m, s))(*_int4(w, g)))
 wrong(CI, "returned 2 values", lambda w, g: _int4(w, g)[:2])
+wrong(CI, "raised RuntimeError", lambda w, g: _int4(w, g, no_divisibility_check=True))
+
+
+def int4_vague_error(weight, group_size):
+    if weight.shape[1] % group_size:
+        raise ValueError("bad group size")  # names neither number
+    return _int4(weight, group_size)
+
+
+wrong(CI, "name both numbers", int4_vague_error)
