@@ -499,9 +499,10 @@ def test_a_cell_that_runs_the_learners_code_outside_its_check_lets_run_all_go_on
         nbformat.v4.new_code_cell("print(decoder_layer(1))"),
         nbformat.v4.new_code_cell("check_transformer(rms_norm, decoder_layer, transformer_forward)"),
         nbformat.v4.new_code_cell("f = decoder_layer  # named, not called"),
+        nbformat.v4.new_code_cell("outs = run_elsewhere(decoder_layer, 2)"),  # handed to a call that runs it
     ]
     tagged = [RUNS_LEARNER_CODE in c.metadata.get("tags", []) for c in student_notebook(nb, CH01).cells]
-    assert tagged == [False, True, False, False]
+    assert tagged == [False, True, False, False, True]
     shipped = nbformat.read(NOTEBOOKS / f"{CH01}.ipynb", as_version=4)
     calls = [c for c in shipped.cells if RUNS_LEARNER_CODE in c.metadata.get("tags", [])]
     assert len(calls) == 2 and all("transformer_forward(" in c.source or "decoder_layer(" in c.source for c in calls)

@@ -142,7 +142,10 @@ def source_notebook(
         nb.metadata["minillm"] = {**nb.metadata.get("minillm", {}), "chapter": chapter}
     exercises = {e.call: e for e in EXERCISES if e.chapter == chapter}
     written = sorted({name for e in exercises.values() for name in e.functions})
-    learner_calls = re.compile(rf"\b({'|'.join(written)})\s*\(") if written else None
+    # A cell runs the learner's code when it calls an exercise function, or hands one to another
+    # call (``try_on_ranks(tp_attention)``): both raise the stub's NotImplementedError.
+    names = "|".join(written)
+    learner_calls = re.compile(rf"\b({names})\s*\(|[(,]\s*({names})\s*[,)]") if written else None
     graded: dict[str, int] = {}
     ids: set[str] = set()
     for index, cell in enumerate(nb.cells):
