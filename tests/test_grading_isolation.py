@@ -177,6 +177,40 @@ def test_ctrl_c_while_a_check_runs_stops_its_process_too():
     assert child_pids() - before == set()
 
 
+def test_ctrl_c_as_the_check_process_starts_stops_it_too(monkeypatch):
+    """A Ctrl-C that lands while the checker is still starting (seconds under load: the fork server
+    may be importing torch) is held back until the checker is known, then stops it — before, such a
+    checker ran a learner's endless loop on a core for the rest of the CI run (run23)."""
+    import signal
+
+    from minillm.course import isolated
+
+    started = []
+
+    class PressedWhileStarting(isolated._Checker):
+        def __init__(self, *args):
+            super().__init__(*args)
+            started.append(self.process.pid)
+            signal.raise_signal(signal.SIGINT)  # the key press, as the start finishes
+
+    monkeypatch.setattr(isolated, "_Checker", PressedWhileStarting)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_check(
+                "check_next_token", cells("def next_token(logits):\n    while True:\n        pass\n"), timeout=120
+            )
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert started
+    try:
+        with open(f"/proc/{started[0]}/stat") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("gone", "Z"), f"the checker {started[0]} still runs (state {state})"
+
+
 def test_a_second_verdict_on_the_channel_is_tampering():
     """The learner's code finds the grader's pipe and writes a pass on it before the check ends."""
     source = """
@@ -294,13 +328,15 @@ def test_a_grading_script_without_a_main_guard_runs_once(tmp_path):
 
     runs = tmp_path / "runs.txt"
     script = tmp_path / "grade_my_class.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         from minillm.course.isolated import LearnerCell, run_checks
         with open({str(runs)!r}, "a") as f:
             f.write("ran\\n")
         cell = LearnerCell(1, "def next_token(logits):\\n    return int(logits[-1].argmax())")
         print(run_checks([("check_next_token", [cell])])["check_next_token"].status)
-    """))
+    """)
+    )
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "pass", done.stdout[-2000:]

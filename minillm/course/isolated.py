@@ -32,8 +32,10 @@ should read a submission whose findings or grades surprise them.
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
+import signal
 import sys
 import types
 from dataclasses import dataclass
@@ -162,13 +164,34 @@ def run_checks(jobs: list[tuple[str, list[LearnerCell]]], cwd: str | None = None
     return results
 
 
+@contextlib.contextmanager
+def _sigint_deferred():
+    """Hold back Ctrl-C (SIGINT) inside the ``with``; the list it yields is non-empty if one came.
+
+    Starting the checker takes seconds under load (the fork server may still be importing torch);
+    a KeyboardInterrupt raised in the middle would leave a started checker that nobody stops — in
+    CI one ran a learner's endless loop on a core for the whole suite. Elsewhere than the main
+    thread signal handlers cannot change, and nothing is held back."""
+    pressed: list[bool] = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(True))
+    except ValueError:  # not the main thread
+        yield pressed
+        return
+    try:
+        yield pressed
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _run_some(jobs, cwd, timeout) -> dict[str, CheckResult]:
     """One process for ``jobs``, in order, until the end or the first check that runs too long
     (that one gets its verdict here too; the rest are left for another process)."""
     import selectors
     import time
 
-    child = _Checker({"jobs": [[name, [[c.number, c.source] for c in cells]] for name, cells in jobs]}, cwd)
+    with _sigint_deferred() as pressed:  # a Ctrl-C while it starts must not leave it running unowned
+        child = _Checker({"jobs": [[name, [[c.number, c.source] for c in cells]] for name, cells in jobs]}, cwd)
     read = child.verdicts
     output = bytearray()
     lines: dict[str, list[str]] = {}
@@ -179,6 +202,8 @@ def _run_some(jobs, cwd, timeout) -> dict[str, CheckResult]:
     selector.register(child.output, selectors.EVENT_READ, "output")
     current, deadline, timed_out, interrupted = 0, time.monotonic() + timeout, False, False
     try:
+        if pressed:  # delivered now, where the finally below stops the checker
+            signal.raise_signal(signal.SIGINT)
         open_streams = 2
         while open_streams:
             wait = deadline - time.monotonic()
