@@ -7,17 +7,9 @@ from check_catalogue import right, wrong
 
 from minillm.course import forward_step, new_cache
 from minillm.speculative import propose_ngram
+from minillm.speculative.acceptance import accept_greedy as _accept  # the loop is the subject here
 
 SD = "check_speculative_decode"
-
-
-def _accept(target, drafts):
-    out = []
-    for i, d in enumerate(drafts):
-        if d != target[i]:
-            return out + [target[i]]
-        out.append(d)
-    return out + [target[len(drafts)]]
 
 
 def decode_with(**slip):
