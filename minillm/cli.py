@@ -12,6 +12,7 @@ minillm bench --quick
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -117,7 +118,6 @@ def _llm(args):
 
 
 def cmd_serve(args) -> int:
-    from minillm.server.launch import serve
 
     args.model = list(args.models) + list(args.model or [])  # `serve MODEL` (vLLM's form) and/or --model
     if not 0 <= args.port <= 65535:  # before the slow model load, not an OverflowError after it
@@ -128,6 +128,8 @@ def cmd_serve(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')} {value} must be a positive, finite number")
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size={args.data_parallel_size} must be >= 1")
+    if args.data_parallel_size > 1 and args.your_engine is not None:
+        raise ValueError("--your-engine serves one engine in this process: drop --data-parallel-size")
     if args.data_parallel_size > 1:  # replicas behind a router: minillm/cluster/data_parallel.py
         from minillm.cluster.data_parallel import serve_data_parallel
 
@@ -138,6 +140,22 @@ def cmd_serve(args) -> int:
             max_body_bytes=args.max_body_bytes, allowed_hosts=args.allowed_hosts, api_key=args.api_key,
         )  # fmt: skip
         return 0
+    engine_args, plugged = _engine_kwargs(args), contextlib.nullcontext()
+    if args.your_engine is not None:  # the learner's recorded pieces, plugged in for the server's life
+        from minillm import hooks
+        from minillm.course.your_engine import serving_plugs
+
+        overrides, engine_args, table = serving_plugs(args.your_engine, (args.model or ["smollm2-135m"])[0], engine_args)
+        print(table, file=sys.stderr)
+        plugged = hooks.override(**overrides)
+    with plugged:
+        _serve(args, engine_args)
+    return 0
+
+
+def _serve(args, engine_args: dict) -> None:
+    from minillm.server.launch import serve
+
     serve(
         args.model or ["smollm2-135m"],
         host=args.host,
@@ -154,9 +172,8 @@ def cmd_serve(args) -> int:
         max_connections=args.max_connections,
         shutdown_timeout=args.shutdown_timeout,
         header_timeout=args.header_timeout,
-        **_engine_kwargs(args),
+        **engine_args,
     )
-    return 0
 
 
 def _replica_argv(argv: list[str], positional_models: list[str] = ()) -> list[str]:
@@ -560,6 +577,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["round_robin", "least_loaded", "prefix_aware"],
         help="how the router picks a replica (default: where the prompt's prefix is cached)",
     )
+    p.add_argument(
+        "--your-engine", metavar="FOLDER", default=None,
+        help="serve with the course pieces you passed, recorded in FOLDER (a course folder's your_engine/)",
+    )  # fmt: skip
     _add_engine_args(p, several_models=True)
     p.set_defaults(func=cmd_serve)
 

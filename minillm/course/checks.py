@@ -404,7 +404,7 @@ _NAN_HINT = (
 )
 
 
-def _attention_adapter(causal_attention):
+def mha_adapter(causal_attention):
     """Fit a learner's MHA function ``f(q, k, v)`` into hook ``torch_attention``'s signature (GQA → MHA)."""
 
     def backend(q, k, v, mask, is_causal, scale):
@@ -445,7 +445,7 @@ def check_causal_attention(causal_attention, model: str = DEFAULT_MODEL) -> str:
     llm = engine(model, "naive")
     from minillm import SamplingParams
 
-    with hooks.override(torch_attention=_attention_adapter(causal_attention)):  # every layer's attention
+    with hooks.override(torch_attention=mha_adapter(causal_attention)):  # every layer's attention
         got_tokens = llm.generate([prompt_ids(llm)], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
     compare_tokens(
         got_tokens,

@@ -169,13 +169,9 @@ def check_gqa_attention(gqa_attention, model: str = VARIANT_MODEL) -> str:
                 "k[B, KV, S, D] directly"
             )
     from minillm import LLM, SamplingParams
+    from minillm.course.plugs import gqa_backend
 
-    def backend(q, k, v, mask, is_causal, scale):
-        if mask is None and is_causal:
-            t, s = q.shape[2], k.shape[2]
-            mask = (torch.arange(s)[None, :] <= torch.arange(s - t, s)[:, None])[None, None].expand(q.shape[0], 1, t, s)
-        return gqa_attention(q, k, v, mask, scale)
-
+    backend = gqa_backend(gqa_attention)
     llm = LLM(model, dtype="fp32", mode="contiguous", attention_backend="torch")
     ids = llm.tokenizer.encode("KING.\nNow is the winter of our discontent")
     params = SamplingParams(max_tokens=16, ignore_eos=True)

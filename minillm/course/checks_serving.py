@@ -311,15 +311,11 @@ def check_gather_kv(gather_kv, model: str = DEFAULT_MODEL) -> str:
         )
     compare_tensors(half, expected.to(torch.bfloat16), f"{what} on bfloat16 slots")
 
-    def engine_gather(pool, layer, block_tables, by_slot=False):  # hook gather_kv's signature
-        return (
-            gather_kv(pool.k_slots[layer], block_tables, pool.block_size),
-            gather_kv(pool.v_slots[layer], block_tables, pool.block_size),
-        )
+    from minillm.course.plugs import gather_from_pool
 
     _run_scattered(
         model,
-        {"gather_kv": engine_gather},
+        {"gather_kv": gather_from_pool(gather_kv)},
         "the paged engine reading K/V through your gather",
         "block j of a row is block_tables[row, j]; keep the table's order",
     )
@@ -608,11 +604,9 @@ def check_chunk_tokens(chunk_tokens, model: str = DEFAULT_MODEL) -> str:
     _chunk_tokens_mix_up(chunk_tokens, cases)
     int_cases(chunk_tokens, "chunk_tokens", cases, ("remaining", "budget", "chunked_prefill", "step_is_empty"))
 
-    def tokens_to_run(scheduler, seq, budget, out):  # hook tokens_to_run's signature
-        return chunk_tokens(
-            len(seq) - seq.num_computed_tokens, budget, scheduler.enable_chunked_prefill, not out.chunks
-        )
+    from minillm.course.plugs import tokens_to_run as plug
 
+    tokens_to_run = plug(chunk_tokens)  # hook tokens_to_run's signature
     steps = []
     for chunked in (True, False):
         engine = paged_engine(model, block_size=4, max_num_batched_tokens=8, enable_chunked_prefill=chunked)
