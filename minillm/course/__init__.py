@@ -57,6 +57,7 @@ from minillm.course.exercises import EXERCISES, Exercise, chapters, hint
 from minillm.course.helpers import forward_logits, forward_step, new_cache
 from minillm.course.results import CheckFailed, CheckResult, require_pass
 from minillm.course.weights import LayerWeights, ModelWeights, apply_rotary, model_weights, rope_cos_sin
+from minillm.course.your_engine import YourEngine, your_engine
 
 #: Every check, by chapter: what `minillm course grade` expects a complete notebook to pass.
 CHECKS_BY_CHAPTER = chapters()
@@ -74,6 +75,8 @@ __all__ = [
     "CheckFailed",
     "CheckResult",
     "require_pass",
+    "your_engine",
+    "YourEngine",
     "check_accept_greedy",
     "check_accept_sampled",
     "check_block_hash",

@@ -129,9 +129,7 @@ PLUGS: dict[str, Plug] = {
         Plug(
             "check_gather_kv", ("gather_kv",), lambda f, c: {"gather_kv": gather_from_pool(f[0])}, frozenset({"paged"})
         ),
-        Plug(
-            "check_block_hash", ("block_hash",), _same("block_hash"), frozenset({"paged"}), "enable_prefix_caching"
-        ),
+        Plug("check_block_hash", ("block_hash",), _same("block_hash"), frozenset({"paged"}), "enable_prefix_caching"),
         Plug("check_block_pool", ("block_pool",), _same("block_pool"), frozenset({"paged"})),
         Plug(
             "check_chunk_tokens",
