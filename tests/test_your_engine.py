@@ -114,6 +114,11 @@ def test_a_record_says_why_it_cannot_keep_a_function(tmp_path):
     record("check_demo", "00", [reads_object], tmp_path / "kept")
     error = read_records(tmp_path / "kept")["check_demo"].error
     assert "`weights` (a Tensor)" in error and "pass it as an argument" in error
+    shadowed = _notebook_function(
+        tmp_path, "def scaled(weights, x):\n    return x * weights\n", "scaled", {"weights": weights}
+    )
+    record("check_demo", "00", [shadowed], tmp_path / "kept")  # the parameter, not the notebook's tensor
+    assert not read_records(tmp_path / "kept")["check_demo"].error
     record("check_demo", "00", [lambda x: x], tmp_path / "kept")
     assert "not a function or class defined with `def`" in read_records(tmp_path / "kept")["check_demo"].error
 

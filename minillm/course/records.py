@@ -22,6 +22,7 @@ import datetime
 import linecache
 import math
 import os
+import symtable
 import sys
 import tempfile
 import textwrap
@@ -95,12 +96,21 @@ def definition_source(obj) -> str:
 
 
 def _names_read(source: str) -> list[str]:
-    """Every bare name the definition reads, in order of first use."""
-    seen: dict[str, None] = {}
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
-            seen.setdefault(node.id, None)
-    return list(seen)
+    """The global names a definition reads (its parameters and locals excluded, whatever their
+    names: a notebook's global ``body`` is not what ``def f(body)`` reads), by ``symtable``."""
+    top = symtable.symtable(source, "<definition>", "exec")
+    found: dict[str, None] = {}
+    for sym in top.get_symbols():  # decorators, defaults, bases: read at the definition's own level
+        if sym.is_referenced() and not sym.is_assigned():
+            found.setdefault(sym.get_name(), None)
+    tables = list(top.get_children())
+    while tables:
+        table = tables.pop(0)
+        for sym in table.get_symbols():
+            if sym.is_referenced() and sym.is_global():
+                found.setdefault(sym.get_name(), None)
+        tables.extend(table.get_children())
+    return list(found)
 
 
 def _import_line(name: str, value) -> str | None:
