@@ -30,7 +30,7 @@ GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 CALLED = {
     "naive": {"decoder_layer", "rope_tables", "heads_of_rank", "detokenize_step"},
     "contiguous": {"torch_attention", "kv_write", "kv_read", "apply_rope", "rope_tables", "detokenize_step"},
-    "paged": {"apply_rope", "rope_tables", "block_pool", "block_hash", "tokens_to_run", "schedule", "step_layout",
+    "paged": {"apply_rope", "rope_tables", "block_pool", "block_hash", "tokens_to_run", "schedule", "step_layout", "reserve", "try_admit",
               "paged_attention", "detokenize_step"},
 }  # fmt: skip
 
@@ -102,6 +102,31 @@ def test_a_record_keeps_helpers_imports_and_constants(tmp_path):
 
     x = torch.tensor([-1.0, 3.0])
     assert torch.equal(again(x), learner.answer(x)) and again is not learner.answer
+
+
+def test_a_record_keeps_a_triton_kernel_with_its_decorator(tmp_path):
+    pytest.importorskip("triton")
+    import torch
+
+    source = """
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def double_kernel(x_ptr, n, BLOCK: tl.constexpr):
+            offs = tl.arange(0, BLOCK)
+            tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
+
+        def double(x):
+            double_kernel[(1,)](x, x.numel(), BLOCK=16)
+            return x
+        """
+    double = _notebook_function(tmp_path, source, "double")
+    record("check_demo", "06", [double], tmp_path / "kept")
+    kept = read_records(tmp_path / "kept")["check_demo"]
+    assert not kept.error and "@triton.jit" in kept.path.read_text()
+    (again,) = kept.load()
+    assert again(torch.arange(5.0)).tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
 
 
 def test_a_record_says_why_it_cannot_keep_a_function(tmp_path):

@@ -32,6 +32,7 @@ from minillm.course.checks_quant import (
     check_quantize_kv,
     check_quantize_per_channel,
 )
+from minillm.course.checks_reserve_admit import check_reserve_admit
 from minillm.course.checks_rope import check_rope_tables
 from minillm.course.checks_runner import check_prepare_inputs
 from minillm.course.checks_sampling import check_filter_logits
@@ -116,6 +117,7 @@ __all__ = [
     "check_transformer",
     "check_cached_model",
     "check_prepare_inputs",
+    "check_reserve_admit",
     "check_paged_attention",
     "check_int4_linear",
     "rms_norm",

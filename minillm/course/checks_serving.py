@@ -494,7 +494,7 @@ def _check_hash_width(block_hash, blocks: int = 512) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _run_arriving(engine, prompts, priorities=None, on_step=None, max_steps: int = 3000) -> dict:
+def run_arriving(engine, prompts, priorities=None, on_step=None, max_steps: int = 3000) -> dict:
     """Two requests now, the rest one per step while others run; outputs by request id."""
     priorities = priorities or [0] * len(prompts)
     pending = list(zip(prompts, priorities))
@@ -611,7 +611,7 @@ def check_chunk_tokens(chunk_tokens, model: str = DEFAULT_MODEL) -> str:
     for chunked in (True, False):
         engine = paged_engine(model, block_size=4, max_num_batched_tokens=8, enable_chunked_prefill=chunked)
         with hooks.override(tokens_to_run=tokens_to_run):
-            outputs = _run_arriving(engine, PROMPTS)
+            outputs = run_arriving(engine, PROMPTS)
         compare_request_tokens(
             outputs,
             contiguous_reference(model, tuple(PROMPTS)),
@@ -693,7 +693,7 @@ def check_choose_victim(choose_victim, model: str = DEFAULT_MODEL) -> str:
 
     priorities = [1, 0, 1, 0, 2]
     with hooks.override(choose_victim=chooser):
-        outputs = _run_arriving(engine, PROMPTS, priorities)
+        outputs = run_arriving(engine, PROMPTS, priorities)
     compare_request_tokens(
         outputs,
         contiguous_reference(model, tuple(PROMPTS)),
@@ -913,7 +913,7 @@ def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -
         return schedule(_WithBudget(self, next_budget.pop()) if next_budget else self, now)
 
     with hooks.override(schedule=schedule_step, reserve=reserve, try_admit=try_admit, tokens_to_run=tokens_to_run):
-        done = _run_arriving(engine, PROMPTS)
+        done = run_arriving(engine, PROMPTS)
     joined = [out for out in steps if out.admitted and any(c.seq not in out.admitted for c in out.chunks)]
     if not joined:
         raise CheckFailed(

@@ -278,6 +278,29 @@ EXERCISES: list[Exercise] = [
     ),
     Exercise(
         "04_batching",
+        "check_reserve_admit",
+        "check_reserve_admit(reserve, try_admit)",
+        25,
+        3,
+        3,
+        (
+            "reserve: loop until `scheduler.block_manager.allocate_slots(seq, n + len(drafts))` is not None; each "
+            "time it is None, preempt `scheduler.choose_victim(seq, candidates)` — the running sequences that are "
+            "neither seq nor in out.chunks — and return False if the victim was seq. Then append the chunk and the "
+            "copies. try_admit: match the prefix first, ask tokens_to_run, allocate; on failure undo everything.",
+            "reserve: `copies = bm.allocate_slots(seq, n + len(drafts))`; while None: `scheduled = [c.seq for c in "
+            "out.chunks]`, `victim = scheduler.choose_victim(seq, [s for s in scheduler.running if s is not seq and "
+            "s not in scheduled])`, `scheduler.preempt(victim, out)`, `if victim is seq: return False`; then "
+            "`out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n + len(drafts), list(drafts)))`, "
+            "`out.copies.extend(copies)`, `return True`. try_admit: `bm.match_prefix(seq)`; `n = "
+            "scheduler.tokens_to_run(seq, budget, out)`; `copies = bm.allocate_slots(seq, n) if n else None`; if "
+            "None: `bm.cancel_prefix(seq)`, `return 0`; else `scheduler.waiting.remove(seq)`, "
+            "`scheduler.start(seq, out)`, append `ScheduledChunk(seq, seq.num_computed_tokens, n)`, extend the "
+            "copies, `return n`.",
+        ),
+    ),
+    Exercise(
+        "04_batching",
         "check_continuous_schedule",
         "check_continuous_schedule(schedule_continuous)",
         16,
@@ -725,6 +748,7 @@ REFERENCES: dict[str, tuple[str, ...]] = {
     "check_block_hash": ("minillm.kvcache.block_manager.block_hash",),
     "check_chunk_tokens": ("minillm.engine.scheduler.tokens_to_run",),
     "check_choose_victim": ("minillm.engine.scheduler.choose_victim",),
+    "check_reserve_admit": ("minillm.engine.scheduler.reserve", "minillm.engine.scheduler.try_admit"),
     "check_continuous_schedule": ("minillm.engine.scheduler.schedule",),
     "check_prepare_inputs": (
         "minillm.runtime.paged_runner.PagedRunner.layout",

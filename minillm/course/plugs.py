@@ -145,6 +145,12 @@ PLUGS: dict[str, Plug] = {
             "the pool runs out of blocks",
         ),
         Plug(
+            "check_reserve_admit",
+            ("reserve", "try_admit"),
+            lambda f, c: {"reserve": f[0], "try_admit": f[1]},
+            frozenset({"paged"}),
+        ),
+        Plug(
             "check_continuous_schedule",
             ("schedule",),
             lambda f, c: {"schedule": lambda scheduler, now: f[0](scheduler)},

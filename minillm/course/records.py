@@ -167,8 +167,12 @@ class _Module:
         self.definitions[name] = source
 
     def add_global(self, name: str, value, home: dict, trail: tuple[str, ...]) -> None:
-        defined_here = getattr(value, "__module__", None) == home.get("__name__")
-        if defined_here and (isinstance(value, (types.FunctionType, type)) or _code_of(value) is not None):
+        kernel = getattr(value, "fn", None)  # a @triton.jit kernel wraps its function: keep the def, decorator and all
+        if isinstance(kernel, types.FunctionType) and kernel.__module__ == home.get("__name__"):
+            self.add(kernel, home, trail)
+        elif getattr(value, "__module__", None) == home.get("__name__") and isinstance(
+            value, (types.FunctionType, type)
+        ):
             self.add(value, home, trail)
         elif (line := _import_line(name, value)) is not None:
             self.imports[line] = None
