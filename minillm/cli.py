@@ -142,7 +142,7 @@ def cmd_serve(args) -> int:
         return 0
     engine_args, plugged = _engine_kwargs(args), contextlib.nullcontext()
     if args.your_engine is not None:  # the learner's recorded pieces, plugged in for the server's life
-        from minillm import hooks
+        import minillm.hooks as hooks
         from minillm.course.your_engine import serving_plugs
 
         overrides, engine_args, table = serving_plugs(args.your_engine, (args.model or ["smollm2-135m"])[0], engine_args)

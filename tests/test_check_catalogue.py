@@ -260,7 +260,7 @@ def test_wrong_answer_is_one_red_line():
 
 
 def test_a_crash_inside_the_check_is_not_blamed_on_the_learner(monkeypatch):
-    import minillm.course.checks as checks
+    import minillm.course.checks.ch01_decode as checks
 
     def broken(*args, **kwargs):
         raise IndexError("index 0 is out of bounds")  # a bug in the check's own code

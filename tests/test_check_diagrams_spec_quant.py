@@ -12,7 +12,7 @@ from check_catalogue import _rollback_variant, _sampled_variant, unpack_int4
 
 import minillm.course as course
 from minillm.course import CheckFailed
-from minillm.course.checks_spec import P
+from minillm.course.checks.ch08_acceptance import P
 
 
 def _failure(check: str, *answer) -> CheckFailed:

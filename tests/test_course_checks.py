@@ -67,7 +67,7 @@ def test_the_checks_textbook_layer_is_the_engines_layer(tiny_model):
     what the engine's ``DecoderLayer`` computes, on every layer of a real forward pass."""
     import minillm.hooks as hooks
     from minillm import LLM, SamplingParams
-    from minillm.course.checks_forward import reference_layer
+    from minillm.course.checks.ch01_transformer import reference_layer
     from minillm.course.weights import layer_weights, rope_cos_sin
 
     llm = LLM(tiny_model, dtype="fp32", mode="naive", attention_backend="torch")
@@ -84,8 +84,9 @@ def test_the_checks_textbook_layer_is_the_engines_layer(tiny_model):
     assert len(seen) == 2 * llm.model_config.num_layers
     for layer, x, out in seen:
         cos, sin = rope_cos_sin(llm.model, x.shape[0])
-        torch.testing.assert_close(reference_layer(x, layer_weights(layer), cos, sin, llm.model_config), out,
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            reference_layer(x, layer_weights(layer), cos, sin, llm.model_config), out, atol=1e-5, rtol=1e-5
+        )
 
 
 def test_model_weights_reads_the_same_matrices_through_any_weight_method(tiny_model):

@@ -109,10 +109,10 @@ def test_the_package_answer_imported_and_returned_is_reported():
 
 def test_the_course_private_reference_is_reported_too():
     source = """
-    from minillm.course import checks
+    from minillm.course.checks import ch01_decode
 
     def next_token(logits):
-        checks._reference_attention(logits[None, None], logits[None, None], logits[None, None])
+        ch01_decode._reference_attention(logits[None, None], logits[None, None], logits[None, None])
         return int(logits[-1].argmax())
     """
     result = run_check("check_next_token", cells(source))

@@ -4,56 +4,32 @@ from minillm.course import check_next_token
 check_next_token(next_token)
 """
 
-from minillm.course.checks import (
-    check_causal_attention,
-    check_generate_cached,
-    check_generate_naive,
-    check_kv_read,
-    check_kv_write,
-    check_next_token,
-)
-from minillm.course.checks_attention import (
-    check_flash_kernel,
-    check_gqa_attention,
-    check_head_pooling,
-    check_online_softmax,
-    check_window_release,
-)
-from minillm.course.checks_block_pool import check_block_pool
-from minillm.course.checks_cache import check_cached_model
-from minillm.course.checks_forward import check_transformer
-from minillm.course.checks_forward import reference_rms_norm as rms_norm
-from minillm.course.checks_int4_linear import check_int4_linear
-from minillm.course.checks_paged_attention import check_paged_attention
-from minillm.course.checks_parallel import check_kv_heads, check_prefix_rule, check_tp_mlp
-from minillm.course.checks_quant import (
-    check_pack_int4,
-    check_quantize_int4,
-    check_quantize_kv,
-    check_quantize_per_channel,
-)
-from minillm.course.checks_reserve_admit import check_reserve_admit
-from minillm.course.checks_rope import check_rope_tables
-from minillm.course.checks_runner import check_prepare_inputs
-from minillm.course.checks_sampling import check_filter_logits
-from minillm.course.checks_server import check_cache_key, check_detokenize_step
-from minillm.course.checks_serving import (
-    check_block_hash,
-    check_choose_victim,
-    check_chunk_tokens,
-    check_continuous_schedule,
-    check_gather_kv,
-    check_slot_mapping,
-)
-from minillm.course.checks_spec import (
-    check_accept_greedy,
-    check_accept_sampled,
-    check_rollback,
-    check_tree_attention_mask,
-)
-from minillm.course.checks_spec_step import check_speculative_decode
-from minillm.course.checks_streaming import check_stream_events
-from minillm.course.checks_tp_attention import check_tp_attention
+from minillm.course.checks.ch01_decode import check_causal_attention, check_generate_naive, check_next_token
+from minillm.course.checks.ch01_sampling import check_filter_logits
+from minillm.course.checks.ch01_transformer import check_transformer
+from minillm.course.checks.ch01_transformer import reference_rms_norm as rms_norm
+from minillm.course.checks.ch02_cache import check_generate_cached, check_kv_read, check_kv_write
+from minillm.course.checks.ch02_cached_model import check_cached_model
+from minillm.course.checks.ch02_rope import check_rope_tables
+from minillm.course.checks.ch03_block_pool import check_block_pool
+from minillm.course.checks.ch03_paged import check_block_hash, check_gather_kv, check_slot_mapping
+from minillm.course.checks.ch04_reserve_admit import check_reserve_admit
+from minillm.course.checks.ch04_runner import check_prepare_inputs
+from minillm.course.checks.ch04_scheduler import check_choose_victim, check_chunk_tokens, check_continuous_schedule
+from minillm.course.checks.ch05_attention import check_gqa_attention, check_head_pooling, check_window_release
+from minillm.course.checks.ch05_paged_attention import check_paged_attention
+from minillm.course.checks.ch06_flash import check_flash_kernel, check_online_softmax
+from minillm.course.checks.ch07_int4 import check_pack_int4, check_quantize_int4
+from minillm.course.checks.ch07_int4_linear import check_int4_linear
+from minillm.course.checks.ch07_int8 import check_quantize_kv, check_quantize_per_channel
+from minillm.course.checks.ch08_acceptance import check_accept_greedy, check_accept_sampled
+from minillm.course.checks.ch08_rollback_tree import check_rollback, check_tree_attention_mask
+from minillm.course.checks.ch08_spec_step import check_speculative_decode
+from minillm.course.checks.ch09_router import check_prefix_rule
+from minillm.course.checks.ch09_tensor_parallel import check_kv_heads, check_tp_mlp
+from minillm.course.checks.ch09_tp_attention import check_tp_attention
+from minillm.course.checks.ch10_server import check_cache_key, check_detokenize_step
+from minillm.course.checks.ch10_streaming import check_stream_events
 from minillm.course.exercises import EXERCISES, Exercise, chapters, hint
 from minillm.course.helpers import forward_logits, forward_step, new_cache
 from minillm.course.results import CheckFailed, CheckResult, require_pass

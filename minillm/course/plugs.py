@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from minillm.course.checks import mha_adapter
-from minillm.course.checks_cache import rope_adapter
-from minillm.course.checks_forward import layer_adapter
-from minillm.course.checks_paged_attention import attention_adapter as paged_adapter
-from minillm.course.checks_runner import layout_adapter
+from minillm.course.checks.ch01_decode import mha_adapter
+from minillm.course.checks.ch01_transformer import layer_adapter
+from minillm.course.checks.ch02_cached_model import rope_adapter
+from minillm.course.checks.ch04_runner import layout_adapter
+from minillm.course.checks.ch05_paged_attention import attention_adapter as paged_adapter
 
 ALL_MODES = frozenset({"naive", "contiguous", "paged"})
 
@@ -90,7 +90,7 @@ def int8_weights(quantize_per_channel):
 
 def int8_kv(quantize_kv_on_write):
     """Hook ``quantize_kv`` from chapter 07's int8 ``quantize_kv_on_write(x)``; fp8 stays the package's."""
-    from minillm import hooks
+    import minillm.hooks as hooks
 
     package = hooks.default("quantize_kv")
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from minillm import hooks
+import minillm.hooks as hooks
 from minillm.course.plugs import PLUGS, Plug
 from minillm.course.records import Record, default_folder, read_records
 

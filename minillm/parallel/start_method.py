@@ -39,7 +39,7 @@ PRELOAD = (
     "minillm.parallel.executor",
     "minillm.cluster.disagg",
     "minillm.cluster.replicas",
-    "minillm.course.checks_parallel",
+    "minillm.course.checks.ch09_tensor_parallel",
     "minillm.course.isolated",  # the grader's fresh process for each notebook's checks
 )
 

@@ -80,7 +80,9 @@ def _check_example(Int4Linear) -> None:
             "per byte, (q[:, 0::2] | q[:, 1::2] << 4) as uint8"
         )
     if held > allowed:
-        raise CheckFailed(f"Int4Linear keeps {held} bytes; half a byte per weight and two numbers per group make {allowed}")
+        raise CheckFailed(
+            f"Int4Linear keeps {held} bytes; half a byte per weight and two numbers per group make {allowed}"
+        )
     call = learner_function(layer.__call__)
     effective = call(torch.eye(IN)).T  # row i of I @ Ŵᵀ is Ŵ's column i
     expected = reference_weight(weight, GROUP)
@@ -141,10 +143,13 @@ def check_int4_linear(Int4Linear, model: str = "tiny-shakespeare-1m") -> str:
     expected = [o.token_ids for o in engine.generate(prompts, params)]
     replaced = install(Int4Linear, engine, LLM(model, cpu_prepack=False, **args))
     got = [o.token_ids for o in engine.generate(prompts, params)]
-    compare_requests(got, expected, "request {i} of the int4 engine with your Int4Linear in every int4 layer",
-                     "your layer matched on the example: what differs on the model's own shapes?")
+    compare_requests(
+        got,
+        expected,
+        "request {i} of the int4 engine with your Int4Linear in every int4 layer",
+        "your layer matched on the example: what differs on the model's own shapes?",
+    )
     return (
         f"your Int4Linear ran all {replaced} int4 layers of the engine (half a byte per weight plus the groups' "
         "scales and minima) and gave the package's int4 engine's greedy tokens"
     )
-

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-from minillm.course.checks import engine
+from minillm.course.checks.common import engine
 from minillm.course.results import CheckFailed, check
 
 MODEL = "tiny-shakespeare-8m"

@@ -1,111 +1,16 @@
-"""Checks for chapter 09 (parallelism): a tensor-parallel MLP, the K/V-head split, a routing rule.
-
-The first two run the learner's function on real ranks: processes joined by ``torch.distributed``
-(``run_ranks``), because an all-reduce placed wrong or a head split that strands a query head
-only shows up when the ranks really hold different shards. A function defined in a notebook
-cannot be pickled into a spawned process, so its *source* travels instead and each rank
-``exec``s it with ``torch``, ``F``, ``dist`` and ``math`` in scope. A rank reports an error in
-the learner's code as ``_InLearner`` (so the parent blames the learner, not the check) and the
-parent stops every rank on the first error, so a wrong collective never hangs the notebook.
-
-The routing rule needs no processes: the real ``Router`` calls it on a shared-prefix workload
-whose replicas remember only a few prompts, so where a request goes decides its cache hits.
-"""
+"""Chapter 09 (parallelism): a tensor-parallel MLP, and which heads a rank holds."""
 
 from __future__ import annotations
 
 import functools
-import inspect
-import math
-import random
-import textwrap
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import minillm.hooks as hooks
+from minillm.course.checks.ch09_ranks import AllReduceWatch, as_learner, learner_fn_from_source, run_on_ranks, source_of
 from minillm.course.results import CheckFailed, LearnerRaised, check, learner_frames_of
 
-TIMEOUT_S = 120.0  # per run of the ranks: spawning and loading take seconds, a hang is cut off
-
-
-class _InLearner(Exception):
-    """Raised on a rank when the learner's code raised there; its message is the learner's error."""
-
-
-def source_of(fn, what: str) -> str:
-    """The learner's function as text, to be run on the ranks (they cannot unpickle a notebook's function)."""
-    name = getattr(fn, "__name__", "")
-    try:
-        source = textwrap.dedent(inspect.getsource(fn))
-    except (OSError, TypeError):
-        source = ""
-    if not source or name == "<lambda>" or not name.isidentifier():
-        raise CheckFailed(
-            f"the ranks run your {what} from its source code, and there is none for {fn!r:.60}: define it with "
-            f"`def {what}(...):` in a notebook cell (not a lambda, not built by another function)"
-        )
-    return source
-
-
-def learner_fn_from_source(source: str, name: str):
-    """On a rank: define the learner's function again from its source (with the usual imports)."""
-    space = {"torch": torch, "F": F, "dist": dist, "math": math}
-    exec(compile(source, f"<your {name}>", "exec"), space)  # the learner's own code, in a namespace of its own
-    return space[name]
-
-
-def as_learner(call, *args):
-    """On a rank: run learner code; what it raises is reported as the learner's."""
-    try:
-        return call(*args)
-    except Exception as err:
-        raise _InLearner(f"{type(err).__name__}: {err}") from None
-
-
-def run_on_ranks(child, world: int, *args, hints: dict[str, str] | None = None) -> list:
-    """``run_ranks`` with its failures turned into verdicts: the learner's error as a CheckFailed
-    (with the rank, and a hint chosen by what the error says), a collective that not every rank
-    joined as just that."""
-    from minillm.parallel.launch import RankFailed, run_ranks
-
-    collective = (
-        "every rank must make the same collective calls in the same order: call all_reduce on every rank, "
-        "not only on some"
-    )
-    try:
-        return run_ranks(child, world, *args, timeout=TIMEOUT_S)
-    except RankFailed as err:
-        first = str(err).split("\n", 1)[0]
-        if "_InLearner: " not in first:
-            raise
-        message = first.split("_InLearner: ", 1)[1]
-        if message.startswith("NotImplementedError"):  # the skeleton, on the ranks: not attempted yet
-            raise NotImplementedError(message) from None
-        # gloo, when the other ranks returned while this one waited: the peer closed the connection or,
-        # depending on timing (a loaded machine), reset it
-        if "Connection closed by peer" in message or "Connection reset by peer" in message:
-            raise CheckFailed(
-                f"rank {err.rank} waited in a collective the other ranks never joined: {collective}"
-            ) from None
-        hints = {"NameError": NAME_HINT, **(hints or {})}
-        hint = next((h for key, h in hints.items() if key in message), "")
-        raise CheckFailed(
-            f"on rank {err.rank} your code raised {message}" + (f". Hint: {hint}" if hint else "")
-        ) from None
-    except TimeoutError as err:
-        raise CheckFailed(f"{err}: {collective}") from None
-
-
-NAME_HINT = (
-    "only the function's own source runs on the ranks, with torch, F, dist and math imported: "
-    "define helpers and imports inside it"
-)
-
-
-# ---------------------------------------------------------------------------------------------
 # Exercise 1: a tensor-parallel MLP
 # ---------------------------------------------------------------------------------------------
 
@@ -114,33 +19,6 @@ HIDDEN, INTER, TOKENS, WORLD = 32, 96, 5, 2  # I/ws = 48 differs from H, so a ro
 
 def _mlp(x, gate, up, down) -> torch.Tensor:
     return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
-
-
-class AllReduceWatch(TorchDispatchMode):
-    """Sees every collective the learner's code makes, however it is spelled (``dist.all_reduce``,
-    ``torch.distributed.all_reduce``, a process group's own method): each reaches PyTorch's
-    dispatcher as a ``c10d`` operator (``c10d.allreduce_``, ``c10d.reduce_``, ...). Nothing is
-    replaced; the all-reduces' shapes are recorded, and the names of the other collectives."""
-
-    def __init__(self):
-        super().__init__()
-        self.shapes: list[tuple[int, ...]] = []
-        self.others: list[str] = []  # the other collectives, as dist spells them: "reduce", "broadcast"
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        if "allreduce" in name:
-            tensors = args[0] if args and isinstance(args[0], (list, tuple)) else args[:1]
-            self.shapes += [tuple(t.shape) for t in tensors if isinstance(t, torch.Tensor)]
-        elif name.startswith("c10d."):
-            op = name.split(".")[1].strip("_")
-            self.others.append(_COLLECTIVE_NAMES.get(op, op))
-        return func(*args, **(kwargs or {}))
-
-
-#: c10d operator names that ``torch.distributed`` spells otherwise.
-_COLLECTIVE_NAMES = {"allgather": "all_gather", "allgather_base": "all_gather_into_tensor",
-                     "reduce_scatter_base": "reduce_scatter_tensor", "alltoall": "all_to_all"}  # fmt: skip
 
 
 def _tp_mlp_rank(rank, world, source, name, x, gate, up, down) -> dict:
@@ -548,106 +426,3 @@ def check_kv_heads(heads_of_rank) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Exercise 3: a prefix-aware routing rule
-# ---------------------------------------------------------------------------------------------
-
-REPLICAS, BLOCK, MAX_IMBALANCE = 4, 16, 4
-REMEMBERED = 48  # blocks per replica: a few prompts' worth, so a prefix sent everywhere gets evicted
-OUTSTANDING = 8  # requests in flight: the oldest finishes when one more arrives
-
-
-def routing_workload() -> list[list[int]]:
-    """8 system prompts (8 blocks each) × 12 questions, shuffled: the prompts compete for cache."""
-    from minillm.workloads import shared_prefix_workload
-
-    prompts = []
-    for g in range(8):
-        work = shared_prefix_workload(12, None, prefix_length=128, suffix_lengths=(16, 48), vocab_size=4000, seed=g)
-        prompts += [r.prompt_token_ids for r in work]
-    random.Random(0).shuffle(prompts)
-    return prompts
-
-
-def route_all(prompts, policy: str = "prefix_aware", rule=None) -> float:
-    """Route every prompt (finishing the oldest request beyond ``OUTSTANDING``); the share of full
-    prompt blocks the chosen replica already held. A rule that chooses a replica more than
-    ``MAX_IMBALANCE`` busier than the lightest is stopped there."""
-    from minillm.cluster.router import Router
-
-    router = Router(REPLICAS, policy, BLOCK, MAX_IMBALANCE, remembered_blocks=REMEMBERED, rule=rule)
-    flight, blocks = [], 0
-    for i, ids in enumerate(prompts):
-        load = list(router.load)
-        try:
-            choice = router.route(i, ids)
-        except ValueError as err:
-            raise CheckFailed(
-                f"{err}: return a Python int from 0 to {REPLICAS - 1} (not a float, not a numpy integer)"
-            ) from None
-        idle = load.index(min(load))
-        if load[choice] - load[idle] > MAX_IMBALANCE:
-            raise CheckFailed(
-                f"replica {choice} got {load[choice] + 1} outstanding requests while replica {idle} had {load[idle]} "
-                f"(request {i}): pass over replicas more than max_imbalance={MAX_IMBALANCE} busier than the least "
-                "loaded one, or one popular prefix piles every request onto one replica"
-            )
-        flight.append(choice)
-        blocks += len(ids) // BLOCK
-        if len(flight) > OUTSTANDING:
-            router.finished(flight.pop(0))
-    return sum(d.matched_blocks for d in router.decisions) / blocks
-
-
-#: (matched_blocks, load, max_imbalance, the replica to choose, why): hand-made decisions, loads
-#: far from zero too, where a cap on the load itself instead of on its distance from the lightest shows.
-RULE_CASES = [
-    ([0, 6, 2, 0], [5, 6, 2, 9], 4, 1, "replica 1 (6 matched blocks) is 4 above the lightest (2): within the cap"),
-    ([0, 5, 0, 0], [10, 12, 9, 11], 4, 1, "every replica is busy, all within 4 of the lightest (9)"),
-    ([3, 0, 0, 3], [2, 0, 1, 6], 4, 0, "replica 3 is 6 above the lightest: out; replica 0 matches as much"),
-    ([0, 0, 0, 0], [3, 1, 1, 2], 4, 1, "nothing matches: the least loaded, the lowest index on ties"),
-    ([2, 2, 0, 1], [4, 3, 0, 1], 2, 3, "replicas 0 and 1 are more than 2 above the lightest: out"),
-]
-
-
-def _absolute_cap(matched, load, max_imbalance):
-    """The mistake: the cap applied to the load itself, not to its distance from the lightest."""
-    eligible = [r for r in range(len(load)) if load[r] <= max_imbalance] or list(range(len(load)))
-    return max(eligible, key=lambda r: (matched[r], -load[r], -r))
-
-
-@check
-def check_prefix_rule(rule) -> str:
-    """``rule(matched_blocks, load, max_imbalance) -> int``: run by the real ``Router`` and compared
-    with its built-in prefix-aware policy, then on hand-made decisions."""
-    prompts = routing_workload()
-    got = route_all(prompts, rule=rule)
-    builtin, round_robin = route_all(prompts, "prefix_aware"), route_all(prompts, "round_robin")
-    if got < 0.9 * builtin:
-        raise CheckFailed(
-            f"your rule reused {got:.0%} of the prompt blocks, the built-in prefix-aware policy {builtin:.0%} (round "
-            f"robin: {round_robin:.0%}) on the same {len(prompts)} requests: among the replicas within max_imbalance "
-            "of the least loaded, choose the one with the most matched blocks (ties: the least loaded)"
-        )
-    # Decisions by hand, loads far from zero too: a cap on the load itself would pass the workload above.
-    for matched, load, cap, expected, why in RULE_CASES:
-        call = f"rule({matched}, {load}, {cap})"
-        try:
-            chosen = rule(list(matched), list(load), cap)
-        except LearnerRaised as err:
-            raise CheckFailed(
-                f"{call} raised {type(err.__cause__).__name__}: {err.__cause__} — {why}; the cap is relative: "
-                "a replica is eligible when load[r] − min(load) ≤ max_imbalance"
-            ) from None
-        if chosen == expected:
-            continue
-        if chosen == _absolute_cap(matched, load, cap):
-            raise CheckFailed(
-                f"{call} chose replica {chosen}, expected {expected} ({why}): you capped load[r] itself at "
-                "max_imbalance — the cap is on the distance from the least loaded replica, "
-                "load[r] − min(load) ≤ max_imbalance"
-            )
-        raise CheckFailed(f"{call} chose replica {chosen!r}, expected {expected}: {why}")
-    return (
-        f"your rule reused {got:.0%} of the prompt blocks (built-in prefix-aware: {builtin:.0%}, round robin: "
-        f"{round_robin:.0%}) without letting a replica get more than {MAX_IMBALANCE} requests ahead of the lightest"
-    )

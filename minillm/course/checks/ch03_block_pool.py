@@ -20,7 +20,7 @@ else goes through six methods (``allocate``, ``ref``, ``release``, ``register``,
 from __future__ import annotations
 
 import minillm.hooks as hooks
-from minillm.course.checks import DEFAULT_MODEL
+from minillm.course.checks.common import DEFAULT_MODEL
 from minillm.course.results import CheckError, CheckFailed, check, learner_cause, learner_function
 
 LRU_HINT = "evictable is kept oldest first: release appends, a hit (ref) takes the block out, eviction pops the oldest"
@@ -270,7 +270,7 @@ def _eviction(cls) -> None:
 
 
 def _live(cls: type, model: str) -> str:
-    from minillm.course.checks_serving import (
+    from minillm.course.checks.engines import (
         PROMPTS,
         SYSTEM,
         assert_pool_clean,

@@ -147,8 +147,12 @@ def check_paged_attention(paged_attention, model: str = "tiny-shakespeare-1m") -
     counts: dict = {}
     with hooks.override(paged_attention=attention_adapter(paged_attention, counts)):
         got = [o.token_ids for o in llm.generate(list(PROMPTS), params)]
-    compare_requests(got, expected, f"request {{i}} of the paged engine running your attention (window {WINDOW})",
-                     "your function matched the example step: what differs on the engine's own steps?")
+    compare_requests(
+        got,
+        expected,
+        f"request {{i}} of the paged engine running your attention (window {WINDOW})",
+        "your function matched the example step: what differs on the engine's own steps?",
+    )
     if counts.get("mixed", 0) == 0:
         raise CheckFailed("internal: the check's run had no step mixing decodes with prompt chunks")
     return (

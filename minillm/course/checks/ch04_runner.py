@@ -70,42 +70,62 @@ def _field_mistakes(name: str, got, chunks, block_size, null_block, expected):
     """(what a slip in ``name`` gives, the message naming it)."""
     everything = [c for c in chunks]
     if name == "input_ids":
-        yield [t for c in everything for t in c.token_ids], (
-            "input_ids keep the chunks' order: put the decodes (one-token chunks) first — the attention reads rows "
-            "0..num_decodes-1 as one-token sequences"
+        yield (
+            [t for c in everything for t in c.token_ids],
+            (
+                "input_ids keep the chunks' order: put the decodes (one-token chunks) first — the attention reads rows "
+                "0..num_decodes-1 as one-token sequences"
+            ),
         )
     order = [c for c in chunks if len(c.token_ids) == 1] + [c for c in chunks if len(c.token_ids) > 1]
     if name == "positions":
-        yield [p for c in order for p in range(len(c.token_ids))], (
-            "positions start at 0 for every chunk: a chunk's tokens sit at start, start+1, ... of their sequence (a "
-            "decode at its sequence's length)"
+        yield (
+            [p for c in order for p in range(len(c.token_ids))],
+            (
+                "positions start at 0 for every chunk: a chunk's tokens sit at start, start+1, ... of their sequence (a "
+                "decode at its sequence's length)"
+            ),
         )
     if name == "slot_mapping":
-        yield [p for c in order for p in range(c.start, c.start + len(c.token_ids))], (
-            "slot_mapping is the position itself: a token's slot is block_table[p // block_size] * block_size + "
-            "p % block_size — the id of the block that holds position p, not its index in the sequence"
+        yield (
+            [p for c in order for p in range(c.start, c.start + len(c.token_ids))],
+            (
+                "slot_mapping is the position itself: a token's slot is block_table[p // block_size] * block_size + "
+                "p % block_size — the id of the block that holds position p, not its index in the sequence"
+            ),
         )
         yield [c.block_table[p // block_size] + p % block_size for c in order for p in range(c.start, c.start + len(c.token_ids))], (
             "slot_mapping adds the offset to the block id: multiply the block id by block_size first"
         )  # fmt: skip
     if name == "context_lens":
-        yield [len(c.token_ids) for c in order], (
-            "context_lens counts only the new tokens: a sequence attends to its cached tokens too, start + n"
+        yield (
+            [len(c.token_ids) for c in order],
+            ("context_lens counts only the new tokens: a sequence attends to its cached tokens too, start + n"),
         )
-        yield [c.start for c in order], "context_lens leaves out the new tokens: it is start + n (they attend to themselves)"
+        yield (
+            [c.start for c in order],
+            "context_lens leaves out the new tokens: it is start + n (they attend to themselves)",
+        )
     if name == "block_tables":
         width = len(expected["block_tables"][0])
-        yield [(list(c.block_table) + [0] * width)[:width] for c in order], (
-            "block_tables are padded with 0, a real block: pad with null_block, which no sequence owns"
+        yield (
+            [(list(c.block_table) + [0] * width)[:width] for c in order],
+            ("block_tables are padded with 0, a real block: pad with null_block, which no sequence owns"),
         )
-        yield [list(c.block_table) for c in order], (
-            "block_tables have one length per sequence: pad every row with null_block to the width of the longest "
-            "context, ceil(max(context_lens) / block_size) blocks"
+        yield (
+            [list(c.block_table) for c in order],
+            (
+                "block_tables have one length per sequence: pad every row with null_block to the width of the longest "
+                "context, ceil(max(context_lens) / block_size) blocks"
+            ),
         )
         longest = max(len(c.block_table) for c in order)
-        yield [(list(c.block_table) + [null_block] * longest)[:longest] for c in order], (
-            "block_tables are as wide as the longest block table: the width is the blocks the longest *context* "
-            "needs, ceil(max(context_lens) / block_size) (a table can hold blocks reserved ahead)"
+        yield (
+            [(list(c.block_table) + [null_block] * longest)[:longest] for c in order],
+            (
+                "block_tables are as wide as the longest block table: the width is the blocks the longest *context* "
+                "needs, ceil(max(context_lens) / block_size) (a table can hold blocks reserved ahead)"
+            ),
         )
     if name == "logit_rows":
         end, rows = 0, []
@@ -117,9 +137,12 @@ def _field_mistakes(name: str, got, chunks, block_size, null_block, expected):
         for c in order:
             end += len(c.token_ids)
             ends[id(c)] = end
-        yield [ends[id(c)] - 1 for c in chunks], (
-            "logit_rows take one row per chunk: a chunk wants its last num_logits rows — none for a prompt's middle "
-            "chunk, all of a verify chunk's"
+        yield (
+            [ends[id(c)] - 1 for c in chunks],
+            (
+                "logit_rows take one row per chunk: a chunk wants its last num_logits rows — none for a prompt's middle "
+                "chunk, all of a verify chunk's"
+            ),
         )
     if name == "num_decodes":
         yield len(chunks), "num_decodes counts every chunk: count only the one-token chunks (the decodes)"
@@ -132,7 +155,9 @@ def _check_example(prepare_inputs) -> None:
     if [(c.token_ids, c.block_table) for c in chunks] != before:
         raise CheckFailed("prepare_inputs changed a chunk's token_ids or block_table: copy before you extend or pad")
     if not isinstance(got, dict):
-        raise CheckFailed(f"prepare_inputs should return a dict with the keys {', '.join(FIELDS)}; got {type(got).__name__}")
+        raise CheckFailed(
+            f"prepare_inputs should return a dict with the keys {', '.join(FIELDS)}; got {type(got).__name__}"
+        )
     missing = [k for k in FIELDS if k not in got]
     if missing:
         raise CheckFailed(f"prepare_inputs' dict has no {', '.join(missing)}")
@@ -226,8 +251,12 @@ def check_prepare_inputs(prepare_inputs, model: str = "tiny-shakespeare-1m") -> 
     counts: dict = {}
     with hooks.override(step_layout=layout_adapter(prepare_inputs, counts)):
         got = [o.token_ids for o in llm.generate(list(PROMPTS), params)]
-    compare_requests(got, expected, "request {i} of the paged engine running your prepare_inputs",
-                     "your function matched the example step: what differs on the engine's own steps?")
+    compare_requests(
+        got,
+        expected,
+        "request {i} of the paged engine running your prepare_inputs",
+        "your function matched the example step: what differs on the engine's own steps?",
+    )
     if counts.get("mixed", 0) == 0:
         raise CheckFailed("internal: the check's run had no step mixing decodes with prompt chunks")
     return (

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from minillm.course.checks_parallel import AllReduceWatch, as_learner, learner_fn_from_source, run_on_ranks, source_of
+from minillm.course.checks.ch09_ranks import AllReduceWatch, as_learner, learner_fn_from_source, run_on_ranks, source_of
 from minillm.course.results import CheckFailed, check
 
 WORLD, TOKENS = 2, 6

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 import minillm.hooks as hooks
-from minillm.course.checks_forward import refusing_model_calls
+from minillm.course.checks.ch01_transformer import refusing_model_calls
 from minillm.course.compare import compare_tensors, compare_tokens, name_the_slip
 from minillm.course.helpers import forward_step, new_cache
 from minillm.course.results import CheckFailed, check, learner_function
@@ -138,7 +138,9 @@ def _check_cache_class(KVCache) -> None:
     k_new, v_new = _kv(2, heads, 1, d)  # layer 0's first decode token, at position 3
     first_k, _ = append(0, 3, k_new, v_new)
     if tuple(first_k.shape) == (heads, 1, d):
-        raise CheckFailed("KVCache.append returned only the new token's keys: return every position so far, 0..start+T-1")
+        raise CheckFailed(
+            "KVCache.append returned only the new token's keys: return every position so far, 0..start+T-1"
+        )
     if tuple(first_k.shape) == (heads, 4, d) and torch.equal(first_k[:, :3], k1):
         raise CheckFailed(
             "layer 0's keys after layer 1's prefill are layer 1's: the layers share one buffer ([buffer] * num_layers "
@@ -176,7 +178,7 @@ REFUSED = (
 
 
 def _check_cached_forward(cached_forward, KVCache, llm, expected_tokens: list[int]) -> None:
-    from minillm.course.checks import prompt_ids
+    from minillm.course.checks.common import prompt_ids
 
     model, cfg = llm.model, llm.model.config
     prompt = prompt_ids(llm)
@@ -190,17 +192,31 @@ def _check_cached_forward(cached_forward, KVCache, llm, expected_tokens: list[in
         expected = forward_step(model, ids, start, ours)
         with refusing_model_calls(model, REFUSED):
             got = cached_forward(model, list(ids), start, theirs)
-        what = (f"the prefill ({len(ids)} tokens at 0..{len(ids) - 1})" if start == 0
-                else f"decode step {i} (one token at position {start})")
-        if isinstance(got, torch.Tensor) and got.shape == expected.shape and not torch.allclose(
-                got.float(), expected, atol=LOGITS_ATOL):
+        what = (
+            f"the prefill ({len(ids)} tokens at 0..{len(ids) - 1})"
+            if start == 0
+            else f"decode step {i} (one token at position {start})"
+        )
+        if (
+            isinstance(got, torch.Tensor)
+            and got.shape == expected.shape
+            and not torch.allclose(got.float(), expected, atol=LOGITS_ATOL)
+        ):
             _diagnose_step(got, expected, start, i)
-        compare_tensors(got.float() if isinstance(got, torch.Tensor) else got, expected,
-                        f"cached_forward's logits for {what}", atol=LOGITS_ATOL)
+        compare_tensors(
+            got.float() if isinstance(got, torch.Tensor) else got,
+            expected,
+            f"cached_forward's logits for {what}",
+            atol=LOGITS_ATOL,
+        )
         tokens.append(int(got[-1].argmax()))
         steps.append(([tokens[-1]], start + len(ids)))
-    compare_tokens(tokens, expected_tokens, "greedy tokens from your cached_forward and KVCache",
-                   "every step's logits matched: do you feed each step the token the last one chose?")
+    compare_tokens(
+        tokens,
+        expected_tokens,
+        "greedy tokens from your cached_forward and KVCache",
+        "every step's logits matched: do you feed each step the token the last one chose?",
+    )
 
 
 def _diagnose_step(got, expected, start: int, i: int) -> None:
@@ -224,15 +240,19 @@ def check_cached_model(apply_rope, KVCache, cached_forward, model: str = "tiny-s
     head_dim)`` with ``append(layer, start, k, v) -> (k, v)`` so far, and ``cached_forward(model,
     ids, start, cache) -> logits[T, vocab]``: the model with a KV cache, from its weights."""
     from minillm import SamplingParams
-    from minillm.course.checks import engine, prompt_ids, reference_tokens
+    from minillm.course.checks.common import engine, prompt_ids, reference_tokens
 
     llm = engine(model, "contiguous")
     _check_apply_rope(apply_rope, llm.model.config)
     expected = reference_tokens(model, TOKENS)
     with hooks.override(apply_rope=rope_adapter(apply_rope)):
         got = llm.generate([prompt_ids(llm)], SamplingParams(max_tokens=TOKENS, ignore_eos=True))[0].token_ids
-    compare_tokens(got, expected, "the cached engine rotating q and k with your apply_rope",
-                   "your apply_rope matched on small tensors: does it depend on the shapes it was given?")
+    compare_tokens(
+        got,
+        expected,
+        "the cached engine rotating q and k with your apply_rope",
+        "your apply_rope matched on small tensors: does it depend on the shapes it was given?",
+    )
     _check_cache_class(KVCache)
     _check_cached_forward(cached_forward, KVCache, llm, expected)
     return (

@@ -52,7 +52,10 @@ def _rms_norm_mistakes(x, weight, eps):
         "rms_norm subtracted the mean first: that is LayerNorm. RMSNorm only divides by the root of the mean "
         "square, x / sqrt(mean(x²) + eps)",
     )
-    yield x / (ms.sqrt() + eps) * weight, "rms_norm added eps after the square root: it goes inside, sqrt(mean(x²) + eps)"
+    yield (
+        x / (ms.sqrt() + eps) * weight,
+        "rms_norm added eps after the square root: it goes inside, sqrt(mean(x²) + eps)",
+    )
     yield x / (ms + eps) * weight, "rms_norm divided by the mean square itself: take its square root"
     yield (
         x * torch.rsqrt(ms) * weight,
@@ -86,9 +89,13 @@ def _check_rms_norm(rms_norm) -> None:
     compare_tensors(got, expected, "rms_norm(x[5, 16], weight, eps=1e-5)")
     zero = rms_norm(torch.zeros(2, 16), weight, eps)
     if not isinstance(zero, torch.Tensor) or not bool(torch.isfinite(zero).all()):
-        raise CheckFailed("rms_norm of an all-zero vector is not finite: add eps *inside* the root so it never divides by 0")
+        raise CheckFailed(
+            "rms_norm of an all-zero vector is not finite: add eps *inside* the root so it never divides by 0"
+        )
     batched = rms_norm(x[None].expand(2, -1, -1), weight, eps)  # [B, T, hidden]: the engine's shape
-    compare_tensors(batched, expected[None].expand(2, -1, -1), "rms_norm on a [2, 5, 16] batch (normalise the last dim)")
+    compare_tensors(
+        batched, expected[None].expand(2, -1, -1), "rms_norm on a [2, 5, 16] batch (normalise the last dim)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,8 +139,11 @@ def reference_layer(x, w: LayerWeights, cos, sin, config, mistake: str | None = 
     T = x.shape[0]
     H, KV, D = config.num_heads, config.num_kv_heads, config.head_dim
     eps = config.rms_norm_eps
-    norm1, norm2 = (w.post_attention_layernorm, w.input_layernorm) if m == "swapped_norms" else (
-        w.input_layernorm, w.post_attention_layernorm)
+    norm1, norm2 = (
+        (w.post_attention_layernorm, w.input_layernorm)
+        if m == "swapped_norms"
+        else (w.input_layernorm, w.post_attention_layernorm)
+    )
     h = x if m in ("no_input_norm", "post_norm") else reference_rms_norm(x, norm1, eps)
 
     def heads(y, n):
@@ -165,7 +175,11 @@ def reference_layer(x, w: LayerWeights, cos, sin, config, mistake: str | None = 
         x = attn if m == "no_attention_residual" else x + attn
     h = x if m in ("no_post_norm", "post_norm") else reference_rms_norm(x, norm2, eps)
     gate, up = h @ w.gate_proj.T, h @ w.up_proj.T
-    act = {"silu_on_up": lambda: gate * F.silu(up), "relu": lambda: F.relu(gate) * up, "gelu": lambda: F.gelu(gate) * up}
+    act = {
+        "silu_on_up": lambda: gate * F.silu(up),
+        "relu": lambda: F.relu(gate) * up,
+        "gelu": lambda: F.gelu(gate) * up,
+    }
     mlp = act.get(m, lambda: F.silu(gate) * up)() @ w.down_proj.T
     if m == "post_norm":
         return reference_rms_norm(x + mlp, norm2, eps)
@@ -187,8 +201,17 @@ def random_layer(config, seed: int = 0) -> LayerWeights:
         return torch.randn(rows, cols, generator=gen) / math.sqrt(cols)
 
     norm = lambda: torch.rand(hid, generator=gen) + 0.5  # noqa: E731
-    return LayerWeights(norm(), mat(qd, hid), mat(kvd, hid), mat(kvd, hid), mat(hid, qd), norm(),
-                        mat(inter, hid), mat(inter, hid), mat(hid, inter))
+    return LayerWeights(
+        norm(),
+        mat(qd, hid),
+        mat(kvd, hid),
+        mat(kvd, hid),
+        mat(hid, qd),
+        norm(),
+        mat(inter, hid),
+        mat(inter, hid),
+        mat(hid, inter),
+    )
 
 
 def _run_layer(decoder_layer, x, w, cos, sin, config, what: str) -> torch.Tensor:
@@ -222,8 +245,12 @@ def _check_layer(decoder_layer, config) -> None:
              for m, why in LAYER_MISTAKES.items())  # fmt: skip
     if name_the_slip(got, expected, slips):
         _localise(decoder_layer, x, w, cos, sin, cfg)
-    compare_tensors(got, expected, f"decoder_layer on a random layer (T = {T}, hidden {cfg.hidden_size}, 4 query "
-                    "heads over 2 K/V heads of 8 dims)")
+    compare_tensors(
+        got,
+        expected,
+        f"decoder_layer on a random layer (T = {T}, hidden {cfg.hidden_size}, 4 query "
+        "heads over 2 K/V heads of 8 dims)",
+    )
 
 
 def _localise(decoder_layer, x, w, cos, sin, cfg) -> None:
@@ -236,8 +263,11 @@ def _localise(decoder_layer, x, w, cos, sin, cfg) -> None:
     verdicts = []
     for name, half in halves.items():
         got = _run_layer(decoder_layer, x, half, cos, sin, cfg, name)
-        right = isinstance(got, torch.Tensor) and got.shape == x.shape and torch.allclose(
-            got, reference_layer(x, half, cos, sin, cfg), atol=1e-5)
+        right = (
+            isinstance(got, torch.Tensor)
+            and got.shape == x.shape
+            and torch.allclose(got, reference_layer(x, half, cos, sin, cfg), atol=1e-5)
+        )
         verdicts.append((name, right))
     wrong = [n for n, ok in verdicts if not ok]
     right = [n for n, ok in verdicts if ok]
@@ -310,17 +340,28 @@ def _check_forward(transformer_forward, llm, expected_tokens: list[int]) -> None
                 "transformer_forward returned the hidden states [T, hidden]: apply the final norm (w.norm) and the "
                 "LM head (@ w.lm_head.T) to get logits [T, vocab]"
             )
-        if isinstance(got, torch.Tensor) and got.shape == expected.shape and not torch.allclose(
-                got.float(), expected, atol=LOGITS_ATOL):
+        if (
+            isinstance(got, torch.Tensor)
+            and got.shape == expected.shape
+            and not torch.allclose(got.float(), expected, atol=LOGITS_ATOL)
+        ):
             _diagnose_forward(got, model, ids, expected)
-        compare_tensors(got.float() if isinstance(got, torch.Tensor) else got, expected,
-                        f"transformer_forward on the {len(ids)}-token prompt (logits [T, vocab])", atol=LOGITS_ATOL)
+        compare_tensors(
+            got.float() if isinstance(got, torch.Tensor) else got,
+            expected,
+            f"transformer_forward on the {len(ids)}-token prompt (logits [T, vocab])",
+            atol=LOGITS_ATOL,
+        )
         tokens, seq = [], list(ids)
         for _ in range(TOKENS):
             tokens.append(int(transformer_forward(model, seq)[-1].argmax()))
             seq.append(tokens[-1])
-    compare_tokens(tokens, expected_tokens, "greedy tokens from your transformer_forward",
-                   "the logits matched on the prompt: does your forward depend on anything but the ids it is given?")
+    compare_tokens(
+        tokens,
+        expected_tokens,
+        "greedy tokens from your transformer_forward",
+        "the logits matched on the prompt: does your forward depend on anything but the ids it is given?",
+    )
 
 
 def _diagnose_forward(got, model, ids, expected) -> None:
@@ -335,13 +376,18 @@ def _diagnose_forward(got, model, ids, expected) -> None:
         states.append(reference_layer(states[-1], layer, cos, sin, cfg))
     final = states[-1]
     candidates = [
-        (final @ w.lm_head.T, "transformer_forward skipped the final norm: logits = rms_norm(x, w.norm, eps) @ w.lm_head.T"),
+        (
+            final @ w.lm_head.T,
+            "transformer_forward skipped the final norm: logits = rms_norm(x, w.norm, eps) @ w.lm_head.T",
+        ),
     ]
     for n in range(len(w.layers)):
-        candidates.append((
-            reference_rms_norm(states[n], w.norm, cfg.rms_norm_eps) @ w.lm_head.T,
-            f"transformer_forward ran {n} of the model's {len(w.layers)} layers: run every layer in w.layers, in order",
-        ))
+        candidates.append(
+            (
+                reference_rms_norm(states[n], w.norm, cfg.rms_norm_eps) @ w.lm_head.T,
+                f"transformer_forward ran {n} of the model's {len(w.layers)} layers: run every layer in w.layers, in order",
+            )
+        )
     for logits, why in candidates:
         if torch.allclose(got.float(), logits.float(), atol=LOGITS_ATOL):
             raise CheckFailed(f"your RMSNorm and decoder layer are right; {why}")
@@ -358,7 +404,7 @@ def check_transformer(rms_norm, decoder_layer, transformer_forward, model: str =
     """``rms_norm(x, weight, eps)``, ``decoder_layer(x[T, hidden], w, cos, sin, config)`` and
     ``transformer_forward(model, ids) -> logits[T, vocab]``: the whole model from its weights."""
     from minillm import SamplingParams
-    from minillm.course.checks import engine, prompt_ids, reference_tokens
+    from minillm.course.checks.common import engine, prompt_ids, reference_tokens
 
     _check_rms_norm(rms_norm)
     llm = engine(model, "naive")
@@ -366,8 +412,12 @@ def check_transformer(rms_norm, decoder_layer, transformer_forward, model: str =
     expected = reference_tokens(model, TOKENS)
     with hooks.override(decoder_layer=layer_adapter(decoder_layer, llm.model.config)):
         got = llm.generate([prompt_ids(llm)], SamplingParams(max_tokens=TOKENS, ignore_eos=True))[0].token_ids
-    compare_tokens(got, expected, "the engine running your decoder_layer as every layer",
-                   "your layer matched on a random small layer: check what differs on the real model's shapes")
+    compare_tokens(
+        got,
+        expected,
+        "the engine running your decoder_layer as every layer",
+        "your layer matched on a random small layer: check what differs on the real model's shapes",
+    )
     _check_forward(transformer_forward, llm, expected)
     n = llm.model.config.num_layers
     return (

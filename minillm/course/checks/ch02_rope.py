@@ -23,7 +23,7 @@ import functools
 import torch
 
 import minillm.hooks as hooks
-from minillm.course.checks import DEFAULT_MODEL, PROMPT, STEPS
+from minillm.course.checks.common import DEFAULT_MODEL, PROMPT, STEPS
 from minillm.course.compare import compare_tensors, compare_tokens
 from minillm.course.results import CheckError, CheckFailed, check
 from minillm.models.rope import rotate_half

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import minillm.hooks as hooks
-from minillm.course.checks import DEFAULT_MODEL
-from minillm.course.checks_serving import (
+from minillm.course.checks.common import DEFAULT_MODEL
+from minillm.course.checks.engines import (
     PROMPTS,
     SYSTEM,
     assert_pool_clean,

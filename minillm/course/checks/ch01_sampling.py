@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 
 import minillm.hooks as hooks
-from minillm.course.checks import DEFAULT_MODEL
+from minillm.course.checks.common import DEFAULT_MODEL
 from minillm.course.compare import compare_tokens
 from minillm.course.results import CheckFailed, LearnerRaised, check
 
