@@ -228,6 +228,18 @@ slot_mapping = _declare(
     """The flat pool slots of a sequence's positions ``start ..``: where the paged runner writes
     every new token's K/V.""",
 )
+grow_table = _declare(
+    "grow_table",
+    "grow_table(table, num_computed, num_new, block_size, ref_count, take, release) -> [(src, dst)]",
+    "03 paged KV cache (the block table)",
+    "minillm.kvcache.block_manager",
+    "minillm/kvcache/block_manager.py",
+    """Make a sequence's block table, in place, hold its positions up to ``num_computed +
+    num_new``: a shared block about to be written is first replaced by a private copy (the
+    copies returned, for the runner to do before the step), then new blocks are appended. The
+    block manager has checked that the pool has room; every block comes from ``take`` and every
+    reference given up goes to ``release``.""",
+)
 gather_kv = _declare(
     "gather_kv",
     "gather_kv(pool, layer, block_tables[B, n], by_slot=False) -> (k, v) [B, KV, n*block_size, D]",

@@ -256,6 +256,44 @@ wrong("check_generate_cached", "never ran the model through the cache", generate
 # ---- 03: the paged KV cache -----------------------------------------------------------------
 
 
+def grow_table(table, num_computed, num_new, block_size, ref_count, take, release):
+    copies = []
+    first = num_computed // block_size
+    if first < len(table) and ref_count(table[first]) > 1:
+        private = take()
+        copies.append((table[first], private))
+        release(table[first])
+        table[first] = private
+    while len(table) * block_size < num_computed + num_new:
+        table.append(take())
+    return copies
+
+
+def grow_table_counted(table, num_computed, num_new, block_size, ref_count, take, release):
+    """Right, written differently: count the blocks needed first; copy on write by index."""
+    need = math.ceil((num_computed + num_new) / block_size)
+    out = []
+    j = num_computed // block_size
+    if j < len(table) and ref_count(table[j]) >= 2:
+        old, new = table[j], take()
+        release(old)
+        table[j] = new
+        out.append((old, new))
+    table.extend(take() for _ in range(need - len(table)))
+    return out
+
+
+BT = "check_block_table"  # chapter 03's block table: grow_table, then slot_mapping
+
+
+def slots_right(fn) -> None:
+    right(BT, grow_table, fn)
+
+
+def slots_wrong(message: str, fn) -> None:
+    wrong(BT, message, grow_table, fn)
+
+
 def slot_mapping(block_table, start, num_tokens, block_size):
     return [block_table[p // block_size] * block_size + p % block_size for p in range(start, start + num_tokens)]
 
@@ -268,22 +306,20 @@ def slot_mapping_divmod(block_table, start, num_tokens, block_size):
     return slots
 
 
-right("check_slot_mapping", slot_mapping)
-right("check_slot_mapping", slot_mapping_divmod)
-wrong("check_slot_mapping", "positions themselves", lambda t, s, n, b: list(range(s, s + n)))
-wrong("check_slot_mapping", "offsets inside blocks", lambda t, s, n, b: [p % b for p in range(s, s + n)])
-wrong(
-    "check_slot_mapping",
+right(BT, grow_table, slot_mapping)
+right(BT, grow_table_counted, slot_mapping_divmod)
+slots_wrong("positions themselves", lambda t, s, n, b: list(range(s, s + n)))
+slots_wrong("offsets inside blocks", lambda t, s, n, b: [p % b for p in range(s, s + n)])
+slots_wrong(
     "expected [31, 8, 9, 10]",
     lambda t, s, n, b: [t[p // b] + p % b for p in range(s, s + n)],
 )
-wrong(
-    "check_slot_mapping",
+slots_wrong(
     "your code raised IndexError",
     lambda t, s, n, b: [t[p % b] * b + p // b for p in range(s, s + n)],
 )
-wrong("check_slot_mapping", "expected [31, 8, 9, 10]", lambda t, s, n, b: slot_mapping(t, s + 1, n, b))
-wrong("check_slot_mapping", "expected [31, 8, 9, 10]", lambda t, s, n, b: torch.tensor(slot_mapping(t, s, n, b)))
+slots_wrong("expected [31, 8, 9, 10]", lambda t, s, n, b: slot_mapping(t, s + 1, n, b))
+slots_wrong("expected [31, 8, 9, 10]", lambda t, s, n, b: torch.tensor(slot_mapping(t, s, n, b)))
 
 
 def gather_kv(slots, block_tables, block_size):

@@ -134,3 +134,24 @@ def test_an_out_of_bounds_store_is_named_and_the_interpreter_is_restored():
     assert builder.create_masked_store.__func__ is interpreter.InterpreterBuilder.create_masked_store
     assert builder.create_masked_load.__func__ is interpreter.InterpreterBuilder.create_masked_load
     assert x.tolist() == list(range(8))
+
+
+def test_time_limit_stops_an_endless_loop_and_resumes_the_timer_outside():
+    import signal
+
+    from minillm.course.results import time_limit
+
+    fired = []
+    previous = signal.signal(signal.SIGALRM, lambda *_: fired.append(True))
+    outer, interval = signal.getitimer(signal.ITIMER_REAL)  # pytest-timeout's, when it runs with signals
+    signal.setitimer(signal.ITIMER_REAL, 3.0)
+    try:
+        with pytest.raises(CheckFailed, match="never ends"):
+            with time_limit(0.2, "never ends"):
+                while True:
+                    pass
+        left, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 2.0 < left < 3.0 and not fired  # the outer timer runs on, with what was left of it
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+        signal.setitimer(signal.ITIMER_REAL, outer, interval)

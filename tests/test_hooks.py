@@ -274,6 +274,26 @@ def test_slot_mapping_calls_go_through_the_hook(paged):
         assert tokens(make()) != reference  # every token's K/V written over the same slot
 
 
+def test_grow_table_calls_go_through_the_hook(paged):
+    make, reference = paged
+    calls = []
+    with hooks.override(grow_table=recorder("grow_table", calls)):
+        assert tokens(make()) == reference
+    assert calls
+
+    def never_copies(table, num_computed, num_new, block_size, ref_count, take, release):
+        while len(table) * block_size < num_computed + num_new:  # grows, but writes into shared blocks
+            table.append(take())
+        return []
+
+    fork = SamplingParams(max_tokens=8, n=2, temperature=0.8, seed=3, ignore_eos=True)
+    llm = make()
+    expected = [s.token_ids for s in llm.generate([PROMPTS[0]], fork)[0].samples]
+    with hooks.override(grow_table=never_copies):
+        got = [s.token_ids for s in make().generate([PROMPTS[0]], fork)[0].samples]
+    assert got != expected  # the two samples overwrite each other's last prompt block
+
+
 def test_gather_kv_calls_go_through_the_hook(paged):
     make, reference = paged
     calls = []

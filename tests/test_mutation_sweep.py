@@ -43,7 +43,7 @@ def test_every_listed_equivalent_mutant_still_exists():
 
 
 def test_the_mutants_are_the_small_bugs_they_claim():
-    exercise = BY_CHECK["check_slot_mapping"]
+    exercise = BY_CHECK["check_block_table"]
     found = {m.key: m.source for m in mutants(exercise)}
     key = "line 1: index `[p // block_size]` + 1 in `return [block_table[p // block_size] * block_size + p % b...`"
     assert key in found and "block_table[p // block_size + 1]" in found[key]

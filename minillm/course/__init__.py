@@ -12,7 +12,8 @@ from minillm.course.checks.ch02_cache import check_generate_cached, check_kv_rea
 from minillm.course.checks.ch02_cached_model import check_cached_model
 from minillm.course.checks.ch02_rope import check_rope_tables
 from minillm.course.checks.ch03_block_pool import check_block_pool
-from minillm.course.checks.ch03_paged import check_block_hash, check_gather_kv, check_slot_mapping
+from minillm.course.checks.ch03_block_table import check_block_table
+from minillm.course.checks.ch03_paged import check_block_hash, check_gather_kv
 from minillm.course.checks.ch04_reserve_admit import check_reserve_admit
 from minillm.course.checks.ch04_runner import check_prepare_inputs
 from minillm.course.checks.ch04_scheduler import check_choose_victim, check_chunk_tokens, check_continuous_schedule
@@ -58,6 +59,7 @@ __all__ = [
     "check_accept_sampled",
     "check_block_hash",
     "check_block_pool",
+    "check_block_table",
     "check_cache_key",
     "check_detokenize_step",
     "check_speculative_decode",
@@ -88,7 +90,6 @@ __all__ = [
     "check_rollback",
     "check_rope_tables",
     "check_tree_attention_mask",
-    "check_slot_mapping",
     "check_tp_mlp",
     "check_transformer",
     "check_cached_model",

@@ -194,14 +194,21 @@ EXERCISES: list[Exercise] = [
     ),
     Exercise(
         "03_paged_kv_cache",
-        "check_slot_mapping",
-        "check_slot_mapping(slot_mapping)",
-        3,
-        1,
-        1,
+        "check_block_table",
+        "check_block_table(grow_table, slot_mapping)",
+        12,
+        2,
+        2,
         (
-            "Position p lives in logical block p // block_size, at offset p % block_size.",
-            "`[block_table[p // block_size] * block_size + p % block_size for p in range(start, start + num_tokens)]`",
+            "grow_table: the first new token goes to block num_computed // block_size; if that block is already in "
+            "the table and shared (ref_count > 1), swap in a private copy first. Then append blocks until the table "
+            "covers num_computed + num_new positions. slot_mapping: position p lives in block p // block_size, at "
+            "offset p % block_size.",
+            "grow_table: `first = num_computed // block_size`; `if first < len(table) and ref_count(table[first]) > 1:` "
+            "`private = take()`, `copies.append((table[first], private))`, `release(table[first])`, "
+            "`table[first] = private`; then `while len(table) * block_size < num_computed + num_new: "
+            "table.append(take())`; `return copies`. slot_mapping: `[block_table[p // block_size] * block_size + "
+            "p % block_size for p in range(start, start + num_tokens)]`.",
         ),
     ),
     Exercise(
@@ -739,7 +746,7 @@ REFERENCES: dict[str, tuple[str, ...]] = {
         "minillm.course.helpers.forward_step",
         "minillm.course.helpers.forward_logits",
     ),
-    "check_slot_mapping": ("minillm.kvcache.addressing.slot_mapping",),
+    "check_block_table": ("minillm.kvcache.block_manager.grow_table", "minillm.kvcache.addressing.slot_mapping"),
     "check_gather_kv": ("minillm.attention.paged.gather_kv",),
     "check_block_pool": tuple(
         f"minillm.kvcache.block_manager.BlockPool.{name}"

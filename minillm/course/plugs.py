@@ -125,7 +125,12 @@ PLUGS: dict[str, Plug] = {
         Plug("check_kv_read", ("kv_read",), _same("kv_read"), frozenset({"contiguous"})),
         Plug("check_rope_tables", ("rope_tables",), _same("rope_tables")),
         Plug("check_cached_model", ("apply_rope",), lambda f, c: {"apply_rope": rope_adapter(f[0])}),
-        Plug("check_slot_mapping", ("slot_mapping",), _same("slot_mapping"), frozenset({"paged"})),
+        Plug(
+            "check_block_table",
+            ("grow_table", "slot_mapping"),
+            lambda f, c: {"grow_table": f[0], "slot_mapping": f[1]},
+            frozenset({"paged"}),
+        ),
         Plug(
             "check_gather_kv", ("gather_kv",), lambda f, c: {"gather_kv": gather_from_pool(f[0])}, frozenset({"paged"})
         ),

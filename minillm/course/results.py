@@ -23,7 +23,10 @@ import contextlib
 import functools
 import json
 import os
+import signal
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -97,6 +100,33 @@ def learner_function(fn: Callable) -> Callable:
 
     call.minillm_learner = True  # marks the wrapper, so a check handed it again does not wrap it twice
     return call
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float, message: str):
+    """Fail with ``message`` when the code inside runs longer than ``seconds`` — a learner's loop
+    that never ends would otherwise hang the check (and the notebook). It uses the process's
+    real-time timer (SIGALRM), so it works in the main thread of a Unix process (a notebook
+    cell, the grader) and limits nothing elsewhere. A timer already running outside is resumed
+    with what was left of it."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def stop(signum, frame):
+        raise CheckFailed(message)
+
+    outer, _ = signal.getitimer(signal.ITIMER_REAL)
+    start = time.monotonic()
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, min(seconds, outer) if outer else seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer:
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - start), 0.001))
 
 
 def learner_cause(err: BaseException) -> BaseException | None:

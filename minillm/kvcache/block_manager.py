@@ -205,6 +205,23 @@ class BlockPool:
             self.free_ids.append(block_id)
 
 
+@hooks.reference("grow_table")
+def grow_table(table: list[int], num_computed: int, num_new: int, block_size: int, ref_count, take, release) -> list:
+    """Grow ``table`` in place to hold positions ``0 .. num_computed + num_new - 1``; the
+    ``(shared, private)`` copies to do first. Only the block the first new token goes to can be
+    shared (a cached prefix's last block, or a fork's): the blocks after it are new."""
+    copies = []
+    first = num_computed // block_size
+    if first < len(table) and ref_count(table[first]) > 1:
+        shared, private = table[first], take()
+        release(shared)
+        table[first] = private
+        copies.append((shared, private))
+    while len(table) < blocks_for(num_computed + num_new, block_size):
+        table.append(take())
+    return copies
+
+
 class BlockManager:
     """Fixed-size blocks, a free list, reference counts, block tables and a prefix cache."""
 
@@ -276,6 +293,10 @@ class BlockManager:
 
     def blocks_for(self, num_tokens: int) -> int:
         return blocks_for(num_tokens, self.block_size)
+
+    def ref_count(self, block_id: int) -> int:
+        """How many block tables hold ``block_id`` (2 or more: it is shared, copied before a write)."""
+        return self.blocks[block_id].ref_count
 
     def pool_stats(self) -> PoolStats:
         used = self.num_used_blocks
@@ -380,17 +401,11 @@ class BlockManager:
         if not self.can_allocate(seq, num_new_tokens):
             return None
         table = self.tables[seq.request_id]
-        copies = []
+        # chapter 03's exercise plugs in here: copy-on-write of a shared block, then growth
+        copies = hooks.grow_table(table, seq.num_computed_tokens, num_new_tokens, self.block_size, self.ref_count,
+                                  self._take, self._release)  # fmt: skip
         first = seq.num_computed_tokens // self.block_size
-        if first < len(table) and self.blocks[table[first]].ref_count > 1:
-            shared = table[first]
-            private = self._take()
-            self._release(shared)
-            table[first] = private
-            copies.append((shared, private))
         end = seq.num_computed_tokens + num_new_tokens
-        while len(table) < self.blocks_for(end):
-            table.append(self._take())
         for j in range(first, self.blocks_for(end)):
             filled = min(self.block_size, end - j * self.block_size)
             if table[j] != RELEASED and filled > self.fill[table[j]]:

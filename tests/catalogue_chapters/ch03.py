@@ -6,7 +6,7 @@ import hashlib
 import struct
 
 import torch
-from check_catalogue import gather_kv, wrong
+from check_catalogue import gather_kv, slots_wrong, wrong
 
 # ---- slot_mapping ---------------------------------------------------------------------------
 
@@ -51,19 +51,18 @@ def _slots_generator(block_table, start, num_tokens, block_size):
     return (block_table[p // block_size] * block_size + p % block_size for p in range(start, start + num_tokens))
 
 
-wrong("check_slot_mapping", "those are the slots of positions 3-5", _slots_one_short)
-wrong("check_slot_mapping", "those are the slots of positions 0-3", _slots_from_zero)
-wrong("check_slot_mapping", "those are the slots of position 3 only", _slots_end_is_num_tokens)
-wrong("check_slot_mapping", "you added the position itself", _slots_whole_position)
-wrong("check_slot_mapping", "slots for block_size=16: use the block_size argument", _slots_block_size_16)
-wrong("check_slot_mapping", "position 4 starts a new block", _slots_count_up)
-wrong(
-    "check_slot_mapping",
+slots_wrong("those are the slots of positions 3-5", _slots_one_short)
+slots_wrong("those are the slots of positions 0-3", _slots_from_zero)
+slots_wrong("those are the slots of position 3 only", _slots_end_is_num_tokens)
+slots_wrong("you added the position itself", _slots_whole_position)
+slots_wrong("slots for block_size=16: use the block_size argument", _slots_block_size_16)
+slots_wrong("position 4 starts a new block", _slots_count_up)
+slots_wrong(
     "block_table[1] instead of block_table[0] (the block index is p // block_size, rounded down)",
     _slots_rounded_block,
 )
-wrong("check_slot_mapping", "changed the block table it was given", _slots_table_in_place)
-wrong("check_slot_mapping", "returned a generator", _slots_generator)
+slots_wrong("changed the block table it was given", _slots_table_in_place)
+slots_wrong("returned a generator", _slots_generator)
 
 # ---- gather_kv ------------------------------------------------------------------------------
 

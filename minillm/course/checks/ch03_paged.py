@@ -1,11 +1,10 @@
-"""Chapter 03 (the paged KV cache): the slot mapping, the gather over a block table, the prefix hash."""
+"""Chapter 03 (the paged KV cache): the gather over a block table, and the prefix hash."""
 
 from __future__ import annotations
 
 import builtins
 import contextlib
 import math
-import numbers
 import sys
 
 import torch
@@ -24,97 +23,6 @@ from minillm.course.checks.engines import (
 )
 from minillm.course.compare import compare_tensors
 from minillm.course.results import CheckFailed, check, learner_cause
-
-
-def _slots_of(table: list[int], positions, block_size: int) -> list[int]:
-    return [table[p // block_size] * block_size + p % block_size for p in positions]
-
-
-def _slot_mapping_mistake(got: list, table: list[int], start: int, num_tokens: int, block_size: int) -> str:
-    """Name what a wrong slot mapping did: which positions its slots belong to, a constant block
-    size, or, at the first wrong position, a wrong block or a wrong offset."""
-    odd = next((s for s in got if isinstance(s, bool) or not isinstance(s, numbers.Integral)), None)
-    if odd is not None:
-        return f"the slots must be Python ints, and {odd!r} is a {type(odd).__name__}"
-    got = [int(s) for s in got]
-    expected = _slots_of(table, range(start, start + num_tokens), block_size)
-    position_of = {s: p for p, s in enumerate(_slots_of(table, range(len(table) * block_size), block_size))}
-    positions = [position_of.get(s) for s in got]
-    if got and None not in positions and positions == list(range(positions[0], positions[0] + len(got))):
-        if len(got) != num_tokens or positions[0] != start:
-            span = f"positions {positions[0]}-{positions[-1]}" if len(got) > 1 else f"position {positions[0]} only"
-            return (
-                f"those are the slots of {span}; the call asks for the "
-                f"num_tokens={num_tokens} positions start .. start + num_tokens - 1 = {start}-{start + num_tokens - 1}"
-            )
-    if len(got) != num_tokens:
-        return f"that is {len(got)} slots for num_tokens={num_tokens}: one slot per position"
-    for other in range(1, 65):
-        try:
-            if other != block_size and got == _slots_of(table, range(start, start + num_tokens), other):
-                return f"those are the slots for block_size={other}: use the block_size argument, not a constant"
-        except IndexError:
-            continue
-    i = next(i for i, (g, e) in enumerate(zip(got, expected)) if g != e)
-    p, g, e = start + i, got[i], expected[i]
-    block = table[p // block_size]
-    where = (
-        f"position {p} lives at offset {p} % {block_size} = {p % block_size} of block block_table[{p} // {block_size}] "
-        f"= {block}, slot {e}; you gave slot {g}"
-    )
-    if g == block + p % block_size:
-        return f"{where}: you added the offset to the block id; block {block} starts at slot {block} * block_size"
-    if g == block * block_size + p:
-        return f"{where}: you added the position itself; add its offset inside the block, p % block_size"
-    if i and g == got[i - 1] + 1 and p % block_size == 0:
-        return (
-            f"{where}, the slot after position {p - 1}'s: position {p} starts a new block, and a sequence's blocks "
-            "are not adjacent in the pool; look each position's block up in the table"
-        )
-    if g // block_size == block:
-        return f"{where}: the right block, the wrong offset (p % block_size)"
-    if g % block_size == p % block_size and g // block_size in table:
-        j = table.index(g // block_size)
-        return (
-            f"{where}: the right offset in the wrong block, block_table[{j}] instead of block_table[{p // block_size}] "
-            "(the block index is p // block_size, rounded down)"
-        )
-    return where
-
-
-@check
-def check_slot_mapping(slot_mapping, model: str = DEFAULT_MODEL) -> str:
-    """``slot_mapping(block_table, start, num_tokens, block_size) -> list[int]``: pool slots of positions."""
-    table = [7, 2, 9]
-    given = list(table)
-    got = slot_mapping(given, 3, 4, 4)  # positions 3, 4, 5, 6 in blocks of 4
-    expected = [31, 8, 9, 10]
-    if given != table:
-        raise CheckFailed(
-            f"slot_mapping changed the block table it was given, from {table} to {given}: the table belongs to "
-            "the block manager (the engine reuses it every step); read it, never write to it"
-        )
-    if got == [3, 4, 5, 6]:
-        raise CheckFailed(
-            "slot_mapping returned the positions themselves: position p lives in block "
-            "block_table[p // block_size], so its slot is block_table[p // block_size] * block_size + p % block_size"
-        )
-    if got == [3, 0, 1, 2]:
-        raise CheckFailed("slot_mapping returned offsets inside blocks; add block_table[p // block_size] * block_size")
-    call = f"slot_mapping({table}, start=3, num_tokens=4, block_size=4)"
-    if not isinstance(got, list):
-        raise CheckFailed(
-            f"{call} returned a {type(got).__name__}, {got!r:.60}; return a list of Python ints, expected {expected}"
-        )
-    if got != expected:
-        raise CheckFailed(f"{call} returned {got!r}, expected {expected}: {_slot_mapping_mistake(got, table, 3, 4, 4)}")
-    run_scattered(
-        model,
-        {"slot_mapping": slot_mapping},
-        "the engine writing K/V through your slot mapping",
-        "check positions that cross a block boundary",
-    )
-    return f"the paged engine wrote every K/V through your slot mapping: {len(PROMPTS)} requests match the contiguous cache"
 
 
 def _gather_mistake(got: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, block_size: int) -> str:
