@@ -191,13 +191,16 @@ kv_write = _declare(
     """Store new keys and values at positions ``start .. start+T-1`` of a contiguous cache, in
     place (the rows of a batch that write the same span: a prefill, an equal-length decode).""",
 )
-kv_read = _declare(
-    "kv_read",
-    "kv_read(k_cache[B, KV, L, D], v_cache, length) -> (k, v)",
-    "02 the KV cache",
+contiguous_cache = _declare(
+    "contiguous_cache",
+    "contiguous_cache(config, batch_size, max_len, dtype, device) -> cache (write, read, move_row)",
+    "02 the KV cache (the batch's cache)",
     "minillm.kvcache.contiguous",
-    "minillm/kvcache/contiguous.py",
-    """The first ``length`` positions of a contiguous cache, as views: what attention reads each step.""",
+    "minillm/runtime/contiguous_runner.py",
+    """The contiguous engine's cache for one static batch: one slab per layer, a row per
+    sequence, made when the batch starts. Every step writes the new K/V at each row's positions
+    (a slice when all rows start alike, else a scatter) and reads the rows' history back as views;
+    when a sequence finishes, the last row moves into its place.""",
 )
 rope_tables = _declare(
     "rope_tables",

@@ -179,15 +179,6 @@ wrong("check_kv_write", "your code raised RuntimeError", kv_write_heads_axis)
 wrong("check_kv_write", "k_cache[:, :, 5:7] after kv_write differs", kv_write_swapped)
 wrong("check_kv_write", "positions [5], expected [5, 6]", kv_write_first_token_only)
 
-right("check_kv_read", lambda k, v, n: (k[:, :, :n], v[:, :, :n]))
-right("check_kv_read", lambda k, v, n: [k.narrow(2, 0, n), v.narrow(2, 0, n)])
-wrong("check_kv_read", "off by one", lambda k, v, n: (k[:, :, : n - 1], v[:, :, : n - 1]))
-wrong("check_kv_read", "copied the cache", lambda k, v, n: (k[:, :, :n].clone(), v[:, :, :n].clone()))
-wrong("check_kv_read", "values returned by kv_read", lambda k, v, n: (k[:, :, :n], k[:, :, :n]))
-wrong("check_kv_read", "has shape (2, 3, 10, 4), expected (2, 3, 7, 4)", lambda k, v, n: (k, v))
-wrong("check_kv_read", "has shape (2, 3, 10, 4)", lambda k, v, n: (k[:, :n], v[:, :n]))
-wrong("check_kv_read", "keys returned by kv_read", lambda k, v, n: (k[:, :, -n:], v[:, :, -n:]))
-wrong("check_kv_read", "a pair", lambda k, v, n: torch.stack([k[:, :, :n], v[:, :, :n]]))
 
 
 def generate_cached(model, prompt_ids, max_new_tokens):

@@ -358,7 +358,7 @@ def test_the_chapter_comes_from_the_notebook_metadata_first(tmp_path):
     assert find_chapter(tmp_path / "02_kv_cache.ipynb", nb) == "02_kv_cache"
     nb.metadata.pop("minillm")
     assert find_chapter(tmp_path / "mine.ipynb", nb) is None
-    nb.cells.append(nbformat.v4.new_code_cell("check_kv_read(kv_read)"))
+    nb.cells.append(nbformat.v4.new_code_cell("check_contiguous_cache(ContiguousKVCache)"))
     assert find_chapter(tmp_path / "mine.ipynb", nb) == "02_kv_cache"
 
 

@@ -220,14 +220,25 @@ def test_kv_write_calls_go_through_the_hook(contiguous):
         assert tokens(llm) != reference
 
 
-def test_kv_read_calls_go_through_the_hook(contiguous):
+def test_contiguous_cache_calls_go_through_the_hook(contiguous):
+    from minillm.kvcache import ContiguousKVCache
+
     llm, reference = contiguous
     calls = []
-    with hooks.override(kv_read=recorder("kv_read", calls)):
+    with hooks.override(contiguous_cache=recorder("contiguous_cache", calls)):
         assert tokens(llm) == reference
     assert calls
-    with hooks.override(kv_read=lambda k_cache, v_cache, length: (k_cache[:, :, :length] * 0, v_cache[:, :, :length])):
-        assert tokens(llm) != reference
+
+    class Forgetful(ContiguousKVCache):
+        def move_row(self, src, dst, length):  # a finished row's place is taken, but nothing is copied
+            pass
+
+    mixed = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = [PROMPTS[0], PROMPTS[1] + " and more words here"]
+    short = [SamplingParams(max_tokens=3, ignore_eos=True), mixed]
+    expected = [o.token_ids for o in llm.generate(prompts, short)]
+    with hooks.override(contiguous_cache=Forgetful):
+        assert [o.token_ids for o in llm.generate(prompts, short)] != expected
 
 
 def test_rope_tables_calls_go_through_the_hook(contiguous, tiny_model):

@@ -8,8 +8,9 @@ from minillm.course.checks.ch01_decode import check_causal_attention, check_gene
 from minillm.course.checks.ch01_sampling import check_filter_logits
 from minillm.course.checks.ch01_transformer import check_transformer
 from minillm.course.checks.ch01_transformer import reference_rms_norm as rms_norm
-from minillm.course.checks.ch02_cache import check_generate_cached, check_kv_read, check_kv_write
+from minillm.course.checks.ch02_cache import check_generate_cached, check_kv_write
 from minillm.course.checks.ch02_cached_model import check_cached_model
+from minillm.course.checks.ch02_contiguous_cache import check_contiguous_cache
 from minillm.course.checks.ch02_rope import check_rope_tables
 from minillm.course.checks.ch03_block_pool import check_block_pool
 from minillm.course.checks.ch03_block_table import check_block_table
@@ -71,6 +72,7 @@ __all__ = [
     "check_chunk_tokens",
     "check_gather_kv",
     "check_window_release",
+    "check_contiguous_cache",
     "check_continuous_schedule",
     "check_flash_kernel",
     "check_gqa_attention",
@@ -78,7 +80,6 @@ __all__ = [
     "check_generate_cached",
     "check_generate_naive",
     "check_kv_heads",
-    "check_kv_read",
     "check_kv_write",
     "check_next_token",
     "check_online_softmax",

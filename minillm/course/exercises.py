@@ -131,14 +131,21 @@ EXERCISES: list[Exercise] = [
     ),
     Exercise(
         "02_kv_cache",
-        "check_kv_read",
-        "check_kv_read(kv_read)",
-        1,
-        1,
-        1,
+        "check_contiguous_cache",
+        "check_contiguous_cache(ContiguousKVCache)",
+        16,
+        2,
+        3,
         (
-            "Return the first `length` positions of each cache — without copying them.",
-            "`return k_cache[:, :, :length], v_cache[:, :, :length]` (slices are views).",
+            "One slab per K and V of shape [layers, batch, kv_heads, max_len, head_dim], zeros. write: with "
+            "same_start the rows' tokens are a slice (your kv_write on the layer's rows 0..B-1); without it, scatter "
+            "each row's tokens to its own positions. read: slices (views) of rows 0..batch-1 and positions "
+            "0..length-1. move_row: copy positions 0..length-1 of row src into row dst in every layer.",
+            "`self.k = torch.zeros(layers, batch, kv_heads, max_len, head_dim, dtype=dtype, device=device)` (and v); "
+            "write: `B = positions.shape[0]`; if same_start is not None: `kv_write(self.k[layer, :B], self.v[layer, "
+            ":B], k, v, same_start)`; else `rows = torch.arange(B)[:, None]`, `self.k[layer][rows, :, positions] = "
+            "k.transpose(1, 2)` (and v); read: `return self.k[layer, :batch, :, :length], self.v[layer, :batch, :, "
+            ":length]`; move_row: `self.k[:, dst, :, :length] = self.k[:, src, :, :length]` (and v).",
         ),
     ),
     Exercise(
@@ -732,7 +739,12 @@ REFERENCES: dict[str, tuple[str, ...]] = {
         "minillm.course.checks.ch01_transformer.reference_rms_norm",
     ),
     "check_kv_write": ("minillm.kvcache.contiguous.kv_write",),
-    "check_kv_read": ("minillm.kvcache.contiguous.kv_read",),
+    "check_contiguous_cache": (
+        "minillm.kvcache.contiguous.ContiguousKVCache.write",
+        "minillm.kvcache.contiguous.ContiguousKVCache.read",
+        "minillm.kvcache.contiguous.ContiguousKVCache.move_row",
+        "minillm.kvcache.contiguous.contiguous_cache",
+    ),
     "check_rope_tables": ("minillm.models.rope.rope_tables",),
     "check_cached_model": (
         "minillm.models.rope.apply_rope",

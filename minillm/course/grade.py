@@ -129,7 +129,7 @@ class NotebookGrade:
 def find_chapter(notebook: Path, nb=None) -> str | None:
     """The chapter ``notebook`` is: its metadata's ``minillm.chapter``, else its file name, else
     the chapter with the most exercises its code works on — the check called on the exercise's
-    own function (``check_kv_read(kv_read)``), or that function defined; None for a notebook
+    own function (``check_contiguous_cache(ContiguousKVCache)``), or that function defined; None for a notebook
     that is none. A check called on something else is no evidence: chapter 00 calls
     ``check_next_token`` on a lambda to show what a check looks like, and is not chapter 01."""
     from minillm.course import CHECK_CALLS, CHECKS_BY_CHAPTER

@@ -122,7 +122,7 @@ PLUGS: dict[str, Plug] = {
             frozenset({"naive"}),
         ),
         Plug("check_kv_write", ("kv_write",), _same("kv_write"), frozenset({"contiguous"})),
-        Plug("check_kv_read", ("kv_read",), _same("kv_read"), frozenset({"contiguous"})),
+        Plug("check_contiguous_cache", ("contiguous_cache",), _same("contiguous_cache"), frozenset({"contiguous"})),
         Plug("check_rope_tables", ("rope_tables",), _same("rope_tables")),
         Plug("check_cached_model", ("apply_rope",), lambda f, c: {"apply_rope": rope_adapter(f[0])}),
         Plug(

@@ -74,33 +74,6 @@ wrong(KW, "kv_write changed k_new", kv_write_copy_backwards)
 wrong(KW, "batch row 1", kv_write_first_row)
 wrong(KW, "added k_new to", kv_write_adds)
 
-# ---- kv_read --------------------------------------------------------------------------------
-
-KR = "check_kv_read"
-
-
-def kv_read_views(k_cache, v_cache, length):
-    """Right, as a learner writes it in a cell (a def: your_engine() keeps it)."""
-    keys = k_cache[:, :, :length]
-    values = v_cache[:, :, :length]
-    return keys, values
-
-
-right(KR, kv_read_views)
-
-
-def kv_read_keys_only(k_cache, v_cache, length):
-    return k_cache[:, :, :length]
-
-
-wrong(KR, "off by one", lambda k, v, n: (k[:, :, : n + 1], v[:, :, : n + 1]))
-wrong(KR, "swapped", lambda k, v, n: (v[:, :, :n], k[:, :, :n]))
-wrong(KR, "copied the cache", lambda k, v, n: (k[:, :, :n].contiguous(), v[:, :, :n].contiguous()))
-wrong(KR, "one position", lambda k, v, n: (k[:, :, n], v[:, :, n]))
-wrong(KR, "has shape (1, 3, 7, 4), expected (2, 3, 7, 4)", lambda k, v, n: (k[:1, :, :n], v[:1, :, :n]))
-wrong(KR, "positions 1..7", lambda k, v, n: (k[:, :, 1 : n + 1], v[:, :, 1 : n + 1]))
-wrong(KR, "a pair (keys, values), got Tensor", kv_read_keys_only)
-
 # ---- generate_cached ------------------------------------------------------------------------
 
 GC = "check_generate_cached"

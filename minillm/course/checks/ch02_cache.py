@@ -1,4 +1,4 @@
-"""Chapter 02 (the KV cache): the cache's write and read, and the cached generation loop."""
+"""Chapter 02 (the KV cache): the cache's write, and the cached generation loop."""
 
 from __future__ import annotations
 
@@ -119,49 +119,6 @@ def check_kv_write(kv_write, model: str = DEFAULT_MODEL) -> str:
         "the prefill writes the whole prompt at start=0, each decode step one token at its position",
     )
     return f"the engine's cache now stores K/V through your kv_write: {STEPS} tokens identical to the naive engine"
-
-
-@check
-def check_kv_read(kv_read, model: str = DEFAULT_MODEL) -> str:
-    """``kv_read(k_cache, v_cache, length)`` returns the first ``length`` positions of each."""
-    k_cache, v_cache = torch.randn(2, 3, 10, 4), torch.randn(2, 3, 10, 4)
-    got = kv_read(k_cache, v_cache, 7)
-    if not isinstance(got, (tuple, list)) or len(got) != 2:
-        raise CheckFailed(f"kv_read should return a pair (keys, values), got {type(got).__name__}")
-    k, v = got
-    if isinstance(k, torch.Tensor) and k.dim() == 4 and k.shape[2] in (6, 8) and k.shape[:2] == k_cache.shape[:2]:
-        fix = "not [:length-1]" if k.shape[2] == 6 else "not [:length+1]"
-        raise CheckFailed(f"kv_read returned {k.shape[2]} positions for length=7: off by one (use [:length], {fix})")
-    if isinstance(k, torch.Tensor) and k.shape == k_cache[:, :, 7].shape:
-        raise CheckFailed(
-            f"kv_read returned one position (shape {tuple(k.shape)}), as k_cache[:, :, length] does: slice the "
-            "first length positions, k_cache[:, :, :length]"
-        )
-    if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.shape == v.shape == k_cache[:, :, :7].shape:
-        if torch.equal(k, v_cache[:, :, :7]) and torch.equal(v, k_cache[:, :, :7]):
-            raise CheckFailed("kv_read returned (values, keys): the two are swapped, return the keys first")
-        for first in range(1, 4):
-            if torch.equal(k, k_cache[:, :, first : first + 7]):
-                raise CheckFailed(
-                    f"keys returned by kv_read(..., length=7) are positions {first}..{first + 6} of the cache: "
-                    "read the first length positions, 0..length-1 ([:length])"
-                )
-    compare_tensors(k, k_cache[:, :, :7], "keys returned by kv_read(..., length=7)")
-    compare_tensors(v, v_cache[:, :, :7], "values returned by kv_read(..., length=7)")
-    if k.data_ptr() != k_cache.data_ptr():
-        raise CheckFailed(
-            "kv_read copied the cache: return a view (slicing), so a decode step does not copy "
-            "the whole history every time (.clone(), .contiguous() and indexing with a list all copy)"
-        )
-    with hooks.override(kv_read=kv_read):  # every attention layer's read of the cache
-        got_tokens = _cached_tokens(model)
-    compare_tokens(
-        got_tokens,
-        reference_tokens(model),
-        "the engine reading through your kv_read",
-        "attention must see every cached position up to and including the new token",
-    )
-    return f"every attention layer now reads its history through your kv_read: {STEPS} tokens match the naive engine"
 
 
 @check
