@@ -182,6 +182,17 @@ filter_logits = _declare(
     row is drawn from, excluded tokens at -inf. Every sampled token of every engine (and the
     speculative target's and draft's distributions) comes through it.""",
 )
+sample = _declare(
+    "sample",
+    "sample(logits[R, V], params, generators, seen | None) -> list[int]",
+    "01 prefill and decode (the sampler)",
+    "minillm.sampling",
+    "minillm/engine/llm_engine.py",
+    """One token per row, each request by its own settings: the repetition penalty over the
+    tokens it has seen, argmax for a greedy request, else a draw from its filtered distribution
+    with its own generator (the exponential race, so that a seed gives the same tokens in any
+    batch). Every token the engine samples outside speculative verification comes from it.""",
+)
 kv_write = _declare(
     "kv_write",
     "kv_write(k_cache[B, KV, L, D], v_cache, k_new[B, KV, T, D], v_new, start) -> None",

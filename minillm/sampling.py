@@ -223,6 +223,7 @@ def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     return out
 
 
+@hooks.reference("sample")
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],

@@ -402,6 +402,23 @@ _CLAMP_NEVER_BINDS = (
     "after rounding a clamp at ±128 never binds: the clamp is a guard, and a wider guard changes nothing"
 )
 EQUIVALENT: dict[str, dict[str, str]] = {
+    "check_sample": {
+        "line 6: `>` → `>=` in `logits[i, ids] = torch.where(values > 0, values / p.repet...`": (
+            "a logit of exactly 0 is 0 whether divided or multiplied by the penalty"
+        ),
+        "line 11: `0` → `-1` in `probs = filtered_logits(logits[i : i + 1], [p])[0].softma...`": (
+            "the one-row slice's last row is its first"
+        ),
+        "line 11: slice upper `i + 1` + 1 in `probs = filtered_logits(logits[i : i + 1], [p])[0].softma...`": (
+            "filtering is row by row and only row 0 of the result (row i) is used"
+        ),
+        "line 11: `1` → `2` in `probs = filtered_logits(logits[i : i + 1], [p])[0].softma...` (#2)": (
+            "filtering is row by row and only row 0 of the result (row i) is used"
+        ),
+        "line 11: `1` → `0` in `probs = filtered_logits(logits[i : i + 1], [p])[0].softma...`": (
+            "softmax over dim 0 of one row [V] is its only dim; dim=-1 and dim=0 are the same"
+        ),
+    },
     "check_transformer": {
         "line 12: `0` → `-1` in `a = causal_attention(q[None], k[None], v[None])[0]  # [H,...`": (
             "the batch dim added by [None] has size 1, so its last item is its first"

@@ -91,13 +91,13 @@ def test_grading_a_folder_writes_a_csv(tmp_path):
     by_name = {Path(g.notebook).parent.name: g for g in grades}
     again = {Path(g.notebook).parent.name: g for g in grade_folder(submissions)}  # graded twice: the same grades
     assert {k: g.as_dict()["checks"] for k, g in again.items()} == {k: g.as_dict()["checks"] for k, g in by_name.items()}
-    assert by_name["alice"].passed == 3
+    assert by_name["alice"].passed == 4
     failed = [r for r in by_name["alice"].results if r.status == "fail"]
     assert failed[0].check == "check_causal_attention" and "not scaled" in failed[0].message
-    assert (by_name["alice"].points, by_name["alice"].max_points) == (5, 11)  # the whole model uses her attention too
+    assert (by_name["alice"].points, by_name["alice"].max_points) == (8, 14)  # the whole model uses her attention too
     rows = list(csv.DictReader(open(submissions / "grades.csv")))
     assert len(rows) == 2 and {r["check_causal_attention"] for r in rows} == {"pass", "fail"}
-    assert {(r["points"], r["max_points"]) for r in rows} == {("11", "11"), ("5", "11")}
+    assert {(r["points"], r["max_points"]) for r in rows} == {("14", "14"), ("8", "14")}
 
 
 # ------------------------------------------------------------------------------------------
@@ -107,13 +107,21 @@ def test_grading_a_folder_writes_a_csv(tmp_path):
 HEADER = (
     "import math\nimport torch\nimport torch.nn.functional as F\n"
     "from minillm.course import check_causal_attention, check_filter_logits, check_generate_naive, check_next_token, "
-    "check_transformer, forward_logits, apply_rotary, model_weights, rope_cos_sin"
+    "check_sample, check_transformer, forward_logits, apply_rotary, model_weights, rope_cos_sin"
 )
-EXERCISES = ("def next_token", "def generate_naive", "def filter_logits", "def causal_attention", "def rms_norm")
+EXERCISES = (
+    "def next_token",
+    "def generate_naive",
+    "def filter_logits",
+    "from minillm.sampling import filtered_logits",
+    "def causal_attention",
+    "def rms_norm",
+)
 CH01_CHECKS = [
     "check_next_token",
     "check_generate_naive",
     "check_filter_logits",
+    "check_sample",
     "check_causal_attention",
     "check_transformer",
 ]
@@ -182,7 +190,7 @@ def test_one_broken_notebook_does_not_stop_a_folder(tmp_path):
     assert grades["bob"].error and grades["bob"].passed == 0
     assert grades["carol"].passed == len(CH01_CHECKS) and grades["carol"].error is None
     rows = {Path(r["notebook"]).parent.name: r for r in csv.DictReader(open(tmp_path / "grades.csv"))}
-    assert rows["bob"]["error"] and rows["carol"]["passed"] == "5"
+    assert rows["bob"]["error"] and rows["carol"]["passed"] == "6"
 
 
 def test_check_calls_match_the_shipped_check_cells():
@@ -415,7 +423,7 @@ def test_a_notebook_that_runs_past_its_time_is_stopped_and_the_cell_named(tmp_pa
     assert grade.error.startswith("timed out in cell 3 of 4 (`import time`): the notebook ran past its limit of 6 s")
     # graded from the source all the same: nothing above the check cell defines the exercise
     assert [r.status for r in grade.results] == ["fail"] * len(CH01_CHECKS)
-    assert "no `next_token` is defined" in grade.results[0].message and grade.points == 0 and grade.max_points == 11
+    assert "no `next_token` is defined" in grade.results[0].message and grade.points == 0 and grade.max_points == 14
 
 
 def test_a_check_shown_on_a_lambda_does_not_make_a_notebook_that_chapter(tmp_path):
@@ -446,7 +454,7 @@ def test_a_renamed_copy_without_its_check_cells_still_expects_all_its_checks(tmp
     nbformat.write(nb, tmp_path / "my copy.ipynb")
     grade = grade_notebook(tmp_path / "my copy.ipynb", timeout=120)
     assert [r.check for r in grade.results] == CH01_CHECKS
-    assert grade.passed == 0 and grade.max_points == 11, grade.as_text()
+    assert grade.passed == 0 and grade.max_points == 14, grade.as_text()
 
 
 @pytest.mark.slow
@@ -462,12 +470,12 @@ def test_grade_command_prints_points_as_json_and_writes_a_csv(tmp_path, capsys):
     assert main(["course", "grade", str(tmp_path), "--json", "--timeout", "120"]) == 0
     by_name = {Path(g["notebook"]).name: g for g in json.loads(capsys.readouterr().out)}
     carol, scratch = by_name["carol.ipynb"], by_name["scratch.ipynb"]
-    assert (carol["chapter"], carol["points"], carol["max_points"], carol["passed"]) == (CH01, 11, 11, 5), carol
-    assert [c["points"] for c in carol["checks"]] == [1, 2, 2, 2, 4]
+    assert (carol["chapter"], carol["points"], carol["max_points"], carol["passed"]) == (CH01, 14, 14, 6), carol
+    assert [c["points"] for c in carol["checks"]] == [1, 2, 2, 3, 2, 4]
     assert scratch["course_notebook"] is False and scratch["points"] is None
     rows = {Path(r["notebook"]).name: r for r in csv.DictReader(open(tmp_path / "grades.csv"))}
-    assert (rows["carol.ipynb"]["points"], rows["carol.ipynb"]["max_points"]) == ("11", "11")
-    assert list(rows["carol.ipynb"])[6:11] == CH01_CHECKS
+    assert (rows["carol.ipynb"]["points"], rows["carol.ipynb"]["max_points"]) == ("14", "14")
+    assert list(rows["carol.ipynb"])[6:12] == CH01_CHECKS
 
 
 def test_cells_without_ids_get_the_same_ids_on_every_build(tmp_path):

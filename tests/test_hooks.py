@@ -210,6 +210,16 @@ def test_filter_logits_calls_go_through_the_hook(contiguous):
         assert tokens(llm, SAMPLED) == greedy != sampled
 
 
+def test_sample_calls_go_through_the_hook(contiguous):
+    llm, reference = contiguous
+    calls = []
+    with hooks.override(sample=recorder("sample", calls)):
+        assert tokens(llm) == reference
+    assert calls
+    with hooks.override(sample=lambda logits, params, generators, seen=None: [0] * len(params)):
+        assert tokens(llm) != reference  # every token is token 0
+
+
 def test_kv_write_calls_go_through_the_hook(contiguous):
     llm, reference = contiguous
     calls = []

@@ -95,7 +95,7 @@ def test_generate_assignment_then_autograde_scores_right_wrong_and_not_attempted
             "check_causal_attention": (0, 2),
             "check_transformer": (0, 4),
         }
-        assert (total.score, total.max_score) == (1, 11)
+        assert (total.score, total.max_score) == (1, 14)
     graded = nbformat.read(course / "autograded" / "alice" / CH01 / f"{CH01}.ipynb", as_version=4)
     check = next(c for c in graded.cells if c.metadata.get("nbgrader", {}).get("grade_id") == "check_generate_naive")
     assert "require_pass('check_generate_naive')" in check.source  # the hidden test was put back

@@ -28,11 +28,11 @@ GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 # The pieces each mode must call when every check is passed (the others wait for their option:
 # quantization, speculation, a window, a stream; or sit under a piece that replaces them).
 CALLED = {
-    "naive": {"decoder_layer", "rope_tables", "heads_of_rank", "detokenize_step"},
+    "naive": {"decoder_layer", "rope_tables", "heads_of_rank", "detokenize_step", "sample"},
     # (the learner's cache class calls their kv_write itself, not through the hook)
-    "contiguous": {"torch_attention", "contiguous_cache", "apply_rope", "rope_tables", "detokenize_step"},
+    "contiguous": {"torch_attention", "contiguous_cache", "apply_rope", "rope_tables", "detokenize_step", "sample"},
     "paged": {"apply_rope", "rope_tables", "block_pool", "block_hash", "tokens_to_run", "schedule", "step_layout", "reserve", "try_admit",
-              "paged_attention", "detokenize_step"},
+              "paged_attention", "detokenize_step", "sample"},
 }  # fmt: skip
 
 

@@ -5,6 +5,7 @@ check_next_token(next_token)
 """
 
 from minillm.course.checks.ch01_decode import check_causal_attention, check_generate_naive, check_next_token
+from minillm.course.checks.ch01_sampler import check_sample
 from minillm.course.checks.ch01_sampling import check_filter_logits
 from minillm.course.checks.ch01_transformer import check_transformer
 from minillm.course.checks.ch01_transformer import reference_rms_norm as rms_norm
@@ -90,6 +91,7 @@ __all__ = [
     "check_quantize_per_channel",
     "check_rollback",
     "check_rope_tables",
+    "check_sample",
     "check_tree_attention_mask",
     "check_tp_mlp",
     "check_transformer",

@@ -82,6 +82,25 @@ EXERCISES: list[Exercise] = [
     ),
     Exercise(
         "01_prefill_and_decode",
+        "check_sample",
+        "check_sample(sample)",
+        14,
+        2,
+        3,
+        (
+            "Work on a float copy of the logits. For each row with a repetition penalty, the tokens it has seen "
+            "(each once): positive logits / penalty, negative * penalty. Greedy rows: argmax. Sampled rows: "
+            "filtered_logits(row, [params]).softmax(-1), then the exponential race with the row's own generator.",
+            "`logits = logits.float().clone()`; for each row i with `seen is not None and p.repetition_penalty != 1`: "
+            "`ids = torch.tensor(sorted(set(seen[i])))`, `v = logits[i, ids]`, `logits[i, ids] = torch.where(v > 0, "
+            "v / p.repetition_penalty, v * p.repetition_penalty)`; `tokens = logits.argmax(-1).tolist()`; for each "
+            "row with `not p.greedy`: `probs = filtered_logits(logits[i:i+1], [p])[0].softmax(-1)`, `noise = "
+            "torch.empty_like(probs).exponential_(generator=generators[i])`, `tokens[i] = int((probs / "
+            "noise).argmax())`; `return tokens`.",
+        ),
+    ),
+    Exercise(
+        "01_prefill_and_decode",
         "check_causal_attention",
         "check_causal_attention(causal_attention)",
         5,
@@ -725,6 +744,7 @@ BY_CHECK: dict[str, Exercise] = {e.check: e for e in EXERCISES}
 #: what does the exercise's job: helpers the solutions call themselves are never listed here.
 REFERENCES: dict[str, tuple[str, ...]] = {
     "check_filter_logits": ("minillm.sampling.filter_logits",),
+    "check_sample": ("minillm.sampling.sample", "minillm.sampling.apply_repetition_penalty"),
     "check_causal_attention": (
         "minillm.attention.torch_attention",
         "minillm.attention.torch_ref.attention",

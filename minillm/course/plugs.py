@@ -115,6 +115,7 @@ PLUGS: dict[str, Plug] = {
             frozenset({"naive"}),
         ),
         Plug("check_filter_logits", ("filter_logits",), _same("filter_logits"), when="temperature > 0"),
+        Plug("check_sample", ("sample",), _same("sample")),
         Plug(
             "check_transformer",
             ("decoder_layer",),
