@@ -579,7 +579,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--your-engine", metavar="FOLDER", default=None,
-        help="serve with the course pieces you passed, recorded in FOLDER (a course folder's your_engine/)",
+        help="serve with the course pieces you passed, recorded in FOLDER (a course folder's your_engine/; "
+        "runs the code kept there)",
     )  # fmt: skip
     _add_engine_args(p, several_models=True)
     p.set_defaults(func=cmd_serve)

@@ -162,7 +162,9 @@ def test_a_check_passed_in_a_notebook_keeps_the_code_and_a_test_does_not(tmp_pat
     monkeypatch.chdir(tmp_path)
     check_next_token(lambda logits: int(logits[-1].argmax()))  # pytest's code: not a notebook's
     assert not (tmp_path / "your_engine").exists()
-    monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))
+    import IPython
+
+    monkeypatch.setattr(IPython, "get_ipython", lambda: types.SimpleNamespace(kernel=object()))  # a kernel's shell
     mine = _notebook_function(tmp_path, "def next_token(logits):\n    return int(logits[-1].argmax())\n", "next_token")
     check_next_token(mine)
     kept = read_records(tmp_path / "your_engine")["check_next_token"]

@@ -47,8 +47,11 @@ def default_folder() -> Path:
 
 
 def in_notebook(fns) -> bool:
-    """Is this a learner's code in a notebook kernel (functions defined in ``__main__`` of an IPython kernel)?"""
-    if "ipykernel" not in sys.modules:
+    """Is this a learner's code in a notebook kernel: functions defined in ``__main__`` of a running
+    IPython kernel (not a test's module, not the grader's fresh process)?"""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is None or getattr(shell, "kernel", None) is None:
         return False
     return all(getattr(fn, "__module__", None) == "__main__" for fn in fns if callable(fn))
 
