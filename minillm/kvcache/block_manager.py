@@ -234,6 +234,8 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = hooks.block_pool(num_blocks)  # the allocator (chapter 03's exercise plugs in here)
+        # what grow_table is handed on every allocation, bound once (allocate_slots runs per sequence per step)
+        self._grow_ops = (self.ref_count, self._take, self._release)
         self.tables: dict[Hashable, list[int]] = {}  # request id -> block table
         self.num_tokens: dict[Hashable, int] = {}  # request id -> slots reserved in its table
         self.chains: dict[Hashable, list[int]] = {}  # request id -> hashes of its full blocks so far
@@ -402,8 +404,7 @@ class BlockManager:
             return None
         table = self.tables[seq.request_id]
         # chapter 03's exercise plugs in here: copy-on-write of a shared block, then growth
-        copies = hooks.grow_table(table, seq.num_computed_tokens, num_new_tokens, self.block_size, self.ref_count,
-                                  self._take, self._release)  # fmt: skip
+        copies = hooks.grow_table(table, seq.num_computed_tokens, num_new_tokens, self.block_size, *self._grow_ops)
         first = seq.num_computed_tokens // self.block_size
         end = seq.num_computed_tokens + num_new_tokens
         for j in range(first, self.blocks_for(end)):
