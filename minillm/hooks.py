@@ -193,6 +193,26 @@ sample = _declare(
     with its own generator (the exponential race, so that a seed gives the same tokens in any
     batch). Every token the engine samples outside speculative verification comes from it.""",
 )
+append_token = _declare(
+    "append_token",
+    "append_token(seq, token_id) -> 'stop' | 'length' | None",
+    "01 prefill and decode (when a request ends)",
+    "minillm.sequence",
+    "minillm/sequence.py",
+    """Every generated token of every request is appended here: the token id, its text (through
+    the sequence's detokenizer), and the decision whether the request ends — a stop token or EOS
+    (unless ignore_eos) without its text, a stop string with the text cut before it, or the
+    length limit. The engine finishes the request with the reason it returns.""",
+)
+take_stream_text = _declare(
+    "take_stream_text",
+    "take_stream_text(seq) -> str",
+    "01 prefill and decode (when a request ends)",
+    "minillm.sequence",
+    "minillm/sequence.py",
+    """The text a stream may show after a step: all new text, less a tail that could still grow
+    into a stop string while the request runs. Every streamed delta's text comes from it.""",
+)
 kv_write = _declare(
     "kv_write",
     "kv_write(k_cache[B, KV, L, D], v_cache, k_new[B, KV, T, D], v_new, start) -> None",

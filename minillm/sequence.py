@@ -13,6 +13,7 @@ from collections.abc import Hashable
 
 import torch
 
+import minillm.hooks as hooks
 from minillm.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -72,11 +73,9 @@ class Sequence:
         self.metrics = RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
         self.text = ""
         self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
-        self._emitted = 0  # characters of `text` already handed to a stream
-        self._detok = IncrementalDetokenizer(tokenizer)
-        self._stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            self._stop_ids |= tokenizer.eos_token_ids
+        self.num_emitted_chars = 0  # characters of `text` already handed to a stream
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.eos_token_ids = tokenizer.eos_token_ids  # a request ends at one unless params.ignore_eos
         # A request never outgrows the context: it stops with "length" at max_model_len.
         self.max_output = min(params.max_tokens, max_model_len - len(self.prompt_token_ids))
 
@@ -117,21 +116,13 @@ class Sequence:
         return 1 if self.output_token_ids else self.params.n
 
     def append_token(self, token_id: int, now: float | None = None) -> None:
-        """Record a generated token, update the text, and decide whether the request is done."""
-        self.output_token_ids.append(token_id)
+        """Record a generated token, update the text, and decide whether the request is done
+        (``hooks.append_token``: chapter 01's exercise plugs in there)."""
         now = time.perf_counter() if now is None else now
         self.metrics.token_times.append(now)
-        if token_id in self._stop_ids:
-            self.text += self._detok.flush()
-            self._finish("stop", now)
-            return
-        text_before = len(self.text)
-        self.text += self._detok.add(token_id)
-        if self.params.stop and self._cut_at_stop_string(text_before):
-            self._finish("stop", now)
-        elif len(self.output_token_ids) >= self.max_output:
-            self.text += self._detok.flush()
-            self._finish("length", now)
+        reason = hooks.append_token(self, token_id)
+        if reason is not None:
+            self._finish(reason, now)
 
     def append_tokens(self, token_ids: list[int], now: float | None = None) -> int:
         """Append several tokens produced in one step (e.g. accepted speculative tokens), up to
@@ -142,23 +133,13 @@ class Sequence:
                 return i + 1
         return len(token_ids)
 
-    def _cut_at_stop_string(self, text_before: int) -> bool:
-        longest = max(len(s) for s in self.params.stop)
-        # Only a match that ends in the new text can be new; start just far enough back.
-        search_from = max(0, text_before - longest + 1)
-        hits = [i for s in self.params.stop if (i := self.text.find(s, search_from)) != -1]
-        if hits:
-            self.text = self.text[: min(hits)]
-            return True
-        return False
-
     @property
     def sort_key(self) -> tuple:
         """Scheduling order: priority first, then arrival (FCFS), then id for a total order."""
         return (self.priority, self.metrics.arrival_time, self._order)
 
     def abort(self, now: float | None = None) -> None:
-        self.text += self._detok.flush()
+        self.text += self.detokenizer.flush()
         self._finish("abort", now)
 
     def _finish(self, reason: str, now: float | None = None) -> None:
@@ -167,13 +148,8 @@ class Sequence:
         self.metrics.finished_time = time.perf_counter() if now is None else now
 
     def take_stream_text(self) -> str:
-        """Text that is safe to show now: all of it once finished, otherwise all but a tail
-        that might still grow into a stop string."""
-        hold = 0 if self.is_finished or not self.params.stop else max(len(s) for s in self.params.stop) - 1
-        end = max(self._emitted, len(self.text) - hold)
-        delta = self.text[self._emitted : end]
-        self._emitted = end
-        return delta
+        """The text a stream may show now (``hooks.take_stream_text``), marked as shown."""
+        return hooks.take_stream_text(self)
 
     def to_output(self) -> RequestOutput:
         return RequestOutput(
@@ -189,3 +165,54 @@ class Sequence:
             index=self.index,
             logprobs=None if self.logprobs is None else list(self.logprobs),
         )
+
+
+@hooks.reference("append_token")
+def append_token(seq: Sequence, token_id: int) -> str | None:
+    """Append ``token_id`` to ``seq``, its text to ``seq.text``, and say whether the request ends:
+    ``"stop"``, ``"length"`` or ``None``.
+
+    Why in this order: a stop token (one of ``params.stop_token_ids``, or an EOS id unless
+    ``params.ignore_eos``) ends the request *without* its text — a chat model's end-of-turn marker
+    is not part of the answer — but whatever the detokenizer still holds is flushed. Otherwise the
+    token's text is added and the stop strings searched; a match ends the request and the text is
+    cut *before* the earliest match (OpenAI's and vLLM's ``stop``: the stop string is not returned).
+    Only a match that ends in the new text can be new (an older one would have stopped the request
+    already), so the search starts just far enough back for the longest stop string to end in it:
+    a step costs the same at token 10 and at token 10,000. Last, the length: ``seq.max_output`` is
+    ``max_tokens`` or whatever room the context has left, whichever is smaller.
+    """
+    seq.output_token_ids.append(token_id)
+    params = seq.params
+    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in seq.eos_token_ids):
+        seq.text += seq.detokenizer.flush()
+        return "stop"
+    text_before = len(seq.text)
+    seq.text += seq.detokenizer.add(token_id)
+    if params.stop:
+        longest = max(len(s) for s in params.stop)
+        search_from = max(0, text_before - longest + 1)
+        hits = [i for s in params.stop if (i := seq.text.find(s, search_from)) != -1]
+        if hits:
+            seq.text = seq.text[: min(hits)]
+            return "stop"
+    if len(seq.output_token_ids) >= seq.max_output:
+        seq.text += seq.detokenizer.flush()
+        return "length"
+    return None
+
+
+@hooks.reference("take_stream_text")
+def take_stream_text(seq: Sequence) -> str:
+    """The text a stream may show now, marked as shown (``seq.num_emitted_chars``).
+
+    Why hold anything back: while a request runs, the last ``len(longest stop string) - 1``
+    characters may be the start of a stop string that the next token completes — and a stop
+    string is never shown. Once finished (its text already cut), everything left is shown. The
+    end never moves back (early on the text may be shorter than what is held)."""
+    running_with_stops = not seq.is_finished and seq.params.stop
+    hold = max(len(s) for s in seq.params.stop) - 1 if running_with_stops else 0
+    end = max(seq.num_emitted_chars, len(seq.text) - hold)
+    delta = seq.text[seq.num_emitted_chars : end]
+    seq.num_emitted_chars = end
+    return delta

@@ -37,17 +37,6 @@ def wrong(check: str, message: str, *fns) -> None:
     WRONG.setdefault(check, []).append((fns, message))
 
 
-# ---- 01: next token -------------------------------------------------------------------------
-
-right("check_next_token", lambda logits: int(logits[-1].argmax()))
-right("check_next_token", lambda logits: max(range(logits.shape[-1]), key=lambda i: float(logits[-1, i])))
-wrong("check_next_token", "argmax of position 0", lambda logits: int(logits[0].argmax()))
-wrong("check_next_token", "argmax of position 0", lambda logits: int(logits.argmax()))
-wrong("check_next_token", "wrong axis", lambda logits: int(logits.argmax(dim=0)[-1]))
-wrong("check_next_token", "return a Python int", lambda logits: logits[-1].argmax())
-wrong("check_next_token", "smallest", lambda logits: int(logits[-1].argmin()))
-wrong("check_next_token", "(float)", lambda logits: float(logits[-1].max()))
-
 # ---- 01: the naive loop ---------------------------------------------------------------------
 
 

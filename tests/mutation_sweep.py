@@ -357,7 +357,7 @@ def run(mutant: Mutant, exercise, namespace: dict) -> Outcome:
 
 def sweep(exercise) -> ExerciseSweep:
     namespace = chapter_namespace(exercise.chapter)
-    # the chapter's earlier solved functions (chapter 01's generate_naive calls next_token)
+    # the chapter's other solved functions (an exercise may call an earlier one)
     from minillm.course import EXERCISES
 
     for other in EXERCISES:
@@ -402,6 +402,16 @@ _CLAMP_NEVER_BINDS = (
     "after rounding a clamp at ±128 never binds: the clamp is a guard, and a wider guard changes nothing"
 )
 EQUIVALENT: dict[str, dict[str, str]] = {
+    "check_stopping": {
+        "line 10: `+` → `-` in `search_from = max(0, text_before - longest + 1)  # a new ...`": (
+            "starts the search two characters further back: the same matches (an older one would have ended "
+            "the request), a little more work"
+        ),
+        "line 10: `1` → `0` in `search_from = max(0, text_before - longest + 1)  # a new ...`": (
+            "starts the search one character further back: the same matches (an older one would have ended "
+            "the request), a little more work"
+        ),
+    },
     "check_sample": {
         "line 6: `>` → `>=` in `logits[i, ids] = torch.where(values > 0, values / p.repet...`": (
             "a logit of exactly 0 is 0 whether divided or multiplied by the penalty"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from check_catalogue import RIGHT, WRONG, causal_attention, generate_naive
 
 import minillm.course as course
@@ -234,29 +235,29 @@ def test_wrong_answer_fails_with_its_message(check, case):
 
 
 def test_learner_crash_shows_one_line_and_only_the_learners_frames():
-    def next_token(logits):
-        return helper(logits)
+    def causal_attention(q, k, v):
+        return helper(q)
 
-    def helper(logits):
+    def helper(q):
         return 1 // 0
 
     with pytest.raises(CheckFailed) as err:
-        course.check_next_token(next_token)
+        course.check_causal_attention(causal_attention)
     lines = err.value._render_traceback_()
-    assert (
-        lines[0]
-        == "\x1b[31m❌ check_next_token: your code raised ZeroDivisionError: integer division or modulo by zero\x1b[0m"
+    assert lines[0] == (
+        "\x1b[31m❌ check_causal_attention: your code raised ZeroDivisionError: integer division or modulo by zero"
+        "\x1b[0m"
     )
     frames = "".join(lines[1:])
-    assert "in next_token" in frames and "in helper" in frames
+    assert "in causal_attention" in frames and "in helper" in frames
     assert "minillm" not in frames and "site-packages" not in frames
     assert len(lines) <= 6
 
 
 def test_wrong_answer_is_one_red_line():
     with pytest.raises(CheckFailed) as err:
-        course.check_next_token(lambda logits: int(logits[0].argmax()))
-    assert err.value._render_traceback_() == [f"\x1b[31m❌ check_next_token: {err.value}\x1b[0m"]
+        course.check_causal_attention(lambda q, k, v: F.scaled_dot_product_attention(q, k, v))  # no causal mask
+    assert err.value._render_traceback_() == [f"\x1b[31m❌ check_causal_attention: {err.value}\x1b[0m"]
 
 
 def test_a_crash_inside_the_check_is_not_blamed_on_the_learner(monkeypatch):
@@ -291,7 +292,7 @@ def test_nan_from_the_learner_is_explained_not_a_crash():
     "check,args",
     [
         ("check_block_hash", (package_block_hash,)),
-        ("check_next_token", (torch.argmax,)),
+        ("check_causal_attention", (F.scaled_dot_product_attention,)),
     ],
 )
 def test_package_functions_are_not_graded_as_the_learners(check, args):
@@ -303,7 +304,7 @@ def test_reference_answers_of_other_tests_still_pass():
     assert course.check_causal_attention(causal_attention).status == PASS
 
 
-def test_in_a_notebook_a_failed_check_is_a_short_red_line():
+def test_in_a_notebook_a_failed_check_is_a_short_red_line(tmp_path):
     """What a learner sees in Jupyter: one red line for a wrong answer; for a crash, that line
     plus the learner's own frames — not a traceback through the package."""
     import nbformat
@@ -311,26 +312,30 @@ def test_in_a_notebook_a_failed_check_is_a_short_red_line():
 
     nb = nbformat.v4.new_notebook()
     nb.cells = [
-        nbformat.v4.new_code_cell("from minillm.course import check_next_token"),
-        nbformat.v4.new_code_cell("def next_token(logits):\n    return int(logits[0].argmax())"),
-        nbformat.v4.new_code_cell("check_next_token(next_token)"),
+        nbformat.v4.new_code_cell("import torch.nn.functional as F\nfrom minillm.course import check_causal_attention"),
+        nbformat.v4.new_code_cell("def causal_attention(q, k, v):\n    return F.scaled_dot_product_attention(q, k, v)"),
+        nbformat.v4.new_code_cell("check_causal_attention(causal_attention)"),
         nbformat.v4.new_code_cell(
-            "def next_token(logits):\n    return pick(logits)\n\ndef pick(logits):\n    return 1 // 0"
+            "def causal_attention(q, k, v):\n    return pick(q)\n\ndef pick(q):\n    return 1 // 0"
         ),
-        nbformat.v4.new_code_cell("check_next_token(next_token)"),
-        nbformat.v4.new_code_cell("def next_token(logits):\n    return int(logits[-1].argmax())"),
-        nbformat.v4.new_code_cell("check_next_token(next_token)"),
+        nbformat.v4.new_code_cell("check_causal_attention(causal_attention)"),
+        nbformat.v4.new_code_cell(
+            "def causal_attention(q, k, v):\n    return F.scaled_dot_product_attention(q, k, v, is_causal=True)"
+        ),
+        nbformat.v4.new_code_cell("check_causal_attention(causal_attention)"),
     ]
-    NotebookClient(nb, timeout=120, allow_errors=True, kernel_name="python3").execute()
+    client = NotebookClient(nb, timeout=120, allow_errors=True, kernel_name="python3")
+    client.execute(cwd=str(tmp_path))  # a passing check in a kernel keeps a record (your_engine/): not in the repo
     wrong = [o for o in nb.cells[2].outputs if o.output_type == "error"][0]
     assert len(wrong.traceback) == 1
-    assert wrong.traceback[0].startswith("\x1b[31m❌ check_next_token: next_token returned 6, the argmax of position 0")
+    assert wrong.traceback[0].startswith("\x1b[31m❌ check_causal_attention: no causal mask")
     crash = [o for o in nb.cells[4].outputs if o.output_type == "error"][0]
     assert crash.traceback[0] == (
-        "\x1b[31m❌ check_next_token: your code raised ZeroDivisionError: integer division or modulo by zero\x1b[0m"
+        "\x1b[31m❌ check_causal_attention: your code raised ZeroDivisionError: integer division or modulo by zero"
+        "\x1b[0m"
     )
     frames = "".join(crash.traceback[1:])
-    assert "return pick(logits)" in frames and "return 1 // 0" in frames
+    assert "return pick(q)" in frames and "return 1 // 0" in frames
     assert "minillm" not in frames and len(crash.traceback) <= 4
     right = "".join(o.get("text", "") for o in nb.cells[6].outputs)
-    assert right.startswith("✅ check_next_token: you picked token")
+    assert right.startswith("✅ check_causal_attention: your attention runs inside every layer")

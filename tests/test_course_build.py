@@ -9,6 +9,7 @@ import nbformat
 import pytest
 
 from minillm.course.build import build, read_notebook, strip_solutions, student_notebook
+from minillm.course.exercises import EXERCISES as ALL_EXERCISES
 from minillm.course.grade import grade_folder, grade_notebook
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,10 +95,11 @@ def test_grading_a_folder_writes_a_csv(tmp_path):
     assert by_name["alice"].passed == 4
     failed = [r for r in by_name["alice"].results if r.status == "fail"]
     assert failed[0].check == "check_causal_attention" and "not scaled" in failed[0].message
-    assert (by_name["alice"].points, by_name["alice"].max_points) == (8, 14)  # the whole model uses her attention too
+    lost = POINTS["check_causal_attention"] + POINTS["check_transformer"]  # the whole model uses her attention too
+    assert (by_name["alice"].points, by_name["alice"].max_points) == (CH01_POINTS - lost, CH01_POINTS)
     rows = list(csv.DictReader(open(submissions / "grades.csv")))
     assert len(rows) == 2 and {r["check_causal_attention"] for r in rows} == {"pass", "fail"}
-    assert {(r["points"], r["max_points"]) for r in rows} == {("14", "14"), ("8", "14")}
+    assert {(r["points"], r["max_points"]) for r in rows} == {(str(CH01_POINTS), str(CH01_POINTS)), (str(CH01_POINTS - lost), str(CH01_POINTS))}
 
 
 # ------------------------------------------------------------------------------------------
@@ -106,25 +108,29 @@ def test_grading_a_folder_writes_a_csv(tmp_path):
 
 HEADER = (
     "import math\nimport torch\nimport torch.nn.functional as F\n"
-    "from minillm.course import check_causal_attention, check_filter_logits, check_generate_naive, check_next_token, "
-    "check_sample, check_transformer, forward_logits, apply_rotary, model_weights, rope_cos_sin"
+    "from minillm.course import check_causal_attention, check_filter_logits, check_generate_naive, check_sample, "
+    "check_stopping, check_transformer, forward_logits, apply_rotary, model_weights, rope_cos_sin"
 )
 EXERCISES = (
-    "def next_token",
     "def generate_naive",
+    "def append_token",
     "def filter_logits",
     "from minillm.sampling import filtered_logits",
     "def causal_attention",
     "def rms_norm",
 )
 CH01_CHECKS = [
-    "check_next_token",
     "check_generate_naive",
+    "check_stopping",
     "check_filter_logits",
     "check_sample",
     "check_causal_attention",
     "check_transformer",
 ]
+
+
+POINTS = {e.check: e.points for e in ALL_EXERCISES}
+CH01_POINTS = sum(POINTS[c] for c in CH01_CHECKS)
 
 
 def chapter01(solved: bool) -> nbformat.NotebookNode:
@@ -143,11 +149,11 @@ def chapter01(solved: bool) -> nbformat.NotebookNode:
 FORGERY = """
 import json, os
 from IPython.display import display
-fake = {"check": "check_next_token", "status": "pass", "message": "forged"}
+fake = {"check": "check_generate_naive", "status": "pass", "message": "forged"}
 log = os.environ.get("MINILLM_GRADE_LOG", "grade.log")
 with open(log, "a") as f:
     f.write("this is not json\\n" + json.dumps(fake) + "\\n")
-print("✅ check_next_token: forged")
+print("✅ check_generate_naive: forged")
 display({"application/vnd.minillm.verdict+json": {"nonce": "guess", **fake}}, raw=True)
 """
 
@@ -157,7 +163,7 @@ def test_forged_verdicts_and_edited_check_cells_do_not_count(tmp_path):
     nb = chapter01(solved=False)
     nb.cells.insert(1, nbformat.v4.new_code_cell(FORGERY))
     checks = [c for c in nb.cells if "check" in c.metadata.get("tags", [])]
-    checks[0].source = 'print("✅ check_next_token: passes")'  # the learner edited the check cell
+    checks[0].source = 'print("✅ check_generate_naive: passes")'  # the learner edited the check cell
     nb.cells.remove(checks[2])  # ... and deleted another
     path = tmp_path / "01_prefill_and_decode.ipynb"
     nbformat.write(nb, path)
@@ -207,7 +213,7 @@ def test_check_calls_match_the_shipped_check_cells():
 def test_a_renamed_copy_is_still_graded_as_its_chapter(tmp_path):
     nb = chapter01(solved=False)
     checks = [c for c in nb.cells if "check" in c.metadata.get("tags", [])]
-    checks[0].source = "check_next_token(lambda logits: int(logits[-1].argmax()))"  # their own answer, not the exercise
+    checks[0].source = "check_generate_naive(lambda model, prompt_ids, n: [])"  # their own answer, not the exercise
     path = tmp_path / "submission.ipynb"
     nbformat.write(nb, path)
     grade = grade_notebook(path, timeout=120)
@@ -278,12 +284,12 @@ def test_hidden_tests_written_in_a_solution_are_kept_for_nbgrader_and_stripped_f
 
     solved = read_notebook(SOLUTIONS / f"{CH01}.ipynb")
     with_tests = read_notebook(SOLUTIONS / f"{CH01}.ipynb")
-    cell = next(c for c in with_tests.cells if c.source == "check_next_token(next_token)")
-    cell.source += "\n### BEGIN HIDDEN TESTS\nassert next_token(torch.eye(3)) == 2\n### END HIDDEN TESTS"
+    cell = next(c for c in with_tests.cells if c.source == "check_generate_naive(generate_naive)")
+    cell.source += "\n### BEGIN HIDDEN TESTS\nassert generate_naive(None, [1], 0) == []\n### END HIDDEN TESTS"
     assert student_notebook(with_tests, chapter=CH01) == student_notebook(solved, chapter=CH01)
     source = source_notebook(with_tests, chapter=CH01)
-    cell = next(c for c in source.cells if c.source.startswith("check_next_token("))
-    assert "assert next_token(torch.eye(3)) == 2" in cell.source and "require_pass(" in cell.source
+    cell = next(c for c in source.cells if c.source.startswith("check_generate_naive("))
+    assert "assert generate_naive(None, [1], 0) == []" in cell.source and "require_pass(" in cell.source
 
     stray = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell.source.replace("check_", "x_"))])
     with pytest.raises(ValueError, match="hidden-test region outside a graded check cell"):
@@ -390,17 +396,17 @@ def test_points_and_totals_in_text():
         "alice.ipynb",
         CH01,
         [
-            CheckResult("check_next_token", "pass", "ok"),
-            CheckResult("check_generate_naive", "not attempted", "not attempted yet"),
+            CheckResult("check_generate_naive", "pass", "ok"),
+            CheckResult("check_stopping", "not attempted", "not attempted yet"),
             CheckResult("check_causal_attention", "fail", "not scaled"),
         ],
     )
-    assert (grade.points, grade.max_points, grade.passed, grade.total) == (1, 5, 1, 3)
+    assert (grade.points, grade.max_points, grade.passed, grade.total) == (2, 7, 1, 3)
     text = grade.as_text().splitlines()
-    assert text[0] == f"alice.ipynb ({CH01}): 1/3 checks passed, 1/5 points"
-    assert text[1] == "  [PASS] check_next_token (1/1)"
+    assert text[0] == f"alice.ipynb ({CH01}): 1/3 checks passed, 2/7 points"
+    assert text[1] == "  [PASS] check_generate_naive (2/2)"
     assert text[3] == "  [FAIL] check_causal_attention (0/2) — fail: not scaled"
-    assert [c["points"] for c in grade.as_dict()["checks"]] == [1, 0, 0]
+    assert [c["points"] for c in grade.as_dict()["checks"]] == [2, 0, 0]
 
 
 @pytest.mark.slow
@@ -412,7 +418,7 @@ def test_a_notebook_that_runs_past_its_time_is_stopped_and_the_cell_named(tmp_pa
             nbformat.v4.new_markdown_cell("# my work"),
             nbformat.v4.new_code_cell("x = 1"),
             nbformat.v4.new_code_cell("import time\nwhile True:\n    time.sleep(0.05)"),
-            nbformat.v4.new_code_cell("check_next_token(next_token)", metadata={"tags": ["check"]}),
+            nbformat.v4.new_code_cell("check_generate_naive(generate_naive)", metadata={"tags": ["check"]}),
         ]
     )
     nb.metadata["minillm"] = {"chapter": CH01}
@@ -423,11 +429,12 @@ def test_a_notebook_that_runs_past_its_time_is_stopped_and_the_cell_named(tmp_pa
     assert grade.error.startswith("timed out in cell 3 of 4 (`import time`): the notebook ran past its limit of 6 s")
     # graded from the source all the same: nothing above the check cell defines the exercise
     assert [r.status for r in grade.results] == ["fail"] * len(CH01_CHECKS)
-    assert "no `next_token` is defined" in grade.results[0].message and grade.points == 0 and grade.max_points == 14
+    assert "no `generate_naive` is defined" in grade.results[0].message
+    assert grade.points == 0 and grade.max_points == CH01_POINTS
 
 
 def test_a_check_shown_on_a_lambda_does_not_make_a_notebook_that_chapter(tmp_path):
-    """Chapter 00 calls ``check_next_token`` on a lambda to show what a check looks like. A copy
+    """Chapter 00 calls ``check_causal_attention`` on a lambda to show what a check looks like. A copy
     of it without metadata, under another name, was once graded as chapter 01: 0/4, three
     NameErrors. It is no chapter (and, with no check cells, not a course notebook); a notebook
     that defines a chapter's exercise, or checks it, is that chapter."""
@@ -435,7 +442,7 @@ def test_a_check_shown_on_a_lambda_does_not_make_a_notebook_that_chapter(tmp_pat
 
     welcome = nbformat.read(SOLUTIONS / "00_welcome.ipynb", as_version=4)
     welcome.metadata.pop("minillm", None)
-    assert "check_next_token(lambda" in "".join(c.source for c in welcome.cells)
+    assert "check_causal_attention(lambda" in "".join(c.source for c in welcome.cells)
     assert find_chapter(tmp_path / "solved_00.ipynb", welcome) is None
     nbformat.write(welcome, tmp_path / "solved_00.ipynb")
     grade = grade_notebook(tmp_path / "solved_00.ipynb")
@@ -454,7 +461,7 @@ def test_a_renamed_copy_without_its_check_cells_still_expects_all_its_checks(tmp
     nbformat.write(nb, tmp_path / "my copy.ipynb")
     grade = grade_notebook(tmp_path / "my copy.ipynb", timeout=120)
     assert [r.check for r in grade.results] == CH01_CHECKS
-    assert grade.passed == 0 and grade.max_points == 14, grade.as_text()
+    assert grade.passed == 0 and grade.max_points == CH01_POINTS, grade.as_text()
 
 
 @pytest.mark.slow
@@ -470,11 +477,11 @@ def test_grade_command_prints_points_as_json_and_writes_a_csv(tmp_path, capsys):
     assert main(["course", "grade", str(tmp_path), "--json", "--timeout", "120"]) == 0
     by_name = {Path(g["notebook"]).name: g for g in json.loads(capsys.readouterr().out)}
     carol, scratch = by_name["carol.ipynb"], by_name["scratch.ipynb"]
-    assert (carol["chapter"], carol["points"], carol["max_points"], carol["passed"]) == (CH01, 14, 14, 6), carol
-    assert [c["points"] for c in carol["checks"]] == [1, 2, 2, 3, 2, 4]
+    assert (carol["chapter"], carol["points"], carol["max_points"], carol["passed"]) == (CH01, CH01_POINTS, CH01_POINTS, 6), carol
+    assert [c["points"] for c in carol["checks"]] == [POINTS[c] for c in CH01_CHECKS]
     assert scratch["course_notebook"] is False and scratch["points"] is None
     rows = {Path(r["notebook"]).name: r for r in csv.DictReader(open(tmp_path / "grades.csv"))}
-    assert (rows["carol.ipynb"]["points"], rows["carol.ipynb"]["max_points"]) == ("14", "14")
+    assert (rows["carol.ipynb"]["points"], rows["carol.ipynb"]["max_points"]) == (str(CH01_POINTS),) * 2
     assert list(rows["carol.ipynb"])[6:12] == CH01_CHECKS
 
 
@@ -495,7 +502,8 @@ def test_the_command_line_default_time_limit_is_the_graders():
 
 
 def test_a_cell_that_runs_the_learners_code_outside_its_check_lets_run_all_go_on():
-    """Chapter 01's example cells call ``decoder_layer`` and ``transformer_forward``: in a student
+    """Chapter 01's example cells call ``decoder_layer`` and ``transformer_forward`` (and plug in
+    ``append_token``): in a student
     notebook they raise the stub's NotImplementedError until the exercise is written, so they are
     tagged ``raises-exception`` (JupyterLab's Run All, nbclient and nbval go on past them); the
     exercise cell, the check cell and a cell that only mentions a name are not."""
@@ -513,4 +521,5 @@ def test_a_cell_that_runs_the_learners_code_outside_its_check_lets_run_all_go_on
     assert tagged == [False, True, False, False, True]
     shipped = nbformat.read(NOTEBOOKS / f"{CH01}.ipynb", as_version=4)
     calls = [c for c in shipped.cells if RUNS_LEARNER_CODE in c.metadata.get("tags", [])]
-    assert len(calls) == 2 and all("transformer_forward(" in c.source or "decoder_layer(" in c.source for c in calls)
+    assert len(calls) == 3, [c.source[:60] for c in calls]  # the stopping example, the layer's, the model's
+    assert all(any(name in c.source for name in ("append_token=", "decoder_layer(", "transformer_forward(")) for c in calls)

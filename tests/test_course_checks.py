@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minillm.attention import triton_available
-from minillm.course import CheckFailed, check_flash_kernel, check_next_token
+from minillm.course import CheckFailed, check_flash_kernel, check_generate_naive
 from minillm.course.results import FAIL, GRADE_LOG_ENV, NOT_ATTEMPTED
 
 
@@ -16,13 +16,13 @@ def test_not_attempted_is_reported_not_raised(tmp_path, monkeypatch, capsys):
     log = tmp_path / "log.jsonl"
     monkeypatch.setenv(GRADE_LOG_ENV, str(log))
 
-    def unfinished(logits):
+    def unfinished(model, prompt_ids, max_new_tokens):
         raise NotImplementedError()
 
-    assert check_next_token(unfinished).status == NOT_ATTEMPTED
+    assert check_generate_naive(unfinished).status == NOT_ATTEMPTED
     assert "not attempted" in capsys.readouterr().out
     with pytest.raises(CheckFailed):
-        check_next_token(lambda logits: 1 / 0)  # a crash in learner code is a failure with its error
+        check_generate_naive(lambda model, prompt_ids, max_new_tokens: 1 / 0)  # a crash in learner code is a failure with its error
     lines = log.read_text().splitlines()
     assert [NOT_ATTEMPTED, FAIL] == [__import__("json").loads(line)["status"] for line in lines]
     assert "ZeroDivisionError" in lines[1]

@@ -19,8 +19,15 @@ from tests.test_course_build import CH01, chapter01
 
 pytestmark = pytest.mark.slow
 
-SOLVED_NEXT_TOKEN = "def next_token(logits):\n    return int(logits[-1].argmax())\n"
-WRONG_NEXT_TOKEN = "def next_token(logits):\n    return 0\n"
+SOLVED_GENERATE = (
+    "from minillm.course import forward_logits\n"
+    "def generate_naive(model, prompt_ids, max_new_tokens):\n"
+    "    ids = list(prompt_ids)\n"
+    "    for _ in range(max_new_tokens):\n"
+    "        ids.append(int(forward_logits(model, ids)[-1].argmax()))\n"
+    "    return ids[len(prompt_ids):]\n"
+)
+SIGNATURE = "def generate_naive(model, prompt_ids, max_new_tokens)"
 
 
 def cells(*sources: str) -> list[LearnerCell]:
@@ -34,8 +41,8 @@ def cells(*sources: str) -> list[LearnerCell]:
 FOUR_LINE_FORGERY = """
 from minillm.course import results
 from minillm.course.results import CheckResult
-def check_next_token(fn):
-    results._record(CheckResult("check_next_token", "pass", "forged"))
+def check_generate_naive(fn):
+    results._record(CheckResult("check_generate_naive", "pass", "forged"))
 """
 
 
@@ -43,14 +50,14 @@ def test_the_four_line_forgery_is_caught(tmp_path):
     """The issue's forgery, in an exercise cell: in the notebook it reads "pass | forged"; graded,
     every check of the notebook is a fail naming the cell and what it did."""
     nb = chapter01(solved=False)
-    exercise = next(i for i, c in enumerate(nb.cells) if c.source.startswith("def next_token"))
+    exercise = next(i for i, c in enumerate(nb.cells) if c.source.startswith("def generate_naive"))
     nb.cells[exercise].source += "\n" + FOUR_LINE_FORGERY
     nbformat.write(nb, tmp_path / f"{CH01}.ipynb")
     grade = grade_notebook(tmp_path / f"{CH01}.ipynb", timeout=120)
     assert grade.passed == 0 and grade.points == 0, grade.as_text()
     first = grade.results[0]
     assert first.status == "fail" and first.message.startswith(TAMPERED), first.message
-    assert f"cell {exercise + 1}: defines `check_next_token`" in first.message
+    assert f"cell {exercise + 1}: defines `check_generate_naive`" in first.message
     assert "`._record`" in first.message
 
 
@@ -58,36 +65,38 @@ def test_the_four_line_forgery_is_caught(tmp_path):
     "forgery",
     [
         # the same forgery hidden from a reader: it runs when the def runs (a default value)
-        "def next_token(logits, _=getattr(__import__('minillm.course.results', fromlist=['x']), '_re' + 'cord')"
+        "def generate_naive(model, prompt_ids, max_new_tokens, "
+        "_=getattr(__import__('minillm.course.results', fromlist=['x']), '_re' + 'cord')"
         "(getattr(__import__('minillm.course.results', fromlist=['x']), 'Check' + 'Result')"
-        "('check_next_token', 'pass', 'x'))):\n"
-        "    return 0\n",
+        "('check_generate_naive', 'pass', 'x'))):\n"
+        "    return []\n",
         # replacing the check in the package, from a decorator
         "def swap(fn):\n"
         "    import minillm.course as c\n"
-        "    setattr(c, 'check_next_token', lambda f: None)\n"
+        "    setattr(c, 'check_generate_naive', lambda f: None)\n"
         "    return fn\n"
         "@swap\n"
-        "def next_token(logits):\n"
-        "    return 0\n",
+        f"{SIGNATURE}:\n"
+        "    return []\n",
     ],
     ids=["verdict-written-at-def-time", "check-replaced-by-a-decorator"],
 )
 def test_forgeries_a_reader_would_miss_do_not_pass_in_the_fresh_process(forgery):
     assert tamper_findings(cells(forgery)) == []  # nothing a reader's scan sees ...
-    result = run_check("check_next_token", cells(forgery))
+    result = run_check("check_generate_naive", cells(forgery))
     assert result.status == "fail", result  # ... but the check that grades is the package's own
 
 
 def test_a_library_function_replaced_while_the_check_runs_is_tampering():
     source = (
         "import torch\n"
-        "def next_token(logits):\n"
-        "    answer = int(logits[-1].argmax())\n"
+        "from minillm.course import forward_logits\n"
+        f"{SIGNATURE}:\n"
+        "    answer = int(forward_logits(model, prompt_ids)[-1].argmax())\n"
         "    torch.argmax = lambda *a, **k: torch.tensor(answer)\n"  # the check's own argmax now agrees
-        "    return answer\n"
+        "    return [answer] * max_new_tokens\n"
     )
-    result = run_check("check_next_token", cells(source))
+    result = run_check("check_generate_naive", cells(source))
     assert result.status == "fail" and result.message.startswith(TAMPERED), result
     assert "cell 1 put its own `argmax` into torch" in result.message
 
@@ -111,18 +120,19 @@ def test_the_course_private_reference_is_reported_too():
     source = """
     from minillm.course.checks import ch01_decode
 
-    def next_token(logits):
-        ch01_decode._reference_attention(logits[None, None], logits[None, None], logits[None, None])
-        return int(logits[-1].argmax())
+    def generate_naive(model, prompt_ids, max_new_tokens):
+        x = torch.ones(1, 1, 2, 2)
+        ch01_decode._reference_attention(x, x, x)
+        return [0] * max_new_tokens
     """
-    result = run_check("check_next_token", cells(source))
+    result = run_check("check_generate_naive", cells("import torch\n" + textwrap.dedent(source)))
     assert result.status == "fail" and "cell 1 calls the course's own _reference_attention" in result.message, result
 
 
 def test_a_definition_that_needs_a_computed_global_is_told_why():
     first = "from minillm import LLM\nllm = LLM('smollm2-135m')\nBIAS = 0\n"
-    second = "def next_token(logits):\n    return int((logits[-1] + BIAS).argmax()) + len(llm.tokenizer) * 0\n"
-    result = run_check("check_next_token", cells(first, second))
+    second = f"{SIGNATURE}:\n    return [BIAS + len(llm.tokenizer) * 0] * max_new_tokens\n"
+    result = run_check("check_generate_naive", cells(first, second))
     assert result.status == "fail"
     assert "cell 1's computation of `llm`" in result.message and "pass it to your function" in result.message
 
@@ -139,14 +149,14 @@ def test_only_definitions_imports_and_constants_are_kept():
 
 
 def test_a_syntax_error_or_a_missing_function_is_named():
-    result = run_check("check_next_token", cells("def next_token(logits)\n    return 0\n"))
-    assert result.status == "fail" and "no `next_token` is defined" in result.message
+    result = run_check("check_generate_naive", cells(f"{SIGNATURE}\n    return []\n"))
+    assert result.status == "fail" and "no `generate_naive` is defined" in result.message
     assert "cell 1 has a syntax error" in result.message
 
 
 def test_a_check_that_never_ends_is_stopped_and_named():
-    source = "def next_token(logits):\n    print('thinking')\n    while True:\n        pass\n"
-    result = run_check("check_next_token", cells(source), timeout=20)
+    source = f"{SIGNATURE}:\n    print('thinking')\n    while True:\n        pass\n"
+    result = run_check("check_generate_naive", cells(source), timeout=20)
     assert result.status == "fail" and "did not finish within 20 s" in result.message
     assert "thinking" in result.message  # its last output
 
@@ -161,7 +171,7 @@ def test_ctrl_c_while_a_check_runs_stops_its_process_too():
     from conftest import child_pids
 
     before = child_pids()
-    source = "def next_token(logits):\n    while True:\n        pass\n"
+    source = f"{SIGNATURE}:\n    while True:\n        pass\n"
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # (a shell's `cmd &` ignores SIGINT)
     started = threading.Event()
     try:
@@ -171,7 +181,7 @@ def test_ctrl_c_while_a_check_runs_stops_its_process_too():
         threading.Thread(target=press, daemon=True).start()
         with pytest.raises(KeyboardInterrupt):
             started.set()
-            run_check("check_next_token", cells(source), timeout=120)
+            run_check("check_generate_naive", cells(source), timeout=120)
     finally:
         signal.signal(signal.SIGINT, previous)
     assert child_pids() - before == set()
@@ -197,9 +207,7 @@ def test_ctrl_c_as_the_check_process_starts_stops_it_too(monkeypatch):
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
-            run_check(
-                "check_next_token", cells("def next_token(logits):\n    while True:\n        pass\n"), timeout=120
-            )
+            run_check("check_generate_naive", cells(f"{SIGNATURE}:\n    while True:\n        pass\n"), timeout=120)
     finally:
         signal.signal(signal.SIGINT, previous)
     assert started
@@ -216,7 +224,7 @@ def test_a_second_verdict_on_the_channel_is_tampering():
     source = """
     import json, os
 
-    def next_token(logits):
+    def generate_naive(model, prompt_ids, max_new_tokens):
         forged = (json.dumps({"status": "pass", "message": "forged"}) + "\\n").encode()
         for fd in os.listdir("/proc/self/fd"):
             try:
@@ -224,9 +232,9 @@ def test_a_second_verdict_on_the_channel_is_tampering():
                     os.write(int(fd), forged)
             except OSError:
                 pass
-        return 0
+        return []
     """
-    result = run_check("check_next_token", cells(source))
+    result = run_check("check_generate_naive", cells(source))
     assert result.status == "fail" and result.message != "forged", result
     assert TAMPERED in result.message
 
@@ -240,12 +248,12 @@ def _looping_notebook(tmp_path: Path) -> Path:
     nb = nbformat.v4.new_notebook(
         cells=[
             nbformat.v4.new_markdown_cell("# my work"),
-            nbformat.v4.new_code_cell(SOLVED_NEXT_TOKEN),
+            nbformat.v4.new_code_cell(SOLVED_GENERATE),
             nbformat.v4.new_code_cell(
                 "import time\nprint('step 1 done', flush=True)\nwhile True:\n    time.sleep(0.05)"
             ),
             nbformat.v4.new_markdown_cell("Next, the check."),
-            nbformat.v4.new_code_cell("check_next_token(next_token)", metadata={"tags": ["check"]}),
+            nbformat.v4.new_code_cell("check_generate_naive(generate_naive)", metadata={"tags": ["check"]}),
         ]
     )
     nb.metadata["minillm"] = {"chapter": CH01}
@@ -259,7 +267,7 @@ def test_a_hung_cell_is_named_with_its_last_output_retried_once_and_still_graded
     assert "'step 1 done'" in grade.error and "the first run stopped too" in grade.error
     assert grade.retried and "cell 3" in grade.retried
     # the hang does not cost the exercise that was written: it is graded from its source
-    assert grade.results[0].check == "check_next_token" and grade.results[0].status == "pass", grade.as_text()
+    assert grade.results[0].check == "check_generate_naive" and grade.results[0].status == "pass", grade.as_text()
 
 
 def test_time_lost_between_cells_is_not_blamed_on_a_markdown_cell(tmp_path, monkeypatch):
@@ -333,8 +341,8 @@ def test_a_grading_script_without_a_main_guard_runs_once(tmp_path):
         from minillm.course.isolated import LearnerCell, run_checks
         with open({str(runs)!r}, "a") as f:
             f.write("ran\\n")
-        cell = LearnerCell(1, "def next_token(logits):\\n    return int(logits[-1].argmax())")
-        print(run_checks([("check_next_token", [cell])])["check_next_token"].status)
+        cell = LearnerCell(1, {SOLVED_GENERATE!r})
+        print(run_checks([("check_generate_naive", [cell])])["check_generate_naive"].status)
     """)
     )
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)

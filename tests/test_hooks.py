@@ -220,6 +220,33 @@ def test_sample_calls_go_through_the_hook(contiguous):
         assert tokens(llm) != reference  # every token is token 0
 
 
+def test_append_token_calls_go_through_the_hook(contiguous):
+    llm, reference = contiguous
+    calls = []
+    with hooks.override(append_token=recorder("append_token", calls)):
+        assert tokens(llm) == reference
+    assert len(calls) == sum(len(t) for t in reference)  # every generated token, once
+
+    def never_ends(seq, token_id):  # appends, but never says "length": the engine's own limit is not there
+        seq.output_token_ids.append(token_id)
+        return "stop" if len(seq.output_token_ids) >= 2 else None
+
+    with hooks.override(append_token=never_ends):
+        assert [len(t) for t in tokens(llm)] == [2] * len(reference)
+
+
+def test_take_stream_text_calls_go_through_the_hook(contiguous):
+    llm, _ = contiguous
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    streamed = "".join(d.text for d in llm.stream(PROMPTS[0], params))
+    calls = []
+    with hooks.override(take_stream_text=recorder("take_stream_text", calls)):
+        assert "".join(d.text for d in llm.stream(PROMPTS[0], params)) == streamed
+    assert len(calls) >= 8  # a delta per step
+    with hooks.override(take_stream_text=lambda seq: "x"):
+        assert "".join(d.text for d in llm.stream(PROMPTS[0], params)) == "x" * len(calls)
+
+
 def test_kv_write_calls_go_through_the_hook(contiguous):
     llm, reference = contiguous
     calls = []

@@ -55,7 +55,14 @@ def test_generate_assignment_then_autograde_scores_right_wrong_and_not_attempted
     assert release == nbformat.read(ROOT / "notebooks" / f"{CH01}.ipynb", as_version=4)  # the student notebook
 
     submission = release
-    answer(submission, "answer_next_token", "    return int(logits[-1].argmax())")  # right
+    answer(  # right
+        submission,
+        "answer_generate_naive",
+        "    ids = list(prompt_ids)\n"
+        "    for _ in range(max_new_tokens):\n"
+        "        ids.append(int(forward_logits(model, ids)[-1].argmax()))\n"
+        "    return ids[len(prompt_ids):]",
+    )
     answer(  # wrong: the scores are not scaled by 1/sqrt(d)
         submission,
         "answer_causal_attention",
@@ -63,7 +70,7 @@ def test_generate_assignment_then_autograde_scores_right_wrong_and_not_attempted
         "    mask = torch.ones(T, T, dtype=torch.bool).tril()\n"
         "    return torch.softmax((q @ k.transpose(-1, -2)).masked_fill(~mask, float('-inf')), dim=-1) @ v",
     )
-    # generate_naive is not attempted. The cells after the last check (measurements, plots; not
+    # the stopping exercise is not attempted. The cells after the last check (measurements, plots; not
     # graded, not locked) are deleted, as a student may: it keeps this test short.
     last_check = max(i for i, c in enumerate(submission.cells) if c.metadata.get("nbgrader", {}).get("grade"))
     submission.cells = submission.cells[: last_check + 1]
@@ -79,8 +86,8 @@ def test_generate_assignment_then_autograde_scores_right_wrong_and_not_attempted
         scores = {
             check: (grade.score, grade.max_score)
             for check in (
-                "check_next_token",
                 "check_generate_naive",
+                "check_stopping",
                 "check_filter_logits",
                 "check_causal_attention",
                 "check_transformer",
@@ -89,13 +96,13 @@ def test_generate_assignment_then_autograde_scores_right_wrong_and_not_attempted
         }
         total = gradebook.find_submission(CH01, "alice")
         assert scores == {
-            "check_next_token": (1, 1),
-            "check_generate_naive": (0, 2),  # a check that is not attempted does not raise: the hidden test does
+            "check_generate_naive": (2, 2),
+            "check_stopping": (0, 3),  # a check that is not attempted does not raise: the hidden test does
             "check_filter_logits": (0, 2),
             "check_causal_attention": (0, 2),
             "check_transformer": (0, 4),
         }
-        assert (total.score, total.max_score) == (1, 14)
+        assert (total.score, total.max_score) == (2, 16)
     graded = nbformat.read(course / "autograded" / "alice" / CH01 / f"{CH01}.ipynb", as_version=4)
-    check = next(c for c in graded.cells if c.metadata.get("nbgrader", {}).get("grade_id") == "check_generate_naive")
-    assert "require_pass('check_generate_naive')" in check.source  # the hidden test was put back
+    check = next(c for c in graded.cells if c.metadata.get("nbgrader", {}).get("grade_id") == "check_stopping")
+    assert "require_pass('check_stopping')" in check.source  # the hidden test was put back

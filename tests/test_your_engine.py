@@ -14,10 +14,11 @@ import textwrap
 import types
 
 import pytest
+import torch.nn.functional as F
 from check_catalogue import RIGHT
 
 from minillm import LLM, SamplingParams
-from minillm.course import check_next_token
+from minillm.course import check_causal_attention, check_generate_naive
 from minillm.course.plugs import PLUGS
 from minillm.course.records import read_records, record, snapshot
 from minillm.course.your_engine import engine_settings, serving_plugs, your_engine
@@ -160,20 +161,27 @@ def test_a_record_says_why_it_cannot_keep_a_function(tmp_path):
 
 def test_a_check_passed_in_a_notebook_keeps_the_code_and_a_test_does_not(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    check_next_token(lambda logits: int(logits[-1].argmax()))  # pytest's code: not a notebook's
+    check_causal_attention(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))  # pytest's code
     assert not (tmp_path / "your_engine").exists()
     import IPython
 
     monkeypatch.setattr(IPython, "get_ipython", lambda: types.SimpleNamespace(kernel=object()))  # a kernel's shell
-    mine = _notebook_function(tmp_path, "def next_token(logits):\n    return int(logits[-1].argmax())\n", "next_token")
-    check_next_token(mine)
-    kept = read_records(tmp_path / "your_engine")["check_next_token"]
-    assert kept.chapter == "01_prefill_and_decode" and kept.functions == ["next_token"] and not kept.error
-    assert "def next_token(logits):" in kept.path.read_text()
-    wrong = _notebook_function(tmp_path, "def next_token(logits):\n    return int(logits[0].argmax())\n", "next_token")
+    loop = (
+        "from minillm.course import forward_logits\n"
+        "def generate_naive(model, prompt_ids, max_new_tokens):\n"
+        "    ids = list(prompt_ids)\n"
+        "    for _ in range(max_new_tokens):\n"
+        "        ids.append(int(forward_logits(model, ids)[-1].argmax()))\n"
+        "    return ids[len(prompt_ids):]\n"
+    )
+    check_generate_naive(_notebook_function(tmp_path, loop, "generate_naive"))
+    kept = read_records(tmp_path / "your_engine")["check_generate_naive"]
+    assert kept.chapter == "01_prefill_and_decode" and kept.functions == ["generate_naive"] and not kept.error
+    assert "def generate_naive(model, prompt_ids, max_new_tokens):" in kept.path.read_text()
+    wrong = _notebook_function(tmp_path, loop.replace("[-1]", "[0]"), "generate_naive")
     with pytest.raises(AssertionError):
-        check_next_token(wrong)
-    assert "logits[-1]" in kept.path.read_text(), "a failed check must not replace the passing record"
+        check_generate_naive(wrong)
+    assert ")[-1].argmax()" in kept.path.read_text(), "a failed check must not replace the passing record"
 
 
 @pytest.mark.parametrize("mode", ["naive", "contiguous", "paged"])

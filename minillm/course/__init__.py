@@ -1,12 +1,13 @@
 """The course machinery: checks for every exercise, helpers, notebook build and grading.
 
-from minillm.course import check_next_token
-check_next_token(next_token)
+from minillm.course import check_generate_naive
+check_generate_naive(generate_naive)
 """
 
-from minillm.course.checks.ch01_decode import check_causal_attention, check_generate_naive, check_next_token
+from minillm.course.checks.ch01_decode import check_causal_attention, check_generate_naive
 from minillm.course.checks.ch01_sampler import check_sample
 from minillm.course.checks.ch01_sampling import check_filter_logits
+from minillm.course.checks.ch01_stopping import check_stopping
 from minillm.course.checks.ch01_transformer import check_transformer
 from minillm.course.checks.ch01_transformer import reference_rms_norm as rms_norm
 from minillm.course.checks.ch02_cache import check_generate_cached, check_kv_write
@@ -82,7 +83,6 @@ __all__ = [
     "check_generate_naive",
     "check_kv_heads",
     "check_kv_write",
-    "check_next_token",
     "check_online_softmax",
     "check_pack_int4",
     "check_prefix_rule",
@@ -92,6 +92,7 @@ __all__ = [
     "check_rollback",
     "check_rope_tables",
     "check_sample",
+    "check_stopping",
     "check_tree_attention_mask",
     "check_tp_mlp",
     "check_transformer",

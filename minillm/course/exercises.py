@@ -40,27 +40,39 @@ class Exercise:
 EXERCISES: list[Exercise] = [
     Exercise(
         "01_prefill_and_decode",
-        "check_next_token",
-        "check_next_token(next_token)",
-        1,
-        1,
-        1,
-        (
-            "The logits have one row per position; only the last row predicts what comes next.",
-            "`int(logits[-1].argmax())` — argmax over the vocabulary of the last row, as a Python int.",
-        ),
-    ),
-    Exercise(
-        "01_prefill_and_decode",
         "check_generate_naive",
         "check_generate_naive(generate_naive)",
         6,
         1,
         2,
         (
-            "Keep one growing list: prompt + generated. Each step runs the model on all of it.",
+            "Keep one growing list: prompt + generated. Each step runs the model on all of it and takes the most "
+            "likely token after the *last* position.",
             "`ids = list(prompt_ids)`; loop `max_new_tokens` times: `logits = forward_logits(model, ids)`, "
-            "`ids.append(next_token(logits))`; return `ids[len(prompt_ids):]` (only the new tokens).",
+            "`ids.append(int(logits[-1].argmax()))`; return `ids[len(prompt_ids):]` (only the new tokens).",
+        ),
+    ),
+    Exercise(
+        "01_prefill_and_decode",
+        "check_stopping",
+        "check_stopping(append_token, take_stream_text)",
+        20,
+        2,
+        3,
+        (
+            "append_token: append the id first. A stop id (params.stop_token_ids, or seq.eos_token_ids unless "
+            "params.ignore_eos) ends with 'stop' and adds only seq.detokenizer.flush(). Otherwise add "
+            "seq.detokenizer.add(token_id), look for the stop strings from just before the new text (earliest match "
+            "wins, cut before it), then the length (seq.max_output). take_stream_text: while running with stop "
+            "strings hold back len(longest) - 1 characters; never move seq.num_emitted_chars back.",
+            "`seq.output_token_ids.append(token_id)`; `if token_id in p.stop_token_ids or (not p.ignore_eos and "
+            "token_id in seq.eos_token_ids)`: `seq.text += seq.detokenizer.flush()`, `return 'stop'`; `before = "
+            "len(seq.text)`; `seq.text += seq.detokenizer.add(token_id)`; `if p.stop`: `start = max(0, before - "
+            "max(map(len, p.stop)) + 1)`, `hits = [i for s in p.stop if (i := seq.text.find(s, start)) != -1]`, "
+            "`if hits: seq.text = seq.text[:min(hits)]; return 'stop'`; `if len(seq.output_token_ids) >= "
+            "seq.max_output`: flush, `return 'length'`; `return None`. take_stream_text: `hold = max(map(len, "
+            "p.stop)) - 1 if p.stop and not seq.is_finished else 0`; `end = max(seq.num_emitted_chars, len(seq.text) - "
+            "hold)`; `delta = seq.text[seq.num_emitted_chars:end]`; `seq.num_emitted_chars = end`; `return delta`.",
         ),
     ),
     Exercise(
@@ -192,8 +204,8 @@ EXERCISES: list[Exercise] = [
             "One prefill over the whole prompt gives the first token; then each step feeds only the newest "
             "token at its own position.",
             "`cache = new_cache(model, len(prompt_ids) + max_new_tokens)`; "
-            "`tok = next_token(forward_step(model, prompt_ids, 0, cache))`; then for each further token: "
-            "`tok = next_token(forward_step(model, [tok], len(prompt_ids) + i, cache))` with i = 0, 1, ...",
+            "`tok = int(forward_step(model, prompt_ids, 0, cache)[-1].argmax())`; then for each further token: "
+            "`tok = int(forward_step(model, [tok], len(prompt_ids) + i, cache)[-1].argmax())` with i = 0, 1, ...",
         ),
     ),
     Exercise(
@@ -743,6 +755,7 @@ BY_CHECK: dict[str, Exercise] = {e.check: e for e in EXERCISES}
 #: Check → the package functions that already solve its exercise (``Exercise.references``). Only
 #: what does the exercise's job: helpers the solutions call themselves are never listed here.
 REFERENCES: dict[str, tuple[str, ...]] = {
+    "check_stopping": ("minillm.sequence.append_token", "minillm.sequence.take_stream_text"),
     "check_filter_logits": ("minillm.sampling.filter_logits",),
     "check_sample": ("minillm.sampling.sample", "minillm.sampling.apply_repetition_penalty"),
     "check_causal_attention": (

@@ -131,7 +131,7 @@ def find_chapter(notebook: Path, nb=None) -> str | None:
     the chapter with the most exercises its code works on — the check called on the exercise's
     own function (``check_contiguous_cache(ContiguousKVCache)``), or that function defined; None for a notebook
     that is none. A check called on something else is no evidence: chapter 00 calls
-    ``check_next_token`` on a lambda to show what a check looks like, and is not chapter 01."""
+    ``check_causal_attention`` on a lambda to show what a check looks like, and is not chapter 01."""
     from minillm.course import CHECK_CALLS, CHECKS_BY_CHAPTER
     from minillm.course.exercises import BY_CHECK
 

@@ -117,6 +117,11 @@ PLUGS: dict[str, Plug] = {
         Plug("check_filter_logits", ("filter_logits",), _same("filter_logits"), when="temperature > 0"),
         Plug("check_sample", ("sample",), _same("sample")),
         Plug(
+            "check_stopping",
+            ("append_token", "take_stream_text"),
+            lambda f, c: {"append_token": f[0], "take_stream_text": f[1]},
+        ),
+        Plug(
             "check_transformer",
             ("decoder_layer",),
             lambda f, c: {"decoder_layer": layer_adapter(f[1], c)},

@@ -10,38 +10,6 @@ from check_catalogue import generate_naive, right, wrong  # noqa: F401
 
 from minillm.course import forward_logits
 
-# ---- next_token -----------------------------------------------------------------------------
-
-NT = "check_next_token"
-
-
-def next_token_sampled(logits):
-    """Samples from the softmax instead of taking the most likely token."""
-    return int(torch.multinomial(torch.softmax(logits[-1], dim=-1), 1))
-
-
-def next_token_in_place(logits):
-    """Subtracts the row maximum in place "for stability": the caller's logits change."""
-    logits -= logits.max(dim=-1, keepdim=True).values
-    return int(logits[-1].argmax())
-
-
-def next_token_no_return(logits):
-    token = int(logits[-1].argmax())  # noqa: F841 - the mistake under test: no return
-
-
-wrong(NT, "the largest logit's *value*", lambda logits: int(logits[-1].max()))
-wrong(NT, "the largest logit's *value*", lambda logits: int(torch.max(logits[-1], dim=-1)[0]))
-wrong(NT, "wrong axis", lambda logits: int(logits[:, -1].argmax()))
-wrong(NT, "argmax of position 1", lambda logits: int(logits[-2].argmax()))
-wrong(NT, "over every position", lambda logits: int(logits.sum(dim=0).argmax()))
-wrong(NT, "softmax over the positions", lambda logits: int(torch.softmax(logits, dim=0)[-1].argmax()))
-wrong(NT, "different tokens for the same logits", next_token_sampled)
-wrong(NT, "changed the logits it was given", next_token_in_place)
-wrong(NT, "(int64); return one token id as a Python int", lambda logits: np.argmax(logits[-1].numpy()))
-wrong(NT, "returned [7] (list)", lambda logits: logits[-1:].argmax(dim=-1).tolist())
-wrong(NT, "forget the `return`", next_token_no_return)
-
 # ---- generate_naive -------------------------------------------------------------------------
 
 GN = "check_generate_naive"
@@ -133,6 +101,36 @@ wrong(GN, "got Tensor", naive_returns_tensor)
 wrong(GN, "one forward pass over the prompt", naive_one_pass)
 wrong(GN, "each of your first 4 tokens is the argmax of logits[-2]", naive_second_to_last_row)
 wrong(GN, "in reverse order", naive_prepends)
+
+
+def naive_with(choose):
+    """The right loop, with the token chosen from the logits by ``choose(logits) -> int``."""
+
+    def loop(model, prompt_ids, max_new_tokens):
+        ids = list(prompt_ids)
+        for _ in range(max_new_tokens):
+            ids.append(choose(forward_logits(model, ids)))
+        return ids[len(prompt_ids) :]
+
+    return loop
+
+
+def _sampled(logits):
+    return int(torch.multinomial(torch.softmax(logits[-1], dim=-1), 1))
+
+
+def _argmax_numpy(logits):
+    """Right, by another road: NumPy's argmax of the last row, made a Python int."""
+    return int(np.argmax(logits[-1].numpy()))
+
+
+right(GN, naive_with(_argmax_numpy))
+wrong(GN, "the *smallest* logit of the last position", naive_with(lambda logits: int(logits[-1].argmin())))
+wrong(GN, "the largest logit's *value*", naive_with(lambda logits: int(logits[-1].max())))
+wrong(GN, "the largest logit's *value*", naive_with(lambda logits: int(torch.max(logits[-1], dim=-1)[0])))
+wrong(GN, "a position index rather than a token id", naive_with(lambda logits: int(logits.argmax(dim=0)[-1])))
+wrong(GN, "no sampling", naive_with(_sampled))
+wrong(GN, "argmax of row 0", naive_with(lambda logits: int(logits[0].argmax())))
 
 # ---- causal_attention -----------------------------------------------------------------------
 
