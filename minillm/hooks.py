@@ -493,6 +493,16 @@ detokenize_step = _declare(
     it (``IncrementalDetokenizer.add``), and what it returns is the text a stream sends. It
     holds back an incomplete UTF-8 character and keeps a token's leading space.""",
 )
+response_cache = _declare(
+    "response_cache",
+    "response_cache(capacity) -> cache (key, get, put, hits, misses, nbytes, len)",
+    "10 serving (the response cache)",
+    "minillm.server.response_cache",
+    "minillm/server/launch.py",
+    """The server's exact-match cache of whole greedy responses (``minillm serve --response-cache
+    N``): a bounded LRU — at most N entries and a byte budget — that hands out copies, so a hit's
+    id and timestamp can be set without touching the kept answer.""",
+)
 stream_events = _declare(
     "stream_events",
     "stream_events(streams, fmt, n, include_usage, prompt_tokens, abort) -> async iterator of bytes",

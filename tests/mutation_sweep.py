@@ -402,6 +402,12 @@ _CLAMP_NEVER_BINDS = (
     "after rounding a clamp at ±128 never binds: the clamp is a guard, and a wider guard changes nothing"
 )
 EQUIVALENT: dict[str, dict[str, str]] = {
+    "check_response_cache": {
+        "line 2: `//` → `/` in `if size > self.max_bytes // 4:`": (
+            "for a whole number of bytes, size > max_bytes / 4 and size > max_bytes // 4 both mean 4 * size > "
+            "max_bytes"
+        ),
+    },
     "check_stopping": {
         "line 10: `+` → `-` in `search_from = max(0, text_before - longest + 1)  # a new ...`": (
             "starts the search two characters further back: the same matches (an older one would have ended "

@@ -817,6 +817,28 @@ def test_detokenize_step_calls_go_through_the_hook(tiny_model):
 # ---------------------------------------------------------------------------------------------
 
 
+def test_response_cache_calls_go_through_the_hook(tiny_model, monkeypatch):
+    """``minillm serve --response-cache N`` builds its cache through the hook: the app serves with
+    what the hook returned (a learner's class, under ``serve --your-engine``)."""
+    from minillm.server import launch
+
+    served = []
+    monkeypatch.setattr(launch.uvicorn, "run", lambda app, **kwargs: served.append(app))
+    calls = []
+    with hooks.override(response_cache=recorder("response_cache", calls)):
+        launch.serve([str(tiny_model)], response_cache=3, dtype="fp32", kv_cache_memory=4_000_000)
+    assert calls == [(3,)] and served[0].state.response_cache.capacity == 3
+
+    class Mine(dict):
+        key = staticmethod(lambda endpoint, body: None)
+
+    with hooks.override(response_cache=lambda capacity: Mine()):
+        launch.serve([str(tiny_model)], response_cache=3, dtype="fp32", kv_cache_memory=4_000_000)
+    assert type(served[1].state.response_cache) is Mine
+    launch.serve([str(tiny_model)], dtype="fp32", kv_cache_memory=4_000_000)  # no --response-cache: none
+    assert served[2].state.response_cache is None
+
+
 def test_stream_events_calls_go_through_the_hook(tiny_model):
     import json
 

@@ -29,11 +29,13 @@ GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 # The pieces each mode must call when every check is passed (the others wait for their option:
 # quantization, speculation, a window, a stream; or sit under a piece that replaces them).
 CALLED = {
-    "naive": {"decoder_layer", "rope_tables", "heads_of_rank", "detokenize_step", "sample"},
+    "naive": {"decoder_layer", "rope_tables", "heads_of_rank", "detokenize_step", "sample", "append_token",
+              "take_stream_text"},
     # (the learner's cache class calls their kv_write itself, not through the hook)
-    "contiguous": {"torch_attention", "contiguous_cache", "apply_rope", "rope_tables", "detokenize_step", "sample"},
+    "contiguous": {"torch_attention", "contiguous_cache", "apply_rope", "rope_tables", "detokenize_step", "sample",
+                   "append_token", "take_stream_text"},
     "paged": {"apply_rope", "rope_tables", "block_pool", "block_hash", "tokens_to_run", "schedule", "step_layout", "reserve", "try_admit",
-              "paged_attention", "detokenize_step", "sample"},
+              "paged_attention", "detokenize_step", "sample", "append_token", "take_stream_text"},
 }  # fmt: skip
 
 
@@ -226,11 +228,17 @@ def test_minillm_serve_your_engine(passed_everything):
     from minillm.server.launch import ServerProcess
 
     expected = LLM("tiny-shakespeare-1m", dtype="fp32").generate(PROMPTS[:1], GREEDY)[0].text
-    with ServerProcess(["tiny-shakespeare-1m"], ["--your-engine", str(passed_everything)]) as server:
-        reply = httpx.post(server.url + "/v1/completions", timeout=60, json={
-            "model": "tiny-shakespeare-1m", "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0,
-            "ignore_eos": True})  # fmt: skip
-    assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == expected
+    body = {"model": "tiny-shakespeare-1m", "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    args = ["--your-engine", str(passed_everything), "--response-cache", "4"]
+    with ServerProcess(["tiny-shakespeare-1m"], args) as server:
+        replies = [httpx.post(server.url + "/v1/completions", timeout=60, json=body) for _ in range(2)]
+        metrics = httpx.get(server.url + "/metrics", timeout=60).text
+    assert [r.status_code for r in replies] == [200, 200]
+    assert [r.json()["choices"][0]["text"] for r in replies] == [expected, expected]
+    hits = next(line.split()[-1] for line in metrics.splitlines() if line.startswith("minillm_response_cache_hits"))
+    assert float(hits) == 1.0  # the second answer came from the cache ...
+    overrides, _, table = serving_plugs(passed_everything, "tiny-shakespeare-1m", {})
+    assert "response_cache" in overrides and "response_cache" in table  # ... the learner's class (the record's)
 
 
 def test_bad_settings_and_broken_records_are_named(tmp_path, passed_everything):

@@ -32,6 +32,7 @@ from minillm.course.checks.ch08_spec_step import check_speculative_decode
 from minillm.course.checks.ch09_router import check_prefix_rule
 from minillm.course.checks.ch09_tensor_parallel import check_kv_heads, check_tp_mlp
 from minillm.course.checks.ch09_tp_attention import check_tp_attention
+from minillm.course.checks.ch10_response_cache import check_response_cache
 from minillm.course.checks.ch10_server import check_cache_key, check_detokenize_step
 from minillm.course.checks.ch10_streaming import check_stream_events
 from minillm.course.exercises import EXERCISES, Exercise, chapters, hint
@@ -64,6 +65,7 @@ __all__ = [
     "check_block_pool",
     "check_block_table",
     "check_cache_key",
+    "check_response_cache",
     "check_detokenize_step",
     "check_speculative_decode",
     "check_stream_events",

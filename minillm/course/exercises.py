@@ -748,6 +748,29 @@ EXERCISES: list[Exercise] = [
             "'user')}, sort_keys=True)`.",
         ),
     ),
+    Exercise(
+        "10_serving",
+        "check_response_cache",
+        "check_response_cache(ResponseCache)",
+        25,
+        2,
+        3,
+        (
+            "An OrderedDict of key -> (response, size), least recently used first, and a lock. get: a miss counts "
+            "and returns None; a hit moves the key to the end, counts, and returns a deep copy. put: an entry costs "
+            "its key and JSON bytes; over max_bytes // 4 it is not kept; otherwise replace any old entry (and its "
+            "bytes), then pop from the front while over capacity or over max_bytes.",
+            "`__init__`: `if capacity < 1 or max_bytes < 1: raise ValueError(...)`; `self.key = key or cache_key`; "
+            "`self.entries = OrderedDict()`; `self.lock = threading.Lock()`; `self.hits = self.misses = self.nbytes = "
+            "0`. `get`: `with self.lock:` `entry = self.entries.get(key)`; None → `self.misses += 1; return None`; "
+            "`self.entries.move_to_end(key)`; `self.hits += 1`; `return copy.deepcopy(entry[0])`. `put`: `size = "
+            "len(key.encode()) + len(json.dumps(response, ensure_ascii=False).encode())`; `if size > self.max_bytes "
+            "// 4: return`; `with self.lock:` `old = self.entries.pop(key, None)`; `if old: self.nbytes -= old[1]`; "
+            "`self.entries[key] = (copy.deepcopy(response), size)`; `self.nbytes += size`; `while len(self.entries) "
+            "> self.capacity or self.nbytes > self.max_bytes: _, (_, n) = self.entries.popitem(last=False); "
+            "self.nbytes -= n`.",
+        ),
+    ),
 ]
 
 BY_CHECK: dict[str, Exercise] = {e.check: e for e in EXERCISES}
@@ -858,6 +881,7 @@ REFERENCES: dict[str, tuple[str, ...]] = {
     "check_detokenize_step": ("minillm.tokenizer.detokenize_step",),
     "check_stream_events": ("minillm.server.streaming.stream_events",),
     "check_cache_key": ("minillm.server.response_cache.cache_key",),
+    "check_response_cache": ("minillm.server.response_cache.ResponseCache", "minillm.server.response_cache.response_cache"),
 }
 
 

@@ -239,6 +239,12 @@ PLUGS: dict[str, Plug] = {
         Plug("check_kv_heads", ("heads_of_rank",), lambda f, c: {"heads_of_rank": heads_as_ranges(f[0])}),
         Plug("check_detokenize_step", ("detokenize_step",), _same("detokenize_step")),
         Plug("check_stream_events", ("stream_events",), _same("stream_events"), when="a streamed HTTP request"),
+        Plug(
+            "check_response_cache",
+            ("response_cache",),
+            lambda f, c: {"response_cache": lambda capacity: f[0](capacity)},
+            when="minillm serve --response-cache N",
+        ),
     ]
 }
 

@@ -14,12 +14,12 @@ import time
 
 import uvicorn
 
+import minillm.hooks as hooks
 from minillm.server import heap
 from minillm.server.app import build_app
 from minillm.server.async_engine import AsyncEngine
 from minillm.server.connections import with_header_timeout
 from minillm.server.front_door import default_allowed_hosts
-from minillm.server.response_cache import ResponseCache
 
 # A served engine keeps no per-step records unless asked: nothing in the server reads them, yet
 # each step would build one (its chunks, pool counters) and the engine keeps the last 10,000 (its
@@ -74,7 +74,7 @@ def serve(
     accepting, lets running requests finish for up to ``shutdown_timeout`` s, then exits."""
     heap.bound_kernel_caches()  # before any engine builds a kernel: they are read once
     engines = build_engines(models, max_waiting, **engine_args)
-    cache = ResponseCache(response_cache) if response_cache else None
+    cache = hooks.response_cache(response_cache) if response_cache else None
     hosts = allowed_hosts if allowed_hosts else default_allowed_hosts(host)
     app = build_app(engines, cache, max_body_bytes=max_body_bytes, enable_docs=enable_docs, allowed_hosts=hosts,
                     api_key=api_key, body_timeout_s=body_timeout)  # fmt: skip

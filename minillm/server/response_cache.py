@@ -14,6 +14,8 @@ import json
 import threading
 from collections import OrderedDict
 
+import minillm.hooks as hooks
+
 #: Request fields that do not change the answer, left out of the key.
 _NOT_IN_KEY = {"stream", "stream_options", "user", "metadata"}
 
@@ -79,3 +81,10 @@ class ResponseCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+@hooks.reference("response_cache")
+def response_cache(capacity: int) -> ResponseCache:
+    """The server's response cache of ``capacity`` entries (hook ``response_cache``: chapter 10's
+    learner writes the class)."""
+    return ResponseCache(capacity)

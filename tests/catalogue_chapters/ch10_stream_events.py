@@ -44,11 +44,8 @@ def events_with(**slip):
                 if not slip.get("role_always"):
                     fresh = [False] * total
             if slip.get("sequential"):
-                source = ((p, d) for p, s in enumerate(streams) for d in [s])
-                pairs = []
-                for p, s in source:
+                for p, s in enumerate(streams):  # one prompt's stream to its end, then the next
                     async for d in s:
-                        pairs.append((p, d))
                         yield sse(fmt.chunk([fmt.delta_choice(p * n + d.index, d.text, d.finish_reason, d.logprobs,
                                                               False, 0)]))  # fmt: skip
                 yield DONE

@@ -82,10 +82,6 @@ class GradedPool:
         learner_function(self.inner.forget)(block_id)
 
 
-def _pool(cls: type, num_blocks: int) -> GradedPool:
-    return GradedPool(cls, num_blocks)
-
-
 def _raises_runtime_error(call, what: str, should: str) -> None:
     try:
         call()
@@ -157,7 +153,7 @@ def _name(pool, block_id: int, h: int, parent=None, tokens=(1, 2)) -> None:
 
 
 def _hand_out(cls) -> None:
-    pool = _pool(cls, 3)
+    pool = GradedPool(cls, 3)
     _bookkeeping(pool, "a new BlockPool(3)")
     taken = [_allocate(pool, f"allocation {i + 1} of 3") for i in range(3)]
     if sorted(taken) != [0, 1, 2]:
@@ -181,7 +177,7 @@ def _hand_out(cls) -> None:
 
 
 def _names(cls) -> None:
-    pool = _pool(cls, 3)
+    pool = GradedPool(cls, 3)
     x, y = _allocate(pool, "allocate"), _allocate(pool, "allocate")
     _name(pool, x, 1234, None, (5, 6))
     if pool.lookup(1234, None, [5, 6]) != x:
@@ -235,7 +231,7 @@ def _names(cls) -> None:
 
 
 def _eviction(cls) -> None:
-    pool = _pool(cls, 2)
+    pool = GradedPool(cls, 2)
     first = _allocate(pool, "allocate")
     _name(pool, first, 1234)
     pool.release(first)
@@ -249,7 +245,7 @@ def _eviction(cls) -> None:
     if 1234 in pool.cached or pool.blocks[first].hash is not None:
         raise CheckFailed(f"block {first} was evicted but keeps its name (in cached or block.hash): a later lookup "
                           "would find K/V that is being overwritten — forget its name when you evict it")  # fmt: skip
-    pool = _pool(cls, 4)
+    pool = GradedPool(cls, 4)
     ids = [_allocate(pool, "allocate") for _ in range(4)]
     low, mid, high = sorted(ids[:3])
     for n, b in enumerate((low, mid, high)):
@@ -285,7 +281,7 @@ def _live(cls: type, model: str) -> str:
     args = dict(block_size=4, kv_cache_memory=pool_bytes(model, 40, 4), enable_prefix_caching=True)
     package = paged_engine(model, **args)
     run_all(package, prompts)
-    with hooks.override(block_pool=lambda num_blocks: _pool(cls, num_blocks)):
+    with hooks.override(block_pool=lambda num_blocks: GradedPool(cls, num_blocks)):
         engine = paged_engine(model, **args)
     if not isinstance(engine.block_manager.pool, GradedPool):
         raise CheckError("the engine was not built on the learner's class")
