@@ -554,6 +554,15 @@ EQUIVALENT: dict[str, dict[str, str]] = {
             )
             for change in ("`+` → `-`", "`1` → `2`", "`1` → `0`")
         },
+        'line 1: `-` → `+` in `for n in range(min(max_n, len(tokens) - 1), 0, -1):  # th...`': (
+            'n starts at len(tokens) or len(tokens) + 1 instead of len(tokens) - 1: for n >= len(tokens) the search has no start before the suffix (range(len(tokens) - n - 1, -1, -1) is empty), so the same n-grams are tried'
+        ),
+        'line 1: `1` → `0` in `for n in range(min(max_n, len(tokens) - 1), 0, -1):  # th...` (#2)': (
+            'n starts at len(tokens) instead of len(tokens) - 1: for n = len(tokens) the search range is empty, so the same n-grams are tried'
+        ),
+        'line 3: `1` → `2` in `for start in range(len(tokens) - n - 1, -1, -1):  # the m...` (#2)': (
+            'the search also tries start = -1 after every real start failed: tokens[-1:n - 1] is empty for every n the search tries (n <= len(tokens) - 1), so it never matches'
+        ),
     },
     "check_flash_kernel": {
         'line 21: `0.0` → `1.0` in `m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)`': (

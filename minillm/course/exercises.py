@@ -602,20 +602,25 @@ EXERCISES: list[Exercise] = [
     Exercise(
         "08_speculative_decoding",
         "check_speculative_decode",
-        "check_speculative_decode(speculative_decode)",
-        14,
+        "check_speculative_decode(propose_ngram, speculative_decode)",
+        20,
         2,
         3,
         (
-            "One cache for the whole run. Prefill the prompt in one pass and take its last row's argmax. Then, "
-            "until max_new_tokens are made: propose up to k tokens with propose_ngram(ids, k), run the last token "
-            "and the proposals in one pass at position len(ids) - 1, keep what accept_greedy says, and start the "
-            "next pass after the kept tokens — that overwrites the rejected proposals' K/V (the rollback). Count "
+            "propose_ngram: for n from min(max_n, len(tokens) - 1) down to 1, search backwards for an earlier "
+            "occurrence of the last n tokens (starting before len(tokens) - n) and return the up to k tokens after it. "
+            "The loop: one cache for the whole run. Prefill the prompt in one pass and take its last row's argmax. "
+            "Then, until max_new_tokens are made: propose up to k tokens with propose_ngram(ids, k), run the last "
+            "token and the proposals in one pass at position len(ids) - 1, keep what accept_greedy says, and start "
+            "the next pass after the kept tokens — that overwrites the rejected proposals' K/V (the rollback). Count "
             "every pass, the prefill too.",
-            "`cache = new_cache(model, len(ids) + max_new_tokens + k + 1)`; `logits = forward_step(model, ids, 0, "
-            "cache)`; `ids.append(int(logits[-1].argmax()))`; loop: `drafts = propose_ngram(ids, k)`, `logits = "
-            "forward_step(model, [ids[-1]] + drafts, len(ids) - 1, cache)`, `ids += accept_greedy(logits.argmax(-1)"
-            ".tolist(), drafts)`; return `(ids[len(prompt_ids):][:max_new_tokens], passes)`.",
+            "`for n in range(min(max_n, len(tokens) - 1), 0, -1)`: `suffix = tokens[-n:]`; `for start in "
+            "range(len(tokens) - n - 1, -1, -1)`: `if tokens[start:start + n] == suffix: return tokens[start + n:"
+            "start + n + k]`; after the loops `return []`. The loop: `cache = new_cache(model, len(ids) + "
+            "max_new_tokens + k + 1)`; `logits = forward_step(model, ids, 0, cache)`; `ids.append(int(logits[-1]"
+            ".argmax()))`; loop: `drafts = propose_ngram(ids, k)`, `logits = forward_step(model, [ids[-1]] + drafts, "
+            "len(ids) - 1, cache)`, `ids += accept_greedy(logits.argmax(-1).tolist(), drafts)`; return "
+            "`(ids[len(prompt_ids):][:max_new_tokens], passes)`.",
         ),
     ),
     Exercise(
@@ -779,6 +784,7 @@ BY_CHECK: dict[str, Exercise] = {e.check: e for e in EXERCISES}
 #: what does the exercise's job: helpers the solutions call themselves are never listed here.
 REFERENCES: dict[str, tuple[str, ...]] = {
     "check_stopping": ("minillm.sequence.append_token", "minillm.sequence.take_stream_text"),
+    "check_speculative_decode": ("minillm.speculative.ngram.propose_ngram",),
     "check_filter_logits": ("minillm.sampling.filter_logits",),
     "check_sample": ("minillm.sampling.sample", "minillm.sampling.apply_repetition_penalty"),
     "check_causal_attention": (

@@ -54,7 +54,47 @@ def decode_with(**slip):
     return speculative_decode
 
 
-right(SD, decode_with())
+def propose_lookup(tokens, k, max_n=4):
+    """Right, written independently: the n-grams as tuples, the latest occurrence by rindex-like search."""
+    for n in range(min(max_n, len(tokens) - 1), 0, -1):
+        tail = tuple(tokens[-n:])
+        for start in reversed(range(len(tokens) - n)):
+            if tuple(tokens[start : start + n]) == tail:
+                return list(tokens[start + n : start + n + k])
+    return []
+
+
+def propose_with(**slip):
+    """The prompt lookup with one of a learner's slips switched on."""
+
+    def propose(tokens, k, max_n=4):
+        if slip.get("sorts"):
+            tokens.sort()  # "tidy up" the caller's list
+        top = min(max_n, len(tokens) - 1)
+        if slip.get("ignores_max_n"):
+            top = len(tokens) - 1
+        sizes = list(range(top, 0, -1))
+        if slip.get("shortest_first"):
+            sizes.reverse()
+        for n in sizes:
+            suffix = tokens[len(tokens) - n :]
+            last = len(tokens) - n - (0 if slip.get("self_match") else 1)
+            starts = range(0, last + 1) if slip.get("oldest_first") else range(last, -1, -1)
+            for start in starts:
+                if tokens[start : start + n] == suffix:
+                    begin = start + n + (1 if slip.get("skips_one") else 0)  # "the token after the match"
+                    found = tokens[begin : begin + k + (1 if slip.get("one_more") else 0)]
+                    if slip.get("tuple"):
+                        return tuple(found)
+                    return found[:-1] if slip.get("one_less") and len(found) == k else found
+            if slip.get("gives_up"):
+                return []
+        return None if slip.get("none") else []
+
+    return propose
+
+
+right(SD, propose_lookup, decode_with())
 
 
 def speculative_decode_positions(model, prompt_ids, max_new_tokens, k):
@@ -80,20 +120,32 @@ def speculative_decode_positions(model, prompt_ids, max_new_tokens, k):
     return tokens[len(prompt_ids) : len(prompt_ids) + max_new_tokens], passes
 
 
-right(SD, speculative_decode_positions)
+right(SD, propose_lookup, speculative_decode_positions)
 
-wrong(SD, "return only the new tokens", decode_with(echo=True))
-wrong(SD, "keep exactly 48", decode_with(no_trim=True))
-wrong(SD, "changed the prompt_ids list", decode_with(mutates_prompt=True))
-wrong(SD, "no proposal was ever accepted", decode_with(never_proposes=True))
-wrong(SD, "at most k proposals", decode_with(uncapped=True))
-wrong(SD, "ran against a new cache", decode_with(new_cache=True))
-wrong(SD, "recomputing the whole sequence", decode_with(recompute=True))
-wrong(SD, "that is the rollback", decode_with(no_rollback=True))
-wrong(SD, "a pass starts with the last kept token", decode_with(drafts_only=True))
-wrong(SD, "keep a proposal only while it equals the target's argmax", decode_with(accept_all=True))
-wrong(SD, "keep a proposal only while it equals the target's argmax", decode_with(shifted=True))
-wrong(SD, "the prefill counts as one", decode_with(no_prefill_count=True))
-wrong(SD, "plain greedy decoding gives", decode_with(first_row=True))
-wrong(SD, "the prefill's last row already gives the first new token", decode_with(drops_prefill_token=True))
-wrong(SD, "the last pass ran after all", decode_with(one_more=True))
+wrong(SD, "return only the new tokens", propose_lookup, decode_with(echo=True))
+wrong(SD, "keep exactly 48", propose_lookup, decode_with(no_trim=True))
+wrong(SD, "changed the prompt_ids list", propose_lookup, decode_with(mutates_prompt=True))
+wrong(SD, "no proposal was ever accepted", propose_lookup, decode_with(never_proposes=True))
+wrong(SD, "at most k proposals", propose_lookup, decode_with(uncapped=True))
+wrong(SD, "ran against a new cache", propose_lookup, decode_with(new_cache=True))
+wrong(SD, "recomputing the whole sequence", propose_lookup, decode_with(recompute=True))
+wrong(SD, "that is the rollback", propose_lookup, decode_with(no_rollback=True))
+wrong(SD, "a pass starts with the last kept token", propose_lookup, decode_with(drafts_only=True))
+wrong(SD, "keep a proposal only while it equals the target's argmax", propose_lookup, decode_with(accept_all=True))
+wrong(SD, "keep a proposal only while it equals the target's argmax", propose_lookup, decode_with(shifted=True))
+wrong(SD, "the prefill counts as one", propose_lookup, decode_with(no_prefill_count=True))
+wrong(SD, "plain greedy decoding gives", propose_lookup, decode_with(first_row=True))
+wrong(SD, "the prefill's last row already gives the first new token", propose_lookup, decode_with(drops_prefill_token=True))
+wrong(SD, "the last pass ran after all", propose_lookup, decode_with(one_more=True))
+wrong(SD, "the shortest n-gram was tried first", propose_with(shortest_first=True), decode_with())
+wrong(SD, "the oldest occurrence was used", propose_with(oldest_first=True), decode_with())
+wrong(SD, "the last n tokens matched themselves", propose_with(self_match=True), decode_with())
+wrong(SD, "propose at most k", propose_with(one_more=True), decode_with())
+wrong(SD, "an n-gram longer than max_n was matched", propose_with(ignores_max_n=True), decode_with())
+wrong(SD, "changed the tokens it was given", propose_with(sorts=True), decode_with())
+wrong(SD, "return a list of token ids", propose_with(tuple=True), decode_with())
+wrong(SD, "return a list of token ids", propose_with(none=True), decode_with())
+wrong(SD, "expected [9, 9, 3, 4]", propose_with(one_less=True), decode_with())
+wrong(SD, "go on with n - 1, down to 1", propose_with(gives_up=True), decode_with())
+wrong(SD, "expected [9, 9, 3, 4]", propose_with(skips_one=True), decode_with())
+wrong(SD, "expected [", lambda tokens, k, max_n=4: tokens[-k:], decode_with())

@@ -1,8 +1,13 @@
 """Chapter 08's whole piece: the speculative decoding loop — propose, verify in one pass, accept,
-roll back — as ``speculative_decode(model, prompt_ids, max_new_tokens, k) -> (tokens, passes)``.
+roll back — as ``propose_ngram(tokens, k, max_n=4) -> list[int]`` (prompt lookup) and
+``speculative_decode(model, prompt_ids, max_new_tokens, k) -> (tokens, passes)``.
 
-It runs the real model against one KV cache (``forward_step``), so every pass it makes is
-watched (a forward pre-hook records where each pass starts and how many tokens it feeds):
+The proposer is compared first with the package's on hand-made sequences, one rule each (the
+longest n-gram first, its most recent earlier occurrence, at most k tokens, never the suffix
+matching itself, nothing when nothing repeats) and on random ones, and a mismatch is named by
+the rule it breaks. The loop runs the real model against one KV cache (``forward_step``), so
+every pass it makes is watched (a forward pre-hook records where each pass starts and how many
+tokens it feeds):
 
 1. **the passes** — the prefill writes the whole prompt once; each later pass feeds the last
    emitted token and at most ``k`` proposals, starting exactly where the kept tokens end (the
@@ -28,6 +33,81 @@ REPEATING = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAl
 PLAIN = "KING.\nNow is the winter"
 #: (prompt, new tokens, k)
 RUNS = [(REPEATING, 48, 4), (PLAIN, 17, 3), (REPEATING, 9, 8)]
+
+
+def _lookup(tokens: list[int], k: int, max_n: int, longest_first=True, most_recent=True, self_match=False,
+            extra=0) -> list[int]:
+    """Prompt lookup with its rules switched: the package's when every switch is at its default."""
+    length = len(tokens)
+    sizes = range(min(max_n, length - 1), 0, -1)
+    for n in sizes if longest_first else reversed(sizes):
+        suffix = tokens[length - n :]
+        starts = range(length - n - (0 if self_match else 1), -1, -1)
+        for start in starts if most_recent else reversed(starts):
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k + extra]
+    return []
+
+
+#: (tokens, k, max_n, what the case shows)
+PROPOSALS = [
+    ([5, 6, 7, 8], 3, 4, "nothing repeats: no proposal"),
+    ([7], 3, 4, "a single token has nothing before it: no proposal"),
+    ([1, 2, 3, 9, 9, 3, 4, 1, 2, 3], 4, 4, "the last 3 tokens (1 2 3) occurred before: what followed them"),
+    ([1, 2, 5, 6, 2, 7, 8, 1, 2], 2, 4, "2 occurs twice, but 1 2 (two tokens) only once: the longest n-gram wins"),
+    ([3, 1, 4, 3, 1, 5, 3, 1], 3, 4, "3 1 occurred twice: the most recent occurrence's continuation"),
+    ([4, 5, 6, 7, 8, 9, 1, 4], 3, 4, "k = 3: at most 3 tokens"),
+    ([2, 3, 4, 2, 3], 8, 4, "the match's continuation runs into the end: fewer than k tokens"),
+    ([9, 8, 7, 6, 1, 9, 8, 7, 6], 2, 2, "max_n = 2: n-grams of at most 2 tokens (7 6), however long the repeat"),
+    ([6, 6, 6, 6], 2, 4, "6 6 6 repeats itself: the most recent earlier match, not the suffix itself"),
+    ([1, 9, 2, 9, 3, 9], 3, 1, "max_n = 1: the last token's most recent earlier occurrence"),
+]
+
+
+def _diagnose_proposer(propose_ngram) -> None:
+    import random
+
+    from minillm.speculative import propose_ngram as package
+
+    cases = list(PROPOSALS)
+    rng = random.Random(8)
+    for _ in range(200):  # random sequences over a small vocabulary, where n-grams repeat often
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 14))]
+        cases.append((tokens, rng.randrange(1, 6), rng.randrange(1, 5), "a random sequence"))
+    slips = [
+        (dict(longest_first=False), "the shortest n-gram was tried first: try n from max_n down to 1, the longest "
+         "first — a longer match is the better guess"),
+        (dict(most_recent=False), "the oldest occurrence was used: search backwards from the end, the most recent "
+         "earlier occurrence first"),
+        (dict(self_match=True), "the last n tokens matched themselves (a match starting at len(tokens) - n): an "
+         "occurrence must start before that, at len(tokens) - n - 1 at the latest"),
+        (dict(extra=1), "one token more than k: propose at most k"),
+    ]  # fmt: skip
+    for tokens, k, max_n, what in cases:
+        given = list(tokens)
+        got = propose_ngram(given, k, max_n)
+        if given != tokens:
+            raise CheckFailed(f"propose_ngram changed the tokens it was given ({tokens}): only read them")
+        want = package(list(tokens), k, max_n)
+        if got == want:
+            continue
+        if not isinstance(got, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in got):
+            raise CheckFailed(f"propose_ngram({tokens}, k={k}, max_n={max_n}) returned {got!r:.60}: return a list of "
+                              "token ids (an empty list when nothing repeats)")  # fmt: skip
+        shown = f"propose_ngram({tokens}, k={k}, max_n={max_n}) returned {got}, expected {want} ({what})"
+        named = [message for switches, message in slips if got == _lookup(tokens, k, max_n, **switches) and got]
+        if got == [] and want and propose_ngram([5, 5], 2, 4) == []:
+            named.insert(0, "even [5, 5] gets no proposal: the last n tokens matched themselves (a match starting at "
+                         "len(tokens) - n proposes nothing) — an occurrence must start at len(tokens) - n - 1 at the "
+                         "latest")  # fmt: skip
+        elif got == [] and want:
+            named.insert(0, "no proposal, though an n-gram at the end occurred before: when the longest n finds "
+                         "nothing, go on with n - 1, down to 1")  # fmt: skip
+        if len(got) > k:
+            named.insert(0, f"{len(got)} tokens for k={k}: propose at most k")
+        if max_n < len(tokens) - 1 and got == _lookup(tokens, k, len(tokens)):
+            named.insert(0, "an n-gram longer than max_n was matched: n goes from min(max_n, len(tokens) - 1) down")
+        raise CheckFailed(f"{shown}: {named[0]}" if named else shown)
 
 
 def _greedy(llm, ids: list[int], n: int) -> list[int]:
@@ -125,8 +205,10 @@ def _check_passes(calls: list[_Pass], prompt: list[int], tokens: list[int], pass
 
 
 @check
-def check_speculative_decode(speculative_decode, model: str = MODEL) -> str:
-    """``speculative_decode(model, prompt_ids, max_new_tokens, k) -> (tokens, passes)``."""
+def check_speculative_decode(propose_ngram, speculative_decode, model: str = MODEL) -> str:
+    """``propose_ngram(tokens, k, max_n=4) -> list[int]`` and
+    ``speculative_decode(model, prompt_ids, max_new_tokens, k) -> (tokens, passes)``."""
+    _diagnose_proposer(propose_ngram)
     llm = engine(model, "contiguous")
     summary = []
     for text, n, k in RUNS:
@@ -159,11 +241,13 @@ def check_speculative_decode(speculative_decode, model: str = MODEL) -> str:
     if all(p >= n for n, p in repeating):
         raise CheckFailed(
             f"on an answer that repeats itself your loop made {repeating[0][1]} passes for {repeating[0][0]} tokens: "
-            "no proposal was ever accepted. Propose with propose_ngram(ids, k) — the prompt and the tokens so far — "
-            "and keep the proposals the target agrees with"
+            "no proposal was ever accepted. Propose with your propose_ngram(ids, k) — the prompt and the tokens so "
+            "far — and keep the proposals the target agrees with"
         )
     n, p = repeating[0]
     return (
-        f"greedy decoding's tokens exactly, {n} of them in {p} passes (prefill included) where the answer repeats "
-        "itself; every pass fed the last token and at most k proposals right after the kept tokens, into one cache"
+        f"your prompt lookup proposed what the package's does on {len(PROPOSALS)} hand-made and 200 random "
+        f"sequences; your loop gave greedy decoding's tokens exactly, {n} of them in {p} passes (prefill included) "
+        "where the answer repeats itself, every pass feeding the last token and at most k proposals right after "
+        "the kept tokens, into one cache"
     )
