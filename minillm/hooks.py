@@ -493,6 +493,16 @@ detokenize_step = _declare(
     it (``IncrementalDetokenizer.add``), and what it returns is the text a stream sends. It
     holds back an incomplete UTF-8 character and keeps a token's leading space.""",
 )
+propose_ngram = _declare(
+    "propose_ngram",
+    "propose_ngram(tokens, k, max_n, min_n) -> list[int]",
+    "08 speculative decoding (prompt lookup)",
+    "minillm.speculative.ngram",
+    "minillm/speculative/speculator.py",
+    """The n-gram proposer (speculative_config={"method": "ngram"}): up to k tokens that followed
+    the most recent earlier occurrence of the sequence's last n tokens, the longest n from max_n
+    down to min_n first. Every proposal the engine verifies under prompt lookup comes from it.""",
+)
 response_cache = _declare(
     "response_cache",
     "response_cache(capacity) -> cache (key, get, put, hits, misses, nbytes, len)",

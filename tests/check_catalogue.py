@@ -1302,12 +1302,12 @@ def _round_robin_rule():
 PR = "check_prefix_rule"
 right(PR, prefix_rule)
 right(PR, prefix_rule_loop)
-wrong(PR, "of the prompt blocks, the built-in prefix-aware policy", _round_robin_rule())
-wrong(PR, "of the prompt blocks, the built-in prefix-aware policy", lambda m, load, k: load.index(min(load)))
-wrong(PR, "outstanding requests while replica", lambda m, load, k: m.index(max(m)))
-wrong(PR, "outstanding requests while replica", lambda m, load, k: m.index(min(m)))
-wrong(PR, "outstanding requests while replica", lambda m, load, k: load.index(max(load)))
-wrong(PR, "of the prompt blocks", prefix_rule_busiest_on_ties)
+wrong(PR, "within the cap", _round_robin_rule())
+wrong(PR, "within the cap", lambda m, load, k: load.index(min(load)))
+wrong(PR, "nothing matches: the least loaded", lambda m, load, k: m.index(max(m)))
+wrong(PR, "within the cap", lambda m, load, k: m.index(min(m)))
+wrong(PR, "within the cap", lambda m, load, k: load.index(max(load)))
+wrong(PR, "nothing matches: the least loaded", prefix_rule_busiest_on_ties)
 wrong(PR, "not a float", lambda m, load, k: float(prefix_rule(m, load, k)))
 
 

@@ -691,6 +691,18 @@ def speculating(tiny_model):
     return make, [o.token_ids for o in outputs]
 
 
+def test_propose_ngram_calls_go_through_the_hook(speculating):
+    make, reference = speculating
+    calls = []
+    with hooks.override(propose_ngram=recorder("propose_ngram", calls)):
+        assert tokens(make()) == reference
+    assert calls
+    llm = make()
+    with hooks.override(propose_ngram=lambda tokens, k, max_n, min_n: []):  # never proposes: plain decoding
+        outputs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outputs] == reference and sum(o.metrics.spec_proposed for o in outputs) == 0
+
+
 def test_accept_greedy_calls_go_through_the_hook(speculating):
     make, reference = speculating
     calls = []

@@ -603,7 +603,7 @@ EXERCISES: list[Exercise] = [
         "08_speculative_decoding",
         "check_speculative_decode",
         "check_speculative_decode(propose_ngram, speculative_decode)",
-        20,
+        17,
         2,
         3,
         (

@@ -100,6 +100,19 @@ def int8_kv(quantize_kv_on_write):
     return run
 
 
+def ngram_proposer(propose_ngram):
+    """Hook ``propose_ngram`` from chapter 08's ``propose_ngram(tokens, k, max_n)``: the engine's
+    ``prompt_lookup_min`` is 1 unless set; a larger one is the package's to honour."""
+    import minillm.hooks as hooks
+
+    def run(tokens, k, max_n=4, min_n=1):
+        if min_n != 1:
+            return hooks.default("propose_ngram")(tokens, k, max_n, min_n)
+        return propose_ngram(tokens, k, max_n)
+
+    return run
+
+
 def _same(hook: str) -> Callable[[tuple, object], dict]:
     """The learner's function already has the hook's signature."""
     return lambda fns, config: {hook: fns[0]}
@@ -239,6 +252,12 @@ PLUGS: dict[str, Plug] = {
         Plug("check_kv_heads", ("heads_of_rank",), lambda f, c: {"heads_of_rank": heads_as_ranges(f[0])}),
         Plug("check_detokenize_step", ("detokenize_step",), _same("detokenize_step")),
         Plug("check_stream_events", ("stream_events",), _same("stream_events"), when="a streamed HTTP request"),
+        Plug(
+            "check_speculative_decode",
+            ("propose_ngram",),
+            lambda f, c: {"propose_ngram": ngram_proposer(f[0])},
+            when="speculative_config={'method': 'ngram'}",
+        ),
         Plug(
             "check_response_cache",
             ("response_cache",),

@@ -10,7 +10,10 @@ Nothing is proposed when nothing matches, and the step is a plain decode.
 
 from __future__ import annotations
 
+import minillm.hooks as hooks
 
+
+@hooks.reference("propose_ngram")  # the speculator calls it through the hook (chapter 08)
 def propose_ngram(tokens: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
     """Up to ``k`` tokens that followed the latest earlier occurrence of ``tokens``' last n-gram."""
     length = len(tokens)

@@ -30,8 +30,10 @@ import minillm.hooks as hooks
 from minillm.config import SpeculativeConfig
 from minillm.sampling import filtered_logits
 from minillm.sequence import Sequence
-from minillm.speculative import acceptance  # noqa: F401  (registers hooks accept_greedy and accept_sampled)
-from minillm.speculative.ngram import propose_ngram
+from minillm.speculative import (
+    acceptance,  # noqa: F401  (registers hooks accept_greedy and accept_sampled)
+    ngram,  # noqa: F401  (registers hook propose_ngram)
+)
 
 
 class Speculator:
@@ -78,7 +80,7 @@ class Speculator:
             return
         cfg = self.config
         for seq, k in zip(seqs, ks):
-            seq.draft_tokens = propose_ngram(seq.token_ids, k, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+            seq.draft_tokens = hooks.propose_ngram(seq.token_ids, k, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
 
     def verify(self, seq: Sequence, drafts: list[int], logits: torch.Tensor) -> list[int]:
         """``logits[len(drafts) + 1, V]`` of the target at the verify chunk's positions → the

@@ -35,8 +35,9 @@ PLAIN = "KING.\nNow is the winter"
 RUNS = [(REPEATING, 48, 4), (PLAIN, 17, 3), (REPEATING, 9, 8)]
 
 
-def _lookup(tokens: list[int], k: int, max_n: int, longest_first=True, most_recent=True, self_match=False,
-            extra=0) -> list[int]:
+def _lookup(
+    tokens: list[int], k: int, max_n: int, longest_first=True, most_recent=True, self_match=False, extra=0
+) -> list[int]:
     """Prompt lookup with its rules switched: the package's when every switch is at its default."""
     length = len(tokens)
     sizes = range(min(max_n, length - 1), 0, -1)
@@ -204,6 +205,42 @@ def _check_passes(calls: list[_Pass], prompt: list[int], tokens: list[int], pass
                           "counts as one)")  # fmt: skip
 
 
+def _in_the_engine(propose_ngram) -> str:
+    """The proposer as the engine's (hook ``propose_ngram``, speculative_config ngram): the same
+    tokens and the same accepted proposals as with the package's."""
+    import minillm.hooks as hooks
+    from minillm import LLM, SamplingParams
+    from minillm.course.plugs import ngram_proposer
+
+    llm = LLM(MODEL, dtype="fp32", attention_backend="torch", speculative_config={"method": "ngram",
+              "num_speculative_tokens": 4})  # fmt: skip
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    prompts = [REPEATING, PLAIN]
+    expected = llm.generate(prompts, params)
+    calls = []
+    mine = ngram_proposer(propose_ngram)
+
+    def counted(tokens, k, max_n=4, min_n=1):
+        calls.append(k)
+        return mine(tokens, k, max_n, min_n)
+
+    with hooks.override(propose_ngram=counted):
+        got = llm.generate(prompts, params)
+    if not calls:
+        raise RuntimeError("the engine's ngram speculator did not call hook propose_ngram")
+    for o, e in zip(got, expected):
+        mine_counts = (o.metrics.spec_proposed, o.metrics.spec_accepted)
+        if o.token_ids != e.token_ids or mine_counts != (e.metrics.spec_proposed, e.metrics.spec_accepted):
+            raise CheckFailed(
+                f"as the engine's proposer (speculative_config ngram, k=4) yours proposed/accepted {mine_counts} and "
+                f"the package's {(e.metrics.spec_proposed, e.metrics.spec_accepted)}: the hand-made sequences "
+                "matched — look at what the engine passes (the prompt and every token so far, max_n=4)"
+            )
+    accepted = sum(o.metrics.spec_accepted for o in got)
+    proposed = sum(o.metrics.spec_proposed for o in got)
+    return f"as the engine's proposer ({len(calls)} calls) yours had {accepted} of {proposed} proposals accepted, as the package's"
+
+
 @check
 def check_speculative_decode(propose_ngram, speculative_decode, model: str = MODEL) -> str:
     """``propose_ngram(tokens, k, max_n=4) -> list[int]`` and
@@ -237,6 +274,7 @@ def check_speculative_decode(propose_ngram, speculative_decode, model: str = MOD
                               "checks proposal i), then add the target's own token at the first mismatch (or after "
                               "the last proposal)")  # fmt: skip
         summary.append((text is REPEATING, n, k, passes))
+    engine_line = _in_the_engine(propose_ngram)
     repeating = [(n, p) for rep, n, k, p in summary if rep]
     if all(p >= n for n, p in repeating):
         raise CheckFailed(
@@ -249,5 +287,5 @@ def check_speculative_decode(propose_ngram, speculative_decode, model: str = MOD
         f"your prompt lookup proposed what the package's does on {len(PROPOSALS)} hand-made and 200 random "
         f"sequences; your loop gave greedy decoding's tokens exactly, {n} of them in {p} passes (prefill included) "
         "where the answer repeats itself, every pass feeding the last token and at most k proposals right after "
-        "the kept tokens, into one cache"
+        f"the kept tokens, into one cache; {engine_line}"
     )

@@ -75,8 +75,41 @@ def _absolute_cap(matched, load, max_imbalance):
 
 @check
 def check_prefix_rule(rule) -> str:
-    """``rule(matched_blocks, load, max_imbalance) -> int``: run by the real ``Router`` and compared
-    with its built-in prefix-aware policy, then on hand-made decisions."""
+    """``rule(matched_blocks, load, max_imbalance) -> int``: hand-made decisions first (each names
+    its reason), then run by the real ``Router`` and compared with its built-in prefix-aware policy."""
+    # Decisions by hand first, loads far from zero too: a cap on the load itself would pass the workload below.
+    chosen_all = []
+    for matched, load, cap, _expected, _why in RULE_CASES:
+        call = f"rule({matched}, {load}, {cap})"
+        try:
+            chosen = rule(list(matched), list(load), cap)
+        except LearnerRaised as err:
+            chosen_all.append(err)
+            continue
+        if type(chosen) is not int or not 0 <= chosen < len(load):  # what the Router refuses too
+            raise CheckFailed(
+                f"{call}: the routing rule returned {chosen!r}; expected a replica index in [0, {len(load)}) — return "
+                "a Python int (not a float, not a numpy integer)"
+            )
+        chosen_all.append(chosen)
+    absolute = [_absolute_cap(m, ld, c) for m, ld, c, *_ in RULE_CASES]
+    capped_load_itself = all(isinstance(g, LearnerRaised) or g == a for g, a in zip(chosen_all, absolute))
+    for (matched, load, cap, expected, why), chosen in zip(RULE_CASES, chosen_all):
+        call = f"rule({matched}, {load}, {cap})"
+        if isinstance(chosen, LearnerRaised):
+            raise CheckFailed(
+                f"{call} raised {type(chosen.__cause__).__name__}: {chosen.__cause__} — {why}; the cap is relative: "
+                "a replica is eligible when load[r] − min(load) ≤ max_imbalance"
+            ) from None
+        if chosen == expected:
+            continue
+        if capped_load_itself:
+            raise CheckFailed(
+                f"{call} chose replica {chosen}, expected {expected} ({why}): you capped load[r] itself at "
+                "max_imbalance — the cap is on the distance from the least loaded replica, "
+                "load[r] − min(load) ≤ max_imbalance"
+            )
+        raise CheckFailed(f"{call} chose replica {chosen!r}, expected {expected}: {why}")
     prompts = routing_workload()
     got = route_all(prompts, rule=rule)
     builtin, round_robin = route_all(prompts, "prefix_aware"), route_all(prompts, "round_robin")
@@ -86,25 +119,6 @@ def check_prefix_rule(rule) -> str:
             f"robin: {round_robin:.0%}) on the same {len(prompts)} requests: among the replicas within max_imbalance "
             "of the least loaded, choose the one with the most matched blocks (ties: the least loaded)"
         )
-    # Decisions by hand, loads far from zero too: a cap on the load itself would pass the workload above.
-    for matched, load, cap, expected, why in RULE_CASES:
-        call = f"rule({matched}, {load}, {cap})"
-        try:
-            chosen = rule(list(matched), list(load), cap)
-        except LearnerRaised as err:
-            raise CheckFailed(
-                f"{call} raised {type(err.__cause__).__name__}: {err.__cause__} — {why}; the cap is relative: "
-                "a replica is eligible when load[r] − min(load) ≤ max_imbalance"
-            ) from None
-        if chosen == expected:
-            continue
-        if chosen == _absolute_cap(matched, load, cap):
-            raise CheckFailed(
-                f"{call} chose replica {chosen}, expected {expected} ({why}): you capped load[r] itself at "
-                "max_imbalance — the cap is on the distance from the least loaded replica, "
-                "load[r] − min(load) ≤ max_imbalance"
-            )
-        raise CheckFailed(f"{call} chose replica {chosen!r}, expected {expected}: {why}")
     return (
         f"your rule reused {got:.0%} of the prompt blocks (built-in prefix-aware: {builtin:.0%}, round robin: "
         f"{round_robin:.0%}) without letting a replica get more than {MAX_IMBALANCE} requests ahead of the lightest"
