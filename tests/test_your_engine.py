@@ -22,6 +22,7 @@ from minillm.course import check_causal_attention, check_generate_naive
 from minillm.course.plugs import PLUGS
 from minillm.course.records import read_records, record, snapshot
 from minillm.course.your_engine import engine_settings, serving_plugs, your_engine
+from tests.test_grading_isolation import SOLVED_GENERATE
 
 PROMPTS = ["KING.\nNow is the winter of our discontent", "ROMEO.\nBut soft, what light", "To be, or not to be"]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -168,14 +169,7 @@ def test_a_check_passed_in_a_notebook_keeps_the_code_and_a_test_does_not(tmp_pat
     import IPython
 
     monkeypatch.setattr(IPython, "get_ipython", lambda: types.SimpleNamespace(kernel=object()))  # a kernel's shell
-    loop = (
-        "from minillm.course import forward_logits\n"
-        "def generate_naive(model, prompt_ids, max_new_tokens):\n"
-        "    ids = list(prompt_ids)\n"
-        "    for _ in range(max_new_tokens):\n"
-        "        ids.append(int(forward_logits(model, ids)[-1].argmax()))\n"
-        "    return ids[len(prompt_ids):]\n"
-    )
+    loop = SOLVED_GENERATE  # the grading tests' solved loop
     check_generate_naive(_notebook_function(tmp_path, loop, "generate_naive"))
     kept = read_records(tmp_path / "your_engine")["check_generate_naive"]
     assert kept.chapter == "01_prefill_and_decode" and kept.functions == ["generate_naive"] and not kept.error
