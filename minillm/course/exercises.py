@@ -603,7 +603,7 @@ EXERCISES: list[Exercise] = [
         "08_speculative_decoding",
         "check_speculative_decode",
         "check_speculative_decode(propose_ngram, speculative_decode)",
-        17,
+        20,
         2,
         3,
         (
@@ -612,14 +612,17 @@ EXERCISES: list[Exercise] = [
             "The loop: one cache for the whole run. Prefill the prompt in one pass and take its last row's argmax. "
             "Then, until max_new_tokens are made: propose up to k tokens with propose_ngram(ids, k), run the last "
             "token and the proposals in one pass at position len(ids) - 1, keep what accept_greedy says, and start "
-            "the next pass after the kept tokens — that overwrites the rejected proposals' K/V (the rollback). Count "
-            "every pass, the prefill too.",
+            "the next pass after the kept tokens — that overwrites the rejected proposals' K/V (the rollback). The "
+            "EOS ends the answer wherever it comes: the prefill's token, or any of the tokens a pass keeps (not only "
+            "the last): keep it, drop what follows, run no more passes. Count every pass, the prefill too.",
             "`for n in range(min(max_n, len(tokens) - 1), 0, -1)`: `suffix = tokens[-n:]`; `for start in "
             "range(len(tokens) - n - 1, -1, -1)`: `if tokens[start:start + n] == suffix: return tokens[start + n:"
             "start + n + k]`; after the loops `return []`. The loop: `cache = new_cache(model, len(ids) + "
             "max_new_tokens + k + 1)`; `logits = forward_step(model, ids, 0, cache)`; `ids.append(int(logits[-1]"
             ".argmax()))`; loop: `drafts = propose_ngram(ids, k)`, `logits = forward_step(model, [ids[-1]] + drafts, "
-            "len(ids) - 1, cache)`, `ids += accept_greedy(logits.argmax(-1).tolist(), drafts)`; return "
+            "len(ids) - 1, cache)`, `kept = accept_greedy(logits.argmax(-1).tolist(), drafts)`, `if eos_token_id in "
+            "kept: kept = kept[:kept.index(eos_token_id) + 1]`, `ids += kept`; loop while `len(ids) - "
+            "len(prompt_ids) < max_new_tokens and ids[-1] != eos_token_id`; return "
             "`(ids[len(prompt_ids):][:max_new_tokens], passes)`.",
         ),
     ),

@@ -15,7 +15,8 @@ SD = "check_speculative_decode"
 def decode_with(**slip):
     """The reference loop with one of a learner's slips switched on."""
 
-    def speculative_decode(model, prompt_ids, max_new_tokens, k):
+    def speculative_decode(model, prompt_ids, max_new_tokens, k, eos_token_id=None):
+        eos = None if slip.get("ignores_eos") else eos_token_id
         ids = prompt_ids if slip.get("mutates_prompt") else list(prompt_ids)
         cache = new_cache(model, len(ids) + max_new_tokens + 64)
         logits = forward_step(model, list(ids), 0, cache)
@@ -23,6 +24,8 @@ def decode_with(**slip):
             ids.append(int(logits[0 if slip.get("first_row") else -1].argmax()))
         passes, start = 1, len(ids) - 1
         while len(ids) - len(prompt_ids) < max_new_tokens + (1 if slip.get("one_more") else 0):
+            if ids[-1] == eos and not slip.get("eos_not_at_prefill"):
+                break
             drafts = [] if slip.get("never_proposes") else propose_ngram(ids, 100 if slip.get("uncapped") else k)
             if slip.get("new_cache"):
                 cache = new_cache(model, len(ids) + max_new_tokens + 64)
@@ -43,7 +46,12 @@ def decode_with(**slip):
             elif slip.get("drafts_only") and drafts:
                 ids += _accept([ids[-1]] + target, drafts)
             else:
-                ids += _accept(target, drafts)
+                kept = _accept(target, drafts)
+                if eos in kept and not slip.get("eos_last_only"):
+                    kept = kept[: kept.index(eos) + (0 if slip.get("drops_eos") else 1)]
+                ids += kept
+                if eos in kept[-1:] or (slip.get("drops_eos") and eos in _accept(target, drafts)):
+                    break
         new = ids[len(prompt_ids) :]
         if slip.get("echo"):
             return ids[: len(prompt_ids) + max_new_tokens], passes
@@ -97,7 +105,7 @@ def propose_with(**slip):
 right(SD, propose_lookup, decode_with())
 
 
-def speculative_decode_positions(model, prompt_ids, max_new_tokens, k):
+def speculative_decode_positions(model, prompt_ids, max_new_tokens, k, eos_token_id=None):
     """Tracks the cache's valid length in a variable instead of reading len(tokens)."""
     tokens = list(prompt_ids)
     cache = new_cache(model, len(tokens) + max_new_tokens + k + 1)
@@ -105,6 +113,8 @@ def speculative_decode_positions(model, prompt_ids, max_new_tokens, k):
     passes = 0
     pending = tokens
     while len(tokens) < len(prompt_ids) + max_new_tokens:
+        if passes and tokens[-1] == eos_token_id:
+            break
         guesses = propose_ngram(tokens, k) if valid else []
         feed = pending + guesses
         logits = forward_step(model, feed, valid, cache)
@@ -114,6 +124,8 @@ def speculative_decode_positions(model, prompt_ids, max_new_tokens, k):
         while kept < len(guesses) and guesses[kept] == best[kept]:
             kept += 1
         new = guesses[:kept] + [best[kept]]
+        if eos_token_id in new:  # the answer's end: nothing after it
+            new = new[: new.index(eos_token_id) + 1]
         valid += len(pending) + kept  # the fed tokens that stay: the pending ones and the accepted guesses
         tokens += new
         pending = [new[-1]]
@@ -149,3 +161,15 @@ wrong(SD, "expected [9, 9, 3, 4]", propose_with(one_less=True), decode_with())
 wrong(SD, "go on with n - 1, down to 1", propose_with(gives_up=True), decode_with())
 wrong(SD, "expected [9, 9, 3, 4]", propose_with(skips_one=True), decode_with())
 wrong(SD, "expected [", lambda tokens, k, max_n=4: tokens[-k:], decode_with())
+wrong(SD, "your loop went on after the EOS", propose_lookup, decode_with(ignores_eos=True))
+wrong(SD, "not only the last: keep it, cut what follows", propose_lookup, decode_with(eos_last_only=True))
+wrong(SD, "check the prefill's token before the first verify pass", propose_lookup, decode_with(eos_not_at_prefill=True))
+wrong(SD, "you dropped the EOS itself", propose_lookup, decode_with(drops_eos=True))
+
+
+def decode_without_eos(model, prompt_ids, max_new_tokens, k):
+    """The loop as it was before the EOS: no eos_token_id parameter."""
+    return decode_with()(model, prompt_ids, max_new_tokens, k)
+
+
+wrong(SD, "add the parameter eos_token_id=None", propose_lookup, decode_without_eos)

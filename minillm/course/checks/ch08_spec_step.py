@@ -1,6 +1,6 @@
 """Chapter 08's whole piece: the speculative decoding loop — propose, verify in one pass, accept,
 roll back — as ``propose_ngram(tokens, k, max_n=4) -> list[int]`` (prompt lookup) and
-``speculative_decode(model, prompt_ids, max_new_tokens, k) -> (tokens, passes)``.
+``speculative_decode(model, prompt_ids, max_new_tokens, k, eos_token_id=None) -> (tokens, passes)``.
 
 The proposer is compared first with the package's on hand-made sequences, one rule each (the
 longest n-gram first, its most recent earlier occurrence, at most k tokens, never the suffix
@@ -15,7 +15,11 @@ tokens it feeds):
    cache; the passes the learner reports are the passes that ran;
 2. **the tokens** — equal to plain greedy decoding on an answer that repeats itself (where prompt
    lookup guesses well, so most passes must keep several tokens) and on one that does not, for
-   several lengths and ``k``.
+   several lengths and ``k``;
+3. **the end of the answer** — the repeating answer again (its first tokens in the prompt) with an
+   EOS: a token of it chosen where a pass keeps several tokens and the EOS is not the last of them (a loop that looks only at the
+   last kept token runs past it), then the prefill's own token (the answer is that one token, with
+   no verify pass). The answer ends with the EOS, and no pass runs after it.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import contextlib
 from dataclasses import dataclass
 
 from minillm.course.checks.common import engine
-from minillm.course.results import CheckFailed, check
+from minillm.course.results import CheckError, CheckFailed, check
 
 MODEL = "tiny-shakespeare-8m"
 #: The 8M model's greedy answer to this repeats itself ("And, as the king, and the king..."): prompt
@@ -33,6 +37,9 @@ REPEATING = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAl
 PLAIN = "KING.\nNow is the winter"
 #: (prompt, new tokens, k)
 RUNS = [(REPEATING, 48, 4), (PLAIN, 17, 3), (REPEATING, 9, 8)]
+#: The EOS runs continue the repeating answer after its first EOS_AFTER tokens, given in the prompt: passes
+#: then copy tokens the answer has not made yet, so an EOS can come before a pass's last kept token.
+EOS_AFTER = 12
 
 
 def _lookup(
@@ -117,13 +124,18 @@ def _greedy(llm, ids: list[int], n: int) -> list[int]:
     return llm.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))[0].token_ids
 
 
-def _result(got, prompt: list[int], n: int) -> tuple[list[int], int]:
+def _pair(got) -> tuple[list[int], int]:
     if not (isinstance(got, tuple) and len(got) == 2):
         raise CheckFailed(f"speculative_decode returned {type(got).__name__} {got!r:.60}; return a pair "
                           "(tokens, passes): the new tokens and how many forward passes made them")  # fmt: skip
     tokens, passes = got
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise CheckFailed(f"the tokens should be a list of ints, got {tokens!r:.60}")
+    return tokens, passes
+
+
+def _result(got, prompt: list[int], n: int) -> tuple[list[int], int]:
+    tokens, passes = _pair(got)
     if len(tokens) == len(prompt) + n and tokens[: len(prompt)] == prompt:
         raise CheckFailed(f"speculative_decode returned the {len(prompt)} prompt tokens followed by the new ones: "
                           "return only the new tokens")  # fmt: skip
@@ -161,7 +173,8 @@ def _passes(model, limit: int, n: int):
         handle.remove()
 
 
-def _check_passes(calls: list[_Pass], prompt: list[int], tokens: list[int], passes, k: int, what: str) -> None:
+def _check_passes(calls: list[_Pass], prompt: list[int], tokens: list[int], passes, k: int, what: str,
+                  stop: str = "max_new_tokens are kept") -> None:  # fmt: skip
     if not calls:
         raise CheckFailed("your loop never ran the model against a cache: use forward_step(model, ids, start, cache)")
     first = calls[0]
@@ -199,10 +212,73 @@ def _check_passes(calls: list[_Pass], prompt: list[int], tokens: list[int], pass
                           "last row already gives the first new token — append it, then verify from there")  # fmt: skip
     if len(calls) > 1 and calls[-1].start >= len(prompt) + len(tokens) - 1:
         raise CheckFailed(f"{what}: the last pass ran after all {len(tokens)} tokens were made (it started at "
-                          f"position {calls[-1].start}): stop as soon as max_new_tokens are kept")  # fmt: skip
+                          f"position {calls[-1].start}): stop as soon as {stop}")  # fmt: skip
     if passes != len(calls):
         raise CheckFailed(f"{what}: you reported {passes} passes, and {len(calls)} forward passes ran (the prefill "
                           "counts as one)")  # fmt: skip
+
+
+def _kept_runs(prompt: list[int], answer: list[int], k: int) -> list[range]:
+    """Which answer indices each verify pass keeps when prompt lookup proposes and greedy acceptance
+    keeps (the answer is greedy decoding's, so the target's choices are known without the model)."""
+    from minillm.speculative import propose_ngram
+
+    runs, made = [], 1  # the prefill made answer[0]
+    while made < len(answer):
+        drafts = propose_ngram(prompt + answer[:made], k)
+        agree = next((i for i, d in enumerate(drafts) if made + i >= len(answer) or d != answer[made + i]), len(drafts))
+        kept = min(agree + 1, len(answer) - made)
+        runs.append(range(made, made + kept))
+        made += kept
+    return runs
+
+
+def _eos_cases(prompt: list[int], answer: list[int], k: int) -> list[tuple[int, str]]:
+    """Two EOS tokens for the answer: one its pass keeps with more tokens after it, then the prefill's."""
+    inside = [j for run in _kept_runs(prompt, answer, k) for j in run[:-1] if answer[j] not in answer[:j]]
+    if not inside:
+        raise CheckError("no pass of the repeating answer keeps a new token before another one")
+    return [(answer[inside[-1]], "the middle of a pass's kept tokens"), (answer[0], "the prefill's token")]
+
+
+def _check_eos(model, speculative_decode, prompt: list[int], answer: list[int], k: int) -> None:
+    """The answer ends with its EOS, wherever it comes, and no pass runs after it."""
+    import inspect
+
+    n, results = len(answer), []
+    try:
+        inspect.signature(speculative_decode).bind(model, prompt, n, k, eos_token_id=None)
+    except TypeError:
+        raise CheckFailed("speculative_decode takes the EOS too: add the parameter eos_token_id=None (None: no EOS, "
+                          "decode max_new_tokens)") from None  # fmt: skip
+    except ValueError:  # no signature to read: the call says it
+        pass
+    for eos, where in _eos_cases(prompt, answer, k):
+        with _passes(model, 4 * (n + 2), n) as calls:
+            got = speculative_decode(model, list(prompt), n, k, eos_token_id=eos)
+        tokens, passes = _pair(got)
+        results.append((eos, where, answer[: answer.index(eos) + 1], tokens, passes, list(calls)))
+    ran_on = [(eos, where, want, tokens) for eos, where, want, tokens, _, _ in results
+              if len(tokens) > len(want) and tokens[: len(want)] == want]  # fmt: skip
+    if len(ran_on) == len(results):
+        raise CheckFailed(f"with eos_token_id={ran_on[0][0]} your loop went on after the EOS: the answer ends with "
+                          "it — once a pass keeps eos_token_id, cut what follows it and stop (None: no EOS)")  # fmt: skip
+    for eos, where, want, tokens, passes, calls in results:
+        what = f"{n} tokens with k={k}, eos_token_id={eos} ({where}, new token {len(want) - 1})"
+        if tokens == want:
+            _check_passes(calls, prompt, tokens, passes, k, what, stop="the EOS is kept")
+            continue
+        if len(tokens) > len(want) and tokens[: len(want)] == want:
+            fix = ("look for eos_token_id among all the tokens a pass keeps, not only the last: keep it, cut what "
+                   "follows, and stop" if len(want) > 1 else "check the prefill's token before the first verify "
+                   "pass: when it is the EOS, the answer is that one token")  # fmt: skip
+            raise CheckFailed(f"{what}: the answer ends with the EOS, and you kept {len(tokens) - len(want)} tokens "
+                              f"after it — it was {where}: {fix}")  # fmt: skip
+        if tokens == want[:-1]:
+            raise CheckFailed(f"{what}: you dropped the EOS itself: it is the answer's last token — keep it, then stop")
+        i = next((j for j, (a, b) in enumerate(zip(tokens, want)) if a != b), min(len(tokens), len(want)))
+        raise CheckFailed(f"{what}: you returned {len(tokens)} tokens, greedy decoding's answer up to its EOS is "
+                          f"{len(want)} (they first differ at token {i}): {want[:i + 2]}...")  # fmt: skip
 
 
 def _in_the_engine(propose_ngram) -> str:
@@ -244,10 +320,10 @@ def _in_the_engine(propose_ngram) -> str:
 @check
 def check_speculative_decode(propose_ngram, speculative_decode, model: str = MODEL) -> str:
     """``propose_ngram(tokens, k, max_n=4) -> list[int]`` and
-    ``speculative_decode(model, prompt_ids, max_new_tokens, k) -> (tokens, passes)``."""
+    ``speculative_decode(model, prompt_ids, max_new_tokens, k, eos_token_id=None) -> (tokens, passes)``."""
     _diagnose_proposer(propose_ngram)
     llm = engine(model, "contiguous")
-    summary = []
+    summary, answers = [], []
     for text, n, k in RUNS:
         prompt = llm.tokenizer.encode(text)
         expected = _greedy(llm, prompt, n)
@@ -274,6 +350,10 @@ def check_speculative_decode(propose_ngram, speculative_decode, model: str = MOD
                               "checks proposal i), then add the target's own token at the first mismatch (or after "
                               "the last proposal)")  # fmt: skip
         summary.append((text is REPEATING, n, k, passes))
+        answers.append((prompt, expected, k))
+    prompt, expected, k = answers[0]
+    prompt = prompt + expected[:EOS_AFTER]  # the answer's start in the prompt: lookup copies new tokens from it
+    _check_eos(llm.model, speculative_decode, prompt, _greedy(llm, prompt, 24), k)
     engine_line = _in_the_engine(propose_ngram)
     repeating = [(n, p) for rep, n, k, p in summary if rep]
     if all(p >= n for n, p in repeating):
@@ -287,5 +367,6 @@ def check_speculative_decode(propose_ngram, speculative_decode, model: str = MOD
         f"your prompt lookup proposed what the package's does on {len(PROPOSALS)} hand-made and 200 random "
         f"sequences; your loop gave greedy decoding's tokens exactly, {n} of them in {p} passes (prefill included) "
         "where the answer repeats itself, every pass feeding the last token and at most k proposals right after "
-        f"the kept tokens, into one cache; {engine_line}"
+        f"the kept tokens, into one cache, and ending with an EOS in a pass's kept tokens and at the prefill; "
+        f"{engine_line}"
     )
