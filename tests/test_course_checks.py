@@ -89,6 +89,33 @@ def test_the_checks_textbook_layer_is_the_engines_layer(tiny_model):
         )
 
 
+def test_the_tp_attention_checks_reference_rotates_as_the_engine_does():
+    """``check_tp_attention`` grades against its own one-process attention: at positions with a gap
+    and the 8M model's rope_theta, its RoPE is the engine's (``RotaryEmbedding`` + ``apply_rope``) and
+    the whole layer is SDPA's causal GQA attention over the engine-rotated heads."""
+    import torch.nn.functional as F
+
+    from minillm.assets import resolve_model
+    from minillm.config import ModelConfig
+    from minillm.course.checks.ch09_tp_attention import _model_case, attention
+    from minillm.models.rope import RotaryEmbedding, apply_rope
+
+    x, _, wq, wk, wv, wo, heads, kv_heads, theta = _model_case()
+    config = ModelConfig.from_folder(resolve_model("tiny-shakespeare-8m"))
+    positions = torch.tensor([3, 4, 5, 7, 8, 9])
+    cos, signed_sin = RotaryEmbedding(config, 16, torch.device("cpu")).lookup(positions[None], torch.float32)
+    t, d = x.shape[0], config.head_dim
+
+    def engine_rotated(w, n):
+        return apply_rope((x @ w.T).view(1, t, n, d), cos, signed_sin)[0].transpose(0, 1)
+
+    q, k = engine_rotated(wq, heads), engine_rotated(wk, kv_heads)
+    v = (x @ wv.T).view(t, kv_heads, d).transpose(0, 1)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(0, 1).reshape(t, -1)
+    got = attention(x, positions, wq, wk, wv, wo, heads, kv_heads, theta)
+    torch.testing.assert_close(got, expected @ wo.T, atol=1e-5, rtol=1e-5)
+
+
 def test_model_weights_reads_the_same_matrices_through_any_weight_method(tiny_model):
     """The bf16 default engine keeps no plain matrix (oneDNN-packed): the view reads it back
     through the layer itself, bit for bit the checkpoint's bf16 values."""

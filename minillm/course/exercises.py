@@ -658,17 +658,21 @@ EXERCISES: list[Exercise] = [
         "09_parallelism",
         "check_tp_attention",
         "check_tp_attention(tp_attention)",
-        16,
+        21,
         3,
         3,
         (
             "Split the heads, not the hidden size: a rank keeps num_heads // world_size query heads and "
             "num_kv_heads // world_size K/V heads (whole groups, so its query heads read only its K/V heads): rows "
-            "of wq, wk, wv; attends causally with GQA (query head j reads K/V head j // group); multiplies by its "
-            "columns of wo — a partial [T, H] sum — and all-reduces that.",
+            "of wq, wk, wv; rotates its queries and keys with RoPE (pair (i, i + d/2) of row t by positions[t] · "
+            "rope_theta^(-2i/d): each head alone, so each rank its own); attends causally with GQA (query head j reads "
+            "K/V head j // group); multiplies by its columns of wo — a partial [T, H] sum — and all-reduces that.",
             "`d = wq.shape[0] // num_heads`; `nq, nkv = num_heads // world_size, num_kv_heads // world_size`; "
             "`q = (x @ wq[rank*nq*d:(rank+1)*nq*d].T).view(t, nq, d).transpose(0, 1)`, k and v likewise with "
-            "nkv; `k, v = k.repeat_interleave(nq // nkv, 0), ...`; scores `q @ k.transpose(1, 2) / math.sqrt(d)` "
+            "nkv; RoPE: `inv_freq = rope_theta ** (-torch.arange(0, d, 2).float() / d)`, `angles = "
+            "positions.float()[:, None] * inv_freq`, doubled with `torch.cat([angles, angles], -1)`, then "
+            "`z * angles.cos() + torch.cat([-z[..., d//2:], z[..., :d//2]], -1) * angles.sin()` for q and k; "
+            "`k, v = k.repeat_interleave(nq // nkv, 0), ...`; scores `q @ k.transpose(1, 2) / math.sqrt(d)` "
             "with -inf above the diagonal; `out = (scores.softmax(-1) @ v).transpose(0, 1).reshape(t, nq * d) @ "
             "wo[:, rank*nq*d:(rank+1)*nq*d].T`; `dist.all_reduce(out)`; `return out`.",
         ),

@@ -277,11 +277,11 @@ wrong(
 )
 wrong(
     "check_continuous_schedule",
-    "(prefilling, 3 tokens still to compute), but the step left it out",
+    "(prefilling, 18 tokens still to compute), but the step left it out",
     _sched_decodes_only,
 )
 wrong(
-    "check_continuous_schedule", "the step admitted request 3 before scheduling running request 1", _sched_admits_first
+    "check_continuous_schedule", "the step admitted request 1 before scheduling running request 0", _sched_admits_first
 )
 
 

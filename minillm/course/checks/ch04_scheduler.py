@@ -415,7 +415,83 @@ def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -
         refused.clear()
         return schedule(_WithBudget(self, next_budget.pop()) if next_budget else self, now)
 
-    with hooks.override(schedule=schedule_step, reserve=reserve, try_admit=try_admit, tokens_to_run=tokens_to_run):
+    # First the hand-made states: each is reached by the package's scheduler, then one step (or the
+    # rest of the run) goes to yours, whose right outcome is known — the per-step verdicts above and
+    # the checks after each step name what went wrong. Then the workload.
+    yours = dict(schedule=schedule_step, reserve=reserve, try_admit=try_admit, tokens_to_run=tokens_to_run)
+    # Request 0 (priority 1) is ahead of the more urgent request 1 (priority 0) in scheduler.running,
+    # both decoding, and one step has a budget of one token: it goes to request 1.
+    small = paged_engine(model, block_size=4, max_num_batched_tokens=budget, max_num_seqs=4)
+    for priority in (1, 0):
+        small.add_request(PROMPTS[4], greedy_params(), priority=priority)
+        small.step()
+    if [q.priority for q in small.scheduler.running] != [1, 0] or not all(
+        q.is_decoding for q in small.scheduler.running
+    ):
+        raise CheckError("the hand-made state (two decoding requests, the less urgent first) was not reached")
+    next_budget.append(1)
+    with hooks.override(**yours):
+        small.step()
+    # One request decoding, one waiting, the whole budget: the newcomer joins in this step.
+    joining = paged_engine(model, block_size=4, max_num_batched_tokens=budget, max_num_seqs=4)
+    joining.add_request(PROMPTS[4], greedy_params())
+    joining.step()
+    joining.add_request(PROMPTS[3], greedy_params())
+    newcomer = joining.scheduler.waiting[0]
+    with hooks.override(**yours):
+        joining.step()
+    if newcomer.status is not SequenceStatus.RUNNING:
+        raise CheckFailed(
+            f"request {newcomer.request_id} waited while request {joining.scheduler.running[0].request_id} "
+            f"decoded, with {budget - 1} of the step's {budget} budget tokens and 3 of its 4 seats free: that is "
+            "static batching. Admit waiting sequences in the same step as the running ones, while seats, budget "
+            "and blocks last"
+        )
+    # One request decoding, one waiting, a budget of 2 (chunked prefill, the default): the decode
+    # takes 1 token and the newcomer's prompt starts with a chunk of the 1 left.
+    tight = paged_engine(model, block_size=4, max_num_batched_tokens=budget, max_num_seqs=4)
+    tight.add_request(PROMPTS[4], greedy_params())
+    tight.step()
+    decoding = tight.scheduler.running[0]
+    if not decoding.is_decoding:
+        raise CheckError("the hand-made state (one request decoding) was not reached")
+    next_budget.append(2)
+    tight.add_request(PROMPTS[3], greedy_params())
+    newcomer = tight.scheduler.waiting[0]
+    with hooks.override(**yours):
+        tight.step()
+    if newcomer.status is not SequenceStatus.RUNNING:
+        raise CheckFailed(
+            f"a step with a budget of 2 ran request {decoding.request_id}'s decode and left 1 token unused while "
+            f"request {newcomer.request_id} waited: with chunked prefill a prompt may start "
+            "with a chunk of a single token — admit while any budget is left (budget > 0)"
+        )
+    # A full pool of 9 blocks: request A (priority 1) decodes into a new block while the more urgent B
+    # still prefills its 33-token prompt. reserve preempts A itself (and returns False); B's chunk
+    # takes the whole budget. Your scheduler runs both to the end.
+    from minillm import SamplingParams
+
+    squeezed = paged_engine(model, block_size=4, max_num_batched_tokens=budget, max_num_seqs=4,
+                             kv_cache_memory=pool_bytes(model, 9, 4), enable_prefix_caching=False)  # fmt: skip
+    squeezed.add_request(list(range(5, 17)), SamplingParams(max_tokens=12, ignore_eos=True), priority=1)
+    for _ in range(2):
+        squeezed.step()
+    yielding = squeezed.scheduler.running[0]
+    squeezed.add_request(list(range(7, 40)), SamplingParams(max_tokens=2, ignore_eos=True), priority=0)
+    with hooks.override(**yours):
+        for _ in range(100):  # ~30 steps finish both; a scheduler that stalls must not hang the check
+            if not squeezed.has_unfinished_requests():
+                break
+            squeezed.step()
+        else:
+            raise CheckFailed(
+                "two requests in a 9-block pool were still unfinished after 100 steps under your scheduler: every "
+                "step must give the running sequences tokens while the budget and the blocks last"
+            )
+    if not yielding.num_preemptions:
+        raise CheckError("the hand-made state (a request that must preempt itself) was not reached")
+    with hooks.override(**yours):
+        steps.clear()  # the workload's steps only: the hand-made ones say nothing about joining
         done = run_arriving(engine, PROMPTS)
     joined = [out for out in steps if out.admitted and any(c.seq not in out.admitted for c in out.chunks)]
     if not joined:
@@ -433,60 +509,6 @@ def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -
     preemptions = sum(o.num_preemptions for o in done.values())
     if not preemptions:
         raise CheckError("the workload was meant to run out of blocks, but nothing was preempted")
-    # A hand-made state: request 0 (priority 1) is ahead of the more urgent request 1 (priority 0) in
-    # scheduler.running, both decoding, and one step has a budget of one token: it goes to request 1.
-    small = paged_engine(model, block_size=4, max_num_batched_tokens=budget, max_num_seqs=4)
-    with hooks.override(schedule=schedule_step, reserve=reserve, try_admit=try_admit, tokens_to_run=tokens_to_run):
-        for priority in (1, 0):
-            small.add_request(PROMPTS[4], greedy_params(), priority=priority)
-            small.step()
-        if [q.priority for q in small.scheduler.running] != [1, 0] or not all(
-            q.is_decoding for q in small.scheduler.running
-        ):
-            raise CheckError("the hand-made state (two decoding requests, the less urgent first) was not reached")
-        next_budget.append(1)
-        small.step()
-        # And one request decoding, one waiting, a budget of 2 (chunked prefill, the default): the decode
-        # takes 1 token and the newcomer's prompt starts with a chunk of the 1 left.
-        tight = paged_engine(model, block_size=4, max_num_batched_tokens=budget, max_num_seqs=4)
-        tight.add_request(PROMPTS[4], greedy_params())
-        tight.step()
-        decoding = tight.scheduler.running[0]
-        if not decoding.is_decoding:
-            raise CheckError("the hand-made state (one request decoding) was not reached")
-        next_budget.append(2)
-        tight.add_request(PROMPTS[3], greedy_params())
-        newcomer = tight.scheduler.waiting[0]
-        tight.step()
-        # And a full pool of 9 blocks: request A (priority 1) decodes into a new block while the more
-        # urgent B still prefills its 33-token prompt. reserve preempts A itself (and returns False);
-        # B's chunk takes the whole budget.
-        from minillm import SamplingParams
-
-        squeezed = paged_engine(model, block_size=4, max_num_batched_tokens=budget, max_num_seqs=4,
-                                 kv_cache_memory=pool_bytes(model, 9, 4), enable_prefix_caching=False)  # fmt: skip
-        squeezed.add_request(list(range(5, 17)), SamplingParams(max_tokens=12, ignore_eos=True), priority=1)
-        for _ in range(2):
-            squeezed.step()
-        yielding = squeezed.scheduler.running[0]
-        squeezed.add_request(list(range(7, 40)), SamplingParams(max_tokens=2, ignore_eos=True), priority=0)
-        for _ in range(100):  # ~30 steps finish both; a scheduler that stalls must not hang the check
-            if not squeezed.has_unfinished_requests():
-                break
-            squeezed.step()
-        else:
-            raise CheckFailed(
-                "two requests in a 9-block pool were still unfinished after 100 steps under your scheduler: every "
-                "step must give the running sequences tokens while the budget and the blocks last"
-            )
-        if not yielding.num_preemptions:
-            raise CheckError("the hand-made state (a request that must preempt itself) was not reached")
-    if newcomer.status is not SequenceStatus.RUNNING:
-        raise CheckFailed(
-            f"a step with a budget of 2 ran request {decoding.request_id}'s decode and left 1 token unused while "
-            f"request {newcomer.request_id} waited: with chunked prefill a prompt may start "
-            "with a chunk of a single token — admit while any budget is left (budget > 0)"
-        )
     return (
         f"{len(PROMPTS)} requests arriving mid-run all finished under your scheduler, {len(joined)} steps admitted "
         f"newcomers next to running decodes, {preemptions} preemptions in a 24-block pool; tokens identical to "

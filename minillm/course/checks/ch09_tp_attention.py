@@ -1,20 +1,24 @@
 """Chapter 09's whole piece: tensor-parallel attention — one rank's share of a causal GQA
-attention layer from the full checkpoint matrices, and the one all-reduce that completes it.
+attention layer with RoPE from the full checkpoint matrices, and the one all-reduce that completes it.
 
-``tp_attention(x, wq, wk, wv, wo, num_heads, num_kv_heads, rank, world_size)``: the rank keeps
-its whole groups of heads (column-parallel q/k/v: the rows of its heads), attends with them
-alone, multiplies by its columns of ``wo`` (row-parallel: a partial sum) and all-reduces. Two
-stages, both on two real ranks (``checks_parallel``: the learner's source travels and runs there,
-every all-reduce is counted):
+``tp_attention(x, positions, wq, wk, wv, wo, num_heads, num_kv_heads, rope_theta, rank, world_size)``:
+the rank keeps its whole groups of heads (column-parallel q/k/v: the rows of its heads), rotates
+its queries and keys by their positions (RoPE acts on each head alone, so every rank rotates its
+own), attends with them alone, multiplies by its columns of ``wo`` (row-parallel: a partial sum)
+and all-reduces. Two stages, both on two real ranks (``ch09_ranks``: the learner's source travels
+and runs there, every all-reduce is counted):
 
 1. **diagnosis on hand-made weights** — 8 query heads over 4 K/V heads of 8 dims on a hidden
-   size of 40 (so that rows, columns and a rank's share of the heads cannot be mixed up silently), then 6 over 2 (groups of
-   3 on a rank); a wrong output is recomputed under the classic slips (no causal mask, no
-   scaling, ``repeat`` where GQA needs ``repeat_interleave``, every rank computing every head,
-   the all-reduce in the wrong place or averaged) and the one it matches is named;
+   size of 40 (so that rows, columns and a rank's share of the heads cannot be mixed up
+   silently), then 6 over 2 (groups of 3 on a rank) at positions that skip one (RoPE depends on
+   the positions' differences: only a gap tells positions used from ``arange(T)``); a wrong
+   output is recomputed under the classic slips (no causal mask, no scaling, ``repeat`` where GQA
+   needs ``repeat_interleave``, no RoPE, RoPE on adjacent pairs or on the values too or on the
+   queries alone, the positions ignored, the frequencies inverted, the turn reversed, every rank computing every
+   head, the all-reduce in the wrong place or averaged) and the one it matches is named;
 2. **the real model's layer** — the bundled 8M model's first attention layer (its checkpoint's
-   q/k/v/o weights, 8 query heads over 4 K/V heads of 32 dims) on its embedded prompt: both
-   ranks' outputs equal the one-process attention.
+   q/k/v/o weights and rope_theta, 8 query heads over 4 K/V heads of 32 dims) on its embedded
+   prompt: both ranks' outputs equal the one-process attention.
 """
 
 from __future__ import annotations
@@ -28,12 +32,36 @@ WORLD, TOKENS = 2, 6
 MODEL = "tiny-shakespeare-8m"
 
 
-def attention(x, wq, wk, wv, wo, num_heads: int, num_kv_heads: int, slip: str | None = None) -> torch.Tensor:
-    """Causal GQA attention of ``x[T, H]`` in one process (or under one of a learner's slips)."""
+def rope(z: torch.Tensor, positions: torch.Tensor, theta: float, slip: str | None = None) -> torch.Tensor:
+    """``z [heads, T, d]`` rotated by RoPE as Llama does: pair ``(i, i + d/2)`` of row ``t`` turns by
+    ``positions[t] · theta^(-2i/d)`` (or under a slip: adjacent pairs, the positions ignored, the
+    frequencies inverted, the turn reversed)."""
+    d = z.shape[-1]
+    exponent = torch.arange(0, d, 2, dtype=torch.float32) / d
+    inv_freq = theta**exponent if slip == "inverted_freq" else theta**-exponent
+    where = torch.arange(z.shape[-2]) if slip == "positions_ignored" else positions
+    angles = where.float()[:, None] * inv_freq  # [T, d/2]
+    if slip == "adjacent_pairs":  # pairs (2i, 2i + 1)
+        a, b = z[..., 0::2], z[..., 1::2]
+        return torch.stack([a * angles.cos() - b * angles.sin(), b * angles.cos() + a * angles.sin()], -1).flatten(-2)
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    if slip == "reversed_turn":
+        sin = -sin
+    return z * cos + torch.cat([-z[..., d // 2 :], z[..., : d // 2]], -1) * sin
+
+
+def attention(x, positions, wq, wk, wv, wo, num_heads: int, num_kv_heads: int, rope_theta: float,
+              slip: str | None = None) -> torch.Tensor:  # fmt: skip
+    """Causal GQA attention with RoPE of ``x[T, H]`` in one process (or under one of a learner's slips)."""
     t, d = x.shape[0], wq.shape[0] // num_heads
     q = (x @ wq.T).view(t, num_heads, d).transpose(0, 1)
     k = (x @ wk.T).view(t, num_kv_heads, d).transpose(0, 1)
     v = (x @ wv.T).view(t, num_kv_heads, d).transpose(0, 1)
+    rope_slip = slip if slip in ("adjacent_pairs", "positions_ignored", "inverted_freq", "reversed_turn") else None
+    if slip != "no_rope":
+        q = rope(q, positions, rope_theta, rope_slip)
+        k = k if slip == "queries_only" else rope(k, positions, rope_theta, rope_slip)
+        v = rope(v, positions, rope_theta) if slip == "values_too" else v
     group = num_heads // num_kv_heads
     spread = (lambda z: z.repeat(group, 1, 1)) if slip == "repeat" else (lambda z: z.repeat_interleave(group, 0))
     k, v = spread(k), spread(v)
@@ -44,24 +72,27 @@ def attention(x, wq, wk, wv, wo, num_heads: int, num_kv_heads: int, slip: str | 
     return out @ wo.T
 
 
-def sharded(x, wq, wk, wv, wo, num_heads: int, num_kv_heads: int, slip: str | None = None) -> torch.Tensor:
+def sharded(x, positions, wq, wk, wv, wo, num_heads: int, num_kv_heads: int, rope_theta: float,
+            slip: str | None = None) -> torch.Tensor:  # fmt: skip
     """What the ranks' all-reduce gives when each runs ``attention`` on its own heads under ``slip``
     (a slip such as ``repeat`` acts on a rank's local heads, so it is recomputed rank by rank)."""
     d, nq, nkv = wq.shape[0] // num_heads, num_heads // WORLD, num_kv_heads // WORLD
     total = 0
     for r in range(WORLD):
         q_rows, kv_rows = slice(r * nq * d, (r + 1) * nq * d), slice(r * nkv * d, (r + 1) * nkv * d)
-        total = total + attention(x, wq[q_rows], wk[kv_rows], wv[kv_rows], wo[:, q_rows], nq, nkv, slip)
+        total = total + attention(x, positions, wq[q_rows], wk[kv_rows], wv[kv_rows], wo[:, q_rows], nq, nkv,
+                                  rope_theta, slip)  # fmt: skip
     return total
 
 
-def _case(seed: int, hidden: int, num_heads: int, num_kv_heads: int, dim: int) -> tuple:
+def _case(seed: int, hidden: int, num_heads: int, num_kv_heads: int, dim: int, positions: list[int],
+          theta: float) -> tuple:  # fmt: skip
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(TOKENS, hidden, generator=g)
     wq = torch.randn(num_heads * dim, hidden, generator=g) / hidden**0.5
     wk, wv = (torch.randn(num_kv_heads * dim, hidden, generator=g) / hidden**0.5 for _ in range(2))
     wo = torch.randn(hidden, num_heads * dim, generator=g) / (num_heads * dim) ** 0.5
-    return x, wq, wk, wv, wo, num_heads, num_kv_heads
+    return x, torch.tensor(positions), wq, wk, wv, wo, num_heads, num_kv_heads, theta
 
 
 def _model_case() -> tuple:
@@ -75,7 +106,8 @@ def _model_case() -> tuple:
     layer = weights.layers[0]
     x = weights.embed_tokens[torch.tensor([72, 1187, 15, 9, 301, 44])]
     heads = (config.num_heads, config.num_kv_heads)
-    return (x, layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj, *heads)
+    positions = torch.arange(x.shape[0])
+    return (x, positions, layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj, *heads, config.rope_theta)
 
 
 def _rank(rank, world, source, name, cases) -> list[dict]:
@@ -83,9 +115,10 @@ def _rank(rank, world, source, name, cases) -> list[dict]:
     a tensor would travel through a file descriptor the exiting rank may close first)."""
     fn = as_learner(learner_fn_from_source, source, name)
     results = []
-    for x, wq, wk, wv, wo, nh, nkv in cases:
+    for x, positions, wq, wk, wv, wo, nh, nkv, theta in cases:
         with AllReduceWatch() as watch:
-            out = as_learner(fn, x.clone(), wq.clone(), wk.clone(), wv.clone(), wo.clone(), nh, nkv, rank, world)
+            out = as_learner(fn, x.clone(), positions.clone(), wq.clone(), wk.clone(), wv.clone(), wo.clone(), nh, nkv,
+                             theta, rank, world)  # fmt: skip
         array = out.detach().float().cpu().numpy() if isinstance(out, torch.Tensor) else None
         results.append({"out": array, "type": type(out).__name__, "all_reduces": watch.shapes})
     return results
@@ -97,7 +130,7 @@ def _close(a, b) -> bool:
 
 def _diagnose(what: str, case: tuple, results: list[dict]) -> None:
     """Raise the message that names what the ranks did, unless every rank returned the attention."""
-    x, wq, wk, wv, wo, nh, nkv = case
+    x, positions, wq, wk, wv, wo, nh, nkv, theta = case
     ref = attention(*case)
     per_q, d = nh // WORLD, wq.shape[0] // nh
     slices = (
@@ -154,6 +187,19 @@ def _diagnose(what: str, case: tuple, results: list[dict]) -> None:
         "unscaled": f"the scores q·kᵀ are not scaled: divide them by sqrt(d) = sqrt({d})",
         "repeat": "query head h reads K/V head h // group (a group's query heads are consecutive): "
         "k.repeat_interleave(group, dim) gives that; .repeat(...) pairs head h with K/V head h % kv_heads",
+        "no_rope": "no RoPE: rotate every query and key head by its row's position before the scores (each rank "
+        "rotates its own heads; RoPE acts on each head alone)",
+        "adjacent_pairs": "your RoPE rotates pairs (0,1), (2,3), ...; this model (Llama) pairs dimension i with "
+        "i + d/2: rotate_half(z) = cat(-z[..., d/2:], z[..., :d/2])",
+        "values_too": "you rotated the values too: RoPE turns queries and keys only (the scores see positions; "
+        "the values are what is averaged)",
+        "queries_only": "you rotated the queries but not the keys: both, by their own rows' positions",
+        "positions_ignored": f"RoPE used the row numbers 0..T-1, not positions {positions.tolist()}: turn row t by "
+        "positions[t]",
+        "inverted_freq": "the frequencies are inverted: pair i turns by position × rope_theta^(-2i/d) — the first "
+        "pair fastest, the last slowest",
+        "reversed_turn": "your RoPE turns the other way: rotate_half(z) = cat(-z[..., d/2:], z[..., :d/2]) — the "
+        "second half negated and moved first — then z·cos + rotate_half(z)·sin",
     }
     for slip, words in slips.items():
         if all(_close(o, sharded(*case, slip=slip)) for o in outs):
@@ -167,8 +213,9 @@ def _diagnose(what: str, case: tuple, results: list[dict]) -> None:
 
 def try_on_ranks(tp_attention, seed: int = 0) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Run ``tp_attention`` on two ranks over a small hand-made layer (8 query heads over 4 K/V
-    heads, hidden size 40, 6 tokens): each rank's output, and the one-process attention's."""
-    case = _case(seed, 40, 8, 4, 8)
+    heads, hidden size 40, 6 tokens at positions 0-5, rope_theta 10000): each rank's output, and the
+    one-process attention's."""
+    case = _case(seed, 40, 8, 4, 8, list(range(TOKENS)), 10000.0)
     results = run_on_ranks(_rank, WORLD, source_of(tp_attention, "tp_attention"), tp_attention.__name__, [case])
     outs = [None if r[0]["out"] is None else torch.from_numpy(r[0]["out"]) for r in results]
     return outs, attention(*case)
@@ -176,11 +223,13 @@ def try_on_ranks(tp_attention, seed: int = 0) -> tuple[list[torch.Tensor], torch
 
 @check
 def check_tp_attention(tp_attention) -> str:
-    """``tp_attention(x, wq, wk, wv, wo, num_heads, num_kv_heads, rank, world_size) -> [T, H]``."""
+    """``tp_attention(x, positions, wq, wk, wv, wo, num_heads, num_kv_heads, rope_theta, rank, world_size)
+    -> [T, H]``."""
     source = source_of(tp_attention, "tp_attention")
     cases = [
-        ("8 query heads over 4 K/V heads (2 ranks)", _case(11, 40, 8, 4, 8)),
-        ("6 query heads over 2 K/V heads, groups of 3 (2 ranks)", _case(12, 40, 6, 2, 8)),
+        ("8 query heads over 4 K/V heads, positions 0-5 (2 ranks)", _case(11, 40, 8, 4, 8, [0, 1, 2, 3, 4, 5], 1e4)),
+        ("6 query heads over 2 K/V heads, groups of 3, positions 3 4 5 7 8 9 (2 ranks)",
+         _case(12, 40, 6, 2, 8, [3, 4, 5, 7, 8, 9], 100.0)),
         (f"{MODEL}'s first attention layer (2 ranks)", _model_case()),
     ]
     hints = {
@@ -192,8 +241,8 @@ def check_tp_attention(tp_attention) -> str:
     per_rank = run_on_ranks(_rank, WORLD, source, tp_attention.__name__, [c for _, c in cases], hints=hints)
     for k, (what, case) in enumerate(cases):
         _diagnose(what, case, [per_rank[r][k] for r in range(WORLD)])
-    x, wq = cases[-1][1][:2]
     return (
-        f"both ranks returned causal GQA attention from half of the heads each and one all-reduce of the [T, H] "
-        f"output — on hand-made weights and on {MODEL}'s first layer ({wq.shape[0] // cases[-1][1][5]}-dim heads)"
+        f"both ranks returned causal GQA attention with RoPE from half of the heads each and one all-reduce of the "
+        f"[T, H] output — on hand-made weights (positions with a gap) and on {MODEL}'s first layer "
+        f"({cases[-1][1][2].shape[0] // cases[-1][1][6]}-dim heads)"
     )
