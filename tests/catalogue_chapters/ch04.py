@@ -320,3 +320,15 @@ def _schedule_ignores_reserve(scheduler):
 
 
 wrong("check_continuous_schedule", "take n off the budget only when reserve returns True", _schedule_ignores_reserve)
+
+
+def _sched_static(scheduler):
+    """Static batching: newcomers wait until every running sequence has finished."""
+    out = SchedulerOutput()
+    was_empty = not scheduler.running
+    budget = _running_first(scheduler, out)
+    _admit_seats(scheduler, out, budget, lambda running, seats: running >= seats or not was_empty)
+    return out
+
+
+wrong("check_continuous_schedule", "3 of its 4 seats free: that is static batching", _sched_static)
