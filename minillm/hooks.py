@@ -363,9 +363,10 @@ paged_attention = _declare(
     "05 attention variants (the attention layer over the paged cache)",
     "minillm.attention.paged",
     "minillm/attention/paged.py",
-    """The reference backend's attention for one layer of a mixed step, once the step's new K/V
-    are in the pool: each sequence's queries against its keys read through its block table,
-    grouped K/V heads, causal, and the sliding window when the model has one.""",
+    """The reference backend's attention for one layer of a mixed step: the step's new K/V
+    written into the pool at their slots, then each sequence's queries against its keys read
+    through its block table, grouped K/V heads, causal, and the sliding window when the model has
+    one.""",
 )
 pool_heads = _declare(
     "pool_heads",

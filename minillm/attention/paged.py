@@ -171,7 +171,6 @@ class ReferencePagedStep:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """``q[1, N, H, D]``, ``k, v[1, N, KV, D]`` for the step's new tokens → ``[1, N, H, D]``."""
         q, k, v = q[0], k[0], v[0]
-        k, v = write_kv(self.pool, layer, self.layout.slot_mapping, k, v)
         return hooks.paged_attention(self, layer, q, k, v, scale)[None]  # chapter 05's learner writes one
 
     def attend_written(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -222,8 +221,10 @@ class ReferencePagedStep:
 def paged_attention(
     step: ReferencePagedStep, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """The package's: ``step.attend_written`` (decode rows in buckets of similar length, each
-    prompt chunk on its own; a hook so chapter 05 can run a learner's layer in the engine)."""
+    """The package's: the step's new K/V into the pool (``write_kv``), then ``step.attend_written``
+    (decode rows in buckets of similar length, each prompt chunk on its own). A hook so chapter 05
+    can run a learner's layer — the write and the attention — in the engine."""
+    k, v = write_kv(step.pool, layer, step.layout.slot_mapping, k, v)
     return step.attend_written(layer, q, k, v, scale)
 
 

@@ -429,15 +429,18 @@ EXERCISES: list[Exercise] = [
         3,
         3,
         (
-            "Walk the sequences; row by row of q, n = query_lens[i] of them. Read positions 0..ctx-1 of the pool "
+            "Walk the sequences; row by row of q, n = query_lens[i] of them. First write their new k and v rows into "
+            "the pool at the slots of positions ctx-n..ctx-1 (the queries read their own keys from it too). Then "
+            "read positions 0..ctx-1 of the pool "
             "through the sequence's block table, repeat_interleave the K/V heads up to H, score q·kᵀ·scale, and "
             "mask: the queries sit at ctx-n..ctx-1, each sees keys up to itself (and with a window w, only its last "
             "w). Softmax, times v; concatenate the sequences.",
             "`slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(ctx)])`; "
-            "`k = k_slots[slots].repeat_interleave(H // KV, dim=1)`; `scores = torch.einsum('thd,shd->hts', "
-            "q[row:row + n], k) * scale`; `pos = torch.arange(ctx - n, ctx)[:, None]`, `keys = torch.arange(ctx)`, "
+            "`k_slots[slots[ctx - n:]] = k[row:row + n]` (and v); "
+            "`keys = k_slots[slots].repeat_interleave(H // KV, dim=1)`; `scores = torch.einsum('thd,shd->hts', "
+            "q[row:row + n], keys) * scale`; `pos = torch.arange(ctx - n, ctx)[:, None]`, `keys = torch.arange(ctx)`, "
             "`allowed = keys <= pos` (`& (keys > pos - window)`); `torch.einsum('hts,shd->thd', "
-            "scores.masked_fill(~allowed, -inf).softmax(-1), v)`.",
+            "scores.masked_fill(~allowed, -inf).softmax(-1), values)`.",
         ),
     ),
     Exercise(

@@ -13,8 +13,10 @@ PA = "check_paged_attention"
 
 
 def attention(**slip):
-    def paged_attention(q, k_slots, v_slots, query_lens, context_lens, block_tables, block_size, scale, window=None):
+    def paged_attention(q, k, v, k_slots, v_slots, query_lens, context_lens, block_tables, block_size, scale,
+                        window=None):  # fmt: skip
         heads, kv_heads = q.shape[1], k_slots.shape[1]
+        new_k, new_v = k, v
         out, row = [], 0
         for n, ctx, table in zip(query_lens, context_lens, block_tables.tolist()):
             seen = len(table) * block_size if slip.get("whole_blocks") else ctx
@@ -22,7 +24,19 @@ def attention(**slip):
                 slots = torch.arange(seen)  # the position as the slot: as if the blocks were in order
             else:
                 slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(seen)])
+            mine = slots[ctx - n : ctx]
+            if slip.get("write_from_zero"):
+                mine = slots[:n]  # "the new tokens go first"
+            if slip.get("write_all_rows"):
+                mine, rows = slots[ctx - n : ctx], slice(0, n)  # every sequence writes q's first rows
+            else:
+                rows = slice(row, row + n)
+            if not (slip.get("no_write") or slip.get("write_after")):
+                k_slots[mine] = new_k[rows]
+                (k_slots if slip.get("v_into_k") else v_slots)[mine] = new_v[rows]
             k, v = k_slots[slots], v_slots[slots]
+            if slip.get("write_after"):
+                k_slots[mine], v_slots[mine] = new_k[rows], new_v[rows]
             if slip.get("tile"):
                 k, v = k.repeat(1, heads // kv_heads, 1), v.repeat(1, heads // kv_heads, 1)
             else:
@@ -48,9 +62,14 @@ def attention(**slip):
     return paged_attention
 
 
-def paged_sdpa(q, k_slots, v_slots, query_lens, context_lens, block_tables, block_size, scale, window=None):
-    """Views the pool as blocks, gathers whole blocks with index_select, and lets SDPA do the rest
-    (GQA through enable_gqa, an explicit boolean mask)."""
+def paged_sdpa(q, k, v, k_slots, v_slots, query_lens, context_lens, block_tables, block_size, scale, window=None):
+    """Writes the whole step's K/V with one index_copy_ per pool, views the pool as blocks, gathers
+    whole blocks with index_select, and lets SDPA do the rest (GQA through enable_gqa, a boolean mask)."""
+    tables = block_tables.tolist()
+    mapping = torch.tensor([tables[i][p // block_size] * block_size + p % block_size
+                            for i, (n, ctx) in enumerate(zip(query_lens, context_lens)) for p in range(ctx - n, ctx)])  # fmt: skip
+    k_slots.index_copy_(0, mapping, k)
+    v_slots.index_copy_(0, mapping, v)
     blocks = k_slots.view(-1, block_size, *k_slots.shape[1:]), v_slots.view(-1, block_size, *v_slots.shape[1:])
     outs, row = [], 0
     for i, (n, ctx) in enumerate(zip(query_lens, context_lens)):
@@ -69,10 +88,11 @@ def paged_sdpa(q, k_slots, v_slots, query_lens, context_lens, block_tables, bloc
     return torch.cat(outs)
 
 
-def attention_in_place(q, k_slots, v_slots, query_lens, context_lens, block_tables, block_size, scale, window=None):
+def attention_in_place(q, k, v, k_slots, v_slots, query_lens, context_lens, block_tables, block_size, scale,
+                       window=None):  # fmt: skip
     """Scales q in place "to save a multiply per score"."""
     q.mul_(scale)
-    return attention()(q, k_slots, v_slots, query_lens, context_lens, block_tables, block_size, 1.0, window)
+    return attention()(q, k, v, k_slots, v_slots, query_lens, context_lens, block_tables, block_size, 1.0, window)
 
 
 right(PA, attention())
@@ -85,11 +105,16 @@ for slip, message in (
     ({"window_plus_one": True}, "the window lets a query see window + 1 keys"),
     ({"no_window": True}, "the sliding window was ignored"),
     ({"no_scale": True}, "not multiplied by `scale`"),
-    ({"block_index": True}, "paged_attention on the example step: sequence 0"),
+    ({"block_index": True}, "position 6 used as the slot number"),
     ({"no_causal": True}, "paged_attention on the example step: sequence 1"),
     ({"softmax_over_queries": True}, "paged_attention on the example step: sequence 0"),
     ({"sqrt_scale": True}, "paged_attention on the example step: sequence 0"),
 ):
     wrong(PA, message, attention(**slip))
-wrong(PA, "changed one of its inputs in place", attention_in_place)
+wrong(PA, "changed one of its inputs in place (q)", attention_in_place)
+wrong(PA, "k_slots is as it was: write this step's new k into the pool first", attention(no_write=True))
+wrong(PA, "the queries read the pool before this step's K/V were in it", attention(write_after=True))
+wrong(PA, "row 0 went to slot 20, its position 0's: new tokens sit at context_len - n", attention(write_from_zero=True))
+wrong(PA, "slot 4 of k_slots should hold row 1 of k (the fresh 5-token prompt's position 0", attention(write_all_rows=True))
+wrong(PA, "it holds a row of v — k goes to k_slots, v to v_slots", attention(v_into_k=True))
 wrong(PA, "shape", lambda q, *args, **kwargs: attention()(q, *args, **kwargs)[None])

@@ -1,12 +1,15 @@
 """Chapter 05's whole piece: the learner's attention layer over the paged cache — one mixed step's
-queries, each sequence against its own keys read through its block table, grouped K/V heads,
-the causal mask at the right positions, and the sliding window.
+new K/V written into the pool at their slots, then its queries, each sequence against its own
+keys read through its block table, grouped K/V heads, the causal mask at the right positions,
+and the sliding window.
 
-1. **diagnosis on a hand-made step** — a random pool of block size 4, three sequences (a decode,
-   a fresh prompt, a prompt chunk continuing a cached prefix), 4 query heads over 2 K/V heads,
-   with and without a window of 3: against the textbook computation and its classic variants
-   (K/V heads tiled, keys past the context read, the chunk masked from position 0, the window
-   one key short or ignored, the scale ignored);
+1. **diagnosis on a hand-made step** — a random pool of block size 4 (stale values where the new
+   tokens go), three sequences (a decode, a fresh prompt, a prompt chunk continuing a cached
+   prefix), 4 query heads over 2 K/V heads, with and without a window of 3: first the pool it
+   leaves (every new token's K and V at its position's slot, nothing else touched), then the
+   output against the textbook computation and its classic variants (K/V heads tiled, keys past
+   the context read, the chunk masked from position 0, the window one key short or ignored, the
+   scale ignored, the new K/V written after they were read);
 2. **the plug-in run** — the learner's function as the attention of every layer of the real
    paged engine (hook ``paged_attention``), chunked prompts mixing with decodes, with a sliding
    window of 12 keys: greedy tokens equal to the naive engine's with the same window.
@@ -23,10 +26,23 @@ from minillm.course.results import CheckFailed, check
 WINDOW = 12  # the plug-in run's sliding window (keys), short enough to bite on the check's prompts
 
 
-def reference_paged_attention(q, k_slots, v_slots, query_lens, context_lens, block_tables, block_size: int,
+def new_slots(query_lens, context_lens, block_tables, block_size: int) -> torch.Tensor:
+    """The pool slots of a step's new tokens, in ``q``'s row order: sequence ``i``'s positions
+    ``ctx - n .. ctx - 1`` through its block table (the step's slot mapping)."""
+    return torch.tensor([int(table[p // block_size]) * block_size + p % block_size
+                         for n, ctx, table in zip(query_lens, context_lens, block_tables) for p in range(ctx - n, ctx)])  # fmt: skip
+
+
+def reference_paged_attention(q, k, v, k_slots, v_slots, query_lens, context_lens, block_tables, block_size: int,
                               scale: float, window: int | None = None, mistake: str | None = None) -> torch.Tensor:  # fmt: skip
-    """The textbook computation, or one of its wrong variants (``MISTAKES``)."""
+    """The textbook computation — the new K/V written into the pool (in place), then attention —
+    or one of its wrong variants (``MISTAKES``; those leave the pool as they found it)."""
     heads, kv_heads = q.shape[1], k_slots.shape[1]
+    if mistake is not None:
+        k_slots, v_slots = k_slots.clone(), v_slots.clone()
+    slots_new = new_slots(query_lens, context_lens, block_tables, block_size)
+    if mistake != "read_before_write":
+        k_slots[slots_new], v_slots[slots_new] = k, v
     out, row = [], 0
     for n, ctx, table in zip(query_lens, context_lens, block_tables):
         seen = len(table) * block_size if mistake == "past_context" else ctx
@@ -66,19 +82,79 @@ MISTAKES = {
     "no_window": "the sliding window was ignored: with window w, a query at position pos sees only keys "
     "pos - w + 1 .. pos",
     "no_scale": "the scores were not multiplied by `scale` (1/sqrt(head_dim), passed in)",
+    "read_before_write": "the queries read the pool before this step's K/V were in it (they saw the stale values "
+    "at the new tokens' slots): write k and v at their slots first, then read each sequence's keys",
 }
 
 
 def example_step(window: int | None = None, seed: int = 0):
-    """A random pool (8 blocks of 4 slots, 2 K/V heads of 8 dims) and a step of three sequences:
-    a decode at context 7, a fresh 5-token prompt, a 3-token chunk continuing to context 10."""
+    """A random pool (8 blocks of 4 slots, 2 K/V heads of 8 dims; the new tokens' slots hold stale
+    values) and a step of three sequences: a decode at context 7, a fresh 5-token prompt, a
+    3-token chunk continuing to context 10 — their queries and new K/V."""
     gen = torch.Generator().manual_seed(seed)
     k_slots, v_slots = torch.randn(32, 2, 8, generator=gen), torch.randn(32, 2, 8, generator=gen)
     query_lens, context_lens = [1, 5, 3], [7, 5, 10]
     block_tables = torch.tensor([[5, 2, 0], [1, 7, 0], [3, 6, 4]])  # 0 pads (an unused block here)
     q = torch.randn(sum(query_lens), 4, 8, generator=gen)
-    return dict(q=q, k_slots=k_slots, v_slots=v_slots, query_lens=query_lens, context_lens=context_lens,
+    k, v = torch.randn(sum(query_lens), 2, 8, generator=gen), torch.randn(sum(query_lens), 2, 8, generator=gen)
+    return dict(q=q, k=k, v=v, k_slots=k_slots, v_slots=v_slots, query_lens=query_lens, context_lens=context_lens,
                 block_tables=block_tables, block_size=4, scale=8**-0.5, window=window)  # fmt: skip
+
+
+SEQUENCES = ["the decode at context 7", "the fresh 5-token prompt", "the 3-token chunk continuing to context 10"]
+
+
+def _check_pool(args: dict, pools: dict, what: str) -> None:
+    """The pool the learner left against the one the step should leave: the new K/V at their slots,
+    every other slot as it was."""
+    slots = new_slots(args["query_lens"], args["context_lens"], args["block_tables"].tolist(), args["block_size"])
+    owner = [(i, p) for i, (n, ctx) in enumerate(zip(args["query_lens"], args["context_lens"]))
+             for p in range(ctx - n, ctx)]  # fmt: skip
+    for name, new in (("k_slots", "k"), ("v_slots", "v")):
+        before, after = pools[name], args[name]
+        if torch.equal(before, after):
+            raise CheckFailed(
+                f"{what}: {name} is as it was: write this step's new {new} into the pool first, row j of {new} at "
+                "the slot of its position (sequence i's new tokens sit at positions context_len - n .. "
+                "context_len - 1), then read the keys through the block table"
+            )
+        expected = before.clone()
+        expected[slots] = args[new]
+        for row, slot in enumerate(slots.tolist()):
+            if not torch.equal(after[slot], expected[slot]):
+                i, pos = owner[row]
+                swapped = "v" if new == "k" else "k"
+                other = [r for r in range(len(slots)) if torch.equal(after[slot], args[new][r])]
+                went = [t for t in range(after.shape[0]) if t != slot and not torch.equal(after[t], before[t])
+                        and torch.equal(after[t], args[new][row])]  # fmt: skip
+                if other:
+                    hint = f": it holds row {other[0]} of {new}"
+                elif went:
+                    hint = f"; row {row} went to slot {went[0]}" + _where(went[0], i, pos, args)
+                elif any(torch.equal(after[slot], row_) for row_ in args[swapped]):
+                    hint = f": it holds a row of {swapped} — k goes to k_slots, v to v_slots"
+                else:
+                    hint = ""
+                raise CheckFailed(
+                    f"{what}: slot {slot} of {name} should hold row {row} of {new} ({SEQUENCES[i]}'s position {pos}: "
+                    f"block table entry {pos // args['block_size']}, offset {pos % args['block_size']}){hint}"
+                )
+        touched = [s for s in range(after.shape[0]) if not torch.equal(after[s], expected[s])]
+        if touched:
+            raise CheckFailed(
+                f"{what}: slot {touched[0]} of {name} changed, which no new token owns: write only the new tokens' "
+                "slots — the others hold other positions' keys (or other sequences')"
+            )
+
+
+def _where(slot: int, seq: int, pos: int, args: dict) -> str:
+    """What a wrongly chosen slot is to the sequence: its position used as the slot, or another position's."""
+    if slot == pos:
+        return f" — position {pos} used as the slot number: the slot is table[pos // block_size] * block_size + pos % block_size"
+    table, size = args["block_tables"][seq].tolist(), args["block_size"]
+    if slot // size in table[: -(-args["context_lens"][seq] // size)]:
+        return f", its position {table.index(slot // size) * size + slot % size}'s: new tokens sit at context_len - n .. context_len - 1"
+    return ""
 
 
 def _check_example(paged_attention) -> None:
@@ -86,15 +162,19 @@ def _check_example(paged_attention) -> None:
         args = example_step(window)
         frozen = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
         got = paged_attention(**args)
-        if any(not torch.equal(args[k], v) for k, v in frozen.items()):
-            raise CheckFailed("paged_attention changed one of its inputs in place: the pool and q are read-only here")
-        expected = reference_paged_attention(**args)
         what = "paged_attention on the example step" + (f" with a window of {window}" if window else "")
+        changed = [k for k, v in frozen.items() if k not in ("k_slots", "v_slots") and not torch.equal(args[k], v)]
+        if changed:
+            raise CheckFailed(f"paged_attention changed one of its inputs in place ({changed[0]}): only the pool "
+                              "(k_slots, v_slots) is written, and only at the new tokens' slots")  # fmt: skip
+        _check_pool(args, frozen, what)
+        args.update(k_slots=frozen["k_slots"], v_slots=frozen["v_slots"])  # the reference writes them again
+        expected = reference_paged_attention(**{k: (v.clone() if k.endswith("_slots") else v) for k, v in args.items()})
         slips = ((reference_paged_attention(**args, mistake=m), why) for m, why in MISTAKES.items())
         if name_the_slip(got, expected, slips):
             bad = _first_bad_sequence(got, expected, args["query_lens"])
             raise CheckFailed(
-                f"{what}: sequence {bad} ({['the decode at context 7', 'the fresh 5-token prompt', 'the 3-token chunk continuing to context 10'][bad]}) "
+                f"{what}: sequence {bad} ({SEQUENCES[bad]}) "
                 f"differs from the reference by up to {float((got - expected).abs().max()):.3g}"
             )  # fmt: skip
         compare_tensors(got, expected, what)
@@ -119,7 +199,10 @@ def attention_adapter(paged_attention, counts: dict):
             counts["steps"] = counts.get("steps", 0) + 1
             if 0 < layout.num_decodes < len(layout.query_lens):
                 counts["mixed"] = counts.get("mixed", 0) + 1
-        return paged_attention(q, pool.k_slots[layer], pool.v_slots[layer], list(layout.query_lens),
+        if pool.k_scales is not None:
+            raise ValueError(f"your paged_attention writes K/V as they come; this pool stores {pool.kv_cache_dtype} "
+                             "(chapter 07): run it with kv_cache_dtype='auto'")  # fmt: skip
+        return paged_attention(q, k, v, pool.k_slots[layer], pool.v_slots[layer], list(layout.query_lens),
                                list(layout.context_lens), layout.block_tables, pool.block_size, scale,
                                layout.window)  # fmt: skip
 
@@ -134,8 +217,9 @@ PROMPTS = (
 
 @check
 def check_paged_attention(paged_attention, model: str = "tiny-shakespeare-1m") -> str:
-    """``paged_attention(q[N, H, D], k_slots, v_slots[num_slots, KV, D], query_lens, context_lens,
-    block_tables[S, W], block_size, scale, window=None) -> [N, H, D]``."""
+    """``paged_attention(q[N, H, D], k, v[N, KV, D], k_slots, v_slots[num_slots, KV, D], query_lens,
+    context_lens, block_tables[S, W], block_size, scale, window=None) -> [N, H, D]``: the step's new
+    K/V into the pool, then attention."""
     from minillm import LLM, SamplingParams
 
     _check_example(paged_attention)
