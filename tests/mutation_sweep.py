@@ -467,13 +467,13 @@ EQUIVALENT: dict[str, dict[str, str]] = {
         ),
     },
     "check_int4_linear": {  # the same quantizer as check_quantize_int4's, inside the class
-        "line 4: `1e-12` → `2e-12` in `self.scale = ((w.amax(dim=-1) - self.minimum) / 15).clamp...`": (
+        "line 6: `1e-12` → `2e-12` in `self.scale = ((w.amax(dim=-1) - self.minimum) / 15).clamp...`": (
             "the floor only keeps a constant group's scale from 0; 2e-12 is as far below any real group's step as 1e-12"
         ),
-        "line 5: `0` → `-1` in `q = torch.round((w - self.minimum[..., None]) / self.scal...`": (
+        "line 7: `0` → `-1` in `q = torch.round((w - self.minimum[..., None]) / self.scal...`": (
             "w - minimum is >= 0, so q is never below 0 and the lower clamp never binds"
         ),
-        "line 5: `15` → `16` in `q = torch.round((w - self.minimum[..., None]) / self.scal...`": (
+        "line 7: `15` → `16` in `q = torch.round((w - self.minimum[..., None]) / self.scal...`": (
             "(w - min) / scale is at most 15 plus far less than half a step of float error, so a clamp at 16 never binds"
         ),
     },

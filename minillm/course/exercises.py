@@ -526,19 +526,22 @@ EXERCISES: list[Exercise] = [
         "07_quantization",
         "check_int4_linear",
         "check_int4_linear(Int4Linear)",
-        19,
+        23,
         3,
         3,
         (
-            "__init__: reshape the weight to [out, groups, group_size], take each group's min and (max - min) / 15, "
+            "__init__: first refuse what cannot be stored (in_features not a multiple of group_size, or odd) with "
+            "ValueError; reshape the weight to [out, groups, group_size], take each group's min and (max - min) / 15, "
             "round to levels 0..15, pack the even columns in the low nibble and the odd ones in the high; keep only "
-            "the packed bytes, the scales and the minima. __call__: unpack (& 0x0F, >> 4, interleaved back), "
-            "q * scale + minimum per group, then x @ Ŵᵀ in x's dtype.",
+            "the packed bytes, the scales and the minima, and a copy of the bias if there is one. __call__: unpack "
+            "(& 0x0F, >> 4, interleaved back), q * scale + minimum per group, then x @ Ŵᵀ (+ bias) in x's dtype.",
             "`self.minimum = w.amin(-1)`; `self.scale = ((w.amax(-1) - self.minimum) / 15).clamp(min=1e-12)`; "
             "`q = torch.round((w - self.minimum[..., None]) / self.scale[..., None]).clamp(0, 15).to(torch.uint8)"
             ".reshape(out, cols)`; `self.packed = q[:, 0::2] | (q[:, 1::2] << 4)`. Call: `q = torch.stack([p & 0x0F, "
             "p >> 4], dim=-1).reshape(out, -1)`; `w = q.float().reshape(out, -1, g) * self.scale[..., None] + "
-            "self.minimum[..., None]`; `return x @ w.reshape(out, cols).to(x.dtype).T`.",
+            "self.minimum[..., None]`; `y = x @ w.reshape(out, cols).to(x.dtype).T`, plus `self.bias.to(x.dtype)` "
+            "when there is one. Refuse with `if cols % group_size or cols % 2: raise ValueError(...)`; tensors() "
+            "adds `[self.bias]` when there is one.",
         ),
     ),
     Exercise(

@@ -11,8 +11,16 @@ IL = "check_int4_linear"
 
 def layer_class(**slip):
     class Int4Linear:
-        def __init__(self, weight, group_size):
+        def __init__(self, weight, group_size, bias=None):
             out, cols = weight.shape
+            if slip.get("asserts"):
+                assert cols % group_size == 0 and cols % 2 == 0, "bad shape"
+            elif slip.get("groups_only"):
+                if cols % group_size:
+                    raise ValueError(f"in_features {cols} is not a multiple of group_size {group_size}")
+            elif not slip.get("no_check") and (cols % group_size or cols % 2):
+                raise ValueError(f"in_features {cols}: not whole groups of {group_size}, or odd")
+            self.bias = None if bias is None else bias.clone()
             g = cols if slip.get("per_row") else group_size
             w = weight.detach().float().reshape(out, cols // g, g)
             self.minimum = w.amin(-1)
@@ -32,6 +40,8 @@ def layer_class(**slip):
 
         def tensors(self):
             kept = [self.packed, self.scale, self.minimum]
+            if self.bias is not None and not slip.get("bias_unlisted"):
+                kept.append(self.bias)
             return kept + [self.weight] if self.weight is not None else kept
 
         def __call__(self, x):
@@ -45,7 +55,12 @@ def layer_class(**slip):
             w = w.reshape(self.out, self.cols)
             if slip.get("fp32_out"):
                 return x.float() @ w.T
-            return x @ w.to(x.dtype).T
+            y = x @ w.to(x.dtype).T
+            if self.bias is None or slip.get("ignores_bias"):
+                return y
+            if slip.get("bias_fp32"):
+                return y + self.bias
+            return y + (2 if slip.get("bias_twice") else 1) * self.bias.to(x.dtype)
 
     return Int4Linear
 
@@ -53,8 +68,11 @@ def layer_class(**slip):
 class Int4Grouped:
     """Groups as a 3-D view throughout; unpacking with a bit-shift table and a gather."""
 
-    def __init__(self, weight, group_size):
+    def __init__(self, weight, group_size, bias=None):
         self.rows, self.cols = weight.shape
+        if self.cols % (2 * group_size if group_size % 2 else group_size):  # whole groups that pair up
+            raise ValueError(f"{self.cols} inputs cannot be packed in groups of {group_size}")
+        self.offset = bias
         w = weight.detach().float().view(self.rows, -1, group_size)
         lo, hi = w.min(dim=-1).values, w.max(dim=-1).values
         self.step = torch.clamp((hi - lo) / 15.0, min=1e-12)
@@ -63,13 +81,14 @@ class Int4Grouped:
         self.data = (q[:, 1::2] << 4) + q[:, ::2]
 
     def tensors(self):
-        return [self.data, self.step, self.low]
+        return [self.data, self.step, self.low, *([] if self.offset is None else [self.offset])]
 
     def __call__(self, x):
         shifts = torch.tensor([0, 4], dtype=torch.uint8)
         q = ((self.data.unsqueeze(-1) >> shifts) & 15).flatten(1)  # [rows, cols]
         w = (q.view(self.rows, self.step.shape[1], -1).float() * self.step[..., None] + self.low[..., None])
-        return torch.nn.functional.linear(x, w.view(self.rows, self.cols).to(x.dtype))
+        bias = None if self.offset is None else self.offset.to(x.dtype)
+        return torch.nn.functional.linear(x, w.view(self.rows, self.cols).to(x.dtype), bias)
 
 
 right(IL, layer_class())
@@ -85,6 +104,13 @@ for slip, message in (
     ({"keeps_weight": True}, "at least the float weight itself"),
     ({"in_place": True}, "changed the weight it was given in place"),
     ({"fp32_out": True}, "return the activations' dtype"),
+    ({"no_check": True}, "raised RuntimeError"),
+    ({"asserts": True}, "raised AssertionError: bad shape. 20 inputs are not whole groups of 16"),
+    ({"groups_only": True}, "15 inputs are whole groups of 5, but an odd count"),
+    ({"ignores_bias": True}, "the bias was not added"),
+    ({"bias_twice": True}, "the bias was added twice"),
+    ({"bias_unlisted": True}, "does not list the bias"),
+    ({"bias_fp32": True}, "add the bias in the activations' dtype"),
 ):
     wrong(IL, message, layer_class(**slip))
 
@@ -97,8 +123,8 @@ class NoTensors(layer_class()):
 class KeepsFloat16(layer_class()):
     """Keeps a "small" fp16 copy of the dequantized weight for speed: 2 bytes per weight."""
 
-    def __init__(self, weight, group_size):
-        super().__init__(weight, group_size)
+    def __init__(self, weight, group_size, bias=None):
+        super().__init__(weight, group_size, bias)
         self.cache = weight.half()
 
     def tensors(self):
@@ -108,8 +134,8 @@ class KeepsFloat16(layer_class()):
 class WrongGroupAxis(layer_class()):
     """Groups taken down the output rows instead of along the inputs."""
 
-    def __init__(self, weight, group_size):
-        super().__init__(weight.T.contiguous(), group_size)
+    def __init__(self, weight, group_size, bias=None):
+        super().__init__(weight.T.contiguous(), group_size, bias)
         self.transposed = True
 
     def __call__(self, x):

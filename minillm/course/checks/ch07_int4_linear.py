@@ -1,14 +1,18 @@
 """Chapter 07's whole piece: the learner's int4 linear layer — quantize a weight group-wise, pack
 two values per byte, and multiply with the weight dequantized on the fly.
 
-``Int4Linear(weight, group_size)`` keeps only the packed bytes and the groups' scales and
-minima (``tensors()`` lists what it keeps); ``layer(x)`` returns ``x @ Ŵᵀ``. Two stages:
+``Int4Linear(weight, group_size, bias=None)`` keeps only the packed bytes, the groups' scales and
+minima, and the bias when there is one (``tensors()`` lists what it keeps); ``layer(x)`` returns
+``x @ Ŵᵀ + bias``. Two stages:
 
-1. **diagnosis on a hand-made layer** — a random ``[32, 64]`` weight in groups of 16: the bytes
-   it keeps (half a byte per weight plus the groups' two numbers, or a named reason why not),
-   then the weight it effectively multiplies by (read back by multiplying the identity) against
-   the reference quantizer's and its classic variants (the nibbles swapped, no minimum, one
-   scale per row, truncation instead of rounding, 16 levels out of range), and the output dtype;
+1. **diagnosis on a hand-made layer** — shapes it must refuse with a ``ValueError`` (inputs that
+   are not whole groups, an odd number of inputs that cannot pack in pairs), then a random
+   ``[32, 64]`` weight in groups of 16: the bytes it keeps (half a byte per weight plus the
+   groups' two numbers, or a named reason why not), then the weight it effectively multiplies by
+   (read back by multiplying the identity) against the reference quantizer's and its classic
+   variants (the nibbles swapped, no minimum, one scale per row, truncation instead of rounding,
+   16 levels out of range), the output dtype, and the same layer with a bias (added once, in the
+   activations' dtype, kept and listed);
 2. **the plug-in run** — the learner's class as the weight method of every int4 layer of the
    real engine (the tiny model, fp32, ``quantization="int4"``): greedy tokens equal to the
    package's int4 engine.
@@ -59,7 +63,63 @@ def _held_bytes(layer) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+#: (out, in, group_size, why the shape cannot be an int4 layer)
+REFUSED = [
+    (8, 20, 16, "20 inputs are not whole groups of 16"),
+    (8, 15, 5, "15 inputs are whole groups of 5, but an odd count: the last value would have no byte-mate"),
+]
+
+
+def _check_refusals(Int4Linear) -> None:
+    from minillm.course.results import LearnerRaised
+
+    for out, cols, group, why in REFUSED:
+        call = f"Int4Linear(weight[{out}, {cols}], group_size={group})"
+        try:
+            made = learner_function(Int4Linear)(torch.randn(out, cols), group)
+        except LearnerRaised as err:
+            if isinstance(err.__cause__, ValueError):
+                continue
+            if isinstance(err.__cause__, NotImplementedError):  # the skeleton: not attempted yet
+                raise
+            raise CheckFailed(f"{call} raised {type(err.__cause__).__name__}: {err.__cause__}. {why}: check the "
+                              "shape first and raise ValueError, the error a bad argument gets, naming both "
+                              "numbers") from None  # fmt: skip
+        raise CheckFailed(f"{call} built a layer ({type(made).__name__}) instead of raising ValueError: {why} — "
+                          "refuse it before quantizing")  # fmt: skip
+
+
+def _check_bias(Int4Linear, weight: torch.Tensor, expected: torch.Tensor, gen: torch.Generator) -> None:
+    """The same layer with a bias: added once, in the activations' dtype, kept and listed by tensors()."""
+    bias = torch.randn(OUT, generator=gen) * 0.1
+    given = bias.clone()
+    layer = learner_function(Int4Linear)(weight.clone(), GROUP, given)
+    call = learner_function(layer.__call__)
+    x = torch.randn(3, IN, generator=gen)
+    got, want = call(x), x @ expected.T + bias
+    if not torch.equal(given, bias):
+        raise CheckFailed("Int4Linear changed the bias it was given in place: keep a copy")
+    if isinstance(got, torch.Tensor) and got.shape == want.shape and not torch.allclose(got, want, atol=1e-5):
+        for wrong, why in ((x @ expected.T, "the bias was not added: x @ Ŵᵀ + bias"),
+                           (x @ expected.T + 2 * bias, "the bias was added twice"),
+                           (x @ expected.T - bias, "the bias was subtracted: x @ Ŵᵀ + bias")):  # fmt: skip
+            if torch.allclose(got, wrong, atol=1e-5):
+                raise CheckFailed(f"Int4Linear(weight, {GROUP}, bias) on x[3, {IN}]: {why}")
+    compare_tensors(got, want, f"Int4Linear(weight, {GROUP}, bias) on x[3, {IN}]", atol=1e-5)
+    tensors = learner_function(layer.tensors)()
+    if not any(isinstance(t, torch.Tensor) and t.shape == bias.shape and torch.equal(t.float(), bias)
+               for t in tensors):  # fmt: skip
+        raise CheckFailed("Int4Linear(weight, group_size, bias).tensors() does not list the bias: it lists everything "
+                          "the layer keeps (the bias stays as it is: out numbers, too few to be worth packing)")  # fmt: skip
+    half = call(x.bfloat16())
+    if not isinstance(half, torch.Tensor) or half.dtype != torch.bfloat16:
+        got = half.dtype if isinstance(half, torch.Tensor) else type(half).__name__
+        raise CheckFailed(f"Int4Linear with a bias on bf16 activations returned {got}: add the bias in the "
+                          "activations' dtype (bias.to(x.dtype))")  # fmt: skip
+
+
 def _check_example(Int4Linear) -> None:
+    _check_refusals(Int4Linear)
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(OUT, IN, generator=gen) * 0.05
     given = weight.clone()
@@ -95,6 +155,7 @@ def _check_example(Int4Linear) -> None:
     if not isinstance(half, torch.Tensor) or half.dtype != torch.bfloat16:
         got = half.dtype if isinstance(half, torch.Tensor) else type(half).__name__
         raise CheckFailed(f"Int4Linear on bf16 activations returned {got}: return the activations' dtype")
+    _check_bias(Int4Linear, weight, expected, gen)
 
 
 class LearnerInt4Method:
@@ -107,11 +168,10 @@ class LearnerInt4Method:
         self.cls, self.group_size, self.weight = cls, group_size, weight
 
     def process_weights(self, layer) -> None:
-        layer.learner_int4 = learner_function(self.cls)(self.weight, self.group_size)
+        layer.learner_int4 = learner_function(self.cls)(self.weight, self.group_size, layer.bias)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        y = learner_function(layer.learner_int4)(x)  # what it raises is the learner's, not the engine's
-        return y if layer.bias is None else y + layer.bias
+        return learner_function(layer.learner_int4)(x)  # what it raises is the learner's, not the engine's
 
     def held_tensors(self, layer) -> list[torch.Tensor]:
         return list(learner_function(layer.learner_int4.tensors)())
@@ -132,7 +192,7 @@ def install(Int4Linear, int4_engine, plain_engine) -> int:
 
 @check
 def check_int4_linear(Int4Linear, model: str = "tiny-shakespeare-1m") -> str:
-    """``Int4Linear(weight[out, in], group_size)``: ``layer(x)`` and ``layer.tensors()``."""
+    """``Int4Linear(weight[out, in], group_size, bias=None)``: ``layer(x)`` and ``layer.tensors()``."""
     from minillm import LLM, SamplingParams
 
     _check_example(Int4Linear)
@@ -150,6 +210,7 @@ def check_int4_linear(Int4Linear, model: str = "tiny-shakespeare-1m") -> str:
         "your layer matched on the example: what differs on the model's own shapes?",
     )
     return (
-        f"your Int4Linear ran all {replaced} int4 layers of the engine (half a byte per weight plus the groups' "
-        "scales and minima) and gave the package's int4 engine's greedy tokens"
+        f"your Int4Linear refused {len(REFUSED)} shapes it cannot store, added a bias in the activations' dtype, and "
+        f"ran all {replaced} int4 layers of the engine (half a byte per weight plus the groups' scales and minima), "
+        "giving the package's int4 engine's greedy tokens"
     )
