@@ -432,35 +432,31 @@ def check_continuous_schedule(schedule_continuous, model: str = DEFAULT_MODEL) -
     next_budget.append(1)
     with hooks.override(**yours):
         small.step()
-    # One request decoding, one waiting, the whole budget: the newcomer joins in this step.
-    joining = paged_engine(model, block_size=4, max_num_batched_tokens=budget, max_num_seqs=4)
-    joining.add_request(PROMPTS[4], greedy_params())
-    joining.step()
-    joining.add_request(PROMPTS[3], greedy_params())
-    newcomer = joining.scheduler.waiting[0]
-    with hooks.override(**yours):
-        joining.step()
-    if newcomer.status is not SequenceStatus.RUNNING:
-        raise CheckFailed(
-            f"request {newcomer.request_id} waited while request {joining.scheduler.running[0].request_id} "
-            f"decoded, with {budget - 1} of the step's {budget} budget tokens and 3 of its 4 seats free: that is "
-            "static batching. Admit waiting sequences in the same step as the running ones, while seats, budget "
-            "and blocks last"
-        )
-    # One request decoding, one waiting, a budget of 2 (chunked prefill, the default): the decode
-    # takes 1 token and the newcomer's prompt starts with a chunk of the 1 left.
-    tight = paged_engine(model, block_size=4, max_num_batched_tokens=budget, max_num_seqs=4)
-    tight.add_request(PROMPTS[4], greedy_params())
-    tight.step()
-    decoding = tight.scheduler.running[0]
-    if not decoding.is_decoding:
-        raise CheckError("the hand-made state (one request decoding) was not reached")
-    next_budget.append(2)
-    tight.add_request(PROMPTS[3], greedy_params())
-    newcomer = tight.scheduler.waiting[0]
-    with hooks.override(**yours):
-        tight.step()
-    if newcomer.status is not SequenceStatus.RUNNING:
+    # One request decoding, one waiting: with the whole budget the newcomer joins in this step; with a
+    # budget of 2 (chunked prefill, the default) too — the decode takes 1 token and the newcomer's
+    # prompt starts with a chunk of the 1 left.
+    for step_budget in (None, 2):
+        state = paged_engine(model, block_size=4, max_num_batched_tokens=budget, max_num_seqs=4)
+        state.add_request(PROMPTS[4], greedy_params())
+        state.step()
+        decoding = state.scheduler.running[0]
+        if not decoding.is_decoding:
+            raise CheckError("the hand-made state (one request decoding) was not reached")
+        state.add_request(PROMPTS[3], greedy_params())
+        newcomer = state.scheduler.waiting[0]
+        if step_budget is not None:
+            next_budget.append(step_budget)
+        with hooks.override(**yours):
+            state.step()
+        if newcomer.status is SequenceStatus.RUNNING:
+            continue
+        if step_budget is None:
+            raise CheckFailed(
+                f"request {newcomer.request_id} waited while request {decoding.request_id} decoded, with "
+                f"{budget - 1} of the step's {budget} budget tokens and 3 of its 4 seats free: that is static "
+                "batching. Admit waiting sequences in the same step as the running ones, while seats, budget and "
+                "blocks last"
+            )
         raise CheckFailed(
             f"a step with a budget of 2 ran request {decoding.request_id}'s decode and left 1 token unused while "
             f"request {newcomer.request_id} waited: with chunked prefill a prompt may start "

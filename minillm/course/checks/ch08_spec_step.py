@@ -17,9 +17,10 @@ tokens it feeds):
    lookup guesses well, so most passes must keep several tokens) and on one that does not, for
    several lengths and ``k``;
 3. **the end of the answer** — the repeating answer again (its first tokens in the prompt) with an
-   EOS: a token of it chosen where a pass keeps several tokens and the EOS is not the last of them (a loop that looks only at the
-   last kept token runs past it), then the prefill's own token (the answer is that one token, with
-   no verify pass). The answer ends with the EOS, and no pass runs after it.
+   EOS: a token of it chosen where a pass keeps several tokens and the EOS is not the last of
+   them (a loop that looks only at the last kept token runs past it), then the prefill's own
+   token (the answer is that one token, with no verify pass). The answer ends with the EOS, and
+   no pass runs after it.
 """
 
 from __future__ import annotations
