@@ -114,8 +114,5 @@ class AllReduceWatch(TorchDispatchMode):
 
 
 #: c10d operator names that ``torch.distributed`` spells otherwise.
-
-
-#: c10d operator names that ``torch.distributed`` spells otherwise.
 _COLLECTIVE_NAMES = {"allgather": "all_gather", "allgather_base": "all_gather_into_tensor",
                      "reduce_scatter_base": "reduce_scatter_tensor", "alltoall": "all_to_all"}  # fmt: skip
