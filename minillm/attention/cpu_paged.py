@@ -341,8 +341,9 @@ class StaticKernelDecodeStep:
 
 
 class CpuPagedStep(ReferencePagedStep):
-    """The reference step (prefill spans, K/V writes) with every decode row attended by the
-    kernel in one call per layer — exact per-row lengths, so no length buckets and no masks."""
+    """The reference step (prefill spans; the K/V writes are the ``paged_attention`` hook's) with
+    every decode row attended by the kernel in one call per layer — exact per-row lengths, so no
+    length buckets and no masks."""
 
     def plan_decodes(self, layout: StepLayout) -> None:
         nd = layout.num_decodes

@@ -437,9 +437,10 @@ EXERCISES: list[Exercise] = [
             "w). Softmax, times v; concatenate the sequences.",
             "`slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(ctx)])`; "
             "`k_slots[slots[ctx - n:]] = k[row:row + n]` (and v); "
-            "`keys = k_slots[slots].repeat_interleave(H // KV, dim=1)`; `scores = torch.einsum('thd,shd->hts', "
-            "q[row:row + n], keys) * scale`; `pos = torch.arange(ctx - n, ctx)[:, None]`, `keys = torch.arange(ctx)`, "
-            "`allowed = keys <= pos` (`& (keys > pos - window)`); `torch.einsum('hts,shd->thd', "
+            "`keys = k_slots[slots].repeat_interleave(H // KV, dim=1)`, `values` likewise from v_slots; `scores = "
+            "torch.einsum('thd,shd->hts', q[row:row + n], keys) * scale`; `pos = torch.arange(ctx - n, ctx)[:, None]`, "
+            "`key_pos = torch.arange(ctx)[None, :]`, `allowed = key_pos <= pos` (`& (key_pos > pos - window)`); "
+            "`torch.einsum('hts,shd->thd', "
             "scores.masked_fill(~allowed, -inf).softmax(-1), values)`.",
         ),
     ),
@@ -856,6 +857,7 @@ REFERENCES: dict[str, tuple[str, ...]] = {
         "minillm.attention.sdpa_attention",
     ),
     "check_paged_attention": (
+        "minillm.attention.paged.paged_attention",
         "minillm.attention.paged.ReferencePagedStep.attend_written",
         "minillm.attention.paged.gather_kv",
         "minillm.attention.torch_ref.attention",

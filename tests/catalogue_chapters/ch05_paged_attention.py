@@ -16,6 +16,8 @@ def attention(**slip):
     def paged_attention(q, k, v, k_slots, v_slots, query_lens, context_lens, block_tables, block_size, scale,
                         window=None):  # fmt: skip
         heads, kv_heads = q.shape[1], k_slots.shape[1]
+        if slip.get("copies_pool"):
+            k_slots, v_slots = k_slots.clone(), v_slots.clone()  # "so the caller's pool stays clean"
         new_k, new_v = k, v
         out, row = [], 0
         for n, ctx, table in zip(query_lens, context_lens, block_tables.tolist()):
@@ -118,3 +120,4 @@ wrong(PA, "row 0 went to slot 20, its position 0's: new tokens sit at context_le
 wrong(PA, "slot 4 of k_slots should hold row 1 of k (the fresh 5-token prompt's position 0", attention(write_all_rows=True))
 wrong(PA, "it holds a row of v — k goes to k_slots, v to v_slots", attention(v_into_k=True))
 wrong(PA, "shape", lambda q, *args, **kwargs: attention()(q, *args, **kwargs)[None])
+wrong(PA, "in place (k_slots[slot] = ..., not into a copy)", attention(copies_pool=True))

@@ -147,3 +147,13 @@ class WrongGroupAxis(layer_class()):
 wrong(IL, "tensors() should return a list", NoTensors)
 wrong(IL, "a byte (or more) per weight", KeepsFloat16)
 wrong(IL, "the weight your Int4Linear multiplies by", WrongGroupAxis)
+
+
+class NoBiasParameter(layer_class()):
+    """The layer as it was before the bias: (weight, group_size) only."""
+
+    def __init__(self, weight, group_size):
+        super().__init__(weight, group_size)
+
+
+wrong(IL, "add the parameter bias=None", NoBiasParameter)

@@ -114,9 +114,10 @@ def _check_pool(args: dict, pools: dict, what: str) -> None:
         before, after = pools[name], args[name]
         if torch.equal(before, after):
             raise CheckFailed(
-                f"{what}: {name} is as it was: write this step's new {new} into the pool first, row j of {new} at "
-                "the slot of its position (sequence i's new tokens sit at positions context_len - n .. "
-                "context_len - 1), then read the keys through the block table"
+                f"{what}: {name} is as it was: write this step's new {new} into the pool first, in place "
+                f"({name}[slot] = ..., not into a copy), row j of {new} at the slot of its position (sequence i's new "
+                "tokens sit at positions context_len - n .. context_len - 1), then read the keys through the block "
+                "table"
             )
         expected = before.clone()
         expected[slots] = args[new]
@@ -199,9 +200,8 @@ def attention_adapter(paged_attention, counts: dict):
             counts["steps"] = counts.get("steps", 0) + 1
             if 0 < layout.num_decodes < len(layout.query_lens):
                 counts["mixed"] = counts.get("mixed", 0) + 1
-        if pool.k_scales is not None:
-            raise ValueError(f"your paged_attention writes K/V as they come; this pool stores {pool.kv_cache_dtype} "
-                             "(chapter 07): run it with kv_cache_dtype='auto'")  # fmt: skip
+        if pool.k_scales is not None:  # an 8-bit pool (chapter 07) stores K/V quantized: the package's layer
+            return hooks.default("paged_attention")(step, layer, q, k, v, scale)
         return paged_attention(q, k, v, pool.k_slots[layer], pool.v_slots[layer], list(layout.query_lens),
                                list(layout.context_lens), layout.block_tables, pool.block_size, scale,
                                layout.window)  # fmt: skip

@@ -91,6 +91,15 @@ def _check_refusals(Int4Linear) -> None:
 
 def _check_bias(Int4Linear, weight: torch.Tensor, expected: torch.Tensor, gen: torch.Generator) -> None:
     """The same layer with a bias: added once, in the activations' dtype, kept and listed by tensors()."""
+    import inspect
+
+    try:
+        inspect.signature(Int4Linear).bind(weight, GROUP, bias=None)
+    except TypeError:
+        raise CheckFailed("Int4Linear takes a bias too: add the parameter bias=None (a layer without one passes "
+                          "None)") from None  # fmt: skip
+    except ValueError:  # no signature to read: the call says it
+        pass
     bias = torch.randn(OUT, generator=gen) * 0.1
     given = bias.clone()
     layer = learner_function(Int4Linear)(weight.clone(), GROUP, given)
