@@ -69,7 +69,7 @@ def compare_tensors(got, expected: torch.Tensor, what: str, atol: float = 1e-5, 
         )
 
 
-def name_the_slip(got, expected: torch.Tensor, slips, atol: float = 1e-5) -> bool:
+def name_the_slip(got, expected: torch.Tensor, slips, atol: float = 1e-5, equal_nan: bool = False) -> bool:
     """When ``got`` is a tensor of ``expected``'s shape and dtype with other values, raise the
     message of the first of ``slips`` — ``(what a known mistake computes, its message)`` pairs,
     best given as a generator so that each is computed only if reached — whose values it has.
@@ -80,7 +80,7 @@ def name_the_slip(got, expected: torch.Tensor, slips, atol: float = 1e-5) -> boo
         return False
     if torch.allclose(got, expected, atol=atol):
         return False
-    for value, message in slips:
-        if torch.allclose(got, value, atol=atol):
+    for value, message in slips:  # equal_nan: a mistake that makes a row NaN is named by its NaN too
+        if torch.allclose(got, value, atol=atol, equal_nan=equal_nan):
             raise CheckFailed(message)
     return True

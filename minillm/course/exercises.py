@@ -425,21 +425,24 @@ EXERCISES: list[Exercise] = [
         "05_attention_variants",
         "check_paged_attention",
         "check_paged_attention(paged_attention)",
-        18,
+        21,
         3,
         3,
         (
-            "Walk the sequences; row by row of q, n = query_lens[i] of them. First write their new k and v rows into "
-            "the pool at the slots of positions ctx-n..ctx-1 (the queries read their own keys from it too). Then "
-            "read positions 0..ctx-1 of the pool "
-            "through the sequence's block table, repeat_interleave the K/V heads up to H, score q·kᵀ·scale, and "
-            "mask: the queries sit at ctx-n..ctx-1, each sees keys up to itself (and with a window w, only its last "
-            "w). Softmax, times v; concatenate the sequences.",
-            "`slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(ctx)])`; "
-            "`k_slots[slots[ctx - n:]] = k[row:row + n]` (and v); "
+            "First refuse heads that cannot be grouped (H % KV) with a ValueError. Walk the sequences; row by row "
+            "of q, n = query_lens[i] of them. Their keys run from first = 0 (with a window: the first query's "
+            "window edge, ctx - n - window + 1, at least 0; the blocks before it were released) to ctx - 1. "
+            "Write their new k and v rows into the pool at the slots of positions ctx-n..ctx-1 (the queries read "
+            "their own keys from it too), then read positions first..ctx-1 through the sequence's block table, "
+            "repeat_interleave the K/V heads up to H, score q·kᵀ·scale, and mask: the queries sit at ctx-n..ctx-1, "
+            "each sees keys up to itself (and with a window w, only its last w). Softmax, times v; concatenate "
+            "the sequences.",
+            "`if H % KV: raise ValueError(...)`; `first = 0 if window is None else max(0, ctx - n - window + 1)`; "
+            "`slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(first, "
+            "ctx)])`; `k_slots[slots[-n:]] = k[row:row + n]` (and v); "
             "`keys = k_slots[slots].repeat_interleave(H // KV, dim=1)`, `values` likewise from v_slots; `scores = "
             "torch.einsum('thd,shd->hts', q[row:row + n], keys) * scale`; `pos = torch.arange(ctx - n, ctx)[:, None]`, "
-            "`key_pos = torch.arange(ctx)[None, :]`, `allowed = key_pos <= pos` (`& (key_pos > pos - window)`); "
+            "`key_pos = torch.arange(first, ctx)[None, :]`, `allowed = key_pos <= pos` (`& (key_pos > pos - window)`); "
             "`torch.einsum('hts,shd->thd', "
             "scores.masked_fill(~allowed, -inf).softmax(-1), values)`.",
         ),
@@ -527,21 +530,23 @@ EXERCISES: list[Exercise] = [
         "07_quantization",
         "check_int4_linear",
         "check_int4_linear(Int4Linear)",
-        23,
+        25,
         3,
         3,
         (
-            "__init__: first refuse what cannot be stored (in_features not a multiple of group_size, or odd) with "
-            "ValueError; reshape the weight to [out, groups, group_size], take each group's min and (max - min) / 15, "
+            "__init__: first refuse what cannot be stored (group_size below 1, in_features not a multiple of it, or "
+            "odd) with ValueError; reshape the weight to [out, groups, group_size], take each group's min and (max - min) / 15, "
             "round to levels 0..15, pack the even columns in the low nibble and the odd ones in the high; keep only "
-            "the packed bytes, the scales and the minima, and a copy of the bias if there is one. __call__: unpack "
+            "the packed bytes, the scales and the minima, and a copy of the bias if there is one. __call__: refuse x "
+            "whose last dimension is not in_features (ValueError), unpack "
             "(& 0x0F, >> 4, interleaved back), q * scale + minimum per group, then x @ Ŵᵀ (+ bias) in x's dtype.",
             "`self.minimum = w.amin(-1)`; `self.scale = ((w.amax(-1) - self.minimum) / 15).clamp(min=1e-12)`; "
             "`q = torch.round((w - self.minimum[..., None]) / self.scale[..., None]).clamp(0, 15).to(torch.uint8)"
             ".reshape(out, cols)`; `self.packed = q[:, 0::2] | (q[:, 1::2] << 4)`. Call: `q = torch.stack([p & 0x0F, "
             "p >> 4], dim=-1).reshape(out, -1)`; `w = q.float().reshape(out, -1, g) * self.scale[..., None] + "
             "self.minimum[..., None]`; `y = x @ w.reshape(out, cols).to(x.dtype).T`, plus `self.bias.to(x.dtype)` "
-            "when there is one. Refuse with `if cols % group_size or cols % 2: raise ValueError(...)`; tensors() "
+            "when there is one. Refuse with `if group_size < 1 or cols % group_size or cols % 2: raise ValueError(...)` "
+            "and, in the call, `if x.shape[-1] != cols: raise ValueError(...)` (cols = 2 bytes per packed byte); tensors() "
             "adds `[self.bias]` when there is one.",
         ),
     ),

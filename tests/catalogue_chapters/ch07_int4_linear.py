@@ -18,7 +18,16 @@ def layer_class(**slip):
             elif slip.get("groups_only"):
                 if cols % group_size:
                     raise ValueError(f"in_features {cols} is not a multiple of group_size {group_size}")
-            elif not slip.get("no_check") and (cols % group_size or cols % 2):
+            elif slip.get("vague_refusal"):
+                if group_size < 1 or cols % group_size or cols % 2:
+                    raise ValueError("this weight cannot be stored in int4")
+            elif slip.get("refuses_one"):  # "a group of one is no group"
+                if group_size <= 1 or cols % group_size or cols % 2:
+                    raise ValueError(f"in_features {cols}: not whole groups of {group_size} (> 1), or odd")
+            elif slip.get("zero_group"):  # the old refusal: a group of 0 reaches cols % 0
+                if cols % group_size or cols % 2:
+                    raise ValueError(f"in_features {cols}: not whole groups of {group_size}, or odd")
+            elif not slip.get("no_check") and (group_size < 1 or cols % group_size or cols % 2):
                 raise ValueError(f"in_features {cols}: not whole groups of {group_size}, or odd")
             self.bias = None if bias is None else bias.clone()
             g = cols if slip.get("per_row") else group_size
@@ -45,6 +54,10 @@ def layer_class(**slip):
             return kept + [self.weight] if self.weight is not None else kept
 
         def __call__(self, x):
+            if slip.get("x_assert"):
+                assert x.shape[-1] == self.cols
+            elif not slip.get("no_x_check") and x.shape[-1] != self.cols:
+                raise ValueError(f"x has {x.shape[-1]} features; the layer takes {self.cols}")
             if slip.get("unpacked"):
                 q = self.packed
             else:
@@ -70,7 +83,7 @@ class Int4Grouped:
 
     def __init__(self, weight, group_size, bias=None):
         self.rows, self.cols = weight.shape
-        if self.cols % (2 * group_size if group_size % 2 else group_size):  # whole groups that pair up
+        if group_size <= 0 or self.cols % (2 * group_size if group_size % 2 else group_size):  # whole groups that pair up
             raise ValueError(f"{self.cols} inputs cannot be packed in groups of {group_size}")
         self.offset = bias
         w = weight.detach().float().view(self.rows, -1, group_size)
@@ -84,6 +97,8 @@ class Int4Grouped:
         return [self.data, self.step, self.low, *([] if self.offset is None else [self.offset])]
 
     def __call__(self, x):
+        if x.size(-1) - self.cols:
+            raise ValueError(f"activations of width {x.size(-1)} for a layer of {self.cols} inputs")
         shifts = torch.tensor([0, 4], dtype=torch.uint8)
         q = ((self.data.unsqueeze(-1) >> shifts) & 15).flatten(1)  # [rows, cols]
         w = (q.view(self.rows, self.step.shape[1], -1).float() * self.step[..., None] + self.low[..., None])
@@ -111,6 +126,11 @@ for slip, message in (
     ({"bias_twice": True}, "the bias was added twice"),
     ({"bias_unlisted": True}, "does not list the bias"),
     ({"bias_fp32": True}, "add the bias in the activations' dtype"),
+    ({"zero_group": True}, "raised ZeroDivisionError: integer modulo by zero. a group of 0 inputs"),
+    ({"no_x_check": True}, "on x[3, 32] raised RuntimeError"),
+    ({"x_assert": True}, "on x[3, 32] raised AssertionError"),
+    ({"vague_refusal": True}, "name both numbers, 20 and 16, in the message"),
+    ({"refuses_one": True}, "A group of 1 input is allowed"),
 ):
     wrong(IL, message, layer_class(**slip))
 

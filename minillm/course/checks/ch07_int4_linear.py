@@ -6,13 +6,14 @@ minima, and the bias when there is one (``tensors()`` lists what it keeps); ``la
 ``x @ Ŵᵀ + bias``. Two stages:
 
 1. **diagnosis on a hand-made layer** — shapes it must refuse with a ``ValueError`` (inputs that
-   are not whole groups, an odd number of inputs that cannot pack in pairs), then a random
-   ``[32, 64]`` weight in groups of 16: the bytes it keeps (half a byte per weight plus the
-   groups' two numbers, or a named reason why not), then the weight it effectively multiplies by
+   are not whole groups, an odd number of inputs that cannot pack in pairs, a group of 0 inputs),
+   then a random ``[32, 64]`` weight in groups of 16: the bytes it keeps (half a byte per weight
+   plus the groups' two numbers, or a named reason why not), then the weight it effectively multiplies by
    (read back by multiplying the identity) against the reference quantizer's and its classic
    variants (the nibbles swapped, no minimum, one scale per row, truncation instead of rounding,
-   16 levels out of range), the output dtype, and the same layer with a bias (added once, in the
-   activations' dtype, kept and listed);
+   16 levels out of range), the output dtype, the same layer with a bias (added once, in the
+   activations' dtype, kept and listed), and the edges: refusals whose messages name the numbers
+   that clash, a group of 1 input (allowed, and exact), activations of the wrong width;
 2. **the plug-in run** — the learner's class as the weight method of every int4 layer of the
    real engine (the tiny model, fp32, ``quantization="int4"``): greedy tokens equal to the
    package's int4 engine.
@@ -67,18 +68,23 @@ def _held_bytes(layer) -> int:
 REFUSED = [
     (8, 20, 16, "20 inputs are not whole groups of 16"),
     (8, 15, 5, "15 inputs are whole groups of 5, but an odd count: the last value would have no byte-mate"),
+    (8, 64, 0, "a group of 0 inputs holds nothing to scale"),
 ]
 
 
-def _check_refusals(Int4Linear) -> None:
+def _check_refusals(Int4Linear) -> list:
+    """Each shape of ``REFUSED`` raises ValueError; returns ``(call, error, the two numbers)`` for
+    ``_check_edges`` to read the messages once the layer's arithmetic is known right."""
     from minillm.course.results import LearnerRaised
 
+    refused = []
     for out, cols, group, why in REFUSED:
         call = f"Int4Linear(weight[{out}, {cols}], group_size={group})"
         try:
             made = learner_function(Int4Linear)(torch.randn(out, cols), group)
         except LearnerRaised as err:
             if isinstance(err.__cause__, ValueError):
+                refused.append((call, err.__cause__, cols, group))
                 continue
             if isinstance(err.__cause__, NotImplementedError):  # the skeleton: not attempted yet
                 raise
@@ -87,6 +93,50 @@ def _check_refusals(Int4Linear) -> None:
                               "numbers") from None  # fmt: skip
         raise CheckFailed(f"{call} built a layer ({type(made).__name__}) instead of raising ValueError: {why} — "
                           "refuse it before quantizing")  # fmt: skip
+    return refused
+
+
+def _check_edges(Int4Linear, refused: list) -> None:
+    """The refusals' messages name the numbers that clash; a group of 1 is allowed; activations of
+    the wrong width get a ValueError naming both widths, not the matmul's shapes."""
+    from minillm.course.results import LearnerRaised
+
+    for call, err, first, second in refused:
+        _names_both(call, err, first, second)
+    weight = torch.randn(4, 6)  # the smallest group there is: every weight its own, kept exactly
+    try:
+        layer = learner_function(Int4Linear)(weight, 1)
+    except LearnerRaised as err:
+        if isinstance(err.__cause__, NotImplementedError):
+            raise
+        raise CheckFailed(f"Int4Linear(weight[4, 6], group_size=1) raised {type(err.__cause__).__name__}: "
+                          f"{err.__cause__}. A group of 1 input is allowed (each weight its own group, given back "
+                          "exactly): refuse only group sizes below 1") from None  # fmt: skip
+    x = torch.randn(2, 6)
+    compare_tensors(learner_function(layer.__call__)(x), x @ weight.T,
+                    "Int4Linear(weight[4, 6], group_size=1) on x[2, 6] (every weight its own group: exact)")  # fmt: skip
+    layer = learner_function(Int4Linear)(torch.randn(OUT, IN), GROUP)
+    call = f"Int4Linear(weight[{OUT}, {IN}], group_size={GROUP}) on x[3, {IN // 2}]"
+    try:
+        got = learner_function(layer.__call__)(torch.randn(3, IN // 2))
+    except LearnerRaised as err:
+        if isinstance(err.__cause__, ValueError):
+            _names_both(call, err.__cause__, IN // 2, IN)
+            return
+        if isinstance(err.__cause__, NotImplementedError):
+            raise
+        raise CheckFailed(f"{call} raised {type(err.__cause__).__name__}: {err.__cause__}. The activations have "
+                          f"{IN // 2} features where the layer takes {IN}: compare x.shape[-1] with the layer's "
+                          "input features first and raise ValueError naming both") from None  # fmt: skip
+    raise CheckFailed(f"{call} returned {type(got).__name__} instead of raising ValueError: the layer takes {IN} "
+                      f"input features, x has {IN // 2}")  # fmt: skip
+
+
+def _names_both(call: str, err: Exception, first: int, second: int) -> None:
+    """A refusal's message must name the numbers that clash, so the caller can see which to change."""
+    if str(first) not in str(err) or str(second) not in str(err):
+        raise CheckFailed(f"{call} raised ValueError({str(err)!r}): name both numbers, {first} and {second}, in "
+                          "the message, so whoever called it sees which one to change")  # fmt: skip
 
 
 def _check_bias(Int4Linear, weight: torch.Tensor, expected: torch.Tensor, gen: torch.Generator) -> None:
@@ -128,7 +178,7 @@ def _check_bias(Int4Linear, weight: torch.Tensor, expected: torch.Tensor, gen: t
 
 
 def _check_example(Int4Linear) -> None:
-    _check_refusals(Int4Linear)
+    refused = _check_refusals(Int4Linear)
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(OUT, IN, generator=gen) * 0.05
     given = weight.clone()
@@ -165,6 +215,7 @@ def _check_example(Int4Linear) -> None:
         got = half.dtype if isinstance(half, torch.Tensor) else type(half).__name__
         raise CheckFailed(f"Int4Linear on bf16 activations returned {got}: return the activations' dtype")
     _check_bias(Int4Linear, weight, expected, gen)
+    _check_edges(Int4Linear, refused)
 
 
 class LearnerInt4Method:
@@ -219,7 +270,7 @@ def check_int4_linear(Int4Linear, model: str = "tiny-shakespeare-1m") -> str:
         "your layer matched on the example: what differs on the model's own shapes?",
     )
     return (
-        f"your Int4Linear refused {len(REFUSED)} shapes it cannot store, added a bias in the activations' dtype, and "
-        f"ran all {replaced} int4 layers of the engine (half a byte per weight plus the groups' scales and minima), "
+        f"your Int4Linear refused {len(REFUSED)} shapes it cannot store and activations of the wrong width, added a "
+        f"bias in the activations' dtype, and ran all {replaced} int4 layers of the engine (half a byte per weight plus the groups' scales and minima), "
         "giving the package's int4 engine's greedy tokens"
     )
