@@ -46,3 +46,8 @@ __all__ = [
     "StreamDelta",
     "TokenLogprob",
 ]
+
+if _os.environ.get("MINILLM_GRADING"):  # a process the learner's code started while a check is graded
+    from minillm.course.guard import guard_from_environment  # noqa: E402
+
+    guard_from_environment()

@@ -197,6 +197,7 @@ SPREAD_MODULES = {
     "test_check_catalogue.py",
     "test_course_build.py",
     "test_grading_isolation.py",
+    "test_grading_attacks.py",
     "test_quantization.py",
 } | set(filter(None, os.environ.get("MINILLM_TEST_SPREAD_ALSO", "").split(",")))  # test_suite_order's real runs
 DURATIONS = Path(__file__).with_name("durations.json")  # seconds per test, from the last measured run

@@ -517,12 +517,18 @@ def test_the_public_surface_rule_catches_each_way_round_it():
     assert public_surface_violations(allowed) == []
 
 
+#: The one course module whose job is to patch: in the grading process it swaps the code of the
+#: package's answers for stand-ins, in place, puts their dispatcher among the built-ins, and reads
+#: the calling frames (``sys._getframe``) to tell the package's calls from the learner's (issue 46).
+PATCHING_BY_DESIGN = {"guard.py"}
+
+
 @pytest.mark.parametrize("package", ["course", "viz"])
 def test_course_and_viz_touch_no_private_name_and_patch_nothing(package):
     """A check plugs a learner's function in through ``minillm.hooks`` and reads the engine
     through its public methods (``LLMEngine.stats``, ``simulated_time``...), so reorganising
     the engine's insides cannot silently unplug a chapter."""
-    files = sorted((PACKAGE / package).glob("*.py"))
+    files = sorted(p for p in (PACKAGE / package).glob("*.py") if p.name not in PATCHING_BY_DESIGN)
     assert len(files) > 5
     found = [f"{path.name} {v}" for path in files for v in public_surface_violations(path.read_text())]
     assert not found, "\n".join(found)

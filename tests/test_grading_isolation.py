@@ -112,7 +112,7 @@ def test_the_package_answer_imported_and_returned_is_reported():
     """
     result = run_check("check_quantize_per_channel", cells(source))
     assert result.status == "fail", result
-    assert "cell 1 calls minillm.quantization.int8.quantize_int8" in result.message
+    assert "cell 1 called the package's minillm.quantization.int8.quantize_int8" in result.message
     assert "the package's own answer" in result.message
 
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from minillm.course.isolated import CHECK_TIMEOUT_S, TAMPERED, learner_cells, run_checks, tamper_findings
+from minillm.course.reach import reach_findings, shipped_sources
 from minillm.course.results import FAIL, NOT_ATTEMPTED, PASS, VERDICT_MIME, CheckResult
 
 DEFAULT_TIMEOUT = 900  # seconds for a whole notebook
@@ -70,6 +71,13 @@ class NotebookGrade:
     course: bool = True  # False: not a course notebook (it was not run)
 
     @property
+    def sandbox(self) -> str:
+        """How the fresh grading processes held the solved notebooks: "answers hidden", the first
+        reason they were not, or "" (no check was graded in one)."""
+        said = [r.sandbox for r in self.results if r.sandbox]
+        return next((s for s in said if s != "answers hidden"), said[0] if said else "")
+
+    @property
     def passed(self) -> int:
         return sum(r.status == PASS for r in self.results)
 
@@ -101,6 +109,7 @@ class NotebookGrade:
                     "message": r.message,
                     "points": max_points(r.check) if r.status == PASS else 0,
                     "max_points": max_points(r.check),
+                    "sandbox": r.sandbox,
                 }
                 for r in self.results
             ],
@@ -122,6 +131,8 @@ class NotebookGrade:
             mark = {PASS: "PASS", FAIL: "FAIL"}.get(r.status, "----")
             earned = f"{max_points(r.check) if r.status == PASS else 0}/{max_points(r.check)}"
             detail = "" if r.status == PASS else f" — {r.status}: {r.message}"
+            if r.sandbox and r.sandbox != "answers hidden":  # said wherever the guarantee did not hold
+                detail += f" [{r.sandbox}]"
             lines.append(f"  [{mark}] {r.check} ({earned}){detail}")
         return "\n".join(lines)
 
@@ -348,7 +359,8 @@ def grade_notebook(
             "in its code and no check cell (not run)"
         )
         return grade
-    findings = tamper_findings(learner_cells(submitted, len(submitted.cells), ()))
+    cells = learner_cells(submitted, len(submitted.cells), ())
+    findings = tamper_findings(cells) + reach_findings(cells, shipped_sources(grade.chapter))
     first_lines = [next((line.strip() for line in c.source.splitlines() if line.strip()), "") for c in submitted.cells]
     for attempt in (1, 2):  # a run that stops early is tried once more, in a fresh kernel
         nb, nonce = copy.deepcopy(submitted), secrets.token_hex(16)
@@ -371,7 +383,7 @@ def grade_notebook(
     for index, name in graded.items():
         in_notebook = verdicts[index]
         if findings:
-            result = CheckResult(name, FAIL, f"{TAMPERED}: " + "; ".join(findings[:3]))
+            result = CheckResult(name, FAIL, f"{TAMPERED}: " + "; ".join(findings[:8]))
         elif expected is None:  # not a course chapter: its own check cells, as the notebook ran them
             result = in_notebook or _unreported(name, index, run)
         elif name in fresh:
@@ -404,11 +416,12 @@ def write_csv(grades: list[NotebookGrade], csv_path: str | Path) -> None:
     names = sorted({r.check for g in grades for r in g.results}, key=_course_order)
     with open(csv_path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(["notebook", "chapter", "points", "max_points", "passed", "total", *names, "error"])
+        writer.writerow(["notebook", "chapter", "points", "max_points", "passed", "total", *names, "error", "sandbox"])
         for g in grades:
             status = {r.check: r.status for r in g.results}
             counts = [g.points, g.max_points, g.passed, g.total] if g.course else ["", "", "", ""]
-            writer.writerow([g.notebook, g.chapter or "", *counts, *[status.get(n, "") for n in names], g.error or ""])
+            writer.writerow([g.notebook, g.chapter or "", *counts, *[status.get(n, "") for n in names], g.error or "",
+                             g.sandbox])  # fmt: skip
 
 
 def grade_folder(

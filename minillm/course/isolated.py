@@ -16,17 +16,24 @@ text** (forked from a server that has imported torch and the course and has run 
    learner code runs, and its verdict is what that function returns or raises — not a table
    the learner's code can write. The verdict goes to the grader through a pipe, exactly once;
    a second message on it marks the check as tampered.
-3. *What is detected.* Before anything runs, the grader reads every code cell of the notebook
+3. *What is out of reach.* Before the learner's code loads, the package's answers to the
+   exercise have their code swapped for stand-ins that refuse the learner's calls however they
+   arrive (``guard.py``), and the process runs in a mount namespace of its own in which the solved
+   notebooks and those answers' source files are empty (``sandbox.hide_answers``; each verdict
+   says whether that held on this machine).
+4. *What is detected.* Before anything runs, the grader reads every code cell of the notebook
    for the usual forgeries (``tamper_findings``: redefining a course check, touching the
-   results table, writing a verdict). In the fresh process, after the check: any library
-   module whose functions were replaced (by learner code, or by other library functions), and
-   any call the learner's code made to the package's own answer to this exercise
-   (``Exercise.references``) — reported as "you called the package's answer".
+   results table, writing a verdict) and for code that reaches around a grader
+   (``reach.reach_findings``). In the fresh process, after the check: any library module
+   whose functions were replaced (by learner code, or by other library functions), each call
+   the stand-ins refused, and any call the learner's code made to a course-private reference —
+   reported as "the package's own answer".
 
 What it cannot prevent: the learner's functions still run inside the check's process (they
-must: the check calls them), so code written with native tools (``ctypes``) to rewrite the
-interpreter's state could still fake a verdict. The report names every finding; an instructor
-should read a submission whose findings or grades surprise them.
+must: the check calls them), so code that digs the answers' original code out of the
+process's memory, or rewrites the interpreter's state with native tools (``ctypes``), could
+still fake a verdict; each needs a construct the scan names. The report names every finding;
+an instructor should read a submission whose findings or grades surprise them.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import signal
 import sys
 import types
 from dataclasses import dataclass
+from pathlib import Path
 
 from minillm.course.results import CHECK_ERROR, FAIL, NOT_ATTEMPTED, PASS, CheckResult
 
@@ -272,7 +280,9 @@ def _check_of(line: bytes) -> str:
 def _verdict(name: str, line: str) -> CheckResult:
     try:
         verdict = json.loads(line)
-        return CheckResult(name, str(verdict["status"]), str(verdict["message"]))
+        exposed = verdict.get("exposed")
+        sandbox = "answers hidden" if exposed is None else f"answers NOT hidden: {exposed}"
+        return CheckResult(name, str(verdict["status"]), str(verdict["message"]), sandbox)
     except (ValueError, KeyError, TypeError):
         return CheckResult(name, FAIL, f"{TAMPERED}: the check's process reported something that is not a verdict")
 
@@ -487,16 +497,34 @@ class _ShortcutWatch:
 
 
 def _grade_in_this_process(job: dict) -> dict:
-    import builtins
-    import linecache
-
     import minillm.course as course
     from minillm.course.exercises import BY_CHECK
-    from minillm.course.results import CheckError, CheckFailed
+    from minillm.course.guard import ENVIRONMENT, guard_answers
+    from minillm.course.sandbox import hide_sources
 
     check_name = job["check"]
     check_fn = getattr(course, check_name)  # the package's check, taken before any learner code runs
     exercise = BY_CHECK[check_name]
+    guard = guard_answers(check_name, exercise.references)  # the package's answers refuse learner code
+    unhidden = hide_sources(guard.modules)  # their source cannot be read back (in this process's own mounts)
+    os.environ[ENVIRONMENT] = check_name  # a process the learner's code starts guards them too
+    try:
+        verdict = _graded(job, check_fn, exercise, guard)
+        return verdict if unhidden is None else {**verdict, "exposed": unhidden}
+    finally:
+        guard.lift()
+        os.environ.pop(ENVIRONMENT, None)
+
+
+def _graded(job: dict, check_fn, exercise, guard) -> dict:
+    """``_grade_in_this_process`` once the stand-ins are in: the learner's definitions, the check,
+    and what was found."""
+    import builtins
+    import linecache
+
+    from minillm.course.results import CheckError, CheckFailed
+
+    check_name = job["check"]
     codes = _reference_codes(check_name)
     integrity = _Integrity()
     namespace = {"__name__": "__main__", "__builtins__": builtins}
@@ -536,6 +564,10 @@ def _grade_in_this_process(job: dict) -> dict:
     tampering = integrity.changes()
     if tampering:
         return {"status": FAIL, "message": f"{TAMPERED}: {'; '.join(tampering)}"}
+    if guard.attempts:  # refused, whatever the learner's code made of the refusal
+        return {"status": FAIL, "message": f"{'; '.join(guard.attempts[:3])}, which is not available while grading "
+                                           f"{check_name} — the package's own answer to this exercise: write it "
+                                           "yourself"}  # fmt: skip
     if watch.found:
         shortcut = watch.found[0]
         return {"status": FAIL, "message": f"{shortcut} — the package's own answer to this exercise: write it yourself"}
@@ -556,7 +588,12 @@ def main() -> int:
 
 
 def run(payload: dict, fd: int) -> int:
-    """Grade ``payload``'s jobs in this process, one verdict line per check to ``fd``."""
+    """Grade ``payload``'s jobs in this process, one verdict line per check to ``fd``; first the
+    solved notebooks are hidden from it (``sandbox.hide_answers``), and each verdict says whether
+    they were (``exposed``: None, or why not)."""
+    from minillm.course.sandbox import answer_folders, hide_answers
+
+    exposed = hide_answers(answer_folders() + [Path(p) for p in payload.get("hide", [])])
     with os.fdopen(fd, "w", encoding="utf-8") as channel:
         tampered = None
         for name, cells in payload["jobs"]:
@@ -574,7 +611,8 @@ def run(payload: dict, fd: int) -> int:
                     tampered = (
                         f"{TAMPERED} (by the code of an earlier check): {verdict['message'][len(TAMPERED) + 2 :]}"
                     )
-            channel.write(json.dumps({"check": name, **verdict}) + "\n")
+            said = verdict.pop("exposed", None)  # a source file this check's answers are in stayed readable
+            channel.write(json.dumps({"check": name, **verdict, "exposed": exposed or said}) + "\n")
             channel.flush()
     return 0
 

@@ -146,6 +146,9 @@ class CheckResult:
     check: str
     status: str
     message: str
+    #: Set by the grader for a check graded in its fresh process: ``"answers hidden"``, or
+    #: ``"answers NOT hidden: <why>"`` where the machine would not let it hide the solved notebooks.
+    sandbox: str | None = None
 
     def _ipython_display_(self) -> None:
         """Show nothing when a check is the last line of a cell: its verdict is already printed."""
