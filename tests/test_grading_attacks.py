@@ -185,6 +185,15 @@ def test_a_way_around_the_grader_gets_no_pass(attack):
         assert "filter_logits" in result.message or "KeyError" in result.message, result
 
 
+def test_a_subclass_that_inherits_the_package_class_gets_no_pass():
+    """No learner frame runs when an inherited method does: the stand-in looks at the instance's
+    class instead."""
+    source = "import minillm.kvcache.contiguous as c\nclass ContiguousKVCache(c.ContiguousKVCache):\n    pass\n"
+    result = run_check("check_contiguous_cache", cells(source))
+    assert result.status == "fail", result
+    assert "your class ContiguousKVCache (it inherits the package's code) called the package's" in result.message
+
+
 @pytest.mark.parametrize("attack", [a for a in ATTACKS if a != "the hook's reference"],  # ordinary code to read:
                          ids=lambda a: a.replace(" ", "-"))  # the stand-in refuses it at run time  # fmt: skip
 def test_the_static_scan_names_each_way_around(attack):
