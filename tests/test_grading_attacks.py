@@ -204,8 +204,19 @@ def test_the_static_scan_names_each_way_around(attack):
 def test_the_issue_forgeries_are_named_by_the_scan():
     assert "cell 1: uses `.setprofile`" in reach_findings(cells(PROFILE_OFF))
     assert "cell 1: uses `.__file__`" in reach_findings(cells(SOLVED_NOTEBOOK))
-    assert reach_findings(cells("import ctypes\n")) == ["cell 1: imports `ctypes` (raw memory)"]
-    assert reach_findings(cells("x = getattr(sys, 'settrace')\n")) == ["cell 1: names `settrace` in a string"]
+    assert reach_findings(cells("import ctypes\n", "def f():\n    return ctypes.c_int(1)\n")) == [
+        "cell 2: uses `ctypes` (raw memory)"]
+    assert reach_findings(cells("def f(x):\n    return getattr(x, 'settrace')\n")) == [
+        "cell 1: names `settrace` in a string"]
+    assert reach_findings(cells("def f():\n    import gc\n    return gc\n"))[0] == (
+        "cell 1: imports `gc` (the interpreter's object graph)")
+
+
+def test_a_scratch_cell_the_grader_never_runs_costs_nothing():
+    """Top-level statements are not run in the grading process: ``gc.collect()`` or a look at a
+    signature there reaches nothing."""
+    scratch = "import gc, inspect\ngc.collect()\nprint(inspect.signature(filter_logits))\n"
+    assert reach_findings(cells(scratch)) == []
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from minillm.course.isolated import python_of
+from minillm.course.isolated import definitions
 
 #: Modules whose import reaches around a grader, with what they are for.
 MODULES = {
@@ -56,20 +56,56 @@ _EVERYDAY_OWNERS = {"model", "self", "module", "layer", "nn"}
 def reach_findings(cells, shipped: set[str] | None = None) -> list[str]:
     """One line per construct that reaches around the grader, in the cells (``LearnerCell``s)
     whose source is not one of the shipped student notebook's (``shipped``: their stripped
-    sources; None: read every cell)."""
-    findings: list[str] = []
+    sources; None: read every cell).
+
+    Only the code the grading process runs is read — each cell's imports, ``def``s, ``class``es
+    and constant assignments (``isolated.definitions``) — so a scratch cell's ``gc.collect()`` or
+    ``inspect.signature(f)`` at the top level, which the grader never runs, costs nothing. An
+    import of one of ``MODULES`` is a finding once a definition uses the name it bound."""
+    kept = []
     for cell in cells:
         if shipped is not None and cell.source.strip() in shipped:
             continue
         try:
-            tree = ast.parse(python_of(cell.source))
+            kept.append((cell.number, [node for node, _ in definitions(cell.source)[1]]))
         except SyntaxError:
             continue
-        for node in ast.walk(tree):
-            found = _finding(node)
-            if found and f"cell {cell.number}: {found}" not in findings:
-                findings.append(f"cell {cell.number}: {found}")
+    bound = {}  # a name an import of a reaching module bound → what it is
+    for _, statements in kept:
+        for node in statements:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                bound.update(_reaching_names(node))
+    findings: list[str] = []
+    for number, statements in kept:
+        for statement in statements:
+            top_import = isinstance(statement, (ast.Import, ast.ImportFrom))
+            for node in ast.walk(statement):
+                if top_import and node is statement:
+                    found = _imported_attribute(node)  # `from sys import setprofile`; a module alone waits for its use
+                elif isinstance(node, ast.Name) and node.id in bound and not top_import:
+                    found = f"uses `{node.id}` ({bound[node.id]})"
+                else:
+                    found = _finding(node)
+                if found and f"cell {number}: {found}" not in findings:
+                    findings.append(f"cell {number}: {found}")
     return findings
+
+
+def _reaching_names(node) -> dict[str, str]:
+    """The names an import statement binds to a reaching module (or to something from one)."""
+    if isinstance(node, ast.ImportFrom):
+        why = MODULES.get((node.module or "").split(".")[0])
+        return {alias.asname or alias.name: why for alias in node.names} if why else {}
+    return {(alias.asname or alias.name.split(".")[0]): MODULES[alias.name.split(".")[0]]
+            for alias in node.names if MODULES.get(alias.name.split(".")[0])}  # fmt: skip
+
+
+def _imported_attribute(node) -> str | None:
+    if isinstance(node, ast.ImportFrom):
+        for alias in node.names:
+            if alias.name in ATTRIBUTES or alias.name in CALLS:
+                return f"imports `{alias.name}` from `{node.module}`"
+    return None
 
 
 def _finding(node) -> str | None:
