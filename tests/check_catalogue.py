@@ -114,7 +114,10 @@ def _tril(q, offset=0):
 
 
 right("check_causal_attention", causal_attention)
-right("check_causal_attention", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+right("check_causal_attention", lambda q, k, v: _masked(q, k, v, torch.ones(q.shape[-2], q.shape[-2]).tril().bool()))
+# torch's fused attention computes the whole answer: the exercise asks for the computation (issue 46)
+wrong("check_causal_attention", "calls torch's scaled_dot_product_attention, which computes this exercise's whole",
+      lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))  # fmt: skip
 wrong("check_causal_attention", "not scaled", lambda q, k, v: _masked(q, k, v, _tril(q), scale=False))
 wrong("check_causal_attention", "no causal mask", lambda q, k, v: _masked(q, k, v, torch.ones_like(_tril(q))))
 wrong("check_causal_attention", "wrong axis", lambda q, k, v: _masked(q, k, v, _tril(q), dim=-2))

@@ -256,7 +256,7 @@ def test_learner_crash_shows_one_line_and_only_the_learners_frames():
 
 def test_wrong_answer_is_one_red_line():
     with pytest.raises(CheckFailed) as err:
-        course.check_causal_attention(lambda q, k, v: F.scaled_dot_product_attention(q, k, v))  # no causal mask
+        course.check_causal_attention(lambda q, k, v: torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) @ v)
     assert err.value._render_traceback_() == [f"\x1b[31m❌ check_causal_attention: {err.value}\x1b[0m"]
 
 
@@ -312,15 +312,18 @@ def test_in_a_notebook_a_failed_check_is_a_short_red_line(tmp_path):
 
     nb = nbformat.v4.new_notebook()
     nb.cells = [
-        nbformat.v4.new_code_cell("import torch.nn.functional as F\nfrom minillm.course import check_causal_attention"),
-        nbformat.v4.new_code_cell("def causal_attention(q, k, v):\n    return F.scaled_dot_product_attention(q, k, v)"),
+        nbformat.v4.new_code_cell("import torch\nfrom minillm.course import check_causal_attention"),
+        nbformat.v4.new_code_cell(  # no causal mask
+            "def causal_attention(q, k, v):\n    return torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) @ v"
+        ),
         nbformat.v4.new_code_cell("check_causal_attention(causal_attention)"),
         nbformat.v4.new_code_cell(
             "def causal_attention(q, k, v):\n    return pick(q)\n\ndef pick(q):\n    return 1 // 0"
         ),
         nbformat.v4.new_code_cell("check_causal_attention(causal_attention)"),
         nbformat.v4.new_code_cell(
-            "def causal_attention(q, k, v):\n    return F.scaled_dot_product_attention(q, k, v, is_causal=True)"
+            "def causal_attention(q, k, v):\n    t = q.shape[-2]\n    s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5\n"
+            "    return torch.softmax(s.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float('-inf')), -1) @ v"
         ),
         nbformat.v4.new_code_cell("check_causal_attention(causal_attention)"),
     ]

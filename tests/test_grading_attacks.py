@@ -194,6 +194,62 @@ def test_a_subclass_that_inherits_the_package_class_gets_no_pass():
     assert "your class ContiguousKVCache (it inherits the package's code) called the package's" in result.message
 
 
+#: A review's attacks (2026-12-05), each of which passed the first version of the stand-ins, and
+#: what now refuses it: (check, source, the report's words).
+REVIEW_ATTACKS = {
+    "a decorator that hands back functools.partial(reference)": ("check_filter_logits", (
+        "import functools\n"
+        "from minillm.sampling import filter_logits as _engine\n"
+        "def _mine(f):\n"
+        "    return functools.partial(_engine)\n"
+        "@_mine\n"
+        f"{FILTER}"
+        "    raise NotImplementedError()\n"
+    ), "`filter_logits` is a functools.partial, not a function written in your cells"),
+    "a class body's staticmethod(partial(reference)) bound as a constant": ("check_filter_logits", (
+        "import functools\n"
+        "from minillm.sampling import filter_logits as _engine\n"
+        "class _Box:\n"
+        "    fn = staticmethod(functools.partial(_engine))\n"
+        "filter_logits = _Box.fn\n"
+    ), "is a functools.partial"),
+    "a finalizer that runs the reference as the learner's frame ends": ("check_causal_attention", (
+        "import torch, weakref, itertools, collections\n"
+        "from minillm.attention import torch_attention\n"
+        "class _Token:\n"
+        "    pass\n"
+        "def causal_attention(q, k, v):\n"
+        "    out, results, token = torch.empty_like(q), [], _Token()\n"
+        "    weakref.finalize(token, collections.deque(maxlen=0).extend, itertools.chain(\n"
+        "        map(results.append, map(torch_attention, [q], [k], [v], [None], [True], [q.shape[-1] ** -0.5])),\n"
+        "        map(out.copy_, results)))\n"
+        "    return out\n"
+    ), "code running for your function (a partial, a finalizer, code renamed as the package's) called the "
+       "package's minillm.attention.torch_attention"),
+    "the learner's own code renamed as the package's file": ("check_filter_logits", (
+        "from minillm.sampling import filter_logits as _engine\n"
+        "import minillm.sampling as _s\n"
+        f"{FILTER}"
+        "    return _engine(logits, temperature, top_k, top_p)\n"
+        "class _Patch:\n"
+        "    _c = '__co' + 'de__'\n"
+        "    setattr(filter_logits, _c, getattr(filter_logits, _c).replace(co_filename=getattr(_s, '__fi' + 'le__')))\n"
+    ), "is the function __main__.filter_logits"),
+    "torch's fused attention reached by a computed name": ("check_causal_attention", (
+        "import torch.nn.functional as F\n"
+        "def causal_attention(q, k, v):\n"
+        "    return getattr(F, 'scaled_dot_' + 'product_attention')(q, k, v, is_causal=True)\n"
+    ), "cell 1 called torch.nn.functional.scaled_dot_product_attention, which is not available while grading"),
+}
+
+
+@pytest.mark.parametrize("attack", list(REVIEW_ATTACKS), ids=lambda a: a.replace(" ", "-"))
+def test_a_review_attack_gets_no_pass(attack):
+    check, source, words = REVIEW_ATTACKS[attack]
+    result = run_check(check, cells(source))
+    assert result.status == "fail" and words in result.message, (attack, result)
+
+
 @pytest.mark.parametrize("attack", [a for a in ATTACKS if a != "the hook's reference"],  # ordinary code to read:
                          ids=lambda a: a.replace(" ", "-"))  # the stand-in refuses it at run time  # fmt: skip
 def test_the_static_scan_names_each_way_around(attack):

@@ -14,7 +14,7 @@ import textwrap
 import types
 
 import pytest
-import torch.nn.functional as F
+import torch
 from check_catalogue import RIGHT
 
 from minillm import LLM, SamplingParams
@@ -164,7 +164,13 @@ def test_a_record_says_why_it_cannot_keep_a_function(tmp_path):
 
 def test_a_check_passed_in_a_notebook_keeps_the_code_and_a_test_does_not(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    check_causal_attention(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))  # pytest's code
+
+    def causal_attention(q, k, v):  # pytest's code
+        t = q.shape[-2]
+        scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        return torch.softmax(scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf")), -1) @ v
+
+    check_causal_attention(causal_attention)
     assert not (tmp_path / "your_engine").exists()
     import IPython
 

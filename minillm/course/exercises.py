@@ -801,6 +801,17 @@ BY_CHECK: dict[str, Exercise] = {e.check: e for e in EXERCISES}
 
 #: Check → the package functions that already solve its exercise (``Exercise.references``). Only
 #: what does the exercise's job: helpers the solutions call themselves are never listed here.
+#: Library functions that compute an exercise's whole answer, as ``(module, attribute)``: the
+#: check refuses a learner's function that names one (``results.check``), and while grading, the
+#: stand-ins refuse a call of one made for the learner (``guard.py``).
+LIBRARY_ANSWERS: dict[str, tuple[tuple[str, str], ...]] = {
+    "check_causal_attention": (
+        ("torch.nn.functional", "scaled_dot_product_attention"),
+        ("torch._C._nn", "scaled_dot_product_attention"),
+        ("torch.nn.functional", "multi_head_attention_forward"),
+    ),
+}
+
 REFERENCES: dict[str, tuple[str, ...]] = {
     "check_stopping": ("minillm.sequence.append_token", "minillm.sequence.take_stream_text"),
     "check_speculative_decode": ("minillm.speculative.ngram.propose_ngram",),

@@ -32,6 +32,8 @@ import sys
 import types
 from dataclasses import dataclass, field
 
+from minillm.course.results import LEARNER_CALLS
+
 #: The name the stand-ins look up (in ``builtins``, which every module's globals fall back to).
 DISPATCH = "__minillm_graded_answer__"
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -62,6 +64,9 @@ class Guard:
 
     def lift(self) -> None:
         """Put the package's code back (the next check in the same process may need it)."""
+        for module, attr, original in self.wrapped:
+            setattr(module, attr, original)
+        self.wrapped.clear()
         for entry in self.guarded.values():
             entry.function.__code__ = entry.code
             if entry.signature is _NONE:
@@ -74,6 +79,7 @@ class Guard:
 
     dispatch = None  # the function the stand-ins call (``_dispatcher``)
     modules: set = field(default_factory=set)  # the modules that define the guarded functions
+    wrapped: list = field(default_factory=list)  # (module, attribute, original): the library answers wrapped
 
 
 def _dispatcher(guard: Guard):
@@ -86,6 +92,8 @@ def _dispatcher(guard: Guard):
     def dispatch(key: str, args: tuple, kwargs: dict):
         entry = guarded[key]
         culprit = _learner_on_stack(sys._getframe(2)) or (_learner_class(args) if entry.method else None)
+        if culprit is None and LEARNER_CALLS.depth:  # no frame of theirs, but their call is running
+            culprit = "code running for your function (a partial, a finalizer, code renamed as the package's)"
         if culprit is None:
             return entry.implementation(*args, **kwargs)
         attempt = f"{culprit} called the package's {entry.path}"
@@ -99,12 +107,23 @@ def _dispatcher(guard: Guard):
 
 def guard_answers(check: str, paths) -> Guard:
     """Swap in the stand-ins for ``paths`` (dotted names of functions, methods or classes — a
-    class's own functions each), for grading ``check``. Call before the learner's code loads."""
+    class's own functions each), for grading ``check``, and wrap the library functions that
+    compute the same answer (``exercises.LIBRARY_ANSWERS``: built-ins, whose code cannot be
+    swapped, are replaced in their module while the check runs). Call before the learner's code
+    loads."""
+    from minillm.course.exercises import LIBRARY_ANSWERS
+
     guard = Guard(check)
     for path in paths:
         for name, function in _functions(path):
             if name not in guard.guarded and isinstance(function, types.FunctionType):
                 guard.guarded[name] = _stand_in(name, function)
+    for module_name, attr in LIBRARY_ANSWERS.get(check, ()):
+        module = _resolve(module_name)
+        original = getattr(module, attr, None)
+        if original is not None:
+            guard.wrapped.append((module, attr, original))
+            setattr(module, attr, _library_stand_in(f"{module_name}.{attr}", original, guard))
     guard.modules = {sys.modules[entry.function.__module__] for entry in guard.guarded.values()
                      if entry.function.__module__ in sys.modules}  # fmt: skip
     guard.dispatch = _dispatcher(guard)
@@ -124,6 +143,26 @@ def guard_from_environment() -> Guard | None:
     check = os.environ.get(ENVIRONMENT, "")
     exercise = BY_CHECK.get(check)
     return guard_answers(check, exercise.references) if exercise else None
+
+
+def _library_stand_in(path: str, original, guard: Guard):
+    """A library function that computes the exercise's answer (a built-in: no code to swap), in
+    its module's place while the check runs: the same rule as the package's answers."""
+    attempts, check = guard.attempts, guard.check
+
+    def library_answer(*args, **kwargs):
+        culprit = _learner_on_stack(sys._getframe(1))
+        if culprit is None and LEARNER_CALLS.depth:
+            culprit = "code running for your function"
+        if culprit is None:
+            return original(*args, **kwargs)
+        attempt = f"{culprit} called {path}"
+        if attempt not in attempts:
+            attempts.append(attempt)
+        raise AnswerUnavailable(f"{path} computes this exercise's whole answer and is not available while grading "
+                                f"{check}: write it yourself")  # fmt: skip
+
+    return library_answer
 
 
 def _functions(path: str):

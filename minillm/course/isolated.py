@@ -530,6 +530,8 @@ def _graded(job: dict, check_fn, exercise, guard) -> dict:
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     dropped: dict[str, int] = {}
     broken = []
+    written: dict = {}  # id → every code object compiled from the learner's cells (by identity: code objects
+    # compare equal by content, file name aside, so a copy renamed as the package's file would match)
     for number, source in job["cells"]:
         filename = f"<cell {number}>"
         try:
@@ -541,7 +543,9 @@ def _graded(job: dict, check_fn, exercise, guard) -> dict:
         linecache.cache[filename] = (len(python), None, python.splitlines(True), filename)  # for inspect.getsource
         for node, quiet in statements:
             try:  # the learner's definitions, nothing else
-                exec(compile(ast.Module(body=[node], type_ignores=[]), filename, "exec"), namespace)
+                code = compile(ast.Module(body=[node], type_ignores=[]), filename, "exec")
+                written.update((id(c), c) for c in _code_objects(code))
+                exec(code, namespace)
             except Exception as err:  # noqa: BLE001 - an import that fails, a bad default value: their cell
                 if quiet:
                     dropped.update({name: number for name in _targets(node)})
@@ -551,6 +555,11 @@ def _graded(job: dict, check_fn, exercise, guard) -> dict:
     if missing:
         why = "; ".join(broken) or "no cell above the check cell defines it"
         return {"status": FAIL, "message": f"no `{missing[0]}` is defined before the check cell ({why})"}
+    for name in exercise.functions:
+        not_written = _not_written(namespace[name], written)
+        if not_written:
+            return {"status": FAIL, "message": f"`{name}` is {not_written}, not a function written in your cells: the "
+                                               "check grades the code you wrote"}  # fmt: skip
     with _ShortcutWatch(codes) as watch:
         try:
             result = check_fn(*(namespace[name] for name in exercise.functions))
@@ -566,8 +575,8 @@ def _graded(job: dict, check_fn, exercise, guard) -> dict:
         return {"status": FAIL, "message": f"{TAMPERED}: {'; '.join(tampering)}"}
     if guard.attempts:  # refused, whatever the learner's code made of the refusal
         return {"status": FAIL, "message": f"{'; '.join(guard.attempts[:3])}, which is not available while grading "
-                                           f"{check_name} — the package's own answer to this exercise: write it "
-                                           "yourself"}  # fmt: skip
+                                           f"{check_name} — an answer to this exercise that is not yours (the package's "
+                                           "own, or a library's): write it yourself"}  # fmt: skip
     if watch.found:
         shortcut = watch.found[0]
         return {"status": FAIL, "message": f"{shortcut} — the package's own answer to this exercise: write it yourself"}
@@ -579,6 +588,36 @@ def _graded(job: dict, check_fn, exercise, guard) -> dict:
     if status == PASS and broken:
         message += f" (note: {'; '.join(broken)})"
     return {"status": status, "message": message}
+
+
+def _code_objects(code: types.CodeType) -> list:
+    """``code`` and every code object nested in it (functions, classes, comprehensions)."""
+    found = [code]
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found += _code_objects(const)
+    return found
+
+
+def _not_written(obj, written: dict) -> str | None:
+    """Why ``obj`` — what the learner's cells bound to an exercise's name — is not code they
+    wrote (``written``: the code objects compiled from their cells), or None. A function must run
+    one of those code objects (not a ``functools.partial``, a built-in, or a function whose code
+    was swapped or renamed); a class must have been defined in the cells (its inherited methods
+    are the stand-ins' business, ``guard._learner_class``)."""
+    for _ in range(8):  # through decorators (functools.wraps's __wrapped__, a @triton.jit kernel's .fn):
+        if isinstance(obj, type) or (isinstance(obj, types.FunctionType) and written.get(id(obj.__code__)) is obj.__code__):
+            break  # (what a decorator's wrapper then calls is refused at run time, if it is an answer)
+        inner = getattr(obj, "__wrapped__", None) or getattr(obj, "fn", None)
+        if not callable(inner):
+            break
+        obj = inner
+    if isinstance(obj, types.FunctionType):
+        mine = written.get(id(obj.__code__)) is obj.__code__
+        return None if mine else f"the function {obj.__module__}.{obj.__qualname__} (its code is not your cells')"
+    if isinstance(obj, type):
+        return None if obj.__module__ == "__main__" else f"the class {obj.__module__}.{obj.__qualname__}"
+    return f"a {type(obj).__module__}.{type(obj).__qualname__}"
 
 
 def main() -> int:

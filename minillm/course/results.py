@@ -84,19 +84,34 @@ def learner_frames_of(err: BaseException) -> list[str]:
     return traceback.format_list(frames[-5:])
 
 
+class _LearnerCalls(threading.local):
+    """How many of the learner's functions are running on this thread (``learner_function``): while
+    one is, even code with no frame of the learner's on the stack — a ``functools.partial``, a
+    finalizer firing as the learner's frame ends — runs for the learner (``guard.py`` reads it)."""
+
+    depth = 0
+
+
+LEARNER_CALLS = _LearnerCalls()
+
+
 def learner_function(fn: Callable) -> Callable:
-    """Wrap one of the learner's functions so that what it raises is known to be theirs."""
+    """Wrap one of the learner's functions so that what it raises is known to be theirs (and,
+    while it runs, the thread counts as running the learner's code: ``LEARNER_CALLS``)."""
     if getattr(fn, "minillm_learner", False) or not callable(fn):
         return fn
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
+        LEARNER_CALLS.depth += 1
         try:
             return fn(*args, **kwargs)
         except (CheckFailed, LearnerRaised):
             raise
         except Exception as err:
             raise LearnerRaised(f"{type(err).__name__}: {err}") from err
+        finally:
+            LEARNER_CALLS.depth -= 1
 
     call.minillm_learner = True  # marks the wrapper, so a check handed it again does not wrap it twice
     return call
@@ -233,6 +248,25 @@ def _refuse_package_functions(args) -> None:
             )
 
 
+def _refuse_library_answers(check_name: str, args) -> None:
+    """A learner's function that names a library function computing the exercise's whole answer
+    (``exercises.LIBRARY_ANSWERS``: torch's fused attention for causal attention) is told so."""
+    import inspect
+
+    from minillm.course.exercises import LIBRARY_ANSWERS
+
+    names = {attr for _, attr in LIBRARY_ANSWERS.get(check_name, ())}
+    for fn in args:
+        try:
+            source = inspect.getsource(fn)
+        except (OSError, TypeError):
+            continue
+        used = sorted(n for n in names if n in source)
+        if used:
+            raise CheckFailed(f"your {getattr(fn, '__name__', 'function')} calls torch's {used[0]}, which computes "
+                              "this exercise's whole answer: write the computation yourself")  # fmt: skip
+
+
 def check(func: Callable[..., str]) -> Callable[..., CheckResult]:
     """Turn ``func`` (returns a success sentence, raises ``CheckFailed``) into a reporting check."""
 
@@ -242,6 +276,7 @@ def check(func: Callable[..., str]) -> Callable[..., CheckResult]:
         given = [a for a in args if callable(a)]  # as the learner wrote them (kept in your_engine/ on a pass)
         try:
             _refuse_package_functions(args)
+            _refuse_library_answers(name, args)
             args = tuple(learner_function(a) if callable(a) else a for a in args)
             message = func(*args, **kwargs)
         except CheckFailed as err:
