@@ -369,3 +369,25 @@ def test_the_folders_are_hidden_for_root_and_for_a_normal_user(user):
         assert seen == [], seen
     assert sorted(os.listdir(folder)) == ["01.ipynb"]
     shutil.rmtree(tmp)
+
+
+def test_a_machine_that_refuses_the_sandbox_is_said_so_in_every_row(tmp_path):
+    """Where the kernel refuses a namespace, the report does not claim the answers were hidden:
+    each row says so, the CSV's sandbox column and the JSON's per-check field too."""
+    import csv
+    import json
+
+    from minillm.course.grade import NotebookGrade, write_csv
+    from minillm.course.isolated import _verdict
+
+    refused = "the kernel refused a mount namespace (Operation not permitted)"
+    rows = [_verdict(name, json.dumps({"status": status, "message": "m", "exposed": refused}))
+            for name, status in (("check_generate_naive", "pass"), ("check_filter_logits", "fail"))]  # fmt: skip
+    grade = NotebookGrade(notebook="n.ipynb", chapter=CH01, results=rows)
+    text = grade.as_text().splitlines()[1:]
+    assert len(text) == 2 and all(f"[answers NOT hidden: {refused}]" in line for line in text), text
+    assert all(c["sandbox"] == f"answers NOT hidden: {refused}" for c in grade.as_dict()["checks"])
+    write_csv([grade], tmp_path / "grades.csv")
+    with open(tmp_path / "grades.csv", newline="") as f:
+        (row,) = list(csv.DictReader(f))
+    assert row["sandbox"] == f"answers NOT hidden: {refused}"
