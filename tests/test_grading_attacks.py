@@ -179,8 +179,8 @@ def test_a_way_around_the_grader_gets_no_pass(attack):
     if attack in ("importlib by a computed name", "gc.get_objects() to find the function",
                   "a function rebuilt from its code object", "the hook's reference"):  # fmt: skip
         assert "cell 1 called the package's minillm.sampling.filter_logits" in result.message, result
-    elif attack == "pickled to a fresh interpreter":
-        assert REFUSED in result.message, result  # the fresh interpreter's stand-in said so
+    elif attack == "pickled to a fresh interpreter":  # its stand-in refused, or the answers' source was not there
+        assert REFUSED in result.message or "No module named 'minillm.sampling'" in result.message, result
     else:  # the source it would run again is not there
         assert "filter_logits" in result.message or "KeyError" in result.message, result
 
