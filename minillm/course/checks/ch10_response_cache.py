@@ -246,5 +246,5 @@ def check_response_cache(ResponseCache, model: str = MODEL) -> str:
     return (
         f"your cache served a live server: a repeated greedy request answered from it with a fresh id, evicted "
         f"after two other answers in a cache of 2, then cached again ({cache.hits} hits, {cache.misses} misses, "
-        f"{cache.nbytes / 1000:.1f} kB held)"  # (to 0.1 kB: a response's id and timings vary by a digit)
+        f"{cache.nbytes / 1000:.1f} kB held)"  # (to 0.1 kB: the bytes differed by one between two runs)
     )
