@@ -119,7 +119,7 @@ def guard_answers(check: str, paths) -> Guard:
             if name not in guard.guarded and isinstance(function, types.FunctionType):
                 guard.guarded[name] = _stand_in(name, function)
     for module_name, attr in LIBRARY_ANSWERS.get(check, ()):
-        module = _resolve(module_name)
+        module = resolve(module_name)
         original = getattr(module, attr, None)
         if original is not None:
             guard.wrapped.append((module, attr, original))
@@ -167,7 +167,7 @@ def _library_stand_in(path: str, original, guard: Guard):
 
 def _functions(path: str):
     """``(dotted name, function)`` for ``path``: the function, or each function a class defines."""
-    obj = _resolve(path)
+    obj = resolve(path)
     if isinstance(obj, type):
         for attr, member in vars(obj).items():
             member = getattr(member, "__func__", member)  # staticmethod / classmethod
@@ -178,7 +178,8 @@ def _functions(path: str):
     yield path, getattr(obj, "fn", obj)  # a @triton.jit kernel keeps its Python function as .fn
 
 
-def _resolve(path: str):
+def resolve(path: str):
+    """``a.b.C.f`` → the object, importing the longest module prefix."""
     import importlib
 
     parts = path.split(".")

@@ -420,30 +420,15 @@ class _Integrity:
         return sorted(set(found + self._hook_changes()))[:5]
 
 
-def _resolve(path: str):
-    """``a.b.C.f`` → the object, importing the longest module prefix."""
-    import importlib
-
-    parts = path.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for attr in parts[cut:]:
-            obj = getattr(obj, attr)
-        return obj
-    raise ImportError(path)
-
-
 def _reference_codes(check: str) -> dict:
     """Code object → dotted path, for the package's own answers to ``check``'s exercise."""
     from minillm.course.exercises import BY_CHECK
+    from minillm.course.guard import resolve
 
     codes = {}
     exercise = BY_CHECK.get(check)
     for path in exercise.references if exercise else ():
-        obj = _resolve(path)
+        obj = resolve(path)
         obj = getattr(obj, "__init__", obj) if isinstance(obj, type) else obj
         obj = getattr(obj, "fn", obj)  # a @triton.jit kernel keeps its Python function as .fn
         code = getattr(obj, "__code__", None)
