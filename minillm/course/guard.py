@@ -91,14 +91,10 @@ def _dispatcher(guard: Guard):
 
     def dispatch(key: str, args: tuple, kwargs: dict):
         entry = guarded[key]
-        culprit = _learner_on_stack(sys._getframe(2)) or (_learner_class(args) if entry.method else None)
-        if culprit is None and LEARNER_CALLS.depth:  # no frame of theirs, but their call is running
-            culprit = "code running for your function (a partial, a finalizer, code renamed as the package's)"
+        culprit = _culprit(sys._getframe(2), args if entry.method else None)
         if culprit is None:
             return entry.implementation(*args, **kwargs)
-        attempt = f"{culprit} called the package's {entry.path}"
-        if attempt not in attempts:
-            attempts.append(attempt)
+        _keep(attempts, f"{culprit} called the package's {entry.path}")
         raise AnswerUnavailable(f"the package's {entry.path} is not available while grading {check}: "
                                 "write it yourself")  # fmt: skip
 
@@ -151,14 +147,10 @@ def _library_stand_in(path: str, original, guard: Guard):
     attempts, check = guard.attempts, guard.check
 
     def library_answer(*args, **kwargs):
-        culprit = _learner_on_stack(sys._getframe(1))
-        if culprit is None and LEARNER_CALLS.depth:
-            culprit = "code running for your function"
+        culprit = _culprit(sys._getframe(1), None)
         if culprit is None:
             return original(*args, **kwargs)
-        attempt = f"{culprit} called {path}"
-        if attempt not in attempts:
-            attempts.append(attempt)
+        _keep(attempts, f"{culprit} called {path}")
         raise AnswerUnavailable(f"{path} computes this exercise's whole answer and is not available while grading "
                                 f"{check}: write it yourself")  # fmt: skip
 
@@ -220,6 +212,20 @@ def _stand_in(path: str, function: types.FunctionType) -> _Guarded:
     function.__code__ = stub
     method = "." in function.__qualname__ and "<locals>" not in function.__qualname__
     return _Guarded(path, function, code, implementation, before, method)
+
+
+def _culprit(frame, method_args: tuple | None) -> str | None:
+    """Whom a call of an answer from ``frame`` is for: the learner (named), or None (the package).
+    ``method_args``: a method's arguments, whose first may be an instance of the learner's class."""
+    culprit = _learner_on_stack(frame) or (_learner_class(method_args) if method_args is not None else None)
+    if culprit is None and LEARNER_CALLS.depth:  # no frame of theirs, but their call is running
+        culprit = "code running for your function (a partial, a finalizer, code renamed as the package's)"
+    return culprit
+
+
+def _keep(attempts: list[str], attempt: str) -> None:
+    if attempt not in attempts:
+        attempts.append(attempt)
 
 
 def _learner_on_stack(frame) -> str | None:
