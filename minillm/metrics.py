@@ -20,6 +20,31 @@ from minillm.outputs import RequestOutput
 
 
 @dataclass
+class StepPhases:
+    """Where one step's wall time went, in seconds, by the engine's own ``perf_counter`` stamps.
+
+    Why keep this per step: with a small model on a big accelerator (or a tiny one on a CPU) the
+    engine's own Python work — choosing who runs, building the inputs, appending tokens — can
+    cost more than the forward pass, and only a split like this one shows it (chapter 10's
+    breakdown, ``benchmarks/bench_step_overhead.py``)."""
+
+    schedule: float = 0.0  # speculative proposals and the scheduler's decision
+    inputs: float = 0.0  # the step as plain data, then the runner's tensors (token ids, slots, tables)
+    model: float = 0.0  # the forward pass (with copy-on-write copies): logits
+    sample: float = 0.0  # tokens chosen from the logits (and logprobs)
+    output: float = 0.0  # tokens appended: detokenized, stop checks, deltas, blocks committed and freed
+
+    @property
+    def total(self) -> float:
+        return self.schedule + self.inputs + self.model + self.sample + self.output
+
+    @property
+    def host(self) -> float:
+        """Everything but the forward pass: the engine's own work."""
+        return self.total - self.model
+
+
+@dataclass
 class StepRecord:
     """What one engine step did (``engine.step_records`` keeps the most recent ones). The pool
     fields are None for the naive and contiguous rungs, which have no paged pool."""
@@ -41,6 +66,7 @@ class StepRecord:
     block_tables: dict[Hashable, list[int]] | None = None  # when engine.record_block_tables
     block_hashes: list[bool] | None = None  # which blocks are registered in the prefix cache
     block_refs: list[int] | None = None
+    phases: StepPhases | None = None  # where the step's time went (``StepPhases``)
 
     @property
     def duration(self) -> float:

@@ -43,7 +43,7 @@ from minillm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from minillm.engine.stats import EngineStats
 from minillm.engine.virtual_clock import TimedRunner, VirtualClock
 from minillm.inputs import InputProcessor, Prompt
-from minillm.metrics import StepRecord
+from minillm.metrics import StepPhases, StepRecord
 from minillm.models import load_model
 from minillm.outputs import RequestOutput, SampleId, StreamDelta, TokenLogprob
 from minillm.runtime.background_compile import FastPathStatus
@@ -353,6 +353,9 @@ class LLMEngine:
             return self._step()
 
     def _step(self) -> list[StreamDelta]:
+        # Wall-clock stamps between the phases (not self.clock, which a replay may simulate):
+        # where the step's time went, kept in its record (StepPhases).
+        t0 = time.perf_counter()
         started = self.clock()
         self.speculator.propose(self.scheduler.running)  # proposals for decoding sequences, if speculating
         scheduled = self.scheduler.schedule(started)
@@ -361,8 +364,11 @@ class LLMEngine:
         if not scheduled.chunks:
             return []
         self.threads.adjust()  # in the thread that runs the step: OpenMP's thread count is per thread
+        t1 = time.perf_counter()
         inputs = self._step_inputs(scheduled)
+        t2 = time.perf_counter()
         logits = self.runner.execute(inputs)
+        t3 = time.perf_counter()
         if inputs.want_hidden:  # a feature-level draft drafts from what this pass computed
             self.speculator.observe(inputs.chunks, self.runner.last_hidden, [c.seq for c in scheduled.chunks])
         sampling = [c for c in scheduled.chunks if c.num_logits]
@@ -371,6 +377,7 @@ class LLMEngine:
                 chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
             emitted, forks = self._choose_tokens(sampling, logits)
             logprobs = self._logprobs(sampling, logits, emitted, forks)
+            t4 = time.perf_counter()
             deltas = self._append(sampling, emitted, forks, logprobs)
         except BaseException:  # interrupted (Ctrl-C) before every token was appended: let the
             for c in sampling:  # sequences without their token run this step again, or they would wait forever
@@ -386,7 +393,16 @@ class LLMEngine:
                 self.speculator.release(seq.request_id)
         self.num_steps += 1
         if self.step_records.maxlen != 0:
-            self._record(started, scheduled)
+            # The runner's own input building (its tensors) counts as inputs, not as the model.
+            runner_inputs = getattr(self.runner, "last_inputs_seconds", 0.0)
+            phases = StepPhases(
+                schedule=t1 - t0,
+                inputs=t2 - t1 + runner_inputs,
+                model=t3 - t2 - runner_inputs,
+                sample=t4 - t3,
+                output=time.perf_counter() - t4,
+            )
+            self._record(started, scheduled, phases)
         return deltas
 
     def _step_inputs(self, scheduled: SchedulerOutput) -> StepInputs:
@@ -569,7 +585,7 @@ class LLMEngine:
             delta.output = seq.to_output()
         return delta
 
-    def _record(self, started: float, scheduled: SchedulerOutput) -> None:
+    def _record(self, started: float, scheduled: SchedulerOutput, phases: StepPhases) -> None:
         record = StepRecord(
             index=self.num_steps - 1,
             start=started,
@@ -580,6 +596,7 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             **vars(self.scheduler.block_manager.pool_stats()),
             contiguous_reserved_slots=len(self.scheduler.running) * self.max_model_len,
+            phases=phases,
         )
         bm = self.block_manager
         if self.record_block_tables and bm is not None:

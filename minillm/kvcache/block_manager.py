@@ -398,18 +398,26 @@ class BlockManager:
         """Make room to write ``num_new_tokens`` tokens after the ``num_computed_tokens`` already
         in the pool. Returns the ``(src, dst)`` block copies to perform first (copy-on-write),
         or ``None`` — changing nothing — if the pool has too few free blocks."""
-        if seq.request_id not in self.tables:
+        # Runs for every scheduled sequence on every step, so blocks_needed is written out here
+        # (the same arithmetic) and most calls — a decode token that fits its last, private
+        # block — end without a block to take or copy.
+        table = self.tables.get(seq.request_id)
+        if table is None:
             raise RuntimeError(f"request {seq.request_id!r} has no block table; call match_prefix first")
-        if not self.can_allocate(seq, num_new_tokens):
+        computed, bs = seq.num_computed_tokens, self.block_size
+        end = computed + num_new_tokens
+        first = computed // bs
+        needed = max(0, -(-end // bs) - len(table))
+        if first < len(table) and self.pool.blocks[table[first]].ref_count > 1:
+            needed += 1
+        if needed > self.num_free_blocks:
             return None
-        table = self.tables[seq.request_id]
         # chapter 03's exercise plugs in here: copy-on-write of a shared block, then growth
-        copies = hooks.grow_table(table, seq.num_computed_tokens, num_new_tokens, self.block_size, *self._grow_ops)
-        first = seq.num_computed_tokens // self.block_size
-        end = seq.num_computed_tokens + num_new_tokens
-        for j in range(first, self.blocks_for(end)):
-            filled = min(self.block_size, end - j * self.block_size)
-            if table[j] != RELEASED and filled > self.fill[table[j]]:
+        copies = hooks.grow_table(table, computed, num_new_tokens, bs, *self._grow_ops) if needed else []
+        fill = self.fill
+        for j in range(first, -(-end // bs)):
+            filled = min(bs, end - j * bs)
+            if table[j] != RELEASED and filled > fill[table[j]]:
                 self._set_fill(table[j], filled)
         grown = end - self.num_tokens[seq.request_id]
         if grown > 0:

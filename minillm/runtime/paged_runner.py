@@ -12,6 +12,7 @@ padding of tokens anywhere.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Hashable
 
 import torch
@@ -44,6 +45,7 @@ class PagedRunner:
         self.device = model.device
         self.block_tables = BlockTableRows(cache.null_block, cache.block_size)
         self.last_hidden: list[torch.Tensor] | None = None  # per chunk, when the step asked (want_hidden)
+        self.last_inputs_seconds = 0.0  # the last step's time building its tensors (StepPhases.inputs)
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Copy-on-write copies first, then the forward pass; logits chunk by chunk (and, with
@@ -51,6 +53,7 @@ class PagedRunner:
         self.cache.copy_blocks(inputs.block_copies)
         chunks = inputs.chunks
         self.last_hidden = None
+        self.last_inputs_seconds = 0.0  # the fast path builds its inputs inside its run
         fast = self.graphs is not None and (not inputs.want_hidden or getattr(self.graphs, "returns_hidden", False))
         if fast and self.graphs.supports(chunks):
             logits = self.graphs.run(chunks, self.block_tables)  # a row per token
@@ -62,8 +65,10 @@ class PagedRunner:
             if len(rows) < len(logits):  # a one-token chunk in the middle of a prompt: no logits wanted
                 logits = logits[torch.tensor(rows, device=logits.device, dtype=torch.long)]
             return logits
+        started = time.perf_counter()
         layout = hooks.step_layout(self, chunks)  # chapter 04's learner writes one
         layout.keep_hidden = inputs.want_hidden
+        self.last_inputs_seconds = time.perf_counter() - started
         logits = self.model(layout)
         if inputs.want_hidden:
             hidden, self.model.last_hidden = self.model.last_hidden, None
