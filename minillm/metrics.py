@@ -44,6 +44,18 @@ class StepPhases:
         return self.total - self.model
 
 
+PHASE_NAMES = ("schedule", "inputs", "model", "sample", "output")
+
+
+def median_phases(records: Iterable[StepRecord]) -> StepPhases:
+    """Each phase's median over ``records`` that kept their phases: a typical step's split
+    (a median, so the odd step a busy machine stretched does not set it)."""
+    kept = [r.phases for r in records if r.phases is not None]
+    if not kept:
+        raise ValueError("no step record holds its phases (max_step_records=0, or no step ran the model)")
+    return StepPhases(**{name: statistics.median(getattr(p, name) for p in kept) for name in PHASE_NAMES})
+
+
 @dataclass
 class StepRecord:
     """What one engine step did (``engine.step_records`` keeps the most recent ones). The pool

@@ -439,7 +439,9 @@ KNOWN: dict[str, tuple[str, ...]] = {}  # figure → problems accepted for now (
 def _course_figures():
     """(name, figure, min px per row) for every figure and widget the course's notebooks
     display, at the sizes they display them and at the extremes their controls reach."""
+    from minillm.metrics import StepPhases
     from minillm.viz import block_table_explorer, compare_timelines, latency_percentiles
+    from minillm.viz.step_phases import step_phases_figure
     from minillm.viz.attention_variants import VariantTiming, variants_figure
     from minillm.viz.flash_tiles import flash_tiling_figure, flash_tiling_widget
 
@@ -464,6 +466,8 @@ def _course_figures():
         p: SimpleNamespace(ttft=dict(p50=0.2, p95=0.9, p99=1.4), tpot=dict(p50=0.02, p95=0.04, p99=0.05)) for p in runs
     }
     yield "04 latency_percentiles", latency_percentiles(reports), MIN_ROW_PX
+    phases = {f"{n} sequences": StepPhases(1e-5 * n, 2e-5 * n, 1e-3 + 2e-5 * n, 5e-6 * n, 2e-5 * n) for n in (1, 16, 64, 256)}
+    yield "04 step_phases_figure", step_phases_figure(phases), MIN_ROW_PX
     timings = [VariantTiming(kv, c, 8, 5.0 + c / 1000 * kv, 2048 * kv) for kv in (8, 2, 1) for c in (128, 1024, 4096)]
     yield "05 variants_figure", variants_figure(timings), MIN_ROW_PX
     yield "06 flash_tiling_figure", flash_tiling_figure(t=256, s=256, block_m=64, block_n=64, causal=True), MIN_ROW_PX
