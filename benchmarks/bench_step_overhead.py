@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import time
@@ -31,6 +30,7 @@ import torch
 
 import minillm.hooks as hooks
 from minillm import LLMEngine, SamplingParams
+from minillm.machine import machine_description
 
 PHASES = ("schedule", "inputs", "model", "sample", "output", "detokenize")
 
@@ -106,6 +106,28 @@ def measure(model: str, running: int, steps: int, warmup: int, null: bool, threa
     return {name: statistics.median(values) if values else float("nan") for name, values in rows.items()}
 
 
+def argmax_timings(rows: int = 256, vocabs=(4096, 49152), repeats: int = 20) -> list[dict]:
+    """A greedy step's argmax over ``rows`` rows of logits: torch's CPU argmax beside NumPy's
+    (what ``sampling.argmax_rows`` uses), median µs, on the same tensor."""
+    out = []
+    for vocab in vocabs:
+        x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))
+        timings = {}
+        for name, fn in (
+            ("torch", lambda x=x: x.argmax(dim=-1).tolist()),
+            ("numpy", lambda x=x: x.numpy().argmax(axis=1).tolist()),
+        ):
+            fn()
+            samples = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - started)
+            timings[name] = statistics.median(samples)
+        out.append({"rows": rows, "vocab": vocab, "torch_us": timings["torch"] * 1e6, "numpy_us": timings["numpy"] * 1e6})
+    return out
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="data/tiny-shakespeare-1m", help="whose tokenizer and shapes the null rows use")
@@ -120,7 +142,9 @@ def main(argv=None) -> dict:
 
     cases = [("null", args.model, n, True) for n in args.running]
     cases += [(Path(m).name, m, n, False) for m in args.real for n in args.real_running]
-    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} thread(s)")
+    torch.set_num_threads(args.threads)
+    machine = machine_description(torch.device("cpu"))
+    print(f"# {machine['cpu']} ({' '.join(machine['cpu_flags'])}), torch {machine['torch']}, {args.threads} thread(s)")
     header = f"{'model':<22}{'seqs':>6}{'µs/step':>10}{'µs/seq':>8}  " + "".join(f"{p:>11}" for p in PHASES)
     print(header + f"{'host µs/seq':>13}")
     results = []
@@ -134,9 +158,15 @@ def main(argv=None) -> dict:
             f"{host * 1e6 / running:>13.1f}",
             flush=True,
         )
+    argmax = argmax_timings()
+    for a in argmax:
+        print(
+            f"argmax of {a['rows']} rows x {a['vocab']}: torch {a['torch_us']:.0f} µs, NumPy {a['numpy_us']:.0f} µs "
+            f"({a['torch_us'] / a['numpy_us']:.1f}x)"
+        )
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
-    return {"rows": results}
+        Path(args.out).write_text(json.dumps({"machine": machine, "rows": results, "argmax": argmax}, indent=1))
+    return {"rows": results, "argmax": argmax}
 
 
 if __name__ == "__main__":

@@ -441,9 +441,9 @@ def _course_figures():
     display, at the sizes they display them and at the extremes their controls reach."""
     from minillm.metrics import StepPhases
     from minillm.viz import block_table_explorer, compare_timelines, latency_percentiles
-    from minillm.viz.step_phases import step_phases_figure
     from minillm.viz.attention_variants import VariantTiming, variants_figure
     from minillm.viz.flash_tiles import flash_tiling_figure, flash_tiling_widget
+    from minillm.viz.step_phases import step_phases_figure
 
     yield "00 latency_timeline, 2 requests", latency_timeline(_fake_outputs(2), "Two requests in one batch"), MIN_ROW_PX
     yield "00 latency_timeline, 1 request", latency_timeline(_fake_outputs(1, tokens=200)), MIN_ROW_PX
