@@ -10,6 +10,7 @@ second start loads the graphs instead of compiling them."""
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -442,7 +443,8 @@ def test_static_decode_step_matches_the_bucketed_reference(window):
 
 def test_default_graphs_one_for_every_batch_but_over_an_8_bit_pool(tiny_model):
     """By default one graph takes every batch of 1-256 rows, attending in place; the kernel does
-    not read an 8-bit pool, so there the graphs attend over the window, for 1 row and 8 (padded)."""
+    not read an 8-bit pool, so there the graphs attend over the window, for 1 row and 8 (padded).
+    A bf16 pool on a CPU without AMX also gets a 1-row graph (it decodes one row faster there)."""
     from minillm.kvcache.paged import PagedKVCache
     from minillm.models.loader import load_model
 
@@ -454,6 +456,15 @@ def test_default_graphs_one_for_every_batch_but_over_an_8_bit_pool(tiny_model):
         assert compiled.describe(sizes[-1]) == ("1-256-row" if free else "8-row")
         assert compiled.free_rows(1) is False and compiled.free_rows(2) is False  # bounds of 1, 2: exact rows
     assert EngineConfig().compile_batch_sizes is None  # "the default for this pool"
+    bf16 = PagedKVCache(config, 4, 4, torch.bfloat16, torch.device("cpu"))
+    for amx, sizes in ((True, (256,)), (False, (1, 256))):
+        with mock.patch.object(compiled_decode, "cpu_has_amx", return_value=amx):
+            assert compiled_decode.default_batch_sizes(bf16) == sizes, amx
+    with mock.patch.object(compiled_decode, "cpu_has_amx", return_value=False):  # measured in bf16 only
+        fp32 = PagedKVCache(config, 4, 4, torch.float32, torch.device("cpu"))
+        assert compiled_decode.default_batch_sizes(fp32) == (256,)
+        int8 = PagedKVCache(config, 4, 4, torch.bfloat16, torch.device("cpu"), "int8")
+        assert compiled_decode.default_batch_sizes(int8) == (1, 8)
 
 
 def test_the_kernel_operator_passes_pytorchs_operator_checks():

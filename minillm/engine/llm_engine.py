@@ -539,7 +539,11 @@ class LLMEngine:
         deltas = []
         for i, (chunk, tokens, records) in enumerate(zip(chunks, emitted, logprobs)):
             seq = chunk.seq
-            appended = seq.append_tokens(tokens, now)
+            if len(tokens) == 1:  # every chunk but a verify: one token, nothing to stop early
+                seq.append_token(tokens[0], now)
+                appended = 1
+            else:
+                appended = seq.append_tokens(tokens, now)
             metrics = seq.metrics
             metrics.num_forward_passes += 1
             if chunk.draft_tokens:

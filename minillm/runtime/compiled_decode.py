@@ -12,15 +12,16 @@ A compiled graph is traced for fixed shapes, while a paged step's shapes change 
 blocks as a window ``block_tables[B, W]`` padded with the null block, and its length as a
 tensor. The window width ``W`` is a dynamic dimension — one graph serves every context length.
 There is one graph per bound in ``batch_sizes``, and a batch runs in the smallest graph that
-fits. By default there is one, for every batch of 1-256 rows: its row count is a dynamic
+fits. By default there is one, for every batch of 1-256 rows (and, in bf16 on a CPU without AMX,
+a 1-row graph beside it: ``default_batch_sizes``): its row count is a dynamic
 dimension too (inductor's generated GEMMs handle it; a single row is padded to two, the
 fewest a free dimension takes), and its rows attend *in place* through the C++ paged kernel,
 called inside the graph as an operator (``minillm::paged_decode``, ``StaticKernelDecodeStep``):
-each row over exactly its own keys. Two earlier designs lost to it in one run
-(``benchmarks/results/compiled-rows-*``): a 1-row graph attending in plain PyTorch over the
-window (gather → matmul → mask → softmax → matmul, ``StaticDecodeStep``; still what a graph
-bounded at 1 row does) decoded one row slower, and graphs of 8, 16, ... rows attending over
-the window made every row pay for the longest and every batch pad up to a fixed row count.
+each row over exactly its own keys. Graphs of 8, 16, ... rows attending over the window lost to
+it (``benchmarks/results/compiled-rows-*``): they made every row pay for the longest and every
+batch pad up to a fixed row count. A 1-row graph attending in plain PyTorch over the window
+(gather → matmul → mask → softmax → matmul, ``StaticDecodeStep``; what a graph bounded at 1 row
+does) decoded one row slower with AMX and faster without it, hence the CPU-dependent default.
 Over an 8-bit pool, which the kernel does not read, graphs still attend over the window, and
 batches are padded: by default a 1-row and an 8-row graph there.
 
@@ -90,10 +91,32 @@ MIN_ROWS = 2
 ROW_HINT = 8
 MAX_WINDOW = 2**20  # blocks per row: far beyond any context a CPU decodes
 MAX_POOL_BLOCKS = 2**31 // 1024  # slots stay int32-indexable for block sizes up to 1024
-# One graph for every batch of 1-256 rows (a single row is padded to MIN_ROWS: that graph decodes
-# one row faster than a 1-row graph over the window did — benchmarks/results/compiled-rows-*).
+# One graph for every batch of 1-256 rows (a single row is padded to MIN_ROWS). Whether a 1-row
+# graph over the window beside it decodes one row faster depends on the CPU, measured in bf16 by
+# benchmarks/bench_compiled_rows.py (TPOT at batch 1, one graph against 1-row graph): Intel Xeon
+# with AMX 18.7 against 28.6 ms (2026-12-02), AMD EPYC Zen 4 without AMX 15.4 against 11.6 ms
+# (2026-12-05). So a bf16 engine on a CPU without AMX gets both (``default_batch_sizes``).
 BATCH_SIZES = (256,)
+NO_AMX_BATCH_SIZES = (1, 256)
 WINDOW_BATCH_SIZES = (1, 8)  # over an 8-bit pool, whose graphs pad a batch up to their row count
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX's bf16 tiles (Intel Xeon since Sapphire Rapids; no laptop CPU)."""
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return bool(caps.get("amx_bf16", False))
+
+
+def default_batch_sizes(cache: PagedKVCache) -> tuple[int, ...]:
+    """The graphs an engine compiles when ``compile_batch_sizes`` is not given (see ``BATCH_SIZES``):
+    over an 8-bit pool a 1-row and an 8-row window graph; else one 1-256-row graph, and for a
+    bf16 pool on a CPU without AMX a 1-row graph beside it (one more package to compile and to
+    hold in memory — about the weights' size — for a ~1.3× faster single row there)."""
+    if not (cache.kv_cache_dtype == "auto" and cache.dtype in POOL_DTYPES):
+        return WINDOW_BATCH_SIZES
+    if cache.dtype == torch.bfloat16 and not cpu_has_amx():
+        return NO_AMX_BATCH_SIZES
+    return BATCH_SIZES
 KEEP_PACKAGES = 6  # newest package files kept in <cache>/compiled (each holds the model's weights)
 
 INDUCTOR_OPTIONS = {
@@ -139,7 +162,7 @@ class CompiledDecode:
         # 8-bit pool, which the kernel does not read: those graphs attend over a window, padded.
         self.in_place = cache.kv_cache_dtype == "auto" and cache.dtype in POOL_DTYPES
         if batch_sizes is None:
-            batch_sizes = BATCH_SIZES if self.in_place else WINDOW_BATCH_SIZES
+            batch_sizes = default_batch_sizes(cache)
         if not batch_sizes or any(b < 1 for b in batch_sizes):
             raise ValueError(f"compile_batch_sizes={batch_sizes!r}: expected positive row counts")
         self.cache, self.window, self.compute_dtype = cache, window, compute_dtype
