@@ -57,7 +57,6 @@ class FlatInputs:
 def flat_inputs(chunks: list[ChunkInput], block_size: int) -> FlatInputs:
     """Token ids, positions and pool slots of ``chunks``, in order."""
     out = FlatInputs()
-    slot_mapping = hooks.slot_mapping  # chapter 03's exercise, when it is plugged in
     for c in chunks:
         n = len(c.token_ids)
         if n == 1:  # a decode: most chunks of a busy step
@@ -66,7 +65,7 @@ def flat_inputs(chunks: list[ChunkInput], block_size: int) -> FlatInputs:
         else:
             out.input_ids.extend(c.token_ids)
             out.positions.extend(range(c.start, c.start + n))
-        out.slot_mapping.extend(slot_mapping(c.block_table, c.start, n, block_size))
+        out.slot_mapping.extend(hooks.slot_mapping(c.block_table, c.start, n, block_size))
         out.query_lens.append(n)
         out.context_lens.append(c.start + n)
     return out
