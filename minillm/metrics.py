@@ -25,7 +25,7 @@ class StepPhases:
 
     Why keep this per step: with a small model on a big accelerator (or a tiny one on a CPU) the
     engine's own Python work — choosing who runs, building the inputs, appending tokens — can
-    cost more than the forward pass, and only a split like this one shows it (chapter 10's
+    cost more than the forward pass, and only a split like this one shows it (chapter 04's
     breakdown, ``benchmarks/bench_step_overhead.py``)."""
 
     schedule: float = 0.0  # speculative proposals and the scheduler's decision

@@ -102,9 +102,16 @@ WINDOW_BATCH_SIZES = (1, 8)  # over an 8-bit pool, whose graphs pad a batch up t
 
 
 def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX's bf16 tiles (Intel Xeon since Sapphire Rapids; no laptop CPU)."""
+    """Whether this CPU has AMX's bf16 tiles (Intel Xeon since Sapphire Rapids; not the usual
+    laptop CPU)."""
     caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
     return bool(caps.get("amx_bf16", False))
+
+
+def attends_in_place(cache: PagedKVCache) -> bool:
+    """Whether graphs over ``cache`` can attend in place through the C++ kernel (an operator in
+    the graph), which reads the model's own pool dtypes but not an 8-bit pool."""
+    return cache.kv_cache_dtype == "auto" and cache.dtype in POOL_DTYPES
 
 
 def default_batch_sizes(cache: PagedKVCache) -> tuple[int, ...]:
@@ -112,7 +119,7 @@ def default_batch_sizes(cache: PagedKVCache) -> tuple[int, ...]:
     over an 8-bit pool a 1-row and an 8-row window graph; else one 1-256-row graph, and for a
     bf16 pool on a CPU without AMX a 1-row graph beside it (one more package to compile and to
     hold in memory — about the weights' size — for a ~1.3× faster single row there)."""
-    if not (cache.kv_cache_dtype == "auto" and cache.dtype in POOL_DTYPES):
+    if not attends_in_place(cache):
         return WINDOW_BATCH_SIZES
     if cache.dtype == torch.bfloat16 and not cpu_has_amx():
         return NO_AMX_BATCH_SIZES
@@ -160,7 +167,7 @@ class CompiledDecode:
         # Rows attend in place through the C++ kernel, an operator in the graph, in every graph
         # bounded above MIN_ROWS — which then takes any row count up to its bound (``free_rows``). Not over an
         # 8-bit pool, which the kernel does not read: those graphs attend over a window, padded.
-        self.in_place = cache.kv_cache_dtype == "auto" and cache.dtype in POOL_DTYPES
+        self.in_place = attends_in_place(cache)
         if batch_sizes is None:
             batch_sizes = default_batch_sizes(cache)
         if not batch_sizes or any(b < 1 for b in batch_sizes):
