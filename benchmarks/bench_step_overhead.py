@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from timing import median_ms
 
 import minillm.hooks as hooks
 from minillm import LLMEngine, SamplingParams
@@ -112,19 +113,9 @@ def argmax_timings(rows: int = 256, vocabs=(4096, 49152), repeats: int = 20) -> 
     out = []
     for vocab in vocabs:
         x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))
-        timings = {}
-        for name, fn in (
-            ("torch", lambda x=x: x.argmax(dim=-1).tolist()),
-            ("numpy", lambda x=x: x.numpy().argmax(axis=1).tolist()),
-        ):
-            fn()
-            samples = []
-            for _ in range(repeats):
-                started = time.perf_counter()
-                fn()
-                samples.append(time.perf_counter() - started)
-            timings[name] = statistics.median(samples)
-        out.append({"rows": rows, "vocab": vocab, "torch_us": timings["torch"] * 1e6, "numpy_us": timings["numpy"] * 1e6})
+        torch_ms = median_ms(lambda x=x: x.argmax(dim=-1).tolist(), repeats)
+        numpy_ms = median_ms(lambda x=x: x.numpy().argmax(axis=1).tolist(), repeats)
+        out.append({"rows": rows, "vocab": vocab, "torch_us": torch_ms * 1e3, "numpy_us": numpy_ms * 1e3})
     return out
 
 
