@@ -66,7 +66,7 @@ class Tokenizer:
         """``hf.decode``'s text. Called twice per generated token (``detokenize_step``), so it goes
         straight to the Rust tokenizer where transformers would add nothing but Python overhead
         (about 3/4 of the call: argument conversion, batching checks)."""
-        if self._backend_decode is not None:
+        if self._backend_decode is not None and type(ids) is list:  # a tensor, an array: transformers converts
             return self._backend_decode(ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 

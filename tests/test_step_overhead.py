@@ -103,6 +103,15 @@ def test_the_rust_decode_gives_transformers_text(folder):
             assert tokenizer.decode(ids, skip) == tokenizer.hf.decode(ids, skip_special_tokens=skip)
 
 
+def test_ids_that_are_not_a_list_still_decode_as_transformers_does():
+    """A tensor or a tuple of ids (a learner's detokenize_step may pass one) goes through
+    transformers, which converts it; the Rust call takes a list only."""
+    tokenizer = Tokenizer(TINY)
+    ids = [5, 17, 300, 2]
+    for other in (torch.tensor(ids), tuple(ids)):
+        assert tokenizer.decode(other) == tokenizer.hf.decode(ids, skip_special_tokens=True)
+
+
 def test_a_tokenizer_whose_decode_adds_to_the_rust_one_keeps_transformers_path():
     tokenizer = Tokenizer(TINY)
     hf = tokenizer.hf
