@@ -252,7 +252,7 @@ def sample(
         penalty = torch.tensor([p.repetition_penalty for p in params])
         logits = apply_repetition_penalty(logits, seen, penalty)
     tokens = argmax_rows(logits)
-    sampled = [i for i, p in enumerate(params) if p.temperature != 0]
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
         rows = filtered_logits(logits[sampled], [params[i] for i in sampled])
         probs = rows.softmax(dim=-1)

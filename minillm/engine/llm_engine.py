@@ -539,11 +539,7 @@ class LLMEngine:
         deltas = []
         for i, (chunk, tokens, records) in enumerate(zip(chunks, emitted, logprobs)):
             seq = chunk.seq
-            if len(tokens) == 1:  # every chunk but a verify: one token, nothing to stop early
-                seq.append_token(tokens[0], now)
-                appended = 1
-            else:
-                appended = seq.append_tokens(tokens, now)
+            appended = seq.append_tokens(tokens, now)
             metrics = seq.metrics
             metrics.num_forward_passes += 1
             if chunk.draft_tokens:

@@ -58,13 +58,9 @@ def flat_inputs(chunks: list[ChunkInput], block_size: int) -> FlatInputs:
     """Token ids, positions and pool slots of ``chunks``, in order."""
     out = FlatInputs()
     for c in chunks:
-        n = len(c.token_ids)
-        if n == 1:  # a decode: most chunks of a busy step
-            out.input_ids.append(c.token_ids[0])
-            out.positions.append(c.start)
-        else:
-            out.input_ids.extend(c.token_ids)
-            out.positions.extend(range(c.start, c.start + n))
+        n = c.num_tokens
+        out.input_ids.extend(c.token_ids)
+        out.positions.extend(range(c.start, c.start + n))
         out.slot_mapping.extend(hooks.slot_mapping(c.block_table, c.start, n, block_size))
         out.query_lens.append(n)
         out.context_lens.append(c.start + n)
