@@ -441,3 +441,30 @@ def test_the_lingering_close_is_bounded_in_time_and_bytes():
     raw = _Transport(can_eof=False)  # TLS cannot half-close: a plain close
     LingeringTransport(raw, _Loop()).close()
     assert raw.calls == ["close"]
+
+
+def test_an_idle_kept_alive_connection_does_not_hold_the_shutdown(monkeypatch):
+    """A client's pool (httpx, openai) keeps its idle connection open and never closes it. On
+    shutdown that connection closes at once: with the lingering close it held every stop for
+    ``LINGER_S`` (5 s for each of chapter 10's live checks). Here the linger is made 10 minutes:
+    a stop that lingered would outlive the join below."""
+    from minillm.server import connections
+
+    monkeypatch.setattr(connections, "LINGER_S", 600.0)
+    server = ServerThread(build_app(build_engines([MODEL], **ENGINE))).start()
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        assert client.post("/v1/completions", json=BODY).status_code == 200  # the connection stays in the pool
+        server.stop(timeout=60)
+        assert not server.thread.is_alive(), "the server waited on an idle keep-alive connection"
+        with pytest.raises(httpx.TransportError):  # the pool's connection was closed, the port is shut
+            client.post("/v1/completions", json=BODY)
+
+
+def test_only_a_close_between_requests_skips_the_linger():
+    from minillm.server.connections import LingeringTransport
+
+    raw = _Transport()
+    idle = LingeringTransport(raw, _Loop())
+    idle.idle = True
+    idle.close()
+    assert raw.calls == ["close"]

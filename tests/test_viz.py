@@ -630,3 +630,31 @@ def test_the_quantization_trade_off_labels_do_not_pile_up():
                     owned = {k for k, t in enumerate(points.text) if not t}
                     centres = [(x, y) for k, (x, y, _) in enumerate(px) if k != i and k not in owned]
                     assert not any(a[0] < x < a[2] and a[1] < y < a[3] for x, y in centres), (model, quality, speed)
+
+
+def test_the_first_figure_widget_imports_plotly_on_a_fresh_thread():
+    """``figure_widget`` imports plotly's widget module on a thread of its own, whose frame
+    stack starts empty (``display.figure_widget``'s docstring: CPython 3.11's stack-chunk edge,
+    ``benchmarks/bench_stack_chunk_edge.py``), and returns plotly's own ``FigureWidget``."""
+    import subprocess
+    import sys
+    import textwrap
+
+    child = textwrap.dedent("""
+        import importlib, sys, threading
+        seen = []
+        real = importlib.import_module
+        def spy(name, *args):
+            if name == "plotly.graph_objs._figurewidget":
+                seen.append((threading.current_thread().name, name in sys.modules))
+            return real(name, *args)
+        importlib.import_module = spy
+        import plotly.graph_objects as go
+        from minillm.viz.display import figure_widget
+        first = figure_widget(go.Figure(go.Scatter(y=[1, 2])))
+        second = figure_widget()
+        print(seen, type(first).__name__, type(second).__name__, len(first.data))
+    """)
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[('minillm-plotly-import',", "False)]", "FigureWidget", "FigureWidget", "1"]

@@ -21,6 +21,12 @@ nginx's ``lingering_close`` do, a close the server starts ends its own side firs
 the answer), then reads and drops whatever the client still sends — at most
 ``LINGER_BYTES``, for at most ``LINGER_S`` seconds — and closes when the client does. A client
 that keeps sending past those bounds gets the reset it asked for.
+
+A keep-alive connection closed while **idle** — between requests, when the server shuts down or
+the connection's keep-alive time runs out — closes at once, as nginx closes its idle keep-alive
+connections: no answer of the server's is in the client's buffer to protect, and a client's
+connection pool (httpx, the openai client) never closes an idle connection itself, so lingering
+would hold every shutdown for ``LINGER_S`` seconds.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class LingeringTransport:
     def __init__(self, transport, loop):
         self._transport, self._loop = transport, loop
         self.lingering, self.dropped, self._timer = False, 0, None
+        self.idle = False  # set by the protocol for a close between requests: nothing to linger for
 
     def __getattr__(self, name):
         return getattr(self._transport, name)
@@ -51,7 +58,7 @@ class LingeringTransport:
     def close(self) -> None:
         if self.is_closing():
             return
-        if not self._transport.can_write_eof():
+        if self.idle or not self._transport.can_write_eof():
             return self._transport.close()
         self.lingering = True
         try:
@@ -104,6 +111,20 @@ class HeaderDeadlineProtocol(H11Protocol):
         if self.transport.lingering:
             return False  # asyncio closes the transport
         return super().eof_received()
+
+    def shutdown(self) -> None:
+        """The server is stopping: uvicorn's, except that an idle connection closes at once."""
+        self._mark_idle()
+        super().shutdown()
+
+    def timeout_keep_alive_handler(self) -> None:
+        """A kept-alive connection idled past ``timeout_keep_alive``: it closes at once."""
+        self._mark_idle()
+        super().timeout_keep_alive_handler()
+
+    def _mark_idle(self) -> None:
+        if self.cycle is None or self.cycle.response_complete:
+            self.transport.idle = True
 
     def connection_lost(self, exc) -> None:
         self._disarm()

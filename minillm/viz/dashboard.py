@@ -138,7 +138,9 @@ class ServerDashboard:
         )
         fig.update_xaxes(title_text="seconds", row=2)
         try:
-            return go.FigureWidget(fig)
+            from minillm.viz.display import figure_widget
+
+            return figure_widget(fig)
         except Exception:  # noqa: BLE001 (no ipywidgets: a static figure)
             return fig
 

@@ -16,7 +16,10 @@ safe; other front ends pick whichever they support.
 
 from __future__ import annotations
 
+import importlib
 import json
+import sys
+import threading
 
 import ipywidgets as widgets
 
@@ -29,6 +32,33 @@ def static_figure(figure) -> dict:
     import plotly.io as pio
 
     return json.loads(pio.to_json(figure, validate=False, remove_uids=True))
+
+
+def figure_widget(figure=None):
+    """``plotly.graph_objects.FigureWidget(figure)``, its module imported on a thread of its own.
+
+    Why a thread: the first ``FigureWidget`` imports plotly's widget module, which imports
+    nbformat, jsonschema and ``rfc3987_syntax``, and that builds 38 parsers with lark — a second
+    of pure-Python loops. CPython 3.11 keeps each thread's frames in chunks, and a loop that calls
+    across a chunk's end allocates and frees a chunk on every call (CPython issue gh-142183,
+    fixed in 3.13). Whether the import's loops sit on such an edge depends on how deep the call
+    is: from a notebook cell in chapter 08 the import took 7-8 s instead of 1.3 s. A new thread's
+    stack starts empty, so the import costs the same wherever the figure is made."""
+    if "plotly.graph_objs._figurewidget" not in sys.modules:
+        loader = threading.Thread(target=_import_quietly, args=("plotly.graph_objs._figurewidget",),
+                                  name="minillm-plotly-import")  # fmt: skip
+        loader.start()
+        loader.join()
+    import plotly.graph_objects as go
+
+    return go.FigureWidget(figure)
+
+
+def _import_quietly(name: str) -> None:
+    try:
+        importlib.import_module(name)
+    except Exception:  # noqa: BLE001 - the caller's own import below raises it where it can be read
+        pass
 
 
 class FigureBox(widgets.VBox):

@@ -174,9 +174,8 @@ def flash_tiling_widget():
     """Sliders for the sizes; the figure redraws as they move. Displayed, it also carries a
     static copy of the figure, shown by a notebook opened without the widget's state."""
     import ipywidgets as widgets
-    import plotly.graph_objects as go
 
-    from minillm.viz.display import FigureBox
+    from minillm.viz.display import FigureBox, figure_widget
 
     t = widgets.IntSlider(value=256, min=16, max=2048, step=16, description="T (queries)")
     s = widgets.IntSlider(value=256, min=16, max=4096, step=16, description="S (keys)")
@@ -184,7 +183,7 @@ def flash_tiling_widget():
     bn = widgets.Dropdown(options=[16, 32, 64, 128], value=64, description="BLOCK_N")
     tile = widgets.IntSlider(value=3, min=0, max=3, description="Q tile")
     causal = widgets.Checkbox(value=True, description="causal")
-    fig = go.FigureWidget(flash_tiling_figure())
+    fig = figure_widget(flash_tiling_figure())
 
     def redraw(_=None):
         s.value = max(s.value, t.value)

@@ -160,9 +160,8 @@ def kv_memory_widget():
     sequence length and batch. Displayed, the widget also carries a static copy of the chart,
     which a notebook shows when it is opened without the widget's state (not yet run)."""
     import ipywidgets as w
-    import plotly.graph_objects as go
 
-    from minillm.viz.display import FigureBox
+    from minillm.viz.display import FigureBox, figure_widget
 
     preset = w.Dropdown(options=list(KV_PRESETS), value="Llama-2-7B", description="model")
     layers = w.IntText(description="layers")
@@ -172,7 +171,7 @@ def kv_memory_widget():
     seq_len = w.IntSlider(value=4096, min=128, max=131072, step=128, description="seq len")
     batch = w.IntSlider(value=1, min=1, max=512, description="batch")
     readout = w.HTML()
-    figure = go.FigureWidget(kv_memory_figure(preset.value, dtype.value, seq_len=seq_len.value, batch=batch.value))
+    figure = figure_widget(kv_memory_figure(preset.value, dtype.value, seq_len=seq_len.value, batch=batch.value))
 
     def load_preset(*_):
         p = KV_PRESETS[preset.value]

@@ -343,14 +343,13 @@ def quant_tradeoff(results):
     and the speed that colours the points (decode at batch 1 or 8, or prefill). Displayed, it
     also carries a static copy of its chart for a notebook opened without the widget's state."""
     import ipywidgets as w
-    import plotly.graph_objects as go
 
-    from minillm.viz.display import FigureBox
+    from minillm.viz.display import FigureBox, figure_widget
 
     data = load_quant_results(results)
     quality = w.Dropdown(options=[(v, k) for k, v in QUALITIES.items()], value="ppl_shakespeare", description="y")
     speed = w.Dropdown(options=[(v, k) for k, v in SPEEDS.items()], value="decode_tok_s_b1", description="colour")
-    figure = go.FigureWidget(quant_tradeoff_figure(data, quality.value, speed.value))
+    figure = figure_widget(quant_tradeoff_figure(data, quality.value, speed.value))
 
     def update(*_):
         fresh = quant_tradeoff_figure(data, quality.value, speed.value)

@@ -153,9 +153,8 @@ def speculation_explorer(alphas=(0.5, 0.7, 0.8, 0.9)):
     """``speculation_figure`` with a slider for the draft's cost ratio c and one for an α of
     your own (drawn thick next to the others)."""
     import ipywidgets as w
-    import plotly.graph_objects as go
 
-    from minillm.viz.display import FigureBox
+    from minillm.viz.display import FigureBox, figure_widget
 
     cost = w.FloatSlider(value=0.1, min=0.0, max=0.5, step=0.01, description="draft cost c", readout_format=".2f")
     mine = w.FloatSlider(value=0.6, min=0.05, max=0.98, step=0.01, description="your α", readout_format=".2f")
@@ -164,7 +163,7 @@ def speculation_explorer(alphas=(0.5, 0.7, 0.8, 0.9)):
         chosen = sorted({*alphas, round(mine.value, 2)})
         return speculation_figure(chosen, cost.value, highlight=round(mine.value, 2))
 
-    figure = go.FigureWidget(build())
+    figure = figure_widget(build())
 
     def update(*_):
         fresh = build()
