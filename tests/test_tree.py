@@ -55,6 +55,27 @@ def test_every_node_gets_its_branch_run_alone(model, prompt, parents):
         torch.testing.assert_close(hidden[n + i], alone_hidden[-1], atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("cached", [0, 1, 9])
+def test_a_pass_over_the_cache_gives_the_cache_free_pass(model, prompt, cached):
+    """The sequence's first ``cached`` tokens read from a KV cache, the rest and the tree
+    computed: the same logits and features as the pass that computes everything; the tree's
+    slots do not leak into the next pass, which overwrites them."""
+    from minillm.kvcache.contiguous import ContiguousKVCache
+
+    parents, drafts = [-1, 0, -1, 2, 0], [5, 6, 7, 8, 9]
+    cache = ContiguousKVCache(model.config, 1, 64, model.dtype, model.device)
+    if cached:
+        tree_pass(model, prompt[:cached], [11, 12], [-1, -1], cache=cache)  # fills slots 0 .. cached+1
+    logits, hidden = tree_pass(model, prompt, drafts, parents, cache=cache, cached=cached)
+    free_logits, free_hidden = tree_pass(model, prompt, drafts, parents)
+    torch.testing.assert_close(logits, free_logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(hidden, free_hidden[cached:], atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="cached = 3"):
+        tree_pass(model, prompt, drafts, parents, cached=3)  # no cache to read them from
+    with pytest.raises(ValueError, match=f"cached = {len(prompt)}"):
+        tree_pass(model, prompt, drafts, parents, cache=cache, cached=len(prompt))  # nothing to compute
+
+
 def test_the_branch_the_target_agrees_with_is_accepted(model, prompt):
     """A tree holding the target's own continuation on one branch and wrong tokens elsewhere:
     the whole right branch is accepted, plus the target's next token."""

@@ -17,7 +17,7 @@ target's choice there, and stop (with the target's own token) where none is.
 SpecInfer (Miao et al., 2024, arXiv:2305.09781) verifies token trees this way; Medusa (Cai et
 al., 2024, arXiv:2401.10774) uses a fixed tree over its heads' top-k; EAGLE-2 (Li et al., 2024,
 arXiv:2406.16858) grows the tree from the draft head's confidence. Here the tree runs in a
-contiguous, cache-free pass (``tree_pass``), enough to measure what a tree buys in accepted
+pass over a contiguous KV cache (``tree_pass``), enough to measure what a tree buys in accepted
 tokens (``tree_generate``); the serving engine verifies chains, as rows of its compiled decode step.
 """
 
@@ -29,6 +29,7 @@ import torch
 
 import minillm.hooks as hooks
 from minillm.attention.contiguous import AttentionMask, ContiguousStep, ForwardBatch
+from minillm.kvcache.contiguous import ContiguousKVCache
 
 
 def check_parents(parents: list[int], num_nodes: int | None = None) -> None:
@@ -60,9 +61,9 @@ def tree_depths(mask: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class TreeBatch(ForwardBatch):
-    """A sequence followed by a tree of proposals, in one cache-free pass with an explicit mask."""
+    """A sequence's new tokens followed by a tree of proposals, in one pass with an explicit mask."""
 
-    full_mask: torch.Tensor | None = None  # [1, 1, n + N, n + N]
+    full_mask: torch.Tensor | None = None  # [1, 1, inputs, slots]: n - cached + N rows, n + N columns
     first_logit_row: int = 0
 
     @property
@@ -74,31 +75,48 @@ class TreeBatch(ForwardBatch):
         return ContiguousStep(self, AttentionMask(mask=self.full_mask), model.attention_backend.padded)
 
 
-def tree_pass(model, tokens: list[int], drafts: list[int], parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def tree_pass(
+    model, tokens: list[int], drafts: list[int], parents: list[int], cache=None, cached: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One target pass over ``tokens`` (the sequence) and the tree ``drafts``/``parents``.
 
+    Without ``cache`` the pass computes the whole sequence. With a ``ContiguousKVCache`` holding
+    the first ``cached`` tokens' keys and values, it computes only ``tokens[cached:]`` and the
+    tree, writing their keys and values into the cache's next slots: the sequence's new tokens
+    are kept, and the tree's slots are overwritten by the next pass, which starts with the
+    tokens the tree gave (``tree_generate``). A node's slot is not its position: RoPE takes the
+    position ``n + depth``, the mask takes the slot.
+
     Returns logits ``[1 + N, V]`` — row 0 after the sequence's last token, row ``1 + i`` after
-    node ``i`` — and the last hidden states ``[n + N, hidden]`` of every input row (the features
-    a feature-level draft reads; a node's are its branch's own, as it saw only its ancestors)."""
+    node ``i`` — and the last hidden states ``[n - cached + N, hidden]`` of every input row (the
+    features a feature-level draft reads; a node's are its branch's own, as it saw only its
+    ancestors)."""
     check_parents(parents, len(drafts))
     n, N = len(tokens), len(drafts)
     if n == 0:
         raise ValueError("tree_pass needs at least one token before the tree")
+    if not 0 <= cached < n or (cache is None and cached):
+        raise ValueError(f"cached = {cached}: a pass computes at least the sequence's last token, and only a "
+                         f"cache can hold the ones before it (cache given: {cache is not None}, {n} tokens)")  # fmt: skip
     tree = hooks.tree_attention_mask(list(parents))
     if not isinstance(tree, torch.Tensor) or tree.shape != (N, N) or tree.dtype != torch.bool:
         raise ValueError(f"tree_attention_mask must return a bool tensor of shape ({N}, {N}), got "
                          f"{getattr(tree, 'dtype', type(tree).__name__)} {tuple(getattr(tree, 'shape', ()))}")  # fmt: skip
     device = model.embed_tokens.weight.device
-    full = torch.zeros(n + N, n + N, dtype=torch.bool)
-    full[:n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
-    full[n:, :n] = True  # every node sees the whole sequence
-    full[n:, n:] = tree
-    positions = torch.cat([torch.arange(n), n + tree_depths(tree)])
+    m = n - cached  # the sequence's tokens this pass computes, at slots cached .. n-1
+    full = torch.zeros(m + N, n + N, dtype=torch.bool)  # rows: this pass's inputs; columns: slots 0 .. n+N-1
+    full[:m, :n] = torch.ones(m, n, dtype=torch.bool).tril(diagonal=cached)  # causal over the sequence
+    full[m:, :n] = True  # every node sees the whole sequence
+    full[m:, n:] = tree
+    positions = torch.cat([torch.arange(cached, n), n + tree_depths(tree)])
     batch = TreeBatch(
-        input_ids=torch.tensor([list(tokens) + list(drafts)], device=device),
+        input_ids=torch.tensor([list(tokens[cached:]) + list(drafts)], device=device),
         positions=positions[None].to(device),
+        cache=cache,
+        kv_len=n + N if cache is not None else None,
+        same_start=cached if cache is not None else None,  # the pass's keys and values go to slots cached ..
         full_mask=full[None, None].to(device),
-        first_logit_row=n - 1,
+        first_logit_row=m - 1,
     )
     with torch.inference_mode():
         logits, hidden = model.forward_with_hidden(batch)
@@ -148,19 +166,23 @@ def eagle_tree(head, feats: torch.Tensor, tokens: list[int], depth: int, branche
 def tree_generate(model, head, prompt: list[int], max_tokens: int, depth: int, branches: int) -> dict:
     """Greedy decoding where every target pass verifies an EAGLE tree (``branches`` = 1: a chain).
 
-    Each pass recomputes the whole sequence (no KV cache: this measures tokens per pass, not
-    time). Returns the output tokens, the passes and the tokens each pass emitted."""
+    The sequence's keys and values stay in a contiguous KV cache: each pass computes the tokens
+    the last pass emitted and the new tree (``tree_pass``). Returns the output tokens, the
+    passes and the tokens each pass emitted."""
     tokens = list(prompt)
-    logits, hidden = tree_pass(model, tokens, [], [])
+    cache = ContiguousKVCache(model.config, 1, len(prompt) + max_tokens + depth * branches, model.dtype, model.device)
+    logits, hidden = tree_pass(model, tokens, [], [], cache=cache)
     tokens.append(int(logits[0].argmax()))
-    feats = hidden[: len(tokens) - 1]
+    feats, cached = hidden[: len(tokens) - 1], len(prompt)  # features of positions 0 .. n-2; slots 0 .. cached-1 in the cache
     per_pass = [1]
     while len(tokens) - len(prompt) < max_tokens:
         drafts, parents = eagle_tree(head, feats, tokens, depth, branches)
-        logits, hidden = tree_pass(model, tokens, drafts, parents)
+        logits, hidden = tree_pass(model, tokens, drafts, parents, cache=cache, cached=cached)
         path, emitted = accept_tree(parents, drafts, logits.argmax(-1).tolist())
         n = len(tokens)
-        feats = torch.cat([hidden[:n], hidden[[n + i for i in path]]])  # positions 0 .. n-1+len(path)
+        m = n - cached  # hidden's first m rows: positions cached .. n-1; then the nodes
+        feats = torch.cat([feats[:cached], hidden[:m], hidden[[m + i for i in path]]])  # positions 0 .. n-1+len(path)
+        cached = n  # the tree's slots are overwritten by the next pass's first tokens
         emitted = emitted[: max_tokens - (n - len(prompt))]
         tokens += emitted
         per_pass.append(len(emitted))
