@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -461,10 +462,34 @@ def test_an_idle_kept_alive_connection_does_not_hold_the_shutdown(monkeypatch):
 
 
 def test_only_a_close_between_requests_skips_the_linger():
-    from minillm.server.connections import LingeringTransport
+    """The transport closes at once only when the protocol marked it idle; the protocol marks
+    it only when its answer is complete and the client is between requests — not after a
+    refusal sent at the headers while the client still sends its body (that answer keeps the
+    linger's protection), nor while a request is being answered."""
+    import h11
+
+    from minillm.server.connections import HeaderDeadlineProtocol, LingeringTransport
 
     raw = _Transport()
     idle = LingeringTransport(raw, _Loop())
     idle.idle = True
     idle.close()
     assert raw.calls == ["close"]
+
+    def protocol(cycle, conn):
+        p = HeaderDeadlineProtocol.__new__(HeaderDeadlineProtocol)
+        p.cycle, p.conn, p.transport = cycle, conn, LingeringTransport(_Transport(), _Loop())
+        p._mark_idle()
+        return p.transport.idle
+
+    post = h11.Request(method="POST", target="/v1/completions",
+                       headers=[("host", "x"), ("content-length", "100")])  # fmt: skip
+    done, busy = SimpleNamespace(response_complete=True), SimpleNamespace(response_complete=False)
+    assert protocol(None, h11.Connection(h11.SERVER))  # a connection that sent nothing yet
+    refused = h11.Connection(h11.SERVER)
+    refused.receive_data(h11.Connection(h11.CLIENT).send(post))
+    assert isinstance(refused.next_event(), h11.Request)
+    refused.send(h11.Response(status_code=401, headers=[("content-length", "0")]))
+    refused.send(h11.EndOfMessage())  # answered at the headers; the client's body still to come
+    assert refused.their_state is h11.SEND_BODY and not protocol(done, refused)
+    assert not protocol(busy, h11.Connection(h11.SERVER))  # an answer still being written

@@ -22,17 +22,19 @@ the answer), then reads and drops whatever the client still sends — at most
 ``LINGER_BYTES``, for at most ``LINGER_S`` seconds — and closes when the client does. A client
 that keeps sending past those bounds gets the reset it asked for.
 
-A keep-alive connection closed while **idle** — between requests, when the server shuts down or
-the connection's keep-alive time runs out — closes at once, as nginx closes its idle keep-alive
-connections: no answer of the server's is in the client's buffer to protect, and a client's
-connection pool (httpx, the openai client) never closes an idle connection itself, so lingering
-would hold every shutdown for ``LINGER_S`` seconds.
+A keep-alive connection closed while **idle** — the server's answer complete and the client
+between requests, when the server shuts down or the connection's keep-alive time runs out —
+closes at once, as nginx closes its idle keep-alive connections: no body is on its way to draw
+a reset, and a client's connection pool (httpx, the openai client) never closes an idle
+connection itself, so lingering would hold every shutdown for ``LINGER_S`` seconds. A refusal
+sent at a request's headers (401, 415) while the body still arrives keeps its linger.
 """
 
 from __future__ import annotations
 
 import logging
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("minillm.server")
@@ -113,7 +115,8 @@ class HeaderDeadlineProtocol(H11Protocol):
         return super().eof_received()
 
     def shutdown(self) -> None:
-        """The server is stopping: uvicorn's, except that an idle connection closes at once."""
+        """The server is stopping: uvicorn's, except that an idle connection closes at once (a
+        request still running is answered, then lingers as any close after an answer does)."""
         self._mark_idle()
         super().shutdown()
 
@@ -123,7 +126,11 @@ class HeaderDeadlineProtocol(H11Protocol):
         super().timeout_keep_alive_handler()
 
     def _mark_idle(self) -> None:
-        if self.cycle is None or self.cycle.response_complete:
+        """Idle: our answer is complete *and* the client is between requests. A refusal sent at
+        a request's headers (a 401 or 415 from the front door) completes our side while the
+        client may still be sending the body: that close keeps its linger."""
+        answered = self.cycle is None or self.cycle.response_complete
+        if answered and self.conn.their_state is h11.IDLE:
             self.transport.idle = True
 
     def connection_lost(self, exc) -> None:

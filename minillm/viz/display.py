@@ -47,8 +47,12 @@ def figure_widget(figure=None):
     if "plotly.graph_objs._figurewidget" not in sys.modules:
         loader = threading.Thread(target=_import_quietly, args=("plotly.graph_objs._figurewidget",),
                                   name="minillm-plotly-import")  # fmt: skip
-        loader.start()
-        loader.join()
+        try:
+            loader.start()
+        except RuntimeError:  # no new threads (the interpreter is shutting down): import here
+            _import_quietly("plotly.graph_objs._figurewidget")
+        else:
+            loader.join()
     import plotly.graph_objects as go
 
     return go.FigureWidget(figure)
