@@ -140,3 +140,12 @@ def test_smollm2_eagle_tree_reproduces_the_target_alone():
     out = tree_generate(target, head, ids, len(plain.token_ids), depth=3, branches=2)
     assert out["token_ids"] == plain.token_ids
     assert out["passes"] < len(plain.token_ids)
+
+
+def test_a_model_with_a_sliding_window_is_refused_past_it(model, prompt, monkeypatch):
+    """tree_pass's mask has no window term: a sequence and tree longer than the model's window
+    are refused by name rather than attended past the window."""
+    monkeypatch.setattr(model, "sliding_window", len(prompt) + 1)
+    tree_pass(model, prompt, [5], [-1])  # within the window: fine
+    with pytest.raises(ValueError, match="no sliding window"):
+        tree_pass(model, prompt, [5, 6], [-1, 0])

@@ -98,6 +98,10 @@ def tree_pass(
     if not 0 <= cached < n or (cache is None and cached):
         raise ValueError(f"cached = {cached}: a pass computes at least the sequence's last token, and only a "
                          f"cache can hold the ones before it (cache given: {cache is not None}, {n} tokens)")  # fmt: skip
+    window = getattr(model, "sliding_window", None)
+    if window is not None and n + N > window:
+        raise ValueError(f"tree_pass has no sliding window: {n} tokens and {N} nodes pass this model's window "
+                         f"of {window} (its mask would let every node see the whole sequence)")  # fmt: skip
     tree = hooks.tree_attention_mask(list(parents))
     if not isinstance(tree, torch.Tensor) or tree.shape != (N, N) or tree.dtype != torch.bool:
         raise ValueError(f"tree_attention_mask must return a bool tensor of shape ({N}, {N}), got "
