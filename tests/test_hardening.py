@@ -304,7 +304,7 @@ def test_bad_generation_config_names_the_file(tiny_model, tmp_path, content, mes
         LLM(folder)
 
 
-@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_non_finite_weights_are_refused_at_load(tiny_model, tmp_path, bad):
     folder = _model_copy(tiny_model, tmp_path)
     tensors = load_file(str(folder / "model.safetensors"))
@@ -312,6 +312,22 @@ def test_non_finite_weights_are_refused_at_load(tiny_model, tmp_path, bad):
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="tensor 'model.norm.weight' holds 1 NaN/inf value"):
         LLM(folder)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_finite_check_finds_one_bad_value_anywhere(dtype):
+    """The load's check reads only the extremes (``aminmax``): one NaN or infinity at any position
+    of a vectorised pass (the first lane, the last, the scalar tail) must still show."""
+    from minillm.models.loader import _all_finite
+
+    for n in (1, 2, 7, 16, 33, 4097):
+        assert _all_finite(torch.randn(n).to(dtype))
+        for position in {0, n // 2, n - 1}:
+            for bad in (math.nan, math.inf, -math.inf):
+                t = torch.randn(n).to(dtype)
+                t[position] = bad
+                assert not _all_finite(t), (n, position, bad)
+    assert _all_finite(torch.empty(0, dtype=dtype))
 
 
 # ------------------------------------------------------------------------------------------

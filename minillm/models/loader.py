@@ -78,9 +78,23 @@ class CheckpointSlice:
 
     def load(self) -> torch.Tensor:
         tensor = self.source[self.index] if self.index else self.source[:]
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if tensor.is_floating_point() and not _all_finite(tensor):
             raise NonFiniteTensor(f"holds {int((~torch.isfinite(tensor)).sum())} NaN/inf value(s): a corrupt checkpoint")
         return tensor
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN and no ±inf in ``tensor``. Its smallest and largest values say it: ``aminmax``
+    propagates NaN and shows an infinity at either end, in one pass that allocates nothing;
+    ``isfinite(t).all()`` writes a bool for every element first, about 30× slower on a bf16
+    table (``benchmarks/bench_finite_check.py``), which was ~0.5 s of every SmolLM2 load."""
+    if tensor.numel() == 0:
+        return True
+    try:
+        lo, hi = torch.aminmax(tensor)
+    except (RuntimeError, NotImplementedError):  # a dtype without CPU aminmax (float8): in float32
+        return bool(torch.isfinite(tensor.float()).all())
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
 def _copy_into(module, param: str, shard: str | None, tensor: CheckpointSlice) -> None:
