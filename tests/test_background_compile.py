@@ -85,10 +85,62 @@ def test_the_step_compiled_behind_the_engine_swaps_in(tiny_model, shared_package
     assert llm.generate(PROMPTS[0], params)[0].token_ids == eager_tokens
     assert all(getattr(layer, "plain_weight", None) is None for layer in llm.model.linear_layers())
     again = LLM(tiny_model, compile=True, compile_batch_sizes=(1, 4), **ENGINE)  # warm: loads, compiles nothing
+    # Loaded before LLM() returned (load_packages_on_disk): its first answer already runs compiled.
+    # (What a package's name hangs on, should it compile again: the thread count is one of them.)
+    assert set(again.engine.graphs.graphs) == {1, 4}, (thread_governor.configured_threads(), torch.get_num_threads())
+    assert set(again.engine.graphs.load_seconds) == {1, 4} and again.engine.graphs.compile_seconds == {}
     status = again.wait_for_fast_path(timeout=60)
-    # (what a package's name hangs on, should it compile again: the thread count is one of them)
-    assert status.state == "ready", (status, thread_governor.configured_threads(), torch.get_num_threads())
-    assert again.engine.graphs.compile_seconds == {}
+    assert status.state == "ready", status
+    assert again.generate(PROMPTS[0], params)[0].token_ids == eager_tokens
+
+
+def test_a_package_loads_without_inductors_instruction_set_probes(tiny_model, shared_packages, monkeypatch):
+    """Loading a package on disk answers inductor's "which instruction set has this machine?" with
+    the one the package records (its name already holds this CPU's model and flags), so no probe
+    library is built and loaded in a child process; every other thread keeps inductor's answer."""
+    import threading
+
+    from torch._inductor import cpu_vec_isa
+
+    llm = LLM(tiny_model, compile=True, compile_batch_sizes=(1, 4), **ENGINE)
+    assert llm.wait_for_fast_path(timeout=600).state == "ready"
+    path = sorted(shared_packages.glob("decode-b1-*.pt2"))[0]
+    probes = []
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "_probe_load", lambda self, out: probes.append(out) or True)
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", lambda self, code: probes.append(code) or True)
+    original = cpu_vec_isa.pick_vec_isa
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()  # as in a new process: nothing probed yet
+    try:
+        graph = compiled_decode.load_package(path)
+    finally:
+        cpu_vec_isa.valid_vec_isa_list.cache_clear()  # whoever asks next probes for real
+    assert graph is not None and probes == []
+    assert cpu_vec_isa.pick_vec_isa is original  # restored
+    # During the load: the loading thread reads the package's own record, any other thread inductor's.
+    recorded = torch._C._aoti.AOTIModelPackageLoader.load_metadata_from_package(str(path), "model")["AOTI_CPU_ISA"]
+    monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: "inductor's answer")
+    calls = []
+
+    def observed_load(where):
+        other = []
+        thread = threading.Thread(target=lambda: other.append(str(cpu_vec_isa.pick_vec_isa())))
+        thread.start()
+        thread.join()
+        calls.append((str(cpu_vec_isa.pick_vec_isa()), other[0]))
+        if len(calls) == 1 and fail_first:
+            raise AttributeError("a PyTorch that reads more of the instruction set than its name")
+        return "graph"
+
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", observed_load)
+    fail_first = False
+    assert compiled_decode.load_package(path) == "graph"
+    assert calls == [(recorded.lower(), "inductor's answer")]
+    # A load that fails with the stand-in is done again inductor's own way.
+    calls.clear()
+    fail_first = True
+    assert compiled_decode.load_package(path) == "graph"
+    assert calls == [(recorded.lower(), "inductor's answer"), ("inductor's answer", "inductor's answer")]
+    assert cpu_vec_isa.pick_vec_isa() == "inductor's answer"
 
 
 def test_tokens_are_identical_across_the_swap_in_the_middle_of_a_request(tiny_model, shared_packages):

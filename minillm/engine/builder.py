@@ -29,7 +29,7 @@ from minillm.kvcache.unpaged import NoBlockPool
 from minillm.layers.cpu_prepack import release_plain_weights
 from minillm.machine import triton_available
 from minillm.models.llama import LlamaForCausalLM
-from minillm.runtime.background_compile import BackgroundBuild, CompileJob
+from minillm.runtime.background_compile import BackgroundBuild, CompileJob, load_packages_on_disk
 from minillm.runtime.compiled_decode import CompiledDecode
 from minillm.runtime.contiguous_runner import ContiguousRunner
 from minillm.runtime.cuda_graphs import DecodeGraphs
@@ -477,6 +477,7 @@ def decode_fast_path(
             )
             compiled = None
         if compiled is not None and model_dir is not None:
+            load_packages_on_disk(compiled, job)
             compiled.build = BackgroundBuild(compiled, job)  # releases the plain weights when it is done
         else:
             release_plain_weights(model)

@@ -279,7 +279,7 @@ class CompiledDecode:
         if not trusted_cache.verified(path):
             raise ValueError("it is not the file recorded when it was built (replaced, truncated, or older)")
         start = time.perf_counter()
-        graph = torch._inductor.aoti_load_package(str(path))
+        graph = load_package(path)
         self.load_seconds[batch] = time.perf_counter() - start
         os.utime(path)  # newest first when old packages are pruned
         self.offer(batch, graph)
@@ -400,6 +400,51 @@ class CompiledDecode:
         # A traced graph cannot pick its rows' near-ties out: decided here in fp32, as the eager step does.
         model = self.module.model
         return refine_top_logits(logits[: len(rows)], self.last_hidden, model.lm_head, model.norm)
+
+
+_ISA_LOCK = threading.Lock()
+
+
+class _RecordedISA:
+    """Stands in for inductor's ``VecISA`` where only its name is read."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+def load_package(path: Path):
+    """``torch._inductor.aoti_load_package(path)`` without inductor's instruction-set probes.
+
+    Loading a package compares the instruction set it was built for with this machine's, and
+    inductor names this machine's by compiling and ``dlopen``-ing a probe library per candidate,
+    each in a new Python process: about 1 s of a warm engine's start (AMD EPYC, 2 cores), for a
+    comparison that can only log a warning. Our package names already hold the CPU's model and
+    flags (``digest``), so a package on disk was built for this CPU: while it loads, on this thread
+    only, the machine's instruction set is answered with the one the package records. Any other
+    thread, and any other PyTorch (other private names), gets inductor's own answer."""
+    import torch._inductor
+
+    try:
+        from torch._inductor import cpu_vec_isa
+
+        recorded = torch._C._aoti.AOTIModelPackageLoader.load_metadata_from_package(str(path), "model")
+        name = recorded["AOTI_CPU_ISA"]
+        probing = cpu_vec_isa.pick_vec_isa
+    except (AttributeError, ImportError, KeyError, RuntimeError):
+        return torch._inductor.aoti_load_package(str(path))
+    loader = threading.get_ident()
+    with _ISA_LOCK:
+        cpu_vec_isa.pick_vec_isa = lambda: _RecordedISA(name) if threading.get_ident() == loader else probing()
+        try:
+            return torch._inductor.aoti_load_package(str(path))
+        except Exception:  # noqa: BLE001 (a PyTorch that reads more of the ISA than its name: its own way)
+            pass
+        finally:
+            cpu_vec_isa.pick_vec_isa = probing
+    return torch._inductor.aoti_load_package(str(path))
 
 
 def pool_tensors(pool: KVPool) -> list[torch.Tensor]:
