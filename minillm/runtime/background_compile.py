@@ -104,11 +104,12 @@ def load_packages_on_disk(compiled: CompiledDecode, job: CompileJob) -> tuple[in
     leave only the missing ones to the ``BackgroundBuild``; the batch sizes loaded.
 
     Why not in the background as before: loading a package imports inductor (a second of Python
-    holding the GIL) and reads ~300 MB while the engine's first answer decodes eagerly beside
-    it, and the graphs' first calls came during that answer too: a warm start answered at 16-17
-    tok/s, then ran at ~80 (SmolLM2-135M, AMD EPYC, 2 threads; ``benchmarks/bench_warm_start.py``).
-    A package that is not there (a cold machine) costs nothing here; one that cannot be loaded is
-    left to the background build, which reports it as before."""
+    holding the GIL) and reads ~300 MB, while the engine's first answers decoded eagerly beside it:
+    a warm start's first two 32-token answers ran at 15.8 and 31.7 tok/s, then ~70 once the graphs
+    were in; loaded here, the first ran at 63.4 and was done sooner (SmolLM2-135M, AMD EPYC, 2
+    threads, medians of 3; ``benchmarks/bench_warm_start.py``). A package that is not there (a cold
+    machine) costs nothing here; one that cannot be loaded is left to the background build, which
+    reports it as before."""
     loaded = []
     for batch, where in sorted(job.paths.items()):
         path = Path(where)
