@@ -13,8 +13,6 @@ and both ways must agree (all finite here; ``tests/test_hardening.py`` plants ba
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import time
 from statistics import median
 
@@ -22,14 +20,14 @@ import torch
 from safetensors.torch import load_file
 
 from minillm.assets import resolve_model
+from minillm.machine import machine_description
 from minillm.models.loader import _all_finite
 
 
 def cpu() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in fields.get("Flags", "").split()]
-    return f"{fields.get('Model name', '?').strip()}, {os.cpu_count()} CPUs, flags {' '.join(flags)}"
+    """The CPU's model, cores and the flags that decide the fast paths (``minillm.machine``)."""
+    m = machine_description(torch.device("cpu"))
+    return f"{m['cpu']}, {m['cpu_count']} CPUs, flags {' '.join(m['cpu_flags']) or '-'}"
 
 
 def timed(check, tensors, repeats: int) -> tuple[float, bool]:

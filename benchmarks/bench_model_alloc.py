@@ -15,8 +15,6 @@ the repeats, alternated, their ratio, and the CPU.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import time
 from statistics import median
 
@@ -24,14 +22,14 @@ import torch
 
 from minillm.assets import resolve_model
 from minillm.config import ModelConfig
+from minillm.machine import machine_description
 from minillm.models.llama import LlamaForCausalLM
 
 
 def cpu() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in fields.get("Flags", "").split()]
-    return f"{fields.get('Model name', '?').strip()}, {os.cpu_count()} CPUs, flags {' '.join(flags)}"
+    """The CPU's model, cores and the flags that decide the fast paths (``minillm.machine``)."""
+    m = machine_description(torch.device("cpu"))
+    return f"{m['cpu']}, {m['cpu_count']} CPUs, flags {' '.join(m['cpu_flags']) or '-'}"
 
 
 def build(config: ModelConfig, dtype: torch.dtype, cast_first: bool) -> tuple[float, dict]:

@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from statistics import median
+
+import torch
+
+from minillm.machine import machine_description
 
 CHILD = r"""
 import json, sys, time
@@ -56,10 +59,9 @@ print(json.dumps({"llm": t1 - t0, "first_answer": first, "rates": rates, "state"
 
 
 def cpu() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in fields.get("Flags", "").split()]
-    return f"{fields.get('Model name', '?').strip()}, {os.cpu_count()} CPUs, flags {' '.join(flags)}"
+    """The CPU's model, cores and the flags that decide the fast paths (``minillm.machine``)."""
+    m = machine_description(torch.device("cpu"))
+    return f"{m['cpu']}, {m['cpu_count']} CPUs, flags {' '.join(m['cpu_flags']) or '-'}"
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ picks ``sdpa`` for it, whose reference dequantizes as it gathers).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -61,7 +62,7 @@ def _library() -> ctypes.CDLL:
     return library
 
 
-_PICK_LOCK = threading.Lock()
+_PICK_LOCK = threading.RLock()  # re-entrant: a build inside a load on one thread must not wait on itself
 
 
 def _build(cpp_code_cache, source: str):
@@ -79,22 +80,32 @@ def _build(cpp_code_cache, source: str):
         from torch._inductor import codecache, cpu_vec_isa
 
         isa = _isa_from_cpu_flags(cpu_vec_isa)
-        probing = codecache.pick_vec_isa
     except (ImportError, AttributeError):  # another PyTorch's private names: its own pick
         return cpp_code_cache.load(source)
     if isa is None:
         return cpp_code_cache.load(source)
-    builder = threading.get_ident()
-    with _PICK_LOCK:
-        codecache.pick_vec_isa = lambda: isa if threading.get_ident() == builder else probing()
+    with isa_on_this_thread(codecache, isa):
         try:
             return cpp_code_cache.load(source)
         except Exception as error:
             if not _rejects_flags(error, isa):
                 raise
-        finally:
-            codecache.pick_vec_isa = probing
     return cpp_code_cache.load(source)  # inductor's own probes decide
+
+
+@contextlib.contextmanager
+def isa_on_this_thread(module, isa):
+    """Inside the ``with``, ``module.pick_vec_isa()`` answers ``isa`` on this thread, and inductor's
+    own (probing) answer on every other; restored on the way out. One at a time (a lock): the kernel
+    build here and a compiled package's load (``compiled_decode.load_package``) both use it."""
+    caller = threading.get_ident()
+    with _PICK_LOCK:  # read inside the lock: another thread's stand-in is never taken for inductor's own
+        probing = module.pick_vec_isa
+        module.pick_vec_isa = lambda: isa if threading.get_ident() == caller else probing()
+        try:
+            yield
+        finally:
+            module.pick_vec_isa = probing
 
 
 def _rejects_flags(error: Exception, isa) -> bool:

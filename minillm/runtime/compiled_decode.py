@@ -72,7 +72,7 @@ import torch
 
 import minillm.hooks as hooks
 from minillm import trusted_cache
-from minillm.attention.cpu_paged import POOL_DTYPES  # also registers the kernel's operator, which graphs call
+from minillm.attention.cpu_paged import POOL_DTYPES, isa_on_this_thread  # also registers the kernel's operator
 from minillm.attention.layout import KVPool, StepLayout
 from minillm.kvcache import addressing
 from minillm.kvcache.paged import PagedKVCache
@@ -402,9 +402,6 @@ class CompiledDecode:
         return refine_top_logits(logits[: len(rows)], self.last_hidden, model.lm_head, model.norm)
 
 
-_ISA_LOCK = threading.Lock()
-
-
 class _RecordedISA:
     """Stands in for inductor's ``VecISA`` where only its name is read."""
 
@@ -432,18 +429,13 @@ def load_package(path: Path):
 
         recorded = torch._C._aoti.AOTIModelPackageLoader.load_metadata_from_package(str(path), "model")
         name = recorded["AOTI_CPU_ISA"]
-        probing = cpu_vec_isa.pick_vec_isa
     except (AttributeError, ImportError, KeyError, RuntimeError):
         return torch._inductor.aoti_load_package(str(path))
-    loader = threading.get_ident()
-    with _ISA_LOCK:
-        cpu_vec_isa.pick_vec_isa = lambda: _RecordedISA(name) if threading.get_ident() == loader else probing()
+    with isa_on_this_thread(cpu_vec_isa, _RecordedISA(name)):
         try:
             return torch._inductor.aoti_load_package(str(path))
         except Exception:  # noqa: BLE001 (a PyTorch that reads more of the ISA than its name: its own way)
             pass
-        finally:
-            cpu_vec_isa.pick_vec_isa = probing
     return torch._inductor.aoti_load_package(str(path))
 
 
