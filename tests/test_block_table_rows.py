@@ -127,3 +127,18 @@ def test_random_mutations_match_the_lists():
             rows.release(rid)
         width = max(len(t), 1)
         assert torch.equal(rows.gather([chunk(rid, t, start)], width), expected([t], width))
+
+
+def test_an_unchanged_row_writes_nothing_and_a_regrown_one_is_caught():
+    """Most decode steps change no table: nothing is written. A table rolled back and grown to
+    its old length again (rejected proposals, then new blocks) has the same length but other
+    blocks after the chunk's first one: those must be written."""
+    rows = BlockTableRows(NULL, BS)
+    t = [3, 4, 5]
+    rows.gather([chunk("s", t, 9)], 3)
+    rows.gather([chunk("s", t, 10)], 3)
+    assert rows.last_writes == 0
+    del t[2:]  # rolled back to 6 tokens ...
+    t.append(9)  # ... and a new block for the next verify chunk: same length, the last entry new
+    got = rows.gather([chunk("s", t, 5, n=5)], 3)  # its first block (4) is unchanged
+    assert torch.equal(got, expected([t], 3)) and rows.last_writes == 2

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
+
+import minillm.hooks as hooks
 
 from minillm.runtime.compiled_decode import CompiledDecode
 from minillm.runtime.cuda_graphs import DecodeGraphs
 from minillm.runtime.fast_path import DecodeFastPath, flat_inputs, pad_decode_rows, pad_table_rows
+from minillm.kvcache.addressing import padded_block_tables
 from minillm.runtime.runner import ChunkInput
 
 BS, NULL = 4, 9
@@ -37,6 +42,53 @@ def test_padding_rows_touch_only_the_null_block():
     assert silent.slot_mapping == [NULL * BS, NULL * BS]
     tables = pad_table_rows(torch.tensor([[2, 7], [5, NULL]]), 4, NULL)
     assert tables.tolist() == [[2, 7], [5, NULL], [NULL, NULL], [NULL, NULL]]
+
+
+def _random_step(rng: random.Random, decodes_only: bool) -> list[ChunkInput]:
+    chunks = []
+    for i in range(rng.randrange(1, 40)):
+        n = 1 if decodes_only or rng.random() < 0.6 else rng.randrange(1, 13)
+        start = rng.randrange(0, 40)
+        table = [rng.randrange(0, 50) for _ in range(-(-(start + n) // BS))]
+        chunks.append(ChunkInput(i, [rng.randrange(1000) for _ in range(n)], start, 1, table))
+    return chunks
+
+
+@pytest.mark.parametrize("decodes_only", [True, False])
+def test_slots_from_the_gathered_tables_are_the_hooks_slots(decodes_only):
+    """Given the step's gathered block tables, the slots come from one tensor expression; they
+    must be exactly what the ``slot_mapping`` hook gives chunk by chunk, on random steps."""
+    rng = random.Random(decodes_only)
+    for _ in range(50):
+        chunks = _random_step(rng, decodes_only)
+        width = max(len(c.block_table) for c in chunks)
+        tables = torch.tensor(padded_block_tables([c.block_table for c in chunks], width, NULL))
+        slow, fast = flat_inputs(chunks, BS), flat_inputs(chunks, BS, tables)
+        assert isinstance(fast.slot_mapping, torch.Tensor)
+        assert fast.slot_mapping.tolist() == slow.slot_mapping
+        assert (fast.input_ids, fast.positions, fast.query_lens, fast.context_lens) == (
+            slow.input_ids, slow.positions, slow.query_lens, slow.context_lens
+        )
+        padded = pad_decode_rows(chunks, len(chunks) + 3, BS, NULL, tables=tables) if decodes_only else None
+        if padded is not None:
+            assert padded.slot_mapping.tolist() == pad_decode_rows(chunks, len(chunks) + 3, BS, NULL).slot_mapping
+
+
+def test_a_learners_slot_mapping_is_called_for_every_chunk_even_with_tables():
+    """Chapter 03's ``slot_mapping`` plugs into the real engine: with it in force the builder
+    calls it chunk by chunk, and its answer (even a wrong one) is what the step uses."""
+    chunks = [_decode("a", 11, 6, [2, 7]), ChunkInput("b", [1, 2], 0, 1, [5])]
+    tables = torch.tensor(padded_block_tables([c.block_table for c in chunks], 2, NULL))
+    calls = []
+
+    def mine(table, start, n, block_size):
+        calls.append((start, n))
+        return [-1] * n  # wrong on purpose: it must still be what comes out
+
+    with hooks.override(slot_mapping=mine):
+        flat = flat_inputs(chunks, BS, tables)
+    assert calls == [(6, 1), (0, 2)]
+    assert flat.slot_mapping == [-1, -1, -1]
 
 
 def test_the_builder_refuses_what_is_not_a_static_decode_batch():

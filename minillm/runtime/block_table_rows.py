@@ -15,7 +15,10 @@ and a step writes only the entries that can have changed since that row was last
   reused, tables that came from another process — is written whole.
 
 So a decode step costs Python work per sequence, not per block, and one tensor indexing call
-gathers the rows. ``verify`` (the test suite turns it on) compares every row with its list
+gathers the rows. Most decode steps change nothing at all (a new block is needed once every
+``block_size`` tokens): each row keeps a Python mirror of what its tensor row holds, and a row
+whose list still matches it from the chunk's first block on costs one short list comparison and
+no write. ``verify`` (the test suite turns it on) compares every row with its list
 after each update, so a change to the block manager that breaks these rules fails loudly.
 """
 
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from minillm.kvcache.addressing import RELEASED
-from minillm.runtime.runner import ChunkInput
+from minillm.runtime.runner import ChunkInput, long_tensor
 
 
 @dataclass
@@ -36,6 +39,7 @@ class _Row:
     index: int  # the row of the tensor
     source: list[int]  # the block manager's list this row mirrors
     released: int  # leading entries known to be RELEASED (already the null block here)
+    written: list[int]  # what the tensor row holds now (released entries as the null block)
 
 
 class BlockTableRows:
@@ -50,7 +54,7 @@ class BlockTableRows:
         self.table = torch.full((16, 64), null_block, dtype=torch.long)
         self.rows: OrderedDict[Hashable, _Row] = OrderedDict()  # least recently used first
         self.free_rows = list(range(16))[::-1]
-        self.row_lengths = [0] * 16  # per tensor row: the length of the list it last mirrored
+        self.stale: list[list[int]] = [[] for _ in range(16)]  # per tensor row: what a dropped row left there
         self.last_writes = 0  # entries the last gather wrote (tests and benchmarks read it)
 
     def gather(self, chunks: list[ChunkInput], width: int) -> torch.Tensor:
@@ -61,39 +65,54 @@ class BlockTableRows:
         indices = [self._update(c, rows, cols, values) for c in chunks]
         self.last_writes = len(values)
         if values:
-            self.table.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(values, dtype=torch.long))
+            self.table.index_put_((long_tensor(rows), long_tensor(cols)), long_tensor(values))
         if self.verify:
             self._check(chunks)
         self._evict(keep=len(chunks))
-        return self.table[torch.tensor(indices, dtype=torch.long), :width]
+        return self.table[long_tensor(indices), :width]
 
     def release(self, request_id: Hashable) -> None:
         """The sequence finished: its row is free for another."""
         row = self.rows.pop(request_id, None)
         if row is not None:
-            self.free_rows.append(row.index)
+            self._free(row)
+
+    def _free(self, row: _Row) -> None:
+        self.stale[row.index] = row.written  # entries the next owner of the row must overwrite
+        self.free_rows.append(row.index)
 
     def _update(self, chunk: ChunkInput, rows: list, cols: list, values: list) -> int:
         """Queue the writes that bring ``chunk``'s row up to date; returns the row's index."""
-        table, null = chunk.block_table, self.null_block
+        table = chunk.block_table
         row = self.rows.get(chunk.request_id)
         if row is None:
-            row = self.rows[chunk.request_id] = _Row(self.free_rows.pop(), [], 0)
+            i = self.free_rows.pop()
+            row = self.rows[chunk.request_id] = _Row(i, [], 0, self.stale[i])
+            self.stale[i] = []
         self.rows.move_to_end(chunk.request_id)
-        i, n = row.index, len(table)
+        i, n, written = row.index, len(table), row.written
+        first = chunk.start // self.block_size  # nothing before it changes, but for releases
         if row.source is table:
-            first = min(self.row_lengths[i], chunk.start // self.block_size)  # copy-on-write, appended blocks
+            if (
+                n == len(written)
+                and table[first:] == written[first:]
+                and (row.released == n or table[row.released] != RELEASED)
+            ):
+                return i  # unchanged since it was written: most decode steps
+            first = min(len(written), first)  # copy-on-write, appended blocks
         else:  # written whole (a new row's list is a fresh object too)
             row.source, row.released, first = table, 0, 0
+        null = self.null_block
         row.released = min(row.released, n)  # a rollback may cut into the released prefix
         for j in range(first, n):
             rows.append(i), cols.append(j), values.append(table[j] if table[j] >= 0 else null)
-        for j in range(n, self.row_lengths[i]):  # a shorter table than this row held
+        for j in range(n, len(written)):  # a shorter table than this row held
             rows.append(i), cols.append(j), values.append(null)
+        written[first:] = [b if b >= 0 else null for b in table[first:]]
         while row.released < n and table[row.released] == RELEASED:  # fell behind a sliding window
             rows.append(i), cols.append(row.released), values.append(null)
+            written[row.released] = null
             row.released += 1
-        self.row_lengths[i] = n
         return i
 
     def _grow(self, num_rows: int, num_cols: int) -> None:
@@ -110,13 +129,13 @@ class BlockTableRows:
         grown[:have_rows, :have_cols] = self.table
         self.table = grown
         self.free_rows = list(range(have_rows, rows))[::-1] + self.free_rows
-        self.row_lengths += [0] * (rows - have_rows)
+        self.stale += [[] for _ in range(rows - have_rows)]
 
     def _evict(self, keep: int) -> None:
         """Drop the least recently used rows beyond ``max_rows`` (never this step's ``keep``)."""
         while len(self.rows) > max(self.max_rows, keep):
             _, row = self.rows.popitem(last=False)
-            self.free_rows.append(row.index)
+            self._free(row)
 
     def _check(self, chunks: list[ChunkInput]) -> None:
         for c in chunks:

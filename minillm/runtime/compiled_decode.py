@@ -80,7 +80,7 @@ from minillm.layers.exact_top import refine_top_logits
 from minillm.models.llama import LlamaForCausalLM
 from minillm.runtime.block_table_rows import BlockTableRows
 from minillm.runtime.fast_path import pad_decode_rows, pad_table_rows, runs_as_rows, token_rows
-from minillm.runtime.runner import ChunkInput
+from minillm.runtime.runner import ChunkInput, long_tensor
 from minillm.runtime.thread_governor import configured_threads
 
 # The narrowest block window compiled: the tracer specialises dynamic sizes 0 and 1.
@@ -373,13 +373,13 @@ class CompiledDecode:
         """The static layout of a decode step — ``tables[rows, window]`` its block tables — padded
         to ``batch`` rows by the padding rule (``fast_path.py``)."""
         null = self.cache.null_block
-        rows = pad_decode_rows(chunks, batch, self.cache.block_size, null, write)
+        rows = pad_decode_rows(chunks, batch, self.cache.block_size, null, write, tables)
         return (
-            torch.tensor([rows.input_ids]),
-            torch.tensor([rows.positions]),
-            torch.tensor(rows.slot_mapping),
+            long_tensor(rows.input_ids)[None],
+            long_tensor(rows.positions)[None],
+            long_tensor(rows.slot_mapping),
             pad_table_rows(tables, batch, null),
-            torch.tensor(rows.context_lens),
+            long_tensor(rows.context_lens),
             self.pool_tensors,
         )
 

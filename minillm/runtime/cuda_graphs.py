@@ -27,7 +27,7 @@ from minillm.kvcache.paged import PagedKVCache
 from minillm.models.llama import LlamaForCausalLM
 from minillm.runtime.block_table_rows import BlockTableRows
 from minillm.runtime.fast_path import pad_decode_rows
-from minillm.runtime.runner import ChunkInput
+from minillm.runtime.runner import ChunkInput, long_tensor
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -98,7 +98,7 @@ class DecodeGraphs:
         """Real rows first, then padding rows by the padding rule (``fast_path.py``;
         ``tables``: the real rows' block tables, ``[len(chunks), max_blocks]``)."""
         null = self.cache.null_block
-        rows = pad_decode_rows(chunks, s.size, self.cache.block_size, null)
+        rows = pad_decode_rows(chunks, s.size, self.cache.block_size, null, tables=tables)
         values = {
             "input_ids": rows.input_ids,
             "positions": rows.positions,
@@ -107,7 +107,7 @@ class DecodeGraphs:
         }
         for name, row_values in values.items():
             buffer = getattr(s.layout, name)
-            buffer.copy_(torch.tensor(row_values, dtype=torch.long).view(buffer.shape), non_blocking=True)
+            buffer.copy_(long_tensor(row_values).view(buffer.shape), non_blocking=True)
         # Only the real rows cross from the host; padding rows are filled in place (same rule as pad_table_rows).
         s.layout.block_tables[: len(chunks)].copy_(tables, non_blocking=True)
         s.layout.block_tables[len(chunks) :].fill_(null)

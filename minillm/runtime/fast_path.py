@@ -25,9 +25,9 @@ from typing import Protocol, runtime_checkable
 import torch
 
 import minillm.hooks as hooks
-from minillm.kvcache import addressing  # noqa: F401  (registers the reference of hook slot_mapping)
+from minillm.kvcache import addressing
 from minillm.runtime.block_table_rows import BlockTableRows
-from minillm.runtime.runner import ChunkInput
+from minillm.runtime.runner import ChunkInput, long_tensor
 
 
 @runtime_checkable
@@ -49,22 +49,43 @@ class FlatInputs:
 
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
-    slot_mapping: list[int] = field(default_factory=list)
+    slot_mapping: list[int] | torch.Tensor = field(default_factory=list)  # a tensor from gathered tables
     query_lens: list[int] = field(default_factory=list)  # tokens per chunk
     context_lens: list[int] = field(default_factory=list)  # tokens each chunk's sequence has after this step
 
 
-def flat_inputs(chunks: list[ChunkInput], block_size: int) -> FlatInputs:
-    """Token ids, positions and pool slots of ``chunks``, in order."""
-    out = FlatInputs()
-    for c in chunks:
-        n = c.num_tokens
-        out.input_ids.extend(c.token_ids)
-        out.positions.extend(range(c.start, c.start + n))
-        out.slot_mapping.extend(hooks.slot_mapping(c.block_table, c.start, n, block_size))
-        out.query_lens.append(n)
-        out.context_lens.append(c.start + n)
-    return out
+def flat_inputs(chunks: list[ChunkInput], block_size: int, tables: torch.Tensor | None = None) -> FlatInputs:
+    """Token ids, positions and pool slots of ``chunks``, in order.
+
+    ``tables``: the chunks' block-table rows as gathered for this step (``BlockTableRows``).
+    Given, and with the package's own ``slot_mapping`` in force, every slot comes from one
+    tensor expression over them — ``table[p // block_size] * block_size + p % block_size`` for
+    all the step's tokens at once — instead of a call per chunk (``slot_mapping`` is then a
+    tensor). A learner's ``slot_mapping`` (chapter 03) is called chunk by chunk, as it must be."""
+    if tables is None or hooks.slot_mapping is not addressing.slot_mapping:
+        out = FlatInputs()
+        for c in chunks:
+            n = c.num_tokens
+            out.input_ids.extend(c.token_ids)
+            out.positions.extend(range(c.start, c.start + n))
+            out.slot_mapping.extend(hooks.slot_mapping(c.block_table, c.start, n, block_size))
+            out.query_lens.append(n)
+            out.context_lens.append(c.start + n)
+        return out
+    query_lens = [len(c.token_ids) for c in chunks]
+    starts = [c.start for c in chunks]
+    if len(query_lens) == sum(query_lens):  # a decode step: one token per chunk
+        input_ids, positions, rows = [c.token_ids[0] for c in chunks], starts, torch.arange(len(chunks))
+    else:
+        input_ids, positions = [], []
+        for c in chunks:
+            input_ids.extend(c.token_ids)
+            positions.extend(range(c.start, c.start + len(c.token_ids)))
+        rows = torch.arange(len(chunks)).repeat_interleave(long_tensor(query_lens))
+    at = long_tensor(positions)
+    slots = tables[rows, at // block_size] * block_size + at % block_size
+    context_lens = [s + n for s, n in zip(starts, query_lens)]
+    return FlatInputs(input_ids, positions, slots, query_lens, context_lens)
 
 
 # A chunk the compiled step runs as rows: every token wants its logits (a speculative verify
@@ -98,22 +119,26 @@ def token_rows(chunks: list[ChunkInput]) -> list[ChunkInput]:
 
 
 def pad_decode_rows(chunks: list[ChunkInput], rows: int, block_size: int, null_block: int,
-                    write: bool = True) -> FlatInputs:  # fmt: skip
+                    write: bool = True, tables: torch.Tensor | None = None) -> FlatInputs:  # fmt: skip
     """The decode rows of ``chunks`` padded to ``rows`` rows by the padding rule (module
     docstring). ``write=False``: the real rows write their K/V into the null block too (a
-    compile's example step, which must not touch the pool's real blocks)."""
+    compile's example step, which must not touch the pool's real blocks). ``tables``: the
+    rows' gathered block tables, for ``flat_inputs``' one-expression slots."""
     if not all(c.is_decode for c in chunks):
         raise ValueError("pad_decode_rows takes decode chunks only (one token each)")
     if len(chunks) > rows:
         raise ValueError(f"{len(chunks)} decode rows do not fit a static batch of {rows}")
-    out = flat_inputs(chunks, block_size)
+    out = flat_inputs(chunks, block_size, tables)
     null_slot = null_block * block_size
     if not write:
         out.slot_mapping = [null_slot] * len(chunks)
     pad = rows - len(chunks)
     out.input_ids += [0] * pad
     out.positions += [0] * pad
-    out.slot_mapping += [null_slot] * pad
+    if isinstance(out.slot_mapping, torch.Tensor):
+        out.slot_mapping = torch.cat([out.slot_mapping, torch.full((pad,), null_slot, dtype=torch.long)])
+    else:
+        out.slot_mapping += [null_slot] * pad
     out.query_lens += [1] * pad
     out.context_lens += [1] * pad
     return out

@@ -24,7 +24,7 @@ from minillm.kvcache.paged import PagedKVCache
 from minillm.models.llama import LlamaForCausalLM
 from minillm.runtime.block_table_rows import BlockTableRows
 from minillm.runtime.fast_path import DecodeFastPath, flat_inputs
-from minillm.runtime.runner import ChunkInput, StepInputs, select_logit_rows
+from minillm.runtime.runner import ChunkInput, StepInputs, long_tensor, select_logit_rows
 
 
 class PagedRunner:
@@ -86,9 +86,10 @@ class PagedRunner:
         bs = self.cache.block_size
         decodes = sorted((c for c in chunks if c.is_decode), key=lambda c: c.start)
         order = decodes + [c for c in chunks if not c.is_decode]
-        flat = flat_inputs(order, bs)
+        width = addressing.blocks_for(max(c.start + len(c.token_ids) for c in order), bs)
+        tables = self.block_tables.gather(order, width)
+        flat = flat_inputs(order, bs, tables)
         ends = dict(zip(map(id, order), itertools.accumulate(flat.query_lens)))
-        tables = self.block_tables.gather(order, addressing.blocks_for(max(flat.context_lens), bs))
         logit_rows = select_logit_rows(chunks, [ends[id(c)] for c in chunks])
         layout = StepLayout(
             input_ids=self._tensor(flat.input_ids)[None],
@@ -106,7 +107,7 @@ class PagedRunner:
         return layout
 
     def _tensor(self, values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        return long_tensor(values, self.device)
 
 
 @hooks.reference("step_layout")
