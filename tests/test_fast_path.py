@@ -8,11 +8,10 @@ import pytest
 import torch
 
 import minillm.hooks as hooks
-
+from minillm.kvcache.addressing import padded_block_tables
 from minillm.runtime.compiled_decode import CompiledDecode
 from minillm.runtime.cuda_graphs import DecodeGraphs
 from minillm.runtime.fast_path import DecodeFastPath, flat_inputs, pad_decode_rows, pad_table_rows
-from minillm.kvcache.addressing import padded_block_tables
 from minillm.runtime.runner import ChunkInput
 
 BS, NULL = 4, 9

@@ -58,7 +58,7 @@ def test_kept_inputs_equal_inputs_rebuilt_from_scratch_on_random_schedules(seed,
     stems = ["To be, or not to be", "Friends, Romans, countrymen", "Now is the winter"]
     live, preemptions = [], 0
     with hooks.override(step_layout=checked_layout):
-        for step in range(120):
+        for _ in range(120):
             if rng.random() < 0.6:
                 prompt = rng.choice(stems) + " " * rng.randrange(3) + str(rng.randrange(50))
                 params = SamplingParams(max_tokens=rng.randrange(1, 30), n=rng.choice([1, 1, 1, 2]),
