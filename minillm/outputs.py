@@ -6,8 +6,9 @@ the HTTP server — can hold, compare and serialise them without touching a ``Se
 
 from __future__ import annotations
 
+import copy
 import statistics
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 
@@ -168,3 +169,50 @@ class StreamDelta:
     index: int = 0  # which sample of the request (SamplingParams.n)
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, if requested
     request_finished: bool = False  # the request's last delta: every sample has finished
+
+
+class DeferredDelta(StreamDelta):
+    """A ``StreamDelta`` whose ``text`` (and, on a sample's last delta, ``output``) is made
+    when first read, by its sequence's ``settle_deltas`` — detokenization off the step.
+
+    The step that produced the tokens only appends ids; the text is made by whoever reads it —
+    ``LLM.stream``'s caller, the HTTP server's event loop while the engine's thread runs the next
+    step (as vLLM V1's front end detokenizes apart from its engine core) — or never, when nobody
+    reads it. A sequence's deltas are settled in order, each exactly once, whichever is read
+    first, so every delta's text is what it would have been on the step. Once settled it is a
+    plain ``StreamDelta``."""
+
+    def __init__(self, settle: Callable[[DeferredDelta], None], *args, **kwargs):
+        self._ready = False  # the dataclass __init__ below goes through the setters
+        self._settle = settle
+        super().__init__(*args, **kwargs)
+
+    @property
+    def text(self) -> str:
+        if not self._ready:
+            self._settle(self)
+        return self._text
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._text = value
+
+    @property
+    def output(self) -> RequestOutput | None:
+        if not self._ready:
+            self._settle(self)
+        return self._output
+
+    @output.setter
+    def output(self, value: RequestOutput | None) -> None:
+        self._output = value
+
+    def __deepcopy__(self, memo):  # a copy of a sequence's state (course checks): still pending, not settled
+        clone = object.__new__(type(self))
+        memo[id(self)] = clone
+        clone.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return clone
+
+    def __reduce__(self):  # pickled (another process) as the plain delta it settles to
+        return StreamDelta, (self.request_id, self.token_id, self.text, self.finish_reason, self.output,
+                             self.token_ids, self.index, self.logprobs, self.request_finished)  # fmt: skip

@@ -3,20 +3,37 @@
 Its token ids (prompt then output), its sampling parameters and random generator, its text
 so far, and the timestamps metrics are computed from. What callers get back
 (``RequestOutput``, ``StreamDelta``) lives in ``outputs.py``.
+
+**Text off the step.** A request without stop strings needs no text to be decided: its stop
+tokens and its length are token facts. So while ``hooks.append_token`` and
+``hooks.take_stream_text`` are the package's own, the step only appends such a request's ids
+(``_append_id``) and hands out ``DeferredDelta``s; the text is made when a delta (or the output)
+is read — ``settle_deltas`` runs the same incremental detokenizer (``hooks.detokenize_step``,
+chapter 10) and ``take_stream_text`` (chapter 01) delta by delta, in order, so every text is
+exactly what the step would have made. A request with stop strings is detokenized on the step,
+where a stop string must end it. With a learner's ``append_token`` or ``take_stream_text``
+(chapter 01) the text is made on the step again, from the next token on.
 """
 
 from __future__ import annotations
 
 import enum
+import threading
 import time
+from collections import deque
 from collections.abc import Hashable
 
 import torch
 
 import minillm.hooks as hooks
-from minillm.outputs import RequestMetrics, RequestOutput, TokenLogprob
+from minillm.outputs import DeferredDelta, RequestMetrics, RequestOutput, TokenLogprob
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import IncrementalDetokenizer, Tokenizer
+
+# Held while a deferred text is made: a reader in another thread (the server's event loop) and
+# the engine's thread (an abort) never settle one sequence's deltas at once. One lock for every
+# sequence (the work under it is short), so a Sequence stays copyable (course checks deep-copy them).
+_TEXT_LOCK = threading.RLock()
 
 
 class SequenceStatus(enum.Enum):
@@ -75,6 +92,14 @@ class Sequence:
         self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
         self.num_emitted_chars = 0  # characters of `text` already handed to a stream
         self.detokenizer = IncrementalDetokenizer(tokenizer)
+        # Text off the step (module docstring): output tokens whose text belongs to the answer
+        # (all but a final stop token), how many of them the detokenizer has taken, the deltas
+        # whose text is still to be made.
+        self.deferred_text = not params.stop
+        self.num_text_tokens = 0
+        self.num_detokenized = 0
+        self.pending_deltas: deque[DeferredDelta] = deque()
+        self._flushed = False
         self.eos_token_ids = tokenizer.eos_token_ids  # a request ends at one unless params.ignore_eos
         # A request never outgrows the context: it stops with "length" at max_model_len.
         self.max_output = min(params.max_tokens, max_model_len - len(self.prompt_token_ids))
@@ -117,12 +142,29 @@ class Sequence:
 
     def append_token(self, token_id: int, now: float | None = None) -> None:
         """Record a generated token, update the text, and decide whether the request is done
-        (``hooks.append_token``: chapter 01's exercise plugs in there)."""
+        (``hooks.append_token``: chapter 01's exercise plugs in there). Without stop strings, and
+        with the package's ``append_token``, the text waits (module docstring)."""
         now = time.perf_counter() if now is None else now
         self.metrics.token_times.append(now)
-        reason = hooks.append_token(self, token_id)
+        if self.deferred_text and (hooks.append_token is not append_token or hooks.take_stream_text is not take_stream_text):
+            self.settle_deltas()  # a learner's stopping code (chapter 01) makes the text itself from here on
+            self.deferred_text = False
+        reason = self._append_id(token_id) if self.deferred_text else hooks.append_token(self, token_id)
         if reason is not None:
             self._finish(reason, now)
+
+    def _append_id(self, token_id: int) -> str | None:
+        """``append_token`` without the text, for a request without stop strings: the same
+        decisions in the same order (a stop token ends it without its text, then the length)."""
+        out = self.output_token_ids
+        out.append(token_id)
+        params = self.params
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            return "stop"
+        self.num_text_tokens = len(out)
+        if len(out) >= self.max_output:
+            return "length"
+        return None
 
     def append_tokens(self, token_ids: list[int], now: float | None = None) -> int:
         """Append several tokens produced in one step (e.g. accepted speculative tokens), up to
@@ -133,14 +175,63 @@ class Sequence:
                 return i + 1
         return len(token_ids)
 
+    def deferred_delta(self, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> DeferredDelta:
+        """The delta of this step's ``token_ids``, its text (and output) made when first read."""
+        delta = DeferredDelta(
+            self.settle_deltas, self.group_id, token_ids[-1], "", self.finish_reason,
+            token_ids=token_ids, index=self.index, logprobs=logprobs,
+        )  # fmt: skip
+        delta._upto = len(self.output_token_ids)
+        delta._wants_output = self.is_finished
+        # The detokenize_step in force now (chapter 10's, inside its hooks.override), even if the
+        # text is made after the override has ended: the text the step would have made.
+        delta._detokenize_step = hooks.detokenize_step
+        self.pending_deltas.append(delta)
+        return delta
+
+    def settle_deltas(self, through: DeferredDelta | None = None) -> None:
+        """Make the text of the pending deltas, oldest first, through ``through`` (all: None):
+        detokenize each one's tokens, then take what a stream may show of the text."""
+        with _TEXT_LOCK:
+            pending = self.pending_deltas
+            while pending and (through is None or not through._ready):
+                delta = pending.popleft()
+                self._detokenize(delta._upto, delta._detokenize_step)
+                delta._text = hooks.take_stream_text(self)
+                delta._output = self._output() if delta._wants_output else None
+                delta._ready = True
+            if through is None:
+                self._detokenize(len(self.output_token_ids))  # tokens no delta carries yet (an abort)
+
+    def _detokenize(self, upto: int, step=None) -> None:
+        """Feed the detokenizer the answer's tokens among the first ``upto`` output tokens
+        (through ``step``, a ``detokenize_step``); once the request has finished and every token
+        is in, flush what it still holds."""
+        if not self.deferred_text:
+            return
+        end = min(upto, self.num_text_tokens)
+        if self.num_detokenized < end:
+            add, text = self.detokenizer.add, self.text
+            for token_id in self.output_token_ids[self.num_detokenized : end]:
+                text += add(token_id, step)
+            self.text, self.num_detokenized = text, end
+        if not self._flushed and self.status is SequenceStatus.FINISHED and upto >= len(self.output_token_ids):
+            self.text += self.detokenizer.flush()
+            self._flushed = True
+
     @property
     def sort_key(self) -> tuple:
         """Scheduling order: priority first, then arrival (FCFS), then id for a total order."""
         return (self.priority, self.metrics.arrival_time, self._order)
 
     def abort(self, now: float | None = None) -> None:
-        self.text += self.detokenizer.flush()
-        self._finish("abort", now)
+        with _TEXT_LOCK:
+            self.settle_deltas()  # the deltas handed out so far keep their own text
+            self._finish("abort", now)
+            if self.deferred_text:
+                self._detokenize(len(self.output_token_ids))
+            else:
+                self.text += self.detokenizer.flush()
 
     def _finish(self, reason: str, now: float | None = None) -> None:
         self.status = SequenceStatus.FINISHED
@@ -152,6 +243,13 @@ class Sequence:
         return hooks.take_stream_text(self)
 
     def to_output(self) -> RequestOutput:
+        """What the request has produced so far (its text made first, if it waits)."""
+        with _TEXT_LOCK:
+            if self.deferred_text:
+                self.settle_deltas()
+            return self._output()
+
+    def _output(self) -> RequestOutput:
         return RequestOutput(
             request_id=self.group_id,
             prompt=self.prompt,

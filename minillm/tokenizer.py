@@ -135,9 +135,11 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = 0
 
-    def add(self, token_id: int) -> str:
+    def add(self, token_id: int, step=None) -> str:
+        """The text ``token_id`` makes visible. ``step``: the ``detokenize_step`` to run (default:
+        the hook's current one; a deferred text passes the one in force when the token came)."""
         self.ids.append(token_id)
-        delta, self.prefix_offset, self.read_offset = hooks.detokenize_step(
+        delta, self.prefix_offset, self.read_offset = (step or hooks.detokenize_step)(
             self.tokenizer.decode, self.ids, self.prefix_offset, self.read_offset
         )
         return delta

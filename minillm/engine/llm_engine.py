@@ -569,9 +569,12 @@ class LLMEngine:
 
     @staticmethod
     def _delta(seq: Sequence, new: list[int], records: list[TokenLogprob] | None) -> StreamDelta:
-        """The delta of ``seq``'s appended tokens ``new`` (and their logprob ``records``)."""
+        """The delta of ``seq``'s appended tokens ``new`` (and their logprob ``records``); its
+        text is made when read, off the step, where the text waits (``sequence.py``)."""
         if records is not None:
             seq.logprobs.extend(records)
+        if seq.deferred_text:
+            return seq.deferred_delta(new, records)
         delta = StreamDelta(
             seq.group_id,
             new[-1],
