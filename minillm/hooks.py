@@ -202,7 +202,9 @@ append_token = _declare(
     """Every generated token of every request is appended here: the token id, its text (through
     the sequence's detokenizer), and the decision whether the request ends — a stop token or EOS
     (unless ignore_eos) without its text, a stop string with the text cut before it, or the
-    length limit. The engine finishes the request with the reason it returns.""",
+    length limit. The engine finishes the request with the reason it returns. (While the
+    package's own runs, a request without stop strings appends only its ids on the step and
+    its text is made when a delta is read: ``sequence.py``, "Text off the step".)""",
 )
 take_stream_text = _declare(
     "take_stream_text",
@@ -492,7 +494,9 @@ detokenize_step = _declare(
     "minillm/tokenizer.py",
     """The text a new token makes visible: every generated token of every request passes through
     it (``IncrementalDetokenizer.add``), and what it returns is the text a stream sends. It
-    holds back an incomplete UTF-8 character and keeps a token's leading space.""",
+    holds back an incomplete UTF-8 character and keeps a token's leading space. For a request
+    without stop strings it runs when the delta's text is read (off the step), and the one in
+    force when the token came is the one that runs.""",
 )
 propose_ngram = _declare(
     "propose_ngram",

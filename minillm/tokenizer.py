@@ -139,9 +139,11 @@ class IncrementalDetokenizer:
         """The text ``token_id`` makes visible. ``step``: the ``detokenize_step`` to run (default:
         the hook's current one; a deferred text passes the one in force when the token came)."""
         self.ids.append(token_id)
-        delta, self.prefix_offset, self.read_offset = (step or hooks.detokenize_step)(
-            self.tokenizer.decode, self.ids, self.prefix_offset, self.read_offset
-        )
+        args = (self.tokenizer.decode, self.ids, self.prefix_offset, self.read_offset)
+        if step is None:
+            delta, self.prefix_offset, self.read_offset = hooks.detokenize_step(*args)
+        else:
+            delta, self.prefix_offset, self.read_offset = step(*args)
         return delta
 
     def flush(self) -> str:
