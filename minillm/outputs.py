@@ -182,15 +182,24 @@ class DeferredDelta(StreamDelta):
     first, so every delta's text is what it would have been on the step. Once settled it is a
     plain ``StreamDelta``."""
 
-    def __init__(self, settle: Callable[[DeferredDelta], None], *args, **kwargs):
-        self._ready = False  # the dataclass __init__ below goes through the setters
-        self._settle = settle
-        super().__init__(*args, **kwargs)
+    @classmethod
+    def pending(cls, seq, request_id: Hashable, token_ids: list[int], finish_reason: str | None, index: int,
+                logprobs: list[TokenLogprob] | None, detokenize_step: Callable) -> DeferredDelta:  # fmt: skip
+        """A delta of ``seq`` to be settled later (built field by field: one is made per running
+        request per step, so it skips the dataclass ``__init__`` and its property setters)."""
+        delta = object.__new__(cls)
+        delta.__dict__ = {
+            "request_id": request_id, "token_id": token_ids[-1], "_text": "", "finish_reason": finish_reason,
+            "_output": None, "token_ids": token_ids, "index": index, "logprobs": logprobs,
+            "request_finished": False, "_ready": False, "_seq": seq, "_upto": len(seq.output_token_ids),
+            "_wants_output": finish_reason is not None, "_detokenize_step": detokenize_step,
+        }  # fmt: skip
+        return delta
 
     @property
     def text(self) -> str:
         if not self._ready:
-            self._settle(self)
+            self._seq.settle_deltas(self)
         return self._text
 
     @text.setter
@@ -200,7 +209,7 @@ class DeferredDelta(StreamDelta):
     @property
     def output(self) -> RequestOutput | None:
         if not self._ready:
-            self._settle(self)
+            self._seq.settle_deltas(self)
         return self._output
 
     @output.setter

@@ -176,16 +176,12 @@ class Sequence:
         return len(token_ids)
 
     def deferred_delta(self, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> DeferredDelta:
-        """The delta of this step's ``token_ids``, its text (and output) made when first read."""
-        delta = DeferredDelta(
-            self.settle_deltas, self.group_id, token_ids[-1], "", self.finish_reason,
-            token_ids=token_ids, index=self.index, logprobs=logprobs,
-        )  # fmt: skip
-        delta._upto = len(self.output_token_ids)
-        delta._wants_output = self.is_finished
-        # The detokenize_step in force now (chapter 10's, inside its hooks.override), even if the
-        # text is made after the override has ended: the text the step would have made.
-        delta._detokenize_step = hooks.detokenize_step
+        """The delta of this step's ``token_ids``, its text (and output) made when first read —
+        by the ``detokenize_step`` in force now (chapter 10's, inside its ``hooks.override``), even
+        if that is after the override has ended: the text the step would have made."""
+        delta = DeferredDelta.pending(
+            self, self.group_id, token_ids, self.finish_reason, self.index, logprobs, hooks.detokenize_step
+        )
         self.pending_deltas.append(delta)
         return delta
 
