@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Hashable
 
@@ -93,12 +94,13 @@ class Sequence:
         self.num_emitted_chars = 0  # characters of `text` already handed to a stream
         self.detokenizer = IncrementalDetokenizer(tokenizer)
         # Text off the step (module docstring): output tokens whose text belongs to the answer
-        # (all but a final stop token), how many of them the detokenizer has taken, the deltas
-        # whose text is still to be made.
+        # (all but a final stop token), how many of them the detokenizer has taken, and the
+        # deltas whose text is still to be made — weakly held: a delta its caller dropped unread
+        # costs neither memory nor a text of its own (its text goes to the next delta read).
         self.deferred_text = not params.stop
         self.num_text_tokens = 0
         self.num_detokenized = 0
-        self.pending_deltas: deque[DeferredDelta] = deque()
+        self.pending_deltas: deque[weakref.ref[DeferredDelta]] = deque()
         self._flushed = False
         self.eos_token_ids = tokenizer.eos_token_ids  # a request ends at one unless params.ignore_eos
         # A request never outgrows the context: it stops with "length" at max_model_len.
@@ -182,7 +184,10 @@ class Sequence:
         delta = DeferredDelta.pending(
             self, self.group_id, token_ids, self.finish_reason, self.index, logprobs, hooks.detokenize_step
         )
-        self.pending_deltas.append(delta)
+        pending = self.pending_deltas
+        while pending and pending[0]() is None:  # dropped unread: nothing to make for them
+            pending.popleft()
+        pending.append(weakref.ref(delta))
         return delta
 
     def settle_deltas(self, through: DeferredDelta | None = None) -> None:
@@ -191,7 +196,9 @@ class Sequence:
         with _TEXT_LOCK:
             pending = self.pending_deltas
             while pending and (through is None or not through._ready):
-                delta = pending.popleft()
+                delta = pending.popleft()()
+                if delta is None:
+                    continue  # dropped unread (generate keeps only the last): its text goes to the next one read
                 self._detokenize(delta._upto, delta._detokenize_step)
                 delta._text = hooks.take_stream_text(self)
                 delta._output = self._output() if delta._wants_output else None

@@ -149,3 +149,29 @@ def test_a_reader_thread_settles_while_the_engine_steps(engine):
     done.set()
     thread.join(timeout=30)
     assert described(deltas, ids) == expected
+
+
+def test_deltas_dropped_unread_cost_nothing_and_their_text_goes_to_the_next_read(engine):
+    """``generate`` keeps only each request's last delta: the ones it dropped are not kept for
+    their text (a long answer would hold one object per token), and the text they would have
+    shown goes to the next delta read, so the answer is whole."""
+    with hooks.override(append_token=on_the_step):
+        expected = run(engine, 0)
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params(0))]
+    kept, longest = [], 0
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            if delta.finish_reason is not None or delta.token_id % 3 == 0:
+                delta.text  # noqa: B018 (read now, as a stream's reader does)
+                kept.append(delta)  # the others are dropped here, unread
+        longest = max([longest] + [len(s.pending_deltas) for r in engine.requests.values() for s in r.samples])
+    assert longest <= 3, longest
+    finals = [d.output.text for d in kept if d.finish_reason is not None]
+    assert sorted(finals) == sorted(out for *_, out in expected if out is not None)
+    assert ids
+    shown = {}
+    for d in kept:
+        shown[(d.request_id, d.index)] = shown.get((d.request_id, d.index), "") + d.text
+    for d in kept:
+        if d.finish_reason is not None:
+            assert shown[(d.request_id, d.index)] == d.output.text
