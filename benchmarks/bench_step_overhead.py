@@ -24,6 +24,7 @@ inside its graph call). Medians over ``--steps`` steps after ``--warmup`` steps.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -54,7 +55,7 @@ class NullModel:
         return self.table[: len(layout.logit_index)]
 
 
-def measure(model: str, running: int, steps: int, warmup: int, null: bool, threads: int) -> dict:
+def measure(model: str, running: int, steps: int, warmup: int, null: bool, threads: int, freeze_gc: bool = False) -> dict:
     """Median per-phase seconds per step with ``running`` sequences decoding."""
     prompt_len = 8
     engine = LLMEngine(
@@ -69,6 +70,9 @@ def measure(model: str, running: int, steps: int, warmup: int, null: bool, threa
     )
     if null:
         engine.runner.model = NullModel(engine.model_config.vocab_size, running)
+    if freeze_gc:  # what `minillm serve` does once its engines are built, before any request (server/heap.py)
+        gc.collect()
+        gc.freeze()
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=warmup + steps + 4, ignore_eos=True)
     for _ in range(running):
@@ -115,7 +119,11 @@ def measure(model: str, running: int, steps: int, warmup: int, null: bool, threa
             rows["detokenize"].append(on_step)
             rows["text_off_step"].append(off_step)
     engine.close()
-    return {name: statistics.median(values) if values else float("nan") for name, values in rows.items()}
+    if freeze_gc:
+        gc.unfreeze()
+    out = {name: statistics.median(values) if values else float("nan") for name, values in rows.items()}
+    out["total_mean"], out["total_max"] = statistics.fmean(rows["total"]), max(rows["total"])
+    return out
 
 
 def argmax_timings(rows: int = 256, vocabs=(4096, 49152), repeats: int = 20) -> list[dict]:
@@ -140,6 +148,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--freeze-gc", action="store_true",
+                        help="freeze the heap before the steps, as `minillm serve` does (server/heap.py)")
     args = parser.parse_args(argv)
 
     cases = [("null", args.model, n, True) for n in args.running]
@@ -148,16 +158,17 @@ def main(argv=None) -> dict:
     machine = machine_description(torch.device("cpu"))
     print(f"# {machine['cpu']} ({' '.join(machine['cpu_flags'])}), torch {machine['torch']}, {args.threads} thread(s)")
     header = f"{'model':<22}{'seqs':>6}{'µs/step':>10}{'µs/seq':>8}  " + "".join(f"{p:>11}" for p in PHASES)
-    print(header + f"{'host µs/seq':>13}{'text off step':>15}")
+    print(header + f"{'host µs/seq':>13}{'text off step':>15}{'mean µs/step':>14}{'max':>8}")
     results = []
     for label, model, running, null in cases:
-        row = measure(model, running, args.steps, args.warmup, null, args.threads)
+        row = measure(model, running, args.steps, args.warmup, null, args.threads, args.freeze_gc)
         host = row["total"] - row["model"]
         results.append({"model": label, "running": running, **row, "host": host})
         phases = "".join(f"{row[p] * 1e6:>11.0f}" for p in PHASES)
         print(
             f"{label:<22}{running:>6}{row['total'] * 1e6:>10.0f}{row['total'] * 1e6 / running:>8.1f}  {phases}"
-            f"{host * 1e6 / running:>13.1f}{row['text_off_step'] * 1e6:>15.0f}",
+            f"{host * 1e6 / running:>13.1f}{row['text_off_step'] * 1e6:>15.0f}"
+            f"{row['total_mean'] * 1e6:>14.0f}{row['total_max'] * 1e6:>8.0f}",
             flush=True,
         )
     argmax = argmax_timings()

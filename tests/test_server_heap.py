@@ -136,3 +136,33 @@ def test_serve_bounds_the_caches_before_it_builds_an_engine(monkeypatch):
     with pytest.raises(RuntimeError, match="stop here"):
         launch.serve(["tiny-shakespeare-1m"])
     assert seen == {name: str(heap.KERNEL_CACHE_CAPACITY) for name in heap.KERNEL_CACHE_VARIABLES}
+
+
+def test_serve_freezes_the_start_ups_heap_once_its_engines_are_built(monkeypatch):
+    """`minillm serve` freezes what start-up made (the model, the engines, torch's modules) after
+    building its engines and before serving, so no collection walks it again; what requests
+    allocate afterwards is still collected."""
+    import gc
+
+    from minillm.server import launch
+
+    order, freeze = [], heap.freeze_startup_heap
+    monkeypatch.setattr(launch, "build_engines", lambda *a, **k: order.append("engines") or {})
+    monkeypatch.setattr(launch, "build_app", lambda *a, **k: order.append("app") or object())
+    monkeypatch.setattr(launch.heap, "freeze_startup_heap", lambda: order.append("freeze"))
+    monkeypatch.setattr(launch.uvicorn, "run", lambda *a, **k: order.append("serve"))
+    launch.serve(["tiny-shakespeare-1m"])
+    assert order == ["engines", "app", "freeze", "serve"]
+    try:  # the real function, in this process: everything alive is frozen, new garbage still goes
+        assert freeze() > 1000 and gc.get_freeze_count() > 1000
+
+        class Cycle:
+            pass
+
+        a, b = Cycle(), Cycle()
+        a.other, b.other = b, a
+        del a, b
+        assert gc.collect() >= 2  # a cycle made after the freeze is collected
+    finally:
+        gc.unfreeze()
+    assert gc.get_freeze_count() == 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import logging
 import os
 import sys
@@ -108,3 +109,22 @@ def malloc_stats() -> dict[str, int] | None:
     _LIBC.malloc_trim(0)
     info = _LIBC.mallinfo2()
     return {"in_use": info.uordblks, "free_held": info.fordblks, "mmapped": info.hblkhd, "arena": info.arena}
+
+
+def freeze_startup_heap() -> int:
+    """Move every object alive now — torch's and transformers' modules, the model, the engines —
+    into the garbage collector's permanent generation, which its collections never walk; returns
+    how many objects that is.
+
+    Why a server: CPython's cyclic collector now and then walks every tracked object (its oldest
+    generation), and a served process holds a few hundred thousand, nearly all made at start-up
+    and alive until exit. With 1,024 sequences decoding, such a walk stopped a step for about
+    190 ms (`benchmarks/bench_step_overhead.py --freeze-gc`, docs/benchmarks.md). Frozen, they
+    are skipped; what the requests allocate is still collected. Only the server does this,
+    after its engines are built and warmed up: it keeps them until it exits. A notebook that
+    builds engine after engine must not — an engine frozen and dropped later would stay until
+    exit if any part of it is a reference cycle. SGLang (``freeze_gc``) and vLLM
+    (``freeze_gc_heap``) freeze after warm-up for the same reason."""
+    gc.collect()  # what is garbage already is not frozen
+    gc.freeze()
+    return gc.get_freeze_count()

@@ -78,6 +78,7 @@ def serve(
     hosts = allowed_hosts if allowed_hosts else default_allowed_hosts(host)
     app = build_app(engines, cache, max_body_bytes=max_body_bytes, enable_docs=enable_docs, allowed_hosts=hosts,
                     api_key=api_key, body_timeout_s=body_timeout)  # fmt: skip
+    heap.freeze_startup_heap()  # the start-up's objects live until exit: no collection walks them again
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=keep_alive_timeout,
                 limit_concurrency=max_connections, timeout_graceful_shutdown=shutdown_timeout,
                 http=with_header_timeout(header_timeout))  # fmt: skip
