@@ -439,6 +439,17 @@ class LLMEngine:
         forks: dict[int, list[int]] = {}
         ends = self._logit_ends(chunks)
         plain = [i for i, c in enumerate(chunks) if not c.draft_tokens]
+        if len(plain) == len(chunks) == len(logits) and not any(c.seq.pending_generators for c in chunks):
+            # The usual step: one row per chunk, nobody forks — each row samples its own token.
+            seqs = [c.seq for c in chunks]
+            needs_history = any(s.params.repetition_penalty != 1.0 for s in seqs)
+            tokens = hooks.sample(  # chapter 01's sampler exercise plugs in here
+                logits,
+                [s.params for s in seqs],
+                [s.generator for s in seqs],
+                seen=[s.token_ids for s in seqs] if needs_history else None,
+            )
+            return [[token] for token in tokens], forks
         if plain:
             rows_of, seqs, generators = [], [], []
             for i in plain:
