@@ -182,6 +182,8 @@ class DeferredDelta(StreamDelta):
     first, so every delta's text is what it would have been on the step. Once settled it is a
     plain ``StreamDelta``."""
 
+    _ready = True  # one built by the dataclass __init__ (dataclasses.replace) is plain from the start
+
     @classmethod
     def pending(cls, seq, request_id: Hashable, token_ids: list[int], finish_reason: str | None, index: int,
                 logprobs: list[TokenLogprob] | None, detokenize_step: Callable) -> DeferredDelta:  # fmt: skip

@@ -202,7 +202,7 @@ class Sequence:
                 self._detokenize(delta._upto, delta._detokenize_step)
                 delta._text = hooks.take_stream_text(self)
                 delta._output = self._output() if delta._wants_output else None
-                delta._ready = True
+                delta._ready, delta._seq, delta._detokenize_step = True, None, None  # a plain delta now
             if through is None:
                 self._detokenize(len(self.output_token_ids))  # tokens no delta carries yet (an abort)
 

@@ -175,3 +175,21 @@ def test_deltas_dropped_unread_cost_nothing_and_their_text_goes_to_the_next_read
     for d in kept:
         if d.finish_reason is not None:
             assert shown[(d.request_id, d.index)] == d.output.text
+
+
+def test_a_settled_delta_lets_its_sequence_go_and_copies_like_a_plain_one(engine):
+    import copy
+    import dataclasses
+    import pickle
+
+    engine.add_request("To be", SamplingParams(max_tokens=3, ignore_eos=True))
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += engine.step()
+    last = deltas[-1]
+    assert isinstance(last, DeferredDelta) and last.output.text == "".join(d.text for d in deltas)
+    assert last._seq is None  # settled: it no longer holds the sequence (its tokenizer, its lists)
+    again = pickle.loads(pickle.dumps(last))
+    assert type(again).__name__ == "StreamDelta" and again.text == last.text and again.output == last.output
+    assert dataclasses.replace(last, index=0).text == last.text
+    assert copy.deepcopy(last).text == last.text
