@@ -144,12 +144,20 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: list[Sequence[int]], pe
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Keep the ``k`` largest logits of each row (``k = 0``: keep all). Ties with the k-th are kept."""
+    """Keep the ``k`` largest logits of each row (``k = 0``: keep all). Ties with the k-th are kept.
+
+    The k-th largest value comes from ``topk`` of the largest ``k`` asked for, not from sorting
+    the whole row: the same value (it is unique, whatever the order of ties), at a fraction of
+    the cost for a 49,152-token vocabulary."""
     vocab = logits.shape[-1]
     k = torch.where(top_k <= 0, vocab, top_k.clamp(max=vocab)).to(torch.long)
-    sorted_logits = logits.sort(dim=-1, descending=True).values
-    kth = sorted_logits.gather(-1, (k - 1).unsqueeze(-1))
+    largest = logits.topk(int(k.max()), dim=-1).values
+    kth = largest.gather(-1, (k - 1).unsqueeze(-1))
     return logits.masked_fill(logits < kth, NEG_INF)
+
+
+# The nucleus is looked for among each row's most likely TOP_P_HEAD tokens first (apply_top_p).
+TOP_P_HEAD = 1024
 
 
 def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -157,13 +165,35 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
     A token is kept when the probability mass of the tokens ranked above it is still below
     ``top_p``; the most likely token is always kept (even when ``top_p`` underflows to 0).
+
+    Sorting a whole row of a 49,152-token vocabulary to find a nucleus of a few hundred tokens
+    was most of a sampled step's cost on a CPU (``benchmarks/bench_sampler.py``). So each row's
+    ``TOP_P_HEAD`` most likely tokens come first (``topk``, in order): when they hold ``top_p``
+    of the mass, every token outside them has at least that mass ranked above it and is dropped,
+    and inside them the rule is computed on exactly the sums a whole sort would give. Only a
+    row whose head holds less is sorted whole.
     """
-    probs, order = logits.softmax(dim=-1).sort(dim=-1, descending=True)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop_sorted = (mass_before >= top_p.unsqueeze(-1)) & (top_p.unsqueeze(-1) < 1.0)
-    drop_sorted[..., 0] = False
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    probs = logits.softmax(dim=-1)
+    vocab = probs.shape[-1]
+    head, order = probs.topk(min(TOP_P_HEAD, vocab), dim=-1)
+    drop, reached = _outside_nucleus(head, order, top_p, vocab)
+    short = (~reached & (top_p < 1.0)).nonzero().flatten() if head.shape[-1] < vocab else order[:0, 0]
+    if len(short):  # the nucleus reaches past the head: these rows are sorted whole
+        ranked, ranked_order = probs[short].sort(dim=-1, descending=True)
+        drop[short] = _outside_nucleus(ranked, ranked_order, top_p[short], vocab)[0]
+    drop &= (top_p < 1.0).unsqueeze(-1)
     return logits.masked_fill(drop, NEG_INF)
+
+
+def _outside_nucleus(ranked: torch.Tensor, order: torch.Tensor, top_p: torch.Tensor, vocab: int):
+    """For probabilities ``ranked[R, n]`` (descending) of tokens ``order``: which of the ``vocab``
+    tokens fall outside the nucleus (every token not in ``order`` does), and whether the ``n``
+    ranked tokens hold ``top_p`` of the mass."""
+    cumulative = ranked.cumsum(dim=-1)
+    drop_ranked = cumulative - ranked >= top_p.unsqueeze(-1)
+    drop_ranked[..., 0] = False
+    drop = torch.ones(ranked.shape[0], vocab, dtype=torch.bool, device=ranked.device)
+    return drop.scatter_(-1, order, drop_ranked), cumulative[..., -1] >= top_p
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

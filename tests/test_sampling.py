@@ -41,6 +41,41 @@ def test_top_p_keeps_order_independent_of_position():
     assert kept(apply_top_p(probs.log(), torch.tensor([0.75]))) == [[2, 3, 4]]
 
 
+def whole_sort_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The nucleus rule written out on a whole sorted row (what ``apply_top_p`` did before it
+    looked in each row's head first)."""
+    probs, order = logits.softmax(dim=-1).sort(dim=-1, descending=True)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop_sorted = (mass_before >= top_p.unsqueeze(-1)) & (top_p.unsqueeze(-1) < 1.0)
+    drop_sorted[..., 0] = False
+    return logits.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), NEG)
+
+
+@pytest.mark.parametrize("vocab", [50, 49152])
+def test_top_p_from_the_head_is_the_whole_sorts_nucleus(vocab):
+    """Peaked rows (the nucleus inside the head), flat rows (it reaches past it: sorted whole),
+    top_p of 1 and of almost 0, one batch: the same tokens as the rule on whole sorted rows."""
+    generator = torch.Generator().manual_seed(vocab)
+    scale = torch.tensor([8.0, 8.0, 3.0, 0.2, 0.01, 5.0, 8.0, 1.0])[:, None]
+    logits = torch.randn(8, vocab, generator=generator) * scale
+    top_p = torch.tensor([0.9, 0.5, 0.95, 0.9, 0.3, 1.0, 1e-9, 0.99])
+    got, want = apply_top_p(logits, top_p), whole_sort_top_p(logits, top_p)
+    assert kept(got) == kept(want)
+    if vocab > 1024:  # both paths ran: some rows' nucleus fits the head, some does not
+        sizes = [len(k) for k in kept(want)]
+        assert min(sizes[:2]) < 1024 < max(sizes[3:5]), sizes
+
+
+def test_top_k_from_topk_is_the_whole_sorts_kth():
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randint(-5, 5, (6, 300), generator=generator).float()  # many ties with the k-th
+    top_k = torch.tensor([1, 7, 0, 300, 50, 2])
+    vocab = logits.shape[-1]
+    k = torch.where(top_k <= 0, vocab, top_k)
+    kth = logits.sort(dim=-1, descending=True).values.gather(-1, (k - 1).unsqueeze(-1))
+    assert kept(apply_top_k(logits, top_k)) == kept(logits.masked_fill(logits < kth, NEG))
+
+
 def test_min_p_is_relative_to_the_top_token():
     probs = torch.tensor([[0.5, 0.3, 0.1, 0.06, 0.04]])
     assert kept(apply_min_p(probs.log(), torch.tensor([0.15]))) == [[0, 1, 2]]  # threshold 0.075
