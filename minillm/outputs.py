@@ -6,7 +6,6 @@ the HTTP server — can hold, compare and serialise them without touching a ``Se
 
 from __future__ import annotations
 
-import copy
 import statistics
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -218,12 +217,6 @@ class DeferredDelta(StreamDelta):
     def output(self, value: RequestOutput | None) -> None:
         self._output = value
 
-    def __deepcopy__(self, memo):  # a copy of a sequence's state (course checks): still pending, not settled
-        clone = object.__new__(type(self))
-        memo[id(self)] = clone
-        clone.__dict__.update(copy.deepcopy(self.__dict__, memo))
-        return clone
-
-    def __reduce__(self):  # pickled (another process) as the plain delta it settles to
+    def __reduce__(self):  # pickled or deep-copied as the plain delta it settles to
         return StreamDelta, (self.request_id, self.token_id, self.text, self.finish_reason, self.output,
                              self.token_ids, self.index, self.logprobs, self.request_finished)  # fmt: skip

@@ -439,18 +439,11 @@ class LLMEngine:
         forks: dict[int, list[int]] = {}
         ends = self._logit_ends(chunks)
         plain = [i for i, c in enumerate(chunks) if not c.draft_tokens]
-        if len(plain) == len(chunks) == len(logits) and not any(c.seq.pending_generators for c in chunks):
-            # The usual step: one row per chunk, nobody forks — each row samples its own token.
+        if plain and len(plain) == len(chunks) == len(logits) and not any(c.seq.pending_generators for c in chunks):
+            # The usual step: one row per chunk, nobody forks — no row index to build.
             seqs = [c.seq for c in chunks]
-            needs_history = any(s.params.repetition_penalty != 1.0 for s in seqs)
-            tokens = hooks.sample(  # chapter 01's sampler exercise plugs in here
-                logits,
-                [s.params for s in seqs],
-                [s.generator for s in seqs],
-                seen=[s.token_ids for s in seqs] if needs_history else None,
-            )
-            return [[token] for token in tokens], forks
-        if plain:
+            rows, generators = logits, [s.generator for s in seqs]
+        elif plain:
             rows_of, seqs, generators = [], [], []
             for i in plain:
                 seq = chunks[i].seq
@@ -463,6 +456,7 @@ class LLMEngine:
                 if len(rows_of) == len(plain) == len(logits)
                 else logits[torch.tensor(rows_of, device=logits.device)]
             )
+        if plain:
             needs_history = any(s.params.repetition_penalty != 1.0 for s in seqs)
             tokens = hooks.sample(  # chapter 01's sampler exercise plugs in here
                 rows,
