@@ -39,6 +39,7 @@ import minillm.hooks as hooks
 from minillm.assets import resolve_model
 from minillm.config import EngineConfig, ModelConfig
 from minillm.engine.builder import build_engine_parts, build_parallel_parts, start_kernel_build
+from minillm.engine.gc_pause import collection_paused
 from minillm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from minillm.engine.stats import EngineStats
 from minillm.engine.virtual_clock import TimedRunner, VirtualClock
@@ -349,7 +350,9 @@ class LLMEngine:
         A step with nothing to run (all queued requests waiting for a dynamic batch to fill)
         returns an empty list without touching the model.
         """
-        with self._lock:  # one step at a time; requests may be added or aborted from other threads
+        # One step at a time (requests may be added or aborted from other threads), with the
+        # cyclic collector paused: the step's thousands of short-lived objects die young (gc_pause.py).
+        with self._lock, collection_paused():
             return self._step()
 
     def _step(self) -> list[StreamDelta]:
