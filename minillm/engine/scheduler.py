@@ -54,6 +54,16 @@ class ScheduledChunk:
         self.samples = self.start + self.num_tokens - len(self.draft_tokens) == len(self.seq)
         self.num_logits = int(self.samples) + len(self.draft_tokens)
 
+    @classmethod
+    def decode(cls, seq: Sequence) -> ScheduledChunk:
+        """``ScheduledChunk(seq, seq.num_computed_tokens, 1)`` for a decoding ``seq``, without the
+        arithmetic of ``__post_init__``: it samples, one logit (built for every sequence of a
+        decode step)."""
+        chunk = cls.__new__(cls)
+        chunk.seq, chunk.start, chunk.num_tokens, chunk.draft_tokens = seq, seq.num_computed_tokens, 1, []
+        chunk.samples, chunk.num_logits = True, 1
+        return chunk
+
     @property
     def is_decode(self) -> bool:
         """A sequence past its prompt, running its one new token (the scheduler's sense of "decode")."""
@@ -171,6 +181,32 @@ class Scheduler:
         pool is full; False when ``seq`` itself was preempted: hook ``reserve``."""
         return hooks.reserve(self, seq, n, out, drafts)
 
+    def reserve_decodes(self, running: list[Sequence], budget: int, out: SchedulerOutput) -> int:
+        """The steady state of a step at once: one token for each of the plain decodes that lead
+        ``running`` (past the prompt, no speculative proposals), as many as ``budget`` allows,
+        when the pool has room for every one of them. Returns how many were scheduled — 0 when
+        it did nothing, and the caller goes sequence by sequence.
+
+        What ``tokens_to_run`` and ``reserve`` decide for such a sequence (one token, a slot,
+        nobody preempted), without calling them per sequence: at 1,024 sequences that walk was
+        the largest part of the engine's own work in a step (``benchmarks/bench_step_overhead.py``).
+        So only while both are the package's own: a chapter-04 exercise's replacement is called
+        for every sequence, as always."""
+        if hooks.tokens_to_run is not tokens_to_run or hooks.reserve is not reserve:
+            return 0
+        n, running_status = 0, SequenceStatus.RUNNING
+        for seq in running:
+            if n == budget or len(seq) - seq.num_computed_tokens != 1 or seq.draft_tokens or seq.status is not running_status:
+                break
+            n += 1
+        decodes = running[:n]
+        copies = self.block_manager.allocate_decode_slots(decodes) if n else None
+        if copies is None:
+            return 0
+        out.chunks.extend([ScheduledChunk.decode(seq) for seq in decodes])
+        out.copies.extend(copies)
+        return n
+
     def choose_victim(self, seq: Sequence, candidates: list[Sequence]) -> Sequence:
         """Who gives up its blocks so that ``seq`` can grow: hook ``choose_victim``."""
         return hooks.choose_victim(self, seq, candidates)
@@ -241,7 +277,10 @@ def schedule(scheduler: Scheduler, now: float) -> SchedulerOutput:
     if scheduler.policy != "continuous" and not scheduler.running and scheduler.batch_ready(now):
         scheduler.start_batch(out)
     budget = scheduler.max_num_batched_tokens
-    for seq in scheduler.running_in_order():
+    running = scheduler.running_in_order()
+    steady = scheduler.reserve_decodes(running, budget, out)  # the plain decodes at once, if they all fit
+    budget -= steady
+    for seq in running[steady:]:
         if budget == 0:
             break
         if seq.status is not SequenceStatus.RUNNING:

@@ -425,6 +425,45 @@ class BlockManager:
             self.num_reserved_tokens += grown
         return copies
 
+    def allocate_decode_slots(self, seqs: list[PagedSequence]) -> list[tuple[int, int]] | None:
+        """``allocate_slots(seq, 1)`` for every one of ``seqs`` (decoding sequences: one new token
+        each), or ``None``, changing nothing, when the pool cannot give all of them their slot.
+
+        The steady state of a decode step in one pass (the scheduler's ``reserve_decodes``): most
+        sequences write into the last, private block they hold already, which changes only that
+        block's fill and the slots reserved; the few that cross into a new block (one step in
+        ``block_size``) or must copy a shared one go through ``allocate_slots`` — and chapter
+        03's ``grow_table`` — as before, in the same order, so they take the same blocks."""
+        tables, blocks, bs = self.tables, self.pool.blocks, self.block_size
+        growing = []
+        for seq in seqs:
+            table = tables[seq.request_id]
+            j = seq.num_computed_tokens // bs
+            if j >= len(table) or blocks[table[j]].ref_count > 1:
+                growing.append(seq)  # a new block, or a copy of a shared one
+        if len(growing) > self.num_free_blocks:
+            return None
+        copies = []
+        for seq in growing:
+            copies += self.allocate_slots(seq, 1)  # fits: counted above
+        # Everyone's fill and reservation (for the growing ones allocate_slots did it already:
+        # then nothing changes here).
+        fill, num_tokens = self.fill, self.num_tokens
+        filled_slots = reserved = 0
+        for seq in seqs:
+            request_id, computed = seq.request_id, seq.num_computed_tokens
+            block = tables[request_id][computed // bs]
+            filled = computed % bs + 1
+            if filled > fill[block]:
+                filled_slots += filled - fill[block]
+                fill[block] = filled
+            if computed + 1 > num_tokens[request_id]:
+                reserved += computed + 1 - num_tokens[request_id]
+                num_tokens[request_id] = computed + 1
+        self.num_filled_slots += filled_slots
+        self.num_reserved_tokens += reserved
+        return copies
+
     def commit(self, seq: PagedSequence) -> None:
         """Register ``seq``'s blocks that are now full of computed tokens in the prefix cache.
 

@@ -27,6 +27,9 @@ class NoBlockPool:
     def allocate_slots(self, seq, num_new_tokens: int) -> list[tuple[int, int]]:
         return []
 
+    def allocate_decode_slots(self, seqs) -> list[tuple[int, int]]:
+        return []
+
     def block_table_of(self, seq) -> None:
         return None
 
