@@ -34,11 +34,14 @@ class SpeculativeConfig:
     quantization: str | None = None  # the draft's weights ("draft"): e.g. "int8" — its LM head dominates a small draft
     prompt_lookup_max: int = 4  # the longest n-gram matched ("ngram")
     prompt_lookup_min: int = 1  # the shortest
+    # Measure per batch size whether proposing (and how many, up to k) pays, and propose only
+    # that many (speculative/governor.py); False: always k.
+    adaptive: bool = True
 
     KEYS = {
-        "draft": {"method", "model", "num_speculative_tokens", "quantization"},
-        "eagle": {"method", "model", "num_speculative_tokens"},
-        "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
+        "draft": {"method", "model", "num_speculative_tokens", "quantization", "adaptive"},
+        "eagle": {"method", "model", "num_speculative_tokens", "adaptive"},
+        "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "adaptive"},
     }
 
     @classmethod
@@ -60,6 +63,10 @@ class SpeculativeConfig:
         if raw["num_speculative_tokens"] > 16:
             raise ValueError(f"speculative_config num_speculative_tokens={raw['num_speculative_tokens']} is above 16")
         config = cls(method, raw["num_speculative_tokens"])
+        if "adaptive" in raw:
+            if not isinstance(raw["adaptive"], bool):
+                raise ValueError(f"speculative_config adaptive={raw['adaptive']!r} must be true or false")
+            config.adaptive = raw["adaptive"]
         if method in ("draft", "eagle"):
             if not isinstance(raw.get("model"), (str, os.PathLike)) or not str(raw.get("model")):
                 what = "the draft model" if method == "draft" else "the EAGLE head, e.g. 'smollm2-eagle'"

@@ -81,6 +81,9 @@ class Resolved:
     decode_fast_path: str  # "compiled (256,)", "cuda graphs", or "none (eager)"
     kv_cache_dtype: str
     num_kv_blocks: int | None  # the paged pool's, in this process (None: no pool here)
+    # speculative decoding: the method, and how many tokens it proposes — what the governor has
+    # measured to pay at each batch size so far (speculative/governor.py), updated as it runs
+    speculation: str = "off"
 
     def __str__(self) -> str:
         rows = [(k, getattr(self, k)) for k in self.__dataclass_fields__]

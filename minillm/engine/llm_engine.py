@@ -96,6 +96,8 @@ class LLMEngine:
         self.resolved = parts.resolved
         self.engine_config = replace(config, compile=parts.resolved.compile)
         self.speculator = parts.speculator  # proposes and verifies; does nothing without speculative_config
+        self.resolved.speculation = self.speculator.describe()
+        self.speculator.resolved = self.resolved  # the governor's decisions show there as they change
         # Fewer OpenMP threads while other processes keep cores busy (a busy laptop); one process only.
         adapt = config.adapt_threads and self.device.type == "cpu" and config.world_size == 1
         self.threads = ThreadGovernor(config.num_threads, enabled=adapt)
@@ -395,6 +397,7 @@ class LLMEngine:
                 self.runner.release(seq.request_id)
                 self.speculator.release(seq.request_id)
         self.num_steps += 1
+        self.speculator.step_done(scheduled.chunks, sum(map(len, emitted)), self.clock() - started)
         if self.step_records.maxlen != 0:
             # The runner's own input building (its tensors) counts as inputs, not as the model.
             runner_inputs = getattr(self.runner, "last_inputs_seconds", 0.0)

@@ -34,6 +34,7 @@ from minillm.speculative import (
     acceptance,  # noqa: F401  (registers hooks accept_greedy and accept_sampled)
     ngram,  # noqa: F401  (registers hook propose_ngram)
 )
+from minillm.speculative.governor import SpeculationGovernor
 
 
 class Speculator:
@@ -46,13 +47,23 @@ class Speculator:
         self._draft_dists: dict[Hashable, torch.Tensor | None] = {}
         # A feature-level draft (EAGLE) reads the target's hidden states after every step.
         self.wants_hidden = bool(getattr(draft, "wants_hidden", False))
+        # How many to propose, measured per batch size (governor.py); None: always k.
+        self.governor = SpeculationGovernor(self.k) if config.adaptive else None
+        self._step = (0, self.k)  # this step's decoding sequences, and the k the governor chose
+        self.resolved = None  # the engine's Resolved, whose `speculation` says what was decided
+
+    def describe(self) -> str:
+        """The method and what decides ``k``, in words (``LLMEngine.resolved.speculation``)."""
+        what = self.config.method + (f" {self.config.model}" if self.config.model else "")
+        return f"{what}, " + (self.governor.describe() if self.governor else f"k={self.k} always")
 
     def observe(self, chunks, hidden: list[torch.Tensor], seqs: list[Sequence]) -> None:
         """The target's step ran ``chunks`` (``ChunkInput``s) and left each one's hidden states."""
         self.draft.observe([c.request_id for c in chunks], [c.start for c in chunks], hidden, seqs)
 
-    def eligible(self, seq: Sequence) -> int:
-        """How many tokens to propose for ``seq`` this step (0: decode it plainly).
+    def eligible(self, seq: Sequence, k: int | None = None) -> int:
+        """How many tokens to propose for ``seq`` this step, at most ``k`` (default: the
+        configured k; 0: decode it plainly).
 
         Not for the first token of a request with ``n > 1`` (a prompt chunked down to its last
         token also "decodes"): that token's row is where the engine draws all n samples' first
@@ -61,14 +72,20 @@ class Speculator:
             return 0
         left = seq.max_output - len(seq.output_token_ids)  # a step emits up to k + 1 tokens
         room = self.max_model_len - len(seq)  # positions len(seq)-1 .. +k must exist
-        return max(0, min(self.k, left - 1, room))
+        return max(0, min(self.k if k is None else k, left - 1, room))
 
     def propose(self, running: list[Sequence]) -> None:
-        """Set ``draft_tokens`` of every running sequence (empty for those not speculating)."""
+        """Set ``draft_tokens`` of every running sequence (empty for those not speculating):
+        as many as the governor finds pays at this batch size — the configured k for a seeded
+        sampled request, whose random draws must not depend on timing (governor.py)."""
+        batch = sum(1 for seq in running if seq.is_decoding)
+        step_k = self.governor.choose(batch) if self.governor is not None and batch else self.k
+        self._step = (batch, step_k)
         seqs, ks = [], []
         for seq in running:
             seq.draft_tokens = []
-            k = self.eligible(seq)
+            seeded = seq.params.seed is not None and not seq.params.greedy
+            k = self.eligible(seq, self.k if seeded else step_k)
             if k:
                 seqs.append(seq)
                 ks.append(k)
@@ -81,6 +98,16 @@ class Speculator:
         cfg = self.config
         for seq, k in zip(seqs, ks):
             seq.draft_tokens = hooks.propose_ngram(seq.token_ids, k, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+
+    def step_done(self, chunks, tokens: int, seconds: float) -> None:
+        """The step that ran ``chunks`` emitted ``tokens`` in ``seconds`` (from proposing on): a
+        pure decode step — every chunk a decode or a verify — is the governor's evidence."""
+        batch, step_k = self._step
+        if self.governor is None or not batch or not all(c.draft_tokens or c.is_decode for c in chunks):
+            return
+        self.governor.record(batch, step_k, tokens, seconds)
+        if self.resolved is not None:
+            self.resolved.speculation = self.describe()
 
     def verify(self, seq: Sequence, drafts: list[int], logits: torch.Tensor) -> list[int]:
         """``logits[len(drafts) + 1, V]`` of the target at the verify chunk's positions → the
@@ -112,7 +139,13 @@ class NoSpeculation:
 
     wants_hidden = False
 
+    def describe(self) -> str:
+        return "off"
+
     def propose(self, running: list[Sequence]) -> None:
+        pass
+
+    def step_done(self, chunks, tokens: int, seconds: float) -> None:
         pass
 
     def verify(self, seq: Sequence, drafts: list[int], logits: torch.Tensor) -> list[int]:

@@ -1,0 +1,103 @@
+"""Speculation that pays for itself: how many tokens to propose, measured on the engine's own steps.
+
+Speculating costs every step something — the proposer's time, and ``k`` more rows per sequence
+in the target's pass — and pays only in the tokens the target accepts. At batch 1 a decode step
+is bound by reading the weights, so the extra rows are nearly free; at batch 4 or 8 they are not,
+and an EAGLE head whose late guesses are rarely right made a ``k = 4`` engine decode chat at
+0.47× the plain engine (`docs/benchmarks.md`, "Speculative decoding"). Whether it pays depends
+on the machine, the model, the proposer, the text and the batch, so the governor measures it
+rather than predicting it:
+
+- For each batch size — by powers of two: 1, 2-3, 4-7, 8-15, ... decoding sequences — it keeps,
+  for each candidate number of proposals (0, that is plain decoding; 1, 2, 4, ... up to the
+  configured ``k``), the output tokens per second of the pure decode steps that used it: a
+  moving average, so the estimate follows the text and the load.
+- A step uses the best candidate so far. A batch size starts with the configured ``k`` (the
+  engine behaves as it always did until there is evidence), and from its ``WARMUP``-th step on,
+  every ``EXPLORE_EVERY``-th step tries the candidate tried least recently, so a choice is
+  revisited when acceptance or load changes. Exploring costs at most that share of steps.
+
+Greedy requests get exactly the target's tokens whatever ``k`` is, and sampled ones keep the
+target's distribution. A *seeded* sampled request keeps the configured ``k``: under rejection
+sampling the number of proposals decides how many draws its generator makes, and its tokens must
+not depend on how fast the machine happened to be. vLLM's engine once had a fixed rule of the
+same purpose (``speculative_disable_by_batch_size``: no speculation above a batch size); this one
+measures. What it decided is in ``LLMEngine.resolved.speculation``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Candidate:
+    """One number of proposals at one batch size: what its steps made."""
+
+    tokens_per_second: float | None = None  # moving average over the steps that used it
+    steps: int = 0
+    last_tried: int = -1  # the batch size's decision count when it last ran
+
+
+class SpeculationGovernor:
+    WARMUP = 8  # steps of a batch size on the configured k before exploring
+    EXPLORE_EVERY = 8  # one step in this many tries another candidate (after the warm-up)
+    SMOOTHING = 0.25  # a step's weight in its candidate's moving average
+
+    def __init__(self, k: int):
+        self.k = k
+        self.candidates = sorted({0, k} | {2**i for i in range(5) if 2**i < k})
+        self.sizes: dict[int, dict[int, Candidate]] = {}  # batch size class -> candidate k -> what it made
+        self.decisions: dict[int, int] = {}  # batch size class -> steps decided
+
+    @staticmethod
+    def size_class(batch: int) -> int:
+        """The largest power of two not above ``batch``: 1, 2, 4, 8, ..."""
+        return 1 << (max(batch, 1).bit_length() - 1)
+
+    def choose(self, batch: int) -> int:
+        """How many tokens to propose per sequence in a step of ``batch`` decoding sequences."""
+        size = self.size_class(batch)
+        candidates = self.sizes.setdefault(size, {c: Candidate() for c in self.candidates})
+        n = self.decisions[size] = self.decisions.get(size, 0) + 1
+        measured = {c: s.tokens_per_second for c, s in candidates.items() if s.tokens_per_second is not None}
+        best = max(measured, key=measured.get) if measured else self.k
+        pick = best
+        if n > self.WARMUP and n % self.EXPLORE_EVERY == 0:
+            pick = min((c for c in candidates if c != best), key=lambda c: candidates[c].last_tried)
+        candidates[pick].last_tried = n
+        return pick
+
+    def record(self, batch: int, k: int, tokens: int, seconds: float) -> None:
+        """A pure decode step of ``batch`` sequences, run with ``k`` proposals each, emitted
+        ``tokens`` in ``seconds`` (proposing, the target's pass, verifying and appending)."""
+        candidate = self.sizes.get(self.size_class(batch), {}).get(k)
+        if candidate is None or seconds <= 0:
+            return
+        rate = tokens / seconds
+        old = candidate.tokens_per_second
+        candidate.tokens_per_second = rate if old is None else old + self.SMOOTHING * (rate - old)
+        candidate.steps += 1
+
+    def best(self, batch: int) -> int | None:
+        """The candidate a step of ``batch`` sequences would use now (None: none measured)."""
+        measured = {c: s.tokens_per_second for c, s in self.sizes.get(self.size_class(batch), {}).items()
+                    if s.tokens_per_second is not None}  # fmt: skip
+        return max(measured, key=measured.get) if measured else None
+
+    def describe(self) -> str:
+        """What it decided, per batch size measured, e.g. ``k=4 adaptive; 1 running: k=4 (31.0
+        tok/s, plain 24.1); 8+ running: plain (118.0 tok/s, k=4 72.3)``."""
+        parts = [f"k={self.k} adaptive"]
+        for size in sorted(self.sizes):
+            candidates = self.sizes[size]
+            best = self.best(size)
+            if best is None:
+                continue
+            label = f"{size} running" if size == 1 else f"{size}+ running"
+            rate = candidates[best].tokens_per_second
+            other = self.k if best == 0 else 0
+            alt = candidates[other].tokens_per_second
+            alt_text = "" if alt is None else f", {'k=' + str(other) if other else 'plain'} {alt:.1f}"
+            parts.append(f"{label}: {'k=' + str(best) if best else 'plain'} ({rate:.1f} tok/s{alt_text})")
+        return "; ".join(parts)

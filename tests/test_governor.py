@@ -1,0 +1,114 @@
+"""The speculation governor (``speculative/governor.py``): per batch size, propose as many tokens
+as the engine's own steps show pays. Unit tests on recorded rates; then the engine on a
+simulated clock — a pass that costs per token (compute-bound: proposals never pay at batch 8)
+and one that costs the same whatever it holds (weight-bound: they do) — where the decisions are
+deterministic, shown in ``resolved.speculation``, and never change a greedy token or a seeded
+sampled request's tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from minillm import LLMEngine, SamplingParams
+from minillm.config import SpeculativeConfig
+from minillm.speculative.governor import SpeculationGovernor
+
+TARGET = "tiny-shakespeare-8m"
+PROMPTS = ["ROMEO:\nBut soft, what light", "KING HENRY:\nOnce more unto the breach", "HAMLET:\nTo be, or not",
+           "JULIET:\nO Romeo, Romeo", "MACBETH:\nIs this a dagger", "PORTIA:\nThe quality of mercy",
+           "LEAR:\nBlow, winds", "PROSPERO:\nOur revels now are ended"]  # fmt: skip
+
+
+def test_candidates_are_powers_of_two_below_k_with_k_and_plain():
+    assert SpeculationGovernor(4).candidates == [0, 1, 2, 4]
+    assert SpeculationGovernor(6).candidates == [0, 1, 2, 4, 6]
+    assert SpeculationGovernor(1).candidates == [0, 1]
+
+
+def test_starts_on_k_then_explores_then_keeps_the_fastest_per_batch_size():
+    gov = SpeculationGovernor(4)
+    speed = {0: 100.0, 1: 90.0, 2: 80.0, 4: 60.0}  # at 8 running: plain decoding is fastest
+    picks = []
+    for _ in range(80):
+        k = gov.choose(8)
+        picks.append(k)
+        gov.record(8, k, int(speed[k]), 1.0)
+    assert picks[: gov.WARMUP] == [4] * gov.WARMUP  # as the engine always did, until there is evidence
+    assert set(picks) == {0, 1, 2, 4}  # every candidate tried
+    assert gov.best(8) == 0 and gov.best(15) == 0  # 8-15 running share a class
+    late = picks[40:]
+    assert late.count(0) >= len(late) * (1 - 1 / gov.EXPLORE_EVERY) - 1  # exploring costs at most 1 step in EXPLORE_EVERY
+    # another batch size is its own question: at 1 running the governor starts on k again
+    assert gov.choose(1) == 4 and gov.best(1) is None
+
+
+def test_a_candidate_that_becomes_faster_wins_again():
+    gov = SpeculationGovernor(2)
+    speed = {0: 100.0, 1: 50.0, 2: 40.0}
+    for _ in range(40):
+        k = gov.choose(4)
+        gov.record(4, k, int(speed[k]), 1.0)
+    assert gov.best(4) == 0
+    speed[2] = 300.0  # acceptance improved: the text turned repetitive
+    for _ in range(60):
+        k = gov.choose(4)
+        gov.record(4, k, int(speed[k]), 1.0)
+    assert gov.best(4) == 2
+
+
+def test_describe_names_each_batch_size_and_its_choice():
+    gov = SpeculationGovernor(4)
+    for _ in range(30):
+        k = gov.choose(8)
+        gov.record(8, k, 100 if k == 0 else 50, 1.0)
+    assert gov.describe().startswith("k=4 adaptive; 8+ running: plain (100.0 tok/s, k=4 50.0)")
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_adaptive_must_be_a_bool(bad):
+    with pytest.raises(ValueError, match="adaptive"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "adaptive": bad})
+
+
+def run(cost, params, spec=None):
+    """Every prompt at once on a simulated clock whose passes cost ``cost(tokens)``: the outputs,
+    what the engine says it decided, and per step: sequences running, tokens proposed."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, **(spec or {})}
+    engine = LLMEngine(TARGET, dtype="fp32", compile=False, speculative_config=spec, max_num_seqs=8)
+    proposed = []
+    with engine.simulated_time(cost):
+        for prompt in PROMPTS:
+            engine.add_request(prompt, params)
+        outputs = {}
+        while engine.has_unfinished_requests():
+            for d in engine.step():
+                if d.output is not None:
+                    outputs[d.request_id] = d.output
+            running = engine.scheduler.running
+            proposed.append((len(running), sum(len(s.draft_tokens) for s in running)))
+    said = engine.resolved.speculation
+    engine.close()
+    return [outputs[i] for i in sorted(outputs)], said, proposed
+
+
+GREEDY = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+
+
+def test_a_compute_bound_pass_turns_proposals_off_and_says_so():
+    plain_outputs, said, proposed = run(lambda tokens: 1e-3 * tokens, GREEDY)
+    assert "8+ running: plain" in said, said
+    full = [p for running, p in proposed[24:] if running == 8]  # after the warm-up and a first sweep
+    assert len(full) >= 10 and sum(p == 0 for p in full) >= 0.8 * len(full), proposed  # plain, but for exploring
+    weight_bound, said_wb, proposed_wb = run(lambda tokens: 10e-3, GREEDY)
+    assert "8+ running: k=" in said_wb and "8+ running: plain" not in said_wb, said_wb
+    assert [o.token_ids for o in plain_outputs] == [o.token_ids for o in weight_bound]  # greedy: exact either way
+    fixed, said_fixed, proposed_fixed = run(lambda tokens: 1e-3 * tokens, GREEDY, {"adaptive": False})
+    assert said_fixed == "ngram, k=3 always" and [o.token_ids for o in fixed] == [o.token_ids for o in plain_outputs]
+
+
+def test_seeded_sampled_requests_keep_k_and_their_tokens_whatever_the_timing():
+    seeded = SamplingParams(max_tokens=48, temperature=0.9, seed=11, ignore_eos=True)
+    compute_bound, said, _ = run(lambda tokens: 1e-3 * tokens, seeded)
+    weight_bound, _, _ = run(lambda tokens: 10e-3, seeded)
+    assert [o.token_ids for o in compute_bound] == [o.token_ids for o in weight_bound]
+    assert sum(o.metrics.spec_proposed for o in compute_bound) > 0  # they kept proposing
