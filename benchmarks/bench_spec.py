@@ -257,11 +257,18 @@ def main(argv=None) -> int:
             ks = args.ks if batch == 1 else [4]
             proposers = [p for p in ("ngram", "draft", "eagle") if p in engines]
             for proposer in proposers:
+                speculator = engines[proposer].engine.speculator
                 for k in ks:
-                    engines[proposer].engine.speculator.k = k  # the sweep: same engine, k proposals per step
+                    speculator.configure(k, adaptive=False)  # the sweep: same engine, always k proposals per step
                     run = timed_run(engines[proposer], subset, batch, args.max_tokens, args.repeats)
                     rows.append({"workload": workload, "proposer": proposer, "k": k, "batch": batch, **run})
-            for r in rows[-2 - len(ks) * len(proposers) :]:
+                # the default: up to 4, as many as its own steps show pay (speculative/governor.py),
+                # learnt afresh in this run's untimed pass and kept through the timed ones
+                speculator.configure(4, adaptive=True)
+                run = timed_run(engines[proposer], subset, batch, args.max_tokens, args.repeats)
+                run["governor"] = engines[proposer].resolved.speculation
+                rows.append({"workload": workload, "proposer": f"{proposer} (adaptive)", "k": 4, "batch": batch, **run})
+            for r in rows[-2 - (len(ks) + 1) * len(proposers) :]:
                 r["speedup"] = r["tok_s"] / base["tok_s"]
                 r["decode_speedup"] = r["decode_tok_s"] / base["decode_tok_s"]
                 r["vs_eager"] = r["tok_s"] / slow["tok_s"]
@@ -269,7 +276,8 @@ def main(argv=None) -> int:
                 r["agreement"] = agreement(r["token_ids"], base["token_ids"])
                 print(
                     f"{workload:>8} {r['proposer']:>5} k={r['k'] or '-'} b={batch:<2} {r['tok_s']:7.1f} tok/s "
-                    f"{r['speedup']:.2f}x (vs eager {r['vs_eager']:.2f}x)  accept {r['acceptance_rate'] or 0:.0%}  identical={r['identical']}",
+                    f"{r['speedup']:.2f}x (vs eager {r['vs_eager']:.2f}x)  accept {r['acceptance_rate'] or 0:.0%}  identical={r['identical']}"
+                    + (f"\n      governor: {r['governor']}" if "governor" in r else ""),
                     flush=True,
                 )
     hf = {}

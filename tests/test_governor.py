@@ -112,3 +112,16 @@ def test_seeded_sampled_requests_keep_k_and_their_tokens_whatever_the_timing():
     weight_bound, _, _ = run(lambda tokens: 10e-3, seeded)
     assert [o.token_ids for o in compute_bound] == [o.token_ids for o in weight_bound]
     assert sum(o.metrics.spec_proposed for o in compute_bound) > 0  # they kept proposing
+
+
+def test_configure_sets_k_and_starts_the_measurements_afresh():
+    engine = LLMEngine(TARGET, dtype="fp32", compile=False, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    speculator = engine.speculator
+    speculator.configure(2, adaptive=False)
+    assert speculator.governor is None and engine.resolved.speculation == "ngram, k=2 always"
+    speculator.configure(4, adaptive=True)
+    assert speculator.governor.candidates == [0, 1, 2, 4] and engine.resolved.speculation == "ngram, k=4 adaptive"
+    for bad in (0, 17, 2.0, True):
+        with pytest.raises(ValueError, match="k="):
+            speculator.configure(bad, adaptive=True)
+    engine.close()

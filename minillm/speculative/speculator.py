@@ -52,6 +52,17 @@ class Speculator:
         self._step = (0, self.k)  # this step's decoding sequences, and the k the governor chose
         self.resolved = None  # the engine's Resolved, whose `speculation` says what was decided
 
+    def configure(self, k: int, adaptive: bool) -> None:
+        """Propose up to ``k`` tokens from the next step on, measured afresh per batch size when
+        ``adaptive`` (what ``num_speculative_tokens`` and ``adaptive`` set at start; for sweeps)."""
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ValueError(f"k={k!r}: the tokens proposed per step must be an int from 1 to 16")
+        self.k = k
+        self.governor = SpeculationGovernor(k) if adaptive else None
+        self._step = (0, k)
+        if self.resolved is not None:
+            self.resolved.speculation = self.describe()
+
     def describe(self) -> str:
         """The method and what decides ``k``, in words (``LLMEngine.resolved.speculation``)."""
         what = self.config.method + (f" {self.config.model}" if self.config.model else "")
