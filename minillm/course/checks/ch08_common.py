@@ -15,7 +15,9 @@ def spec_engine(spec: dict | None = None, **options):
 
 
 def draft_spec(k: int = K) -> dict:
-    return {"method": "draft", "model": DRAFT, "num_speculative_tokens": k}
+    # always k proposals: the checks compare runs proposal for proposal, and the governor's choices
+    # (speculative/governor.py) follow the machine's timing, not the learner's code
+    return {"method": "draft", "model": DRAFT, "num_speculative_tokens": k, "adaptive": False}
 
 
 def greedy_outputs(llm, prompts=PROMPTS, steps: int = STEPS):

@@ -289,8 +289,9 @@ def _in_the_engine(propose_ngram) -> str:
     from minillm import LLM, SamplingParams
     from minillm.course.plugs import ngram_proposer
 
+    # always k = 4: the two runs are compared proposal for proposal (no governor, whose choices follow timing)
     llm = LLM(MODEL, dtype="fp32", attention_backend="torch", speculative_config={"method": "ngram",
-              "num_speculative_tokens": 4})  # fmt: skip
+              "num_speculative_tokens": 4, "adaptive": False})  # fmt: skip
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     prompts = [REPEATING, PLAIN]
     expected = llm.generate(prompts, params)
