@@ -138,3 +138,11 @@ def test_configure_sets_k_and_starts_the_measurements_afresh():
         with pytest.raises(ValueError, match="k="):
             speculator.configure(bad, adaptive=True)
     engine.close()
+
+
+def test_the_engines_warm_up_is_not_evidence():
+    """The warm-up request at construction runs on the wall clock, with one-time costs: a replay
+    on a simulated clock must not depend on it (nor on how busy the machine was then)."""
+    engine = LLMEngine(TARGET, dtype="fp32", compile=False, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert engine.speculator.governor.sizes == {} and engine.resolved.speculation == "ngram, k=3 adaptive"
+    engine.close()

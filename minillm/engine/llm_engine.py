@@ -194,6 +194,7 @@ class LLMEngine:
             self.step()
         self.step_records.clear()
         self.num_steps = 0
+        self.speculator.forget_measurements()  # its one-time costs say nothing about speculating
         if self.block_manager is not None:  # forget the warm-up's cached block and statistics
             self.block_manager.reset_prefix_cache()
 

@@ -63,6 +63,11 @@ class Speculator:
         if self.resolved is not None:
             self.resolved.speculation = self.describe()
 
+    def forget_measurements(self) -> None:
+        """Drop what the governor measured so far (the engine's warm-up: one-time costs, and
+        steps on a clock a replay does not use)."""
+        self.configure(self.k, adaptive=self.governor is not None)
+
     def describe(self) -> str:
         """The method and what decides ``k``, in words (``LLMEngine.resolved.speculation``)."""
         what = self.config.method + (f" {self.config.model}" if self.config.model else "")
@@ -152,6 +157,9 @@ class NoSpeculation:
 
     def describe(self) -> str:
         return "off"
+
+    def forget_measurements(self) -> None:
+        pass
 
     def propose(self, running: list[Sequence]) -> None:
         pass
