@@ -146,3 +146,19 @@ def test_the_engines_warm_up_is_not_evidence():
     engine = LLMEngine(TARGET, dtype="fp32", compile=False, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     assert engine.speculator.governor.sizes == {} and engine.resolved.speculation == "ngram, k=3 adaptive"
     engine.close()
+
+
+def test_a_k_set_by_hand_still_caps_the_proposals():
+    """Code written before the governor set ``speculator.k`` for a sweep: it still caps every
+    sequence's proposals (``configure`` is the way that also resets the measurements)."""
+    engine = LLMEngine(TARGET, dtype="fp32", compile=False,
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 2})  # fmt: skip
+    engine.speculator.k = 1
+    for prompt in PROMPTS[:4]:
+        engine.add_request(prompt + " " + prompt, SamplingParams(max_tokens=24, ignore_eos=True))
+    longest = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        longest = max([longest, *(len(s.draft_tokens) for s in engine.scheduler.running)])
+    assert longest == 1
+    engine.close()

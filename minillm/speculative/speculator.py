@@ -88,7 +88,7 @@ class Speculator:
             return 0
         left = seq.max_output - len(seq.output_token_ids)  # a step emits up to k + 1 tokens
         room = self.max_model_len - len(seq)  # positions len(seq)-1 .. +k must exist
-        return max(0, min(self.k if k is None else k, left - 1, room))
+        return max(0, min(self.k, self.k if k is None else k, left - 1, room))
 
     def propose(self, running: list[Sequence]) -> None:
         """Set ``draft_tokens`` of every running sequence (empty for those not speculating):
