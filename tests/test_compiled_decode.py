@@ -164,7 +164,7 @@ def test_speculation_verifies_on_the_compiled_step(engines, tiny_model):
     small (preemption), and with prefix caching — across accepted runs and rollbacks."""
     compiled, eager = engines
     memory = compiled.engine_config.kv_cache_memory
-    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "adaptive": False}  # always k: the governor (test_governor.py) is not this test's subject
     spec = ready(LLM(tiny_model, kv_cache_memory=memory, speculative_config=ngram, **COMPILED, **ENGINE))
     assert spec.engine.graphs.compile_seconds == {}  # the same package serves the speculating engine
     verify_rows: list[int] = []  # the tokens of every verify chunk the compiled step ran
@@ -207,8 +207,10 @@ def test_an_eagle_head_drafts_from_the_compiled_steps_features(engines, tiny_mod
 
     compiled, eager = engines
     head = random_head(tmp_path / "head", str(tiny_model), vocab=64)
+    # always k: the governor (test_governor.py) is not this test's subject
     spec = ready(LLM(tiny_model, kv_cache_memory=compiled.engine_config.kv_cache_memory, **COMPILED, **ENGINE,
-                     speculative_config={"method": "eagle", "model": str(head), "num_speculative_tokens": 2}))  # fmt: skip
+                     speculative_config={"method": "eagle", "model": str(head), "num_speculative_tokens": 2,
+                                         "adaptive": False}))  # fmt: skip
     graphs = spec.engine.graphs
     seen = []
     run = graphs.run

@@ -22,7 +22,8 @@ PROMPTS = [
 
 
 def spec(name: str, k: int = 4) -> dict:
-    return {"method": "draft", "model": name, "num_speculative_tokens": k}
+    """Always k proposals: these tests measure acceptance (the governor: test_governor.py)."""
+    return {"method": "draft", "model": name, "num_speculative_tokens": k, "adaptive": False}
 
 
 @pytest.mark.parametrize("name", sorted(DRAFT_MODELS))

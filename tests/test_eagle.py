@@ -48,7 +48,8 @@ def reference():
 
 
 def eagle(head_dir, k: int = 3) -> dict:
-    return {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": k}
+    """Always k proposals: these tests count what the head proposed (the governor: test_governor.py)."""
+    return {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": k, "adaptive": False}
 
 
 def test_the_runner_hands_over_every_tokens_hidden_state():
@@ -188,7 +189,7 @@ def test_smollm2_eagle_in_fp32_reproduces_the_target_alone():
     chat = [{"role": "user", "content": "Explain how a rainbow forms."}]
     params = SamplingParams(max_tokens=32)
     plain = LLM("smollm2-135m", dtype="fp32").generate([chat], params)[0]
-    spec = {"method": "eagle", "model": "smollm2-eagle", "num_speculative_tokens": 3}
+    spec = {"method": "eagle", "model": "smollm2-eagle", "num_speculative_tokens": 3, "adaptive": False}
     out = LLM("smollm2-135m", dtype="fp32", speculative_config=spec).generate([chat], params)[0]
     assert out.token_ids == plain.token_ids
     assert out.metrics.spec_accepted > 0 and out.metrics.forward_passes_per_token < 1

@@ -20,8 +20,10 @@ from minillm.outputs import TokenLogprob
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # 10 tokens: with blocks of 4 the last block is shared half-full
 SAMPLED = dict(temperature=1.0, max_tokens=12, ignore_eos=True)
 TARGET = "tiny-shakespeare-8m"  # a trained model, so prompt lookup gets proposals accepted
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
-DRAFT = {"method": "draft", "model": "tiny-shakespeare-1m", "num_speculative_tokens": 4}
+# always k: the tests below count proposals and compare runs verify step for verify step (the governor,
+# whose choices follow timing, is tested in test_governor.py)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "adaptive": False}
+DRAFT = {"method": "draft", "model": "tiny-shakespeare-1m", "num_speculative_tokens": 4, "adaptive": False}
 HAMLET = "HAMLET.\nTo be, or not to be, that is the question. To be, or not"
 
 
@@ -101,9 +103,7 @@ def hamlet():
 
 @pytest.fixture(scope="module", params=[NGRAM, DRAFT], ids=["ngram", "draft"])
 def spec_llm(request):
-    # A fixed k: the records below are compared exactly between two runs, which must verify the
-    # same chunks (the governor's choices follow timing; they are tested in test_governor.py).
-    return LLM(TARGET, dtype="fp32", speculative_config={**request.param, "adaptive": False})
+    return LLM(TARGET, dtype="fp32", speculative_config=request.param)
 
 
 def test_verify_steps_give_every_emitted_token_its_own_row(spec_llm, hamlet):

@@ -14,8 +14,10 @@ from minillm import LLM, SamplingParams
 from minillm.speculative import accept_greedy, accept_sampled, propose_ngram, residual_distribution
 
 TARGET, DRAFT = "tiny-shakespeare-8m", "tiny-shakespeare-1m"
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
-DRAFT_CFG = {"method": "draft", "model": DRAFT, "num_speculative_tokens": 4}
+# A fixed k (no governor): these tests check the verify mechanics and count what k proposals did;
+# the default, adaptive engine is tested in test_governor.py and by the exactness test below.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "adaptive": False}
+DRAFT_CFG = {"method": "draft", "model": DRAFT, "num_speculative_tokens": 4, "adaptive": False}
 PROMPTS = [
     "KING.\nNow is the winter",
     "ROMEO.\nBut soft, what light through yonder window breaks? It is the east",
@@ -123,6 +125,18 @@ def test_a_quantized_draft_changes_proposals_not_the_output(reference):
     assert llm.engine.speculator.draft.model.lm_head.method.name == "int8"
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))
     assert [o.token_ids for o in outs] == reference[40]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_the_default_adaptive_engine_reproduces_the_target_alone(reference, method):
+    """As shipped (``adaptive`` on: as many proposals as pay, per batch size; test_governor.py),
+    whatever the governor chooses step by step, greedy tokens are the target's alone."""
+    spec = {k: v for k, v in (NGRAM if method == "ngram" else DRAFT_CFG).items() if k != "adaptive"}
+    llm = LLM(TARGET, dtype="fp32", speculative_config=spec)
+    assert llm.engine.speculator.governor is not None
+    for _ in range(2):  # the second run starts from what the first measured
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))
+        assert [o.token_ids for o in outs] == reference[40]
 
 
 def test_one_request_at_a_time_matches_too(reference):

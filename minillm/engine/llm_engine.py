@@ -646,9 +646,13 @@ class LLMEngine:
         self.clock, self.runner = clock, TimedRunner(self.runner, clock, cost)
         if draft is not None:
             draft.runner = TimedRunner(draft.runner, clock, draft_cost)
+        # What speculation measured on one clock says nothing about the other (governor.py): each
+        # simulated run starts afresh, so it is the same run whatever ran before it.
+        self.speculator.forget_measurements()
         try:
             yield clock
         finally:
             self.clock, self.runner = saved[0], saved[1]
             if draft is not None:
                 draft.runner = saved[2]
+            self.speculator.forget_measurements()
