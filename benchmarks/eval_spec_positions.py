@@ -78,7 +78,9 @@ def main(argv=None) -> dict:
     for name, config in PROPOSERS.items():
         llm = LLM("smollm2-135m", compile=False,
                   speculative_config={**config, "num_speculative_tokens": args.k, "adaptive": False})  # fmt: skip
-        stats = results[name] = position_stats(trace_speculation(llm, prompts, params), args.k)
+        # the chats as token ids, as the engine encodes a chat (the trace decodes its prompts back)
+        ids = [llm.tokenizer.encode(llm.tokenizer.render_chat(p), add_special_tokens=False) for p in prompts]
+        stats = results[name] = position_stats(trace_speculation(llm, ids, params), args.k)
         rates = "".join(f"{'–' if r is None else f'{r:.0%}':>9}" for r in stats["acceptance_by_position"])
         print(f"{name:>9}{stats['verify_steps']:>7}{rates}{stats['mean_accepted_length']:>15.2f}  "
               f"{stats['accepted_length_histogram']}", flush=True)  # fmt: skip
