@@ -30,6 +30,11 @@ sampling the number of proposals decides how many draws its generator makes, and
 not depend on how fast the machine happened to be. vLLM's engine once had a fixed rule of the
 same purpose (``speculative_disable_by_batch_size``: no speculation above a batch size); this one
 measures. What it decided is in ``LLMEngine.resolved.speculation``.
+
+Steps are timed on the engine's own clock: in a replay on a simulated clock (chapter 04's
+virtual clock) its choices are the simulation's, the same on every machine and every run, and
+what it measured on one clock is forgotten when the engine moves to the other (as after the
+engine's warm-up, whose one-time costs say nothing about speculating).
 """
 
 from __future__ import annotations
