@@ -130,3 +130,40 @@ def test_overlapping_steps_resume_the_collector_only_when_the_last_ends():
     for t in threads:
         t.join(10)
     assert states == {"after_first_left": False, "after_both_left": True}
+
+
+def test_a_step_ending_while_another_runs_collects_what_is_due():
+    """Engines stepping back to back in two threads could keep the collector paused for good: a
+    step that ends while another still runs collects the young generations that are due."""
+    first_in, second_out = threading.Event(), threading.Event()
+    made, collections = [], []
+
+    def on_gc(phase, info):
+        if phase == "start" and first_in.is_set() and not second_out.is_set():
+            collections.append(info["generation"])
+
+    def first():
+        with collection_paused():
+            first_in.set()
+            second_out.wait(10)
+
+    def second():
+        first_in.wait(10)
+        with collection_paused():
+            cycles = [Cycle() for _ in range(2_000)]  # past gen 0's threshold of 700
+            made.extend(weakref.ref(c) for c in cycles)
+            del cycles
+        second_out.set()
+
+    gc.callbacks.append(on_gc)
+    try:
+        threads = [threading.Thread(target=first), threading.Thread(target=second)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+    finally:
+        gc.callbacks.remove(on_gc)
+    assert collections, "no collection while the first step still ran"
+    assert all(ref() is None for ref in made)  # the second step's cycles went with it
+    assert gc.isenabled()

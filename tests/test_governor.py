@@ -43,6 +43,18 @@ def test_starts_on_k_sweeps_once_then_keeps_the_fastest_exploring_within_its_bud
     assert gov.choose(4) == 0 and gov.best(4) is None
 
 
+def test_a_candidate_tried_on_a_step_with_a_prefill_waits_before_its_next_try():
+    """A step with a prefill chunk is no evidence (nothing is recorded): the candidate it tried
+    must not be picked again at once, or mixed steps would keep replacing the best with it."""
+    gov = SpeculationGovernor(4)
+    assert gov.choose(8) == 4
+    gov.record(8, 4, 100, 1.0)
+    assert gov.choose(8) == 0  # the sweep's next candidate — its step then held a prefill: not recorded
+    picks = [gov.choose(8) for _ in range(gov.MIN_GAP - 1)]
+    assert 0 not in picks and picks[:2] == [1, 2]  # the others, then the best measured, until MIN_GAP passes
+    assert gov.choose(8) == 0
+
+
 def test_a_candidate_that_becomes_faster_wins_again():
     gov = SpeculationGovernor(2)
     speed = {0: 100.0, 1: 50.0, 2: 40.0}

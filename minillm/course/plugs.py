@@ -226,21 +226,21 @@ PLUGS: dict[str, Plug] = {
             ("accept_greedy",),
             _same("accept_greedy"),
             frozenset({"paged"}),
-            "speculative_config",
+            "speculative_config, on the steps that propose",
         ),
         Plug(
             "check_accept_sampled",
             ("accept_sampled",),
             _same("accept_sampled"),
             frozenset({"paged"}),
-            "speculative_config and temperature > 0",
+            "speculative_config and temperature > 0, on the steps that propose",
         ),
         Plug(
             "check_rollback",
             ("blocks_to_roll_back",),
             _same("blocks_to_roll_back"),
             frozenset({"paged"}),
-            "speculative_config",
+            "speculative_config, on the steps that propose",
         ),
         Plug(
             "check_tree_attention_mask",
@@ -256,7 +256,7 @@ PLUGS: dict[str, Plug] = {
             "check_speculative_decode",
             ("propose_ngram",),
             lambda f, c: {"propose_ngram": ngram_proposer(f[0])},
-            when="speculative_config={'method': 'ngram'}",
+            when="speculative_config={'method': 'ngram'}, on the steps that propose",
         ),
         Plug(
             "check_response_cache",

@@ -16,9 +16,13 @@ counting as always (the collector is only for cycles); what is still alive after
 looked at by the next collection, which then finds the step's garbage already gone. Cyclic
 garbage made during a step is collected after it, not leaked (``tests/test_gc_pause.py``).
 
-A process may run several engines' steps at once (one per thread): the first step to start
-pauses the collector and the last to end resumes it. A collector that was already off when
-the first step began (``gc.disable()`` by the user) stays off.
+A process may run several engines' steps at once (one per thread — ``minillm serve`` with
+several models): the first step to start pauses the collector and the last to end resumes it.
+Engines that step back to back could then keep it paused for good, so a step that ends while
+another still runs collects what CPython would have collected by now (its young generations,
+whose counts passed their thresholds) — the behaviour before the pause, for such processes only.
+A collector that was already off when the first step began (``gc.disable()`` by the user) stays
+off; one turned off *during* a step is turned on again when the steps end.
 """
 
 from __future__ import annotations
@@ -47,5 +51,19 @@ def collection_paused() -> Iterator[None]:
     finally:
         with _LOCK:
             _inside -= 1
+            overlapping = _inside > 0 and _resume
             if _inside == 0 and _resume:
                 gc.enable()
+        if overlapping:
+            collect_what_is_due()
+
+
+def collect_what_is_due() -> None:
+    """Run the collection CPython's allocator would have started by now, if any: the oldest of
+    generations 0 and 1 whose count passed its threshold (a full collection stays CPython's to
+    decide, once the collector is on again)."""
+    counts, thresholds = gc.get_count(), gc.get_threshold()
+    for generation in (1, 0):
+        if thresholds[generation] and counts[generation] > thresholds[generation]:
+            gc.collect(generation)
+            return

@@ -31,6 +31,13 @@ not depend on how fast the machine happened to be. vLLM's engine once had a fixe
 same purpose (``speculative_disable_by_batch_size``: no speculation above a batch size); this one
 measures. What it decided is in ``LLMEngine.resolved.speculation``.
 
+What it does not see: a candidate's first measurement stands alone until its next try, so a
+one-time cost on that step (a new shape's kernel set-up) makes it look slower for a while; a
+draft model or EAGLE head that sat out plain steps first catches up on them when proposals
+resume, and that catch-up is charged to the candidate tried; and in a step whose token budget or
+pool cuts proposals (``Scheduler.drafts_that_fit``), what is left for a seeded request depends on
+what the sequences ahead of it proposed — timing, through the governor.
+
 Steps are timed on the engine's own clock: in a replay on a simulated clock (chapter 04's
 virtual clock) its choices are the simulation's, the same on every machine and every run, and
 what it measured on one clock is forgotten when the engine moves to the other (as after the
@@ -79,16 +86,18 @@ class SpeculationGovernor:
             pick = self._nearest_best(size)
         else:
             best = pick = max(measured, key=measured.get)
-            due = [c for c in candidates if c != best and n - candidates[c].last_tried >= self._gap(measured, best, c)]
+            due = [c for c, cand in candidates.items()
+                   if c != best and n - cand.last_tried >= self._gap(measured, best, c, cand)]  # fmt: skip
             if due:
                 pick = min(due, key=lambda c: candidates[c].last_tried)
         candidates[pick].last_tried = n
         return pick
 
-    def _gap(self, measured: dict[int, float], best: int, c: int) -> float:
-        """Steps between two tries of candidate ``c``: none yet measured, at once; else by its cost."""
+    def _gap(self, measured: dict[int, float], best: int, c: int, candidate: Candidate) -> float:
+        """Steps between two tries of candidate ``c``: never tried, at once; tried but not yet
+        measured (its step had a prefill chunk, which is no evidence), ``MIN_GAP``; else by its cost."""
         if c not in measured:
-            return 0
+            return 0 if candidate.last_tried < 0 else self.MIN_GAP
         extra = measured[best] / max(measured[c], 1e-9) - 1  # step-times a try of c costs beyond best's
         return max(self.MIN_GAP, extra / self.EXPLORE_BUDGET)
 
