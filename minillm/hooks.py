@@ -468,6 +468,16 @@ tree_attention_mask = _declare(
     """Which nodes of a draft tree each node may attend to in the one verify pass: itself and its
     ancestors, never another branch.""",
 )
+accept_tree = _declare(
+    "accept_tree",
+    "accept_tree(parents[N], drafts[N], target_tokens[N+1]) -> (path: list[int], emitted: list[int])",
+    "08 speculative decoding (verifying a tree)",
+    "minillm.speculative.tree",
+    "minillm/speculative/tree.py",
+    """A tree verify pass's verdict: the nodes accepted, root to leaf (the longest branch whose
+    every token is the target's choice after its parent), and the tokens it emits — theirs, then
+    the target's own token after the last of them.""",
+)
 verify = _declare(
     "verify",
     "verify(speculator, seq, draft_tokens, logits[k+1, V]) -> list[int]",

@@ -1536,6 +1536,179 @@ wrong(CT, "is not on its branch", _tree_mask_roots_share)
 wrong(CT, "not only the parent", _tree_mask_children_first)
 
 
+# ---- 08: verifying a tree (the longest accepted branch) ------------------------------------------
+
+
+def tree_accept_walk(parents, drafts, target_tokens):
+    path, emitted, node = [], [], -1
+    while True:
+        want = target_tokens[node + 1]
+        emitted.append(want)
+        child = next((i for i, p in enumerate(parents) if p == node and drafts[i] == want), None)
+        if child is None:
+            return path, emitted
+        path.append(child)
+        node = child
+
+
+def tree_accept_children_map(parents, drafts, target_tokens):
+    children = {}
+    for i, p in enumerate(parents):
+        children.setdefault(p, {})[drafts[i]] = i
+    path, node = [], -1
+    while target_tokens[node + 1] in children.get(node, {}):
+        node = children[node][target_tokens[node + 1]]
+        path.append(node)
+    return path, [drafts[i] for i in path] + [target_tokens[node + 1]]
+
+
+def tree_accept_deepest(parents, drafts, target_tokens):
+    """Every node accepted iff its token is the target's after its parent and its parent is
+    accepted; the deepest accepted node ends the path."""
+    ok, depth = [], []
+    for i, p in enumerate(parents):
+        ok.append(drafts[i] == target_tokens[p + 1] and (p < 0 or ok[p]))
+        depth.append(0 if p < 0 else depth[p] + 1)
+    best = max((i for i in range(len(parents)) if ok[i]), key=lambda i: depth[i], default=-1)
+    path, node = [], best
+    while node >= 0:
+        path.insert(0, node)
+        node = parents[node]
+    return path, [drafts[i] for i in path] + [target_tokens[best + 1]]
+
+
+CA = "check_accept_tree"
+right(CA, tree_accept_walk)
+right(CA, tree_accept_children_map)
+right(CA, tree_accept_deepest)
+
+
+def _accept_as_chain(parents, drafts, target_tokens):
+    """accept_greedy over the nodes in list order: right for a chain only."""
+    path = []
+    for i, d in enumerate(drafts):
+        if d != target_tokens[i]:
+            break
+        path.append(i)
+    return path, [drafts[i] for i in path] + [target_tokens[len(path)]]
+
+
+def _accept_own_row(parents, drafts, target_tokens):
+    """Matches a node against the target's token after the node itself."""
+    path, node = [], -1
+    while True:
+        child = next((i for i, p in enumerate(parents) if p == node and drafts[i] == target_tokens[i + 1]), None)
+        if child is None:
+            return path, [drafts[i] for i in path] + [target_tokens[node + 1]]
+        path.append(child)
+        node = child
+
+
+def _accept_any_branch(parents, drafts, target_tokens):
+    """Level by level, any node at the right depth with the right token, whoever its parent."""
+    depth = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    path, node = [], -1
+    while True:
+        d = len(path)
+        child = next((i for i in range(len(parents)) if depth[i] == d and drafts[i] == target_tokens[node + 1]), None)
+        if child is None:
+            return path, [drafts[i] for i in path] + [target_tokens[node + 1]]
+        path.append(child)
+        node = child
+
+
+def _accept_one_level(parents, drafts, target_tokens):
+    child = next((i for i, p in enumerate(parents) if p == -1 and drafts[i] == target_tokens[0]), None)
+    if child is None:
+        return [], [target_tokens[0]]
+    return [child], [drafts[child], target_tokens[child + 1]]
+
+
+def _accept_no_bonus(parents, drafts, target_tokens):
+    path, emitted = tree_accept_walk(parents, drafts, target_tokens)
+    return path, emitted[:-1]
+
+
+def _accept_bonus_off_by_one(parents, drafts, target_tokens):
+    path, emitted = tree_accept_walk(parents, drafts, target_tokens)
+    last = path[-1] if path else -1
+    return path, emitted[:-1] + [target_tokens[last + 2 if last + 2 < len(target_tokens) else 0]]
+
+
+def _accept_reversed(parents, drafts, target_tokens):
+    path, emitted = tree_accept_walk(parents, drafts, target_tokens)
+    return path[::-1], emitted
+
+
+def _accept_tokens_as_path(parents, drafts, target_tokens):
+    path, emitted = tree_accept_walk(parents, drafts, target_tokens)
+    return [drafts[i] for i in path], emitted
+
+
+def _accept_emitted_only(parents, drafts, target_tokens):
+    return tree_accept_walk(parents, drafts, target_tokens)[1]
+
+
+def _accept_pops_drafts(parents, drafts, target_tokens):
+    out = tree_accept_walk(list(parents), list(drafts), target_tokens)
+    while len(drafts) > len(out[0]):
+        drafts.pop()
+    return out
+
+
+def _accept_tensor_tokens(parents, drafts, target_tokens):
+    path, emitted = tree_accept_walk(parents, drafts, target_tokens)
+    return path, [torch.tensor(t) for t in emitted]
+
+
+def _accept_first_child_always(parents, drafts, target_tokens):
+    """Follows the first child whether or not it matches, as long as some child does."""
+    path, node = [], -1
+    while True:
+        kids = [i for i, p in enumerate(parents) if p == node]
+        if not any(drafts[i] == target_tokens[node + 1] for i in kids):
+            return path, [drafts[i] for i in path] + [target_tokens[node + 1]]
+        path.append(kids[0])
+        node = kids[0]
+
+
+def _accept_bonus_only_when_rejected(parents, drafts, target_tokens):
+    """Adds the target's token only when no node was accepted."""
+    path, emitted = tree_accept_walk(parents, drafts, target_tokens)
+    return path, emitted if not path else emitted[:-1]
+
+
+def _accept_emits_draft_not_target(parents, drafts, target_tokens):
+    """On a rejection, emits the rejected child's draft instead of the target's token."""
+    path, node = [], -1
+    while True:
+        kids = [i for i, p in enumerate(parents) if p == node]
+        child = next((i for i in kids if drafts[i] == target_tokens[node + 1]), None)
+        if child is None:
+            tail = [drafts[kids[0]]] if kids else [target_tokens[node + 1]]
+            return path, [drafts[i] for i in path] + tail
+        path.append(child)
+        node = child
+
+
+wrong(CA, "a path steps from a node to one of its children", _accept_as_chain)
+wrong(CA, "not the one it must match", _accept_own_row)
+wrong(CA, "continues other text", _accept_any_branch)
+wrong(CA, "stops too early", _accept_one_level)
+wrong(CA, "add the target's own token", _accept_no_bonus)
+wrong(CA, "exactly one token, the target's", _accept_bonus_off_by_one)
+wrong(CA, "runs leaf to root", _accept_reversed)
+wrong(CA, "the path holds node indices", _accept_tokens_as_path)
+wrong(CA, "return two lists", _accept_emitted_only)
+wrong(CA, "changed its arguments", _accept_pops_drafts)
+wrong(CA, "must be a Python int", _accept_tensor_tokens)
+wrong(CA, "but the target's token after", _accept_first_child_always)
+wrong(CA, "add the target's own token", _accept_bonus_only_when_rejected)
+wrong(CA, "exactly one token, the target's", _accept_emits_draft_not_target)
+
+
 # ---- more wrong answers, one module per chapter -------------------------------------------------
 
 

@@ -744,6 +744,46 @@ def test_tree_attention_mask_calls_go_through_the_hook():
     assert not torch.allclose(leaky[1:], reference[1:], atol=1e-4)
 
 
+def test_accept_tree_calls_go_through_the_hook():
+    """tree_generate takes each pass's verdict from the hook and refuses one that is not a branch
+    of the tree with its tokens: a verdict that accepts nothing keeps the tokens (the target's
+    own) and costs passes."""
+    from minillm.assets import resolve_model
+    from minillm.config import ModelConfig
+    from minillm.models import load_model
+    from minillm.speculative.eagle import EagleConfig, EagleHead
+    from minillm.speculative.tree import tree_generate
+
+    folder = resolve_model("tiny-shakespeare-8m")
+    mc = ModelConfig.from_folder(folder)
+    model = load_model(folder, torch.float32)
+    torch.manual_seed(0)
+    cfg = EagleConfig(mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.intermediate_size,
+                      mc.rms_norm_eps, 64, "tiny-shakespeare-8m")  # fmt: skip
+    head = EagleHead(cfg, model, torch.arange(64)).eval()
+    prompt = [5, 6, 7, 8, 9, 10]
+    plain = tree_generate(model, head, prompt, 12, depth=1, branches=1)
+    reference = tree_generate(model, head, prompt, 12, depth=2, branches=3)
+    assert reference["token_ids"] == plain["token_ids"]
+    calls = []
+    with hooks.override(accept_tree=recorder("accept_tree", calls)):
+        assert tree_generate(model, head, prompt, 12, depth=2, branches=3) == reference
+    assert len(calls) == reference["passes"] - 1  # every pass but the prefill
+
+    def nothing(parents, drafts, target_tokens):
+        return [], [target_tokens[0]]
+
+    with hooks.override(accept_tree=nothing):
+        out = tree_generate(model, head, prompt, 12, depth=2, branches=3)
+    assert out["token_ids"] == reference["token_ids"] and out["passes"] == 12
+    with hooks.override(accept_tree=lambda p, d, t: ([1], [d[1], t[2]])), pytest.raises(ValueError, match="not a branch"):
+        tree_generate(model, head, prompt, 12, depth=2, branches=3)  # node 1 is a child of node 0, not of the root
+    with hooks.override(accept_tree=lambda p, d, t: ([], [])), pytest.raises(ValueError, match="then the target's"):
+        tree_generate(model, head, prompt, 12, depth=2, branches=3)
+    with hooks.override(accept_tree=lambda p, d, t: [t[0]]), pytest.raises(ValueError, match="two lists"):
+        tree_generate(model, head, prompt, 12, depth=2, branches=3)
+
+
 def test_blocks_to_roll_back_calls_go_through_the_hook(speculating):
     make, reference = speculating
     calls = []

@@ -41,6 +41,7 @@ import argparse
 import importlib.util
 import json
 import math
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -115,28 +116,120 @@ MORE_TEMPLATES = [
 ]
 
 
-def chat_prompts(narrow: bool) -> list[str]:
-    """The draft recipe's prompts, then (unless ``narrow``) the wider set, in a fixed shuffled
-    order; none is an evaluation prompt of either recipe or of ``benchmarks/bench_spec.py``."""
+#: More phrasings (templates), for variety; each one is asked of every training topic.
+EVEN_MORE_TEMPLATES = [
+    "Explain {x} step by step.",
+    "Write a short email to a friend about {x}.",
+    "What would happen if there were no {x}?",
+    "Write a tweet about {x}.",
+    "Write a short dialogue between two people discussing {x}.",
+    "In simple words, how does {x} work?",
+    "What is the history of {x}?",
+    "Give me some practical advice related to {x}.",
+    "Create a quiz question about {x}, with its answer.",
+    "What do experts disagree about when it comes to {x}?",
+    "Teach me one surprising thing about {x}.",
+    "Write a motivational quote inspired by {x}.",
+]
+#: Second user turns: a quarter of the training chats go on for one more exchange.
+FOLLOW_UPS = [
+    "Can you give me an example?", "Explain that more simply.", "Summarize your answer in one sentence.",
+    "Why is that?", "Tell me more.", "Can you make it shorter?", "What else should I know?",
+    "Thanks! Can you turn that into a list?",
+]  # fmt: skip
+#: Sampling temperatures, in turn over the training chats (0 is greedy): the head meets the
+#: contexts SmolLM2 reaches when users sample, while its labels stay SmolLM2's greedy choice.
+TEMPERATURES = (0.0, 0.7, 1.0)
+#: Whole topics never trained on: every ninth general subject, and the subjects of the draft
+#: recipe's evaluation prompts (oceans, rainbows, viruses, bacteria, the sky's colours,
+#: breakfast) and Python's sequence types (its "reverse a list" question).
+HELD_OUT_NEAR_EVAL = ["oceans", "rainbows", "viruses", "bacteria", "sunsets", "breakfast", "sequence types",
+                      "mutable sequence types"]  # fmt: skip
+
+
+def topics() -> tuple[list[str], list[str], list[str]]:
+    """(general subjects, Python topics, held-out topics): the held-out ones appear in no
+    training prompt, under any phrasing."""
     recipe = distill_recipe()
-    prompts = recipe.training_prompts()
-    if not narrow:
-        more = [t.format(x=x) for x in MORE_SUBJECTS for t in MORE_TEMPLATES]
-        order = torch.randperm(len(more), generator=torch.Generator().manual_seed(SEED)).tolist()
-        prompts += [more[i] for i in order if more[i] not in prompts]
-    bench = HERE.parent.parent / "benchmarks" / "bench_spec.py"  # its chat questions stay unseen
-    quoted = bench.read_text() if bench.exists() else ""
-    return [p for p in prompts if p not in recipe.EVAL_PROMPTS and f'"{p}"' not in quoted]
+    general = list(dict.fromkeys(recipe.SUBJECTS + MORE_SUBJECTS))
+    python = [p.split(" in Python")[0].removeprefix("Explain ").removeprefix("What should a beginner know about ")
+              for p in recipe.training_prompts() if p.endswith("in Python with a short example.")]  # fmt: skip
+    held = list(dict.fromkeys(general[4::9] + HELD_OUT_NEAR_EVAL))
+    return general, python, held
 
 
-def generate_chat_docs(prompts: list[str], max_answer: int) -> tuple[list[list[int]], dict]:
-    """SmolLM2's greedy answers (the draft recipe's generation), from the default engine: its
-    compiled decode step at up to 128 sequences a step, ~2x the contiguous engine's rate here."""
-    from minillm import LLM
+def training_chats(narrow: bool) -> list[dict]:
+    """The training conversations, in a fixed shuffled order: ``{"prompt", "temperature",
+    "seed", "follow_up"}``. ``narrow``: the draft recipe's 408 prompts alone, greedy, one
+    turn (the first committed head's text). None is about a held-out topic."""
+    recipe = distill_recipe()
+    general, python, held = topics()
+    if narrow:
+        prompts = recipe.training_prompts()
+    else:
+        templates = recipe.SUBJECT_TEMPLATES + MORE_TEMPLATES + EVEN_MORE_TEMPLATES
+        prompts = [t.format(x=x) for x in general if x not in held for t in templates]
+        prompts += [t.format(x=x) for x in python if x not in held for t in recipe.PYTHON_TEMPLATES]
+    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(SEED)).tolist()
+    chats = []
+    for n, i in enumerate(order):
+        temperature = 0.0 if narrow else TEMPERATURES[n % len(TEMPERATURES)]
+        follow = None if narrow or n % 4 else FOLLOW_UPS[(n // 4) % len(FOLLOW_UPS)]
+        chats.append({"prompt": prompts[i], "temperature": temperature, "seed": SEED + n, "follow_up": follow})
+    return chats
+
+
+def held_out_chats() -> list[str]:
+    """The evaluation prompts: the draft recipe's eight, then one per held-out topic (its
+    phrasing in turn over the templates) — whole topics no training chat mentions."""
+    recipe = distill_recipe()
+    _, _, held = topics()
+    templates = recipe.SUBJECT_TEMPLATES + MORE_TEMPLATES + EVEN_MORE_TEMPLATES
+    return recipe.EVAL_PROMPTS + [templates[i % len(templates)].format(x=x) for i, x in enumerate(held)]
+
+
+def generate_chat_docs(chats: list[dict], max_answer: int) -> tuple[list[list[int]], dict]:
+    """SmolLM2's answers, as token ids of the whole rendered conversation, from the default
+    engine (its compiled decode step at up to 128 sequences a step). A chat with a follow-up
+    is kept only as its two-turn conversation."""
+    from minillm import LLM, SamplingParams
 
     llm = LLM(TARGET, max_num_seqs=128, num_threads=torch.get_num_threads())
     log(f"decode step: {llm.wait_for_fast_path()}")
-    return distill_recipe().generate_chat_docs(prompts, max_answer, llm=llm, step=256)
+    eos = sorted(llm.tokenizer.eos_token_ids)
+    newline = llm.tokenizer.encode("\n", add_special_tokens=False)
+
+    def params(c: dict) -> SamplingParams:
+        return SamplingParams(max_tokens=max_answer, temperature=c["temperature"], seed=c["seed"])
+
+    def doc(out) -> list[int]:
+        ids = list(out.token_ids)
+        if out.finish_reason == "stop":
+            if not ids or ids[-1] not in eos:
+                ids.append(eos[0])
+            ids += newline  # the chat template closes every turn with "<|im_end|>\n"
+        return list(out.prompt_token_ids) + ids
+
+    docs, answer_tokens, started, step = [], 0, time.time(), 512
+    for i in range(0, len(chats), step):
+        batch = chats[i : i + step]
+        firsts = llm.generate([[{"role": "user", "content": c["prompt"]}] for c in batch], [params(c) for c in batch])
+        answer_tokens += sum(len(o.token_ids) for o in firsts)
+        again = [(c, o) for c, o in zip(batch, firsts) if c["follow_up"]]
+        docs += [doc(o) for c, o in zip(batch, firsts) if not c["follow_up"]]
+        seconds = [[{"role": "user", "content": c["prompt"]}, {"role": "assistant", "content": o.text},
+                    {"role": "user", "content": c["follow_up"]}] for c, o in again]  # fmt: skip
+        outs = llm.generate(seconds, [params(c) for c, _ in again])
+        answer_tokens += sum(len(o.token_ids) for o in outs)
+        docs += [doc(o) for o in outs]
+        log(f"generated {min(i + step, len(chats))}/{len(chats)} chats ({answer_tokens:,} answer tokens, "
+            f"{answer_tokens / (time.time() - started):.0f} tok/s)")  # fmt: skip
+    llm.close()
+    stats = {"chats": len(chats), "two_turn": sum(bool(c["follow_up"]) for c in chats),
+             "temperatures": list(TEMPERATURES), "answer_tokens": answer_tokens,
+             "chat_tokens": sum(len(d) for d in docs), "max_answer_tokens": max_answer,
+             "seconds": round(time.time() - started)}  # fmt: skip
+    return docs, stats
 
 
 def target_features(windows: torch.Tensor, batch: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,10 +284,13 @@ def init_head(vocab_ids: torch.Tensor):
 
 
 def train(head, feats, labels, windows, vocab_ids, args) -> list[dict]:
-    """EAGLE's loss over random windows: features regressed, the reduced head's next token."""
+    """EAGLE's loss over batches of windows: features regressed (smooth L1, in units of the
+    features' standard deviation), plus ``ce_weight`` x the cross-entropy of the reduced head
+    against SmolLM2's own distribution over the draft vocabulary at ``t+1`` (``--soft``, as
+    EAGLE's code does: its head applied to the true feature), or against its greedy token."""
     index = torch.full((head.target[0].config.vocab_size,), -100, dtype=torch.long)
     index[vocab_ids] = torch.arange(len(vocab_ids))
-    sigma = feats.float().std().item()
+    sigma = feats[: min(len(feats), 256)].float().std().item()
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     warmup = max(1, args.steps // 20)
@@ -209,28 +305,29 @@ def train(head, feats, labels, windows, vocab_ids, args) -> list[dict]:
         if len(order) < args.batch:
             order += torch.randperm(len(windows), generator=gen).tolist()
         idx, order = order[: args.batch], order[args.batch :]
-        reg = ce = 0.0
-        hits = counted = 0
+        f, x, y = feats[idx].float(), windows[idx], index[labels[idx]]
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            for i in idx:
-                f, x, y = feats[i].float(), windows[i], index[labels[i]]
-                noisy = f[:-1] + args.noise * sigma * torch.randn(f[:-1].shape, generator=gen)
-                pred, _, _ = head(noisy, x[1:], positions)  # (f_t, x_{t+1}) -> f̂_{t+1}
-                reg = reg + F.smooth_l1_loss(pred.float() / sigma, f[1:] / sigma)
-                scores = head.logits(pred).float()
-                target = y[1:]  # SmolLM2's next token after x_{t+1}
-                ce = ce + F.cross_entropy(scores, target, ignore_index=-100)
-                keep = target >= 0
-                hits += int((scores.argmax(-1)[keep] == target[keep]).sum())
-                counted += int(keep.sum())
-        loss = (reg + args.ce_weight * ce) / len(idx)
+            noisy = f[:, :-1] + args.noise * sigma * torch.randn(f[:, :-1].shape, generator=gen)
+            pred, _, _ = head(noisy, x[:, 1:], positions)  # (f_t, x_{t+1}) -> f̂_{t+1}
+            reg = F.smooth_l1_loss(pred.float() / sigma, f[:, 1:] / sigma)
+            scores = head.logits(pred).float()
+            target = y[:, 1:]  # SmolLM2's next token after x_{t+1}
+            if args.soft:
+                with torch.no_grad():
+                    p = head.logits(f[:, 1:]).float().softmax(-1)
+                ce = -(p * scores.log_softmax(-1)).sum(-1).mean()
+            else:
+                ce = F.cross_entropy(scores.flatten(0, 1), target.flatten(), ignore_index=-100)
+        keep = target >= 0
+        hits, counted = int((scores.argmax(-1)[keep] == target[keep]).sum()), int(keep.sum())
+        loss = reg + args.ce_weight * ce
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if step % 20 == 0 or step == args.steps - 1:
-            record = {"step": step, "reg": float(reg.detach()) / len(idx), "ce": float(ce.detach()) / len(idx),
+        if step % 50 == 0 or step == args.steps - 1:
+            record = {"step": step, "reg": float(reg.detach()), "ce": float(ce.detach()),
                       "top1": hits / max(counted, 1), "seconds": round(time.time() - start, 1)}  # fmt: skip
             curve.append(record)
             log(f"step {step}: reg {record['reg']:.3f} ce {record['ce']:.3f} top-1 {record['top1']:.3f}")
@@ -238,31 +335,103 @@ def train(head, feats, labels, windows, vocab_ids, args) -> list[dict]:
     return curve
 
 
+def teacher_forced_top1(llm, head, prompts: list[str], max_tokens: int = 64) -> dict:
+    """How often the head's first guess is SmolLM2's next token, fed SmolLM2's true features
+    (teacher forcing, as in training), at every position of SmolLM2's greedy answers."""
+    from minillm import SamplingParams
+    from minillm.attention.contiguous import ForwardBatch
+
+    outs = llm.generate([[{"role": "user", "content": p}] for p in prompts], SamplingParams(max_tokens=max_tokens))
+    hits = total = 0
+    for out in outs:
+        ids = list(out.prompt_token_ids) + list(out.token_ids)
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            logits, hidden = llm.model.forward_with_hidden(ForwardBatch(x, torch.arange(len(ids))[None]))
+            nexts = logits.argmax(-1)[0]  # SmolLM2's next token at every position
+            pred, _, _ = head(hidden[:-1], x[0, 1:], torch.arange(len(ids) - 1))  # (f_t, x_{t+1}) -> f̂_{t+1}
+            guesses = head.vocab_ids[head.logits(pred).argmax(-1)]  # its guess for x_{t+2}
+        start = len(out.prompt_token_ids)
+        agree = guesses[start - 1 : len(ids) - 2] == nexts[start : len(ids) - 1]
+        hits, total = hits + int(agree.sum()), total + agree.numel()
+    return {"prompts": len(prompts), "positions": total, "top1": hits / max(total, 1)}
+
+
 def speculation(spec: dict, prompts: list[str], k: int = 4, max_tokens: int = 64) -> dict:
+    """Chain drafting at a fixed ``k`` (the governor off: every verify step proposes ``k``)."""
     from minillm import LLM, SamplingParams
 
-    llm = LLM(TARGET, compile=False, speculative_config={**spec, "num_speculative_tokens": k})
+    llm = LLM(TARGET, compile=False, speculative_config={**spec, "num_speculative_tokens": k, "adaptive": False})
     outs = llm.generate([[{"role": "user", "content": p}] for p in prompts], SamplingParams(max_tokens=max_tokens))
+    llm.close()
     proposed = sum(o.metrics.spec_proposed for o in outs)
     accepted = sum(o.metrics.spec_accepted for o in outs)
     steps = sum(o.metrics.num_verify_steps for o in outs)
-    return {"k": k, "acceptance_rate": accepted / max(proposed, 1), "accepted_per_step": accepted / max(steps, 1),
+    return {"k": k, "prompts": len(prompts), "acceptance_rate": accepted / max(proposed, 1),
+            "accepted_per_step": accepted / max(steps, 1),
             "passes_per_token": sum(o.metrics.num_forward_passes for o in outs) / sum(len(o.token_ids) for o in outs)}  # fmt: skip
+
+
+def evaluate(folder: Path) -> dict:
+    """Held-out and trained-on teacher-forced top-1, and chain acceptance on held-out chats."""
+    from minillm import LLM
+    from minillm.speculative.eagle import load_eagle_head
+
+    llm = LLM(TARGET, compile=False)
+    head = load_eagle_head(folder, llm.model)
+    trained = [c["prompt"] for c in training_chats(False)[:16]]
+    result = {"held_out": teacher_forced_top1(llm, head, held_out_chats()),
+              "trained_on": teacher_forced_top1(llm, head, trained)}  # fmt: skip
+    llm.close()
+    log(
+        f"teacher-forced top-1: held out {result['held_out']['top1']:.1%}, trained on {result['trained_on']['top1']:.1%}"
+    )
+    result["chain_k4_held_out"] = {
+        "eagle": speculation({"method": "eagle", "model": str(folder)}, held_out_chats()),
+        "ngram": speculation({"method": "ngram"}, held_out_chats()),
+    }
+    return result
+
+
+def cached_docs(chats: list[dict], args) -> tuple[list[list[int]], dict]:
+    """``generate_chat_docs``, kept in ``--cache`` (keyed by the chats and answer length) so a
+    second training run skips the generation; its record keeps the generation's own seconds."""
+    import hashlib
+
+    key = hashlib.sha256(json.dumps([chats, args.max_answer]).encode()).hexdigest()[:16]
+    path = Path(args.cache) / f"chat-docs-{key}.pt" if args.cache else None
+    if path is not None and path.exists():
+        docs, stats = torch.load(path)
+        log(f"chats from {path} (generated in {stats['seconds']} s)")
+        return docs, {**stats, "from_cache": str(path.name)}
+    docs, stats = generate_chat_docs(chats, args.max_answer)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save((docs, stats), path)
+    return docs, stats
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--prompts", type=int, default=None, help="training prompts (default: all)")
-    parser.add_argument("--max-answer", type=int, default=192)
+    parser.add_argument("--chats", type=int, default=None, help="training chats (default: all)")
+    parser.add_argument("--max-answer", type=int, default=128)
     parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--batch", type=int, default=8, help="windows per step")
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--ce-weight", type=float, default=0.1)
-    parser.add_argument("--prose-chars", type=int, default=400_000, help="reference-manual text, from the draft recipe's training slice")
+    parser.add_argument(
+        "--soft", action="store_true", help="cross-entropy against SmolLM2's distribution, not its greedy token"
+    )
+    parser.add_argument(
+        "--prose-chars", type=int, default=400_000, help="reference-manual text, from the draft recipe's training slice"
+    )
     parser.add_argument("--noise", type=float, default=0.05, help="Gaussian noise on input features, x their std")
-    parser.add_argument("--narrow", action="store_true", help="only the draft recipe's 408 prompts (the first head's text)")
+    parser.add_argument(
+        "--narrow", action="store_true", help="only the draft recipe's 408 prompts (the first head's text)"
+    )
+    parser.add_argument("--cache", default=None, help="a folder to keep the generated chats in, for another run")
     parser.add_argument("--no-save", action="store_true")
     parser.add_argument("--out", default=str(OUT))
     args = parser.parse_args()
@@ -270,8 +439,9 @@ def main() -> None:
     torch.manual_seed(SEED)
     began = time.time()
     recipe = distill_recipe()
-    prompts = chat_prompts(args.narrow)[: args.prompts]
-    docs, text_stats = generate_chat_docs(prompts, args.max_answer)
+    chats = training_chats(args.narrow)[: args.chats]
+    docs, text_stats = cached_docs(chats, args)
+    seconds = {"generate": text_stats["seconds"]}
     from minillm.assets import resolve_model
     from minillm.tokenizer import Tokenizer
 
@@ -280,36 +450,38 @@ def main() -> None:
     text_stats["prose_tokens"] = len(prose_ids)
     ids = [t for d in docs for t in d] + prose_ids
     windows = recipe.windows_of(ids)
-    log(f"{len(windows)} windows of {SEQ_LEN} tokens ({time.time() - began:.0f} s so far)")
+    log(f"{len(windows)} windows of {SEQ_LEN} tokens")
+    mark = time.time()
     feats, labels = target_features(windows)
-    log(f"SmolLM2's features and next tokens ({time.time() - began:.0f} s so far)")
+    seconds["features"] = round(time.time() - mark)
+    log(f"SmolLM2's features and next tokens ({seconds['features']} s)")
     counts = torch.bincount(labels.flatten(), minlength=49152)
     vocab_ids = counts.argsort(descending=True)[: args.draft_vocab].sort().values
     coverage = counts[vocab_ids].sum().item() / counts.sum().item()
     log(f"draft vocabulary: {len(vocab_ids)} tokens cover {coverage:.1%} of SmolLM2's next tokens")
     head, _ = init_head(vocab_ids)
+    mark = time.time()
     curve = train(head, feats, labels, windows, vocab_ids, args)
-    trained_seconds = time.time() - began
-    record = {"args": vars(args), "text": text_stats, "windows": len(windows), "vocab_coverage": coverage,
-              "curve": curve, "seconds_to_train": round(trained_seconds), "torch": torch.__version__}  # fmt: skip
-    if args.no_save:
-        log(json.dumps(record)[:2000])
-        return
+    seconds["train"] = round(time.time() - mark)
+    record = {"args": vars(args), "text": text_stats, "held_out_topics": topics()[2], "windows": len(windows),
+              "vocab_coverage": coverage, "curve": curve, "torch": torch.__version__}  # fmt: skip
+    out = Path(args.out) if not args.no_save else Path(tempfile.mkdtemp(prefix="eagle-"))
     from minillm.speculative.eagle import save_eagle_head
 
-    out = Path(args.out)
     save_eagle_head(head, out)
-    log(f"saved {out} ({(out / 'model.safetensors').stat().st_size / 2**20:.1f} MiB); measuring speculation")
-    record["speculation"] = {
-        "eagle": speculation({"method": "eagle", "model": str(out)}, recipe.EVAL_PROMPTS),
-        "ngram": speculation({"method": "ngram"}, recipe.EVAL_PROMPTS),
-    }
+    log(f"saved {out} ({(out / 'model.safetensors').stat().st_size / 2**20:.1f} MiB); evaluating")
+    del feats
+    mark = time.time()
+    record["evaluation"] = evaluate(out)
+    seconds["evaluate"] = round(time.time() - mark)
     from minillm.machine import machine_description
 
     record["machine"] = machine_description(torch.device("cpu"))
-    record["seconds_total"] = round(time.time() - began)
+    seconds["this_run"] = round(time.time() - began)
+    seconds["recipe_from_scratch"] = seconds["this_run"] + (seconds["generate"] if "from_cache" in text_stats else 0)
+    record["seconds"] = seconds
     (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
-    log(json.dumps(record["speculation"]))
+    log(json.dumps({"evaluation": record["evaluation"], "seconds": seconds}))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from minillm.course.checks.ch07_int8 import check_quantize_kv, check_quantize_pe
 from minillm.course.checks.ch08_acceptance import check_accept_greedy, check_accept_sampled
 from minillm.course.checks.ch08_rollback_tree import check_rollback, check_tree_attention_mask
 from minillm.course.checks.ch08_spec_step import check_speculative_decode
+from minillm.course.checks.ch08_tree_verify import check_accept_tree
 from minillm.course.checks.ch09_router import check_prefix_rule
 from minillm.course.checks.ch09_tensor_parallel import check_kv_heads, check_tp_mlp
 from minillm.course.checks.ch09_tp_attention import check_tp_attention
@@ -60,6 +61,7 @@ __all__ = [
     "your_engine",
     "YourEngine",
     "check_accept_greedy",
+    "check_accept_tree",
     "check_accept_sampled",
     "check_block_hash",
     "check_block_pool",

@@ -653,6 +653,23 @@ EXERCISES: list[Exercise] = [
         ),
     ),
     Exercise(
+        "08_speculative_decoding",
+        "check_accept_tree",
+        "check_accept_tree(accept_tree)",
+        10,
+        2,
+        2,
+        (
+            "Walk down from the root (node -1). At each level the target's token after the current node is "
+            "target_tokens[node + 1]; look among the current node's children (parents[i] == node) for one whose draft "
+            "is that token. Found: it joins the path and becomes the current node. None: emit the target's token and "
+            "stop. The emitted tokens are the path's drafts and then that last target token.",
+            "`path, emitted, node = [], [], -1`; `while True:` `want = target_tokens[node + 1]`; `emitted.append(want)`; "
+            "`child = next((i for i, p in enumerate(parents) if p == node and drafts[i] == want), None)`; "
+            "`if child is None: return path, emitted`; `path.append(child)`; `node = child`.",
+        ),
+    ),
+    Exercise(
         "09_parallelism",
         "check_tp_mlp",
         "check_tp_mlp(tp_mlp)",
@@ -912,6 +929,7 @@ REFERENCES: dict[str, tuple[str, ...]] = {
     "check_accept_sampled": ("minillm.speculative.acceptance.accept_sampled",),
     "check_rollback": ("minillm.kvcache.block_manager.blocks_to_roll_back",),
     "check_tree_attention_mask": ("minillm.speculative.tree.tree_attention_mask",),
+    "check_accept_tree": ("minillm.speculative.tree.accept_tree", "minillm.course.checks.ch08_tree_verify.reference_accept_tree"),
     "check_tp_attention": ("minillm.course.checks.ch09_tp_attention.attention",),
     "check_kv_heads": ("minillm.layers.tensor_parallel.heads_of_rank",),
     "check_prefix_rule": ("minillm.cluster.router.Router.route",),

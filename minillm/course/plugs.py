@@ -249,6 +249,13 @@ PLUGS: dict[str, Plug] = {
             frozenset({"paged"}),
             "tree drafting",
         ),
+        Plug(
+            "check_accept_tree",
+            ("accept_tree",),
+            _same("accept_tree"),
+            frozenset({"paged"}),
+            "tree drafting",
+        ),
         Plug("check_kv_heads", ("heads_of_rank",), lambda f, c: {"heads_of_rank": heads_as_ranges(f[0])}),
         Plug("check_detokenize_step", ("detokenize_step",), _same("detokenize_step")),
         Plug("check_stream_events", ("stream_events",), _same("stream_events"), when="a streamed HTTP request"),

@@ -123,17 +123,23 @@ class EagleHead(nn.Module):
         """``feats[T, hidden]`` (target features at positions ``positions[T]``), ``tokens[T]``
         (the token after each) → predicted next features ``[T, hidden]`` and this call's keys and
         values ``[T, kv_heads, head_dim]``. ``past_k, past_v[P, kv_heads, head_dim]``: the draft
-        positions before these (causal over them and within the call)."""
+        positions before these (causal over them and within the call).
+
+        Training passes a batch of windows instead: ``feats[B, T, hidden]``, ``tokens[B, T]``,
+        shared ``positions[T]`` and no past — each window causal over itself, in one call."""
         cfg = self.cfg
-        T = feats.shape[0]
-        if self.packed and not torch.is_grad_enabled():
+        B, T = (1, feats.shape[0]) if feats.dim() == 2 else feats.shape[:2]
+        if B > 1 and past_k is not None:
+            raise ValueError("a batch of windows has no past draft keys")
+        if self.packed and not torch.is_grad_enabled() and B == 1:
             return self._packed_forward(feats, tokens, positions, past_k, past_v)
         x = self.fc(torch.cat([feats.to(self.fc.weight.dtype), self.embed(tokens)], dim=-1))
         a = self.input_norm(x)
-        q = self.q_proj(a).view(1, T, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(a).view(1, T, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(a).view(1, T, cfg.num_kv_heads, cfg.head_dim)
+        q = self.q_proj(a).view(B, T, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(a).view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(a).view(B, T, cfg.num_kv_heads, cfg.head_dim)
         o, k, v = self._attend(q, k, v, positions, past_k, past_v)
+        o = o.view(*x.shape[:-1], -1)
         x = x + self.o_proj(o)
         m = self.post_norm(x)
         x = x + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
@@ -157,16 +163,21 @@ class EagleHead(nn.Module):
 
     def _attend(self, q, k, v, positions, past_k, past_v):
         """RoPE, then causal attention over the past draft keys and this call's: ``[T, H*D]``
-        and this call's keys and values ``[T, kv_heads, head_dim]``."""
+        and this call's keys and values ``[T, kv_heads, head_dim]`` (``[B*T, ...]`` and
+        ``[B, T, ...]`` for a batch of windows)."""
         cfg = self.cfg
-        T = q.shape[1]
+        B, T = q.shape[:2]
         cos, sin = self.target[0].rope.lookup(positions[None], q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        groups = cfg.num_heads // cfg.num_kv_heads
+        if B > 1:  # training windows: each causal over itself
+            kh, vh = (t.transpose(1, 2).repeat_interleave(groups, 1) for t in (k, v))
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), kh, vh, is_causal=True)
+            return o.transpose(1, 2).reshape(B * T, -1), k, v
         k, v = k[0], v[0]
         keys = k if past_k is None else torch.cat([past_k, k])
         values = v if past_v is None else torch.cat([past_v, v])
         P = keys.shape[0] - T
-        groups = cfg.num_heads // cfg.num_kv_heads
         kh = keys.transpose(0, 1).repeat_interleave(groups, 0)[None]  # [1, H, P+T, D]
         vh = values.transpose(0, 1).repeat_interleave(groups, 0)[None]
         mask = None

@@ -127,10 +127,17 @@ def tree_pass(
     return logits, hidden
 
 
+@hooks.reference("accept_tree")  # tree_generate calls it through the hook (chapter 08's exercise)
 def accept_tree(parents: list[int], drafts: list[int], target_tokens: list[int]) -> tuple[list[int], list[int]]:
     """``target_tokens[0]``: the target's token after the sequence; ``target_tokens[1 + i]``:
     after node ``i``. Returns the accepted nodes (root to leaf) and the tokens to emit — the
-    accepted nodes' tokens, then the target's own token where no child agrees."""
+    accepted nodes' tokens, then the target's own token where no child agrees.
+
+    Greedy verification of a chain (``acceptance.accept_greedy``) is the case where every node's
+    parent is the one before it. In a tree a node's token is checked against the target's token
+    after its **parent** (``target_tokens[parent + 1]``), not after the node before it in the
+    list; siblings hold different tokens (the head's different guesses), so at most one child
+    matches at each level and the accepted nodes form one branch."""
     path, emitted, node = [], [], -1
     while True:
         want = target_tokens[node + 1]
@@ -140,6 +147,25 @@ def accept_tree(parents: list[int], drafts: list[int], target_tokens: list[int])
             return path, emitted
         path.append(child)
         node = child
+
+
+def verified_tree(parents: list[int], drafts: list[int], target_tokens: list[int]) -> tuple[list[int], list[int]]:
+    """``hooks.accept_tree``'s verdict, checked before a pass's features and tokens are cut by
+    it: the path must be a branch of the tree from the root, and the emitted tokens its tokens
+    followed by the target's own."""
+    got = hooks.accept_tree(list(parents), list(drafts), list(target_tokens))
+    if not (isinstance(got, tuple) and len(got) == 2 and all(isinstance(x, list) for x in got)):
+        raise ValueError(f"accept_tree must return (path, emitted), two lists, got {got!r:.200}")
+    path, emitted = got
+    node = -1
+    for i in path:
+        if not isinstance(i, int) or not 0 <= i < len(parents) or parents[i] != node:
+            raise ValueError(f"accept_tree's path {path} is not a branch from the root of the tree {parents}")
+        node = i
+    if emitted != [drafts[i] for i in path] + [target_tokens[node + 1]]:
+        raise ValueError(f"accept_tree emitted {emitted} for path {path}: the path's draft tokens, then the target's "
+                         f"token after its last node ({target_tokens[node + 1]})")  # fmt: skip
+    return path, emitted
 
 
 @torch.inference_mode()
@@ -182,7 +208,7 @@ def tree_generate(model, head, prompt: list[int], max_tokens: int, depth: int, b
     while len(tokens) - len(prompt) < max_tokens:
         drafts, parents = eagle_tree(head, feats, tokens, depth, branches)
         logits, hidden = tree_pass(model, tokens, drafts, parents, cache=cache, cached=cached)
-        path, emitted = accept_tree(parents, drafts, logits.argmax(-1).tolist())
+        path, emitted = verified_tree(parents, drafts, logits.argmax(-1).tolist())
         n = len(tokens)
         m = n - cached  # hidden's first m rows: positions cached .. n-1; then the nodes
         feats = torch.cat([feats[:cached], hidden[:m], hidden[[m + i for i in path]]])  # positions 0 .. n-1+len(path)
