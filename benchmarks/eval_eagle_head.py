@@ -2,12 +2,13 @@
 
     python benchmarks/eval_eagle_head.py [--head smollm2-eagle] [--threads 2]
 
-SmolLM2 (bf16, eager) answers chat prompts greedily (48 tokens); one pass over prompt + answer
+SmolLM2 (bf16, eager) answers chat prompts greedily (64 tokens); one pass over prompt + answer
 gives its features and its next token at every position; the head, fed the *true* features
 (teacher forcing, as in training), guesses the token after the next at every answer position.
-Top-1 agreement on the 8 held-out prompts of the draft recipes (none trained on) against 8 of
-the training prompts: the gap is how much the head learnt by heart. This is the head's best
-case; in the engine its later guesses read its own, imperfect, features.
+Top-1 agreement on the recipe's held-out chats (``data/recipes/train_eagle_smollm2.py``: the
+draft recipe's 8 evaluation prompts and one prompt on each of 34 topics no training chat
+mentions) against 16 of its training chats: the gap is how much the head learnt by heart. This
+is the head's best case; in the engine its later guesses read its own, imperfect, features.
 
 Then the cost of one run-ahead step (the decoder layer on one row over 128 earlier draft
 positions, and the scores over the draft vocabulary), median of 200, with the head's matrices
@@ -24,23 +25,22 @@ from pathlib import Path
 
 import torch
 
-RECIPES = Path(__file__).resolve().parents[1] / "data" / "recipes"
+RECIPE = Path(__file__).resolve().parents[1] / "data" / "recipes" / "train_eagle_smollm2.py"
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head", default="smollm2-eagle")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    spec = importlib.util.spec_from_file_location("distill", RECIPES / "distill_smollm2_draft.py")
+    spec = importlib.util.spec_from_file_location("train_eagle_smollm2", RECIPE)
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
 
-    from minillm import LLM, SamplingParams
+    from minillm import LLM
     from minillm.assets import resolve_model
-    from minillm.attention.contiguous import ForwardBatch
     from minillm.machine import machine_description
     from minillm.speculative.eagle import load_eagle_head
 
@@ -48,23 +48,11 @@ def main(argv=None) -> None:
     head = load_eagle_head(resolve_model(args.head), llm.model)
     machine = machine_description(torch.device("cpu"))
     print(f"{args.head} over smollm2-135m bf16; {machine['cpu']}, {args.threads} threads")
-    for name, prompts in (("held out", recipe.EVAL_PROMPTS), ("trained on", recipe.training_prompts()[:8])):
-        outs = llm.generate(
-            [[{"role": "user", "content": p}] for p in prompts], SamplingParams(max_tokens=args.max_tokens)
-        )
-        hits = total = 0
-        for out in outs:
-            ids = list(out.prompt_token_ids) + list(out.token_ids)
-            x = torch.tensor([ids])
-            with torch.inference_mode():
-                logits, hidden = llm.model.forward_with_hidden(ForwardBatch(x, torch.arange(len(ids))[None]))
-                nexts = logits.argmax(-1)[0]  # SmolLM2's next token at every position
-                pred, _, _ = head(hidden[:-1], x[0, 1:], torch.arange(len(ids) - 1))  # (f_t, x_{t+1}) -> f̂_{t+1}
-                guesses = head.vocab_ids[head.logits(pred).argmax(-1)]  # its guess for x_{t+2}
-            start = len(out.prompt_token_ids)
-            agree = guesses[start - 1 : len(ids) - 2] == nexts[start : len(ids) - 1]
-            hits, total = hits + int(agree.sum()), total + agree.numel()
-        print(f"{name:>10}: top-1 agreement with SmolLM2 {hits / total:.1%} over {total} answer positions")
+    trained = [c["prompt"] for c in recipe.training_chats(False)[:16]]
+    for name, prompts in (("held out", recipe.held_out_chats()), ("trained on", trained)):
+        got = recipe.teacher_forced_top1(llm, head, prompts, args.max_tokens)
+        print(f"{name:>10}: top-1 agreement with SmolLM2 {got['top1']:.1%} over {got['positions']} answer positions "
+              f"of {got['prompts']} chats")  # fmt: skip
     step_cost(head)
 
 

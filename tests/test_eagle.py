@@ -219,3 +219,47 @@ def test_a_bf16_head_on_cpu_runs_prepacked_with_the_plain_arithmetic(head_dir):
         plain.append(head.logits(plain[0]))
     for a, b in zip(packed, plain):
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_a_batch_of_training_windows_is_each_window_alone(head_dir):
+    """The recipe trains on ``[B, T]`` windows in one call: each window causal over itself, as
+    the head's one-sequence pass computes it."""
+    target = load_model(resolve_model(TARGET), torch.float32)
+    head = load_eagle_head(head_dir, target)
+    gen = torch.Generator().manual_seed(0)
+    feats = torch.randn(3, 12, target.config.hidden_size, generator=gen)
+    tokens = torch.randint(0, 48, (3, 12), generator=gen)
+    positions = torch.arange(12)
+    with torch.no_grad():
+        batched, k, _ = head(feats, tokens, positions)
+        assert batched.shape == feats.shape and k.shape[:2] == (3, 12)
+        for i in range(3):
+            alone, _, _ = head(feats[i], tokens[i], positions)
+            torch.testing.assert_close(batched[i], alone, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="no past"):
+        head(feats, tokens, positions, k[0], k[0])
+
+
+def test_the_eagle_recipe_holds_out_whole_topics():
+    """``data/recipes/train_eagle_smollm2.py``: no training chat names a held-out topic or is an
+    evaluation prompt; the chats mix temperatures and second turns, in a fixed order."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "data" / "recipes" / "train_eagle_smollm2.py"
+    spec = importlib.util.spec_from_file_location("train_eagle_smollm2", path)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    general, python, held = recipe.topics()
+    chats = recipe.training_chats(False)
+    prompts = [c["prompt"] for c in chats]
+    assert len(held) >= 30 and len(chats) > 5000
+    for topic in held:
+        named = re.compile(rf"(?<![A-Za-z]){re.escape(topic)}(?![A-Za-z])")
+        assert not [p for p in prompts if named.search(p)], topic
+    evaluation = recipe.held_out_chats()
+    assert len(evaluation) == 8 + len(held) and not set(evaluation) & set(prompts)
+    assert {c["temperature"] for c in chats} == set(recipe.TEMPERATURES)
+    assert 0.2 < sum(bool(c["follow_up"]) for c in chats) / len(chats) < 0.3
+    assert chats == recipe.training_chats(False)

@@ -357,6 +357,25 @@ def teacher_forced_top1(llm, head, prompts: list[str], max_tokens: int = 64) -> 
     return {"prompts": len(prompts), "positions": total, "top1": hits / max(total, 1)}
 
 
+def tokens_per_pass(llm, head, prompts: list[str], max_tokens: int = 48) -> dict:
+    """Tokens emitted per target pass (``tree.tree_generate``, greedy, over a contiguous cache):
+    a chain of 4 against trees of 2 and 3 branches of 4 — what a tree buys, from the head alone."""
+    from minillm.speculative.tree import tree_generate
+
+    out = {}
+    for branches in (1, 2, 3):
+        passes = tokens = 0
+        for p in prompts:
+            ids = llm.tokenizer.encode(
+                llm.tokenizer.render_chat([{"role": "user", "content": p}]), add_special_tokens=False
+            )
+            got = tree_generate(llm.model, head, ids, max_tokens, depth=4, branches=branches)
+            passes, tokens = passes + got["passes"] - 1, tokens + len(got["token_ids"]) - 1  # the prefill left out
+        out[f"{branches} x 4"] = tokens / passes
+    log(f"tokens per verify pass on held-out chats: {out}")
+    return out
+
+
 def speculation(spec: dict, prompts: list[str], k: int = 4, max_tokens: int = 64) -> dict:
     """Chain drafting at a fixed ``k`` (the governor off: every verify step proposes ``k``)."""
     from minillm import LLM, SamplingParams
@@ -372,7 +391,7 @@ def speculation(spec: dict, prompts: list[str], k: int = 4, max_tokens: int = 64
             "passes_per_token": sum(o.metrics.num_forward_passes for o in outs) / sum(len(o.token_ids) for o in outs)}  # fmt: skip
 
 
-def evaluate(folder: Path) -> dict:
+def evaluate(folder: Path, top1_only: bool = False) -> dict:
     """Held-out and trained-on teacher-forced top-1, and chain acceptance on held-out chats."""
     from minillm import LLM
     from minillm.speculative.eagle import load_eagle_head
@@ -382,10 +401,14 @@ def evaluate(folder: Path) -> dict:
     trained = [c["prompt"] for c in training_chats(False)[:16]]
     result = {"held_out": teacher_forced_top1(llm, head, held_out_chats()),
               "trained_on": teacher_forced_top1(llm, head, trained)}  # fmt: skip
+    if not top1_only:
+        result["tree_generate_held_out"] = tokens_per_pass(llm, head, held_out_chats()[:12])
     llm.close()
     log(
         f"teacher-forced top-1: held out {result['held_out']['top1']:.1%}, trained on {result['trained_on']['top1']:.1%}"
     )
+    if top1_only:
+        return result
     result["chain_k4_held_out"] = {
         "eagle": speculation({"method": "eagle", "model": str(folder)}, held_out_chats()),
         "ngram": speculation({"method": "ngram"}, held_out_chats()),
@@ -411,6 +434,26 @@ def cached_docs(chats: list[dict], args) -> tuple[list[list[int]], dict]:
     return docs, stats
 
 
+def cached_features(windows: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``target_features``, kept in ``--cache`` beside the chats (keyed by the windows), with
+    the seconds the pass took when it ran."""
+    import hashlib
+
+    key = hashlib.sha256(windows.numpy().tobytes()).hexdigest()[:16]
+    path = Path(args.cache) / f"features-{key}.pt" if args.cache else None
+    if path is not None and path.exists():
+        feats, labels, seconds = torch.load(path)
+        log(f"SmolLM2's features from {path} (computed in {seconds} s)")
+        args.features_from_cache = True
+        return feats, labels, seconds
+    mark = time.time()
+    feats, labels = target_features(windows)
+    seconds = round(time.time() - mark)
+    if path is not None:
+        torch.save((feats, labels, seconds), path)
+    return feats, labels, seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -433,6 +476,7 @@ def main() -> None:
     )
     parser.add_argument("--cache", default=None, help="a folder to keep the generated chats in, for another run")
     parser.add_argument("--no-save", action="store_true")
+    parser.add_argument("--top1-only", action="store_true", help="evaluate teacher-forced top-1 only (a pilot)")
     parser.add_argument("--out", default=str(OUT))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -451,9 +495,7 @@ def main() -> None:
     ids = [t for d in docs for t in d] + prose_ids
     windows = recipe.windows_of(ids)
     log(f"{len(windows)} windows of {SEQ_LEN} tokens")
-    mark = time.time()
-    feats, labels = target_features(windows)
-    seconds["features"] = round(time.time() - mark)
+    feats, labels, seconds["features"] = cached_features(windows, args)
     log(f"SmolLM2's features and next tokens ({seconds['features']} s)")
     counts = torch.bincount(labels.flatten(), minlength=49152)
     vocab_ids = counts.argsort(descending=True)[: args.draft_vocab].sort().values
@@ -472,13 +514,16 @@ def main() -> None:
     log(f"saved {out} ({(out / 'model.safetensors').stat().st_size / 2**20:.1f} MiB); evaluating")
     del feats
     mark = time.time()
-    record["evaluation"] = evaluate(out)
+    record["evaluation"] = evaluate(out, args.top1_only)
     seconds["evaluate"] = round(time.time() - mark)
     from minillm.machine import machine_description
 
     record["machine"] = machine_description(torch.device("cpu"))
     seconds["this_run"] = round(time.time() - began)
-    seconds["recipe_from_scratch"] = seconds["this_run"] + (seconds["generate"] if "from_cache" in text_stats else 0)
+    cached = seconds["generate"] * ("from_cache" in text_stats) + seconds["features"] * getattr(
+        args, "features_from_cache", False
+    )
+    seconds["recipe_from_scratch"] = seconds["this_run"] + cached  # what a run without --cache takes
     record["seconds"] = seconds
     (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
     log(json.dumps({"evaluation": record["evaluation"], "seconds": seconds}))
