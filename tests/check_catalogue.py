@@ -1693,8 +1693,29 @@ def _accept_emits_draft_not_target(parents, drafts, target_tokens):
         node = child
 
 
+def _accept_three_levels(parents, drafts, target_tokens):
+    """A walk capped at depth 3, the depth the engine's trees happen to have."""
+    path, emitted = tree_accept_walk(parents, drafts, target_tokens)
+    path = path[:3]
+    last = path[-1] if path else -1
+    return path, [drafts[i] for i in path] + [target_tokens[last + 1]]
+
+
+def _accept_first_four_children(parents, drafts, target_tokens):
+    path, node = [], -1
+    while True:
+        kids = [i for i, p in enumerate(parents) if p == node][:4]
+        child = next((i for i in kids if drafts[i] == target_tokens[node + 1]), None)
+        if child is None:
+            return path, [drafts[i] for i in path] + [target_tokens[node + 1]]
+        path.append(child)
+        node = child
+
+
+wrong(CA, "stops too early", _accept_three_levels)
+wrong(CA, "stops too early", _accept_first_four_children)
 wrong(CA, "a path steps from a node to one of its children", _accept_as_chain)
-wrong(CA, "not the one it must match", _accept_own_row)
+wrong(CA, "token after its parent", _accept_own_row)
 wrong(CA, "continues other text", _accept_any_branch)
 wrong(CA, "stops too early", _accept_one_level)
 wrong(CA, "add the target's own token", _accept_no_bonus)

@@ -154,7 +154,7 @@ def verified_tree(parents: list[int], drafts: list[int], target_tokens: list[int
     it: the path must be a branch of the tree from the root, and the emitted tokens its tokens
     followed by the target's own."""
     got = hooks.accept_tree(list(parents), list(drafts), list(target_tokens))
-    if not (isinstance(got, tuple) and len(got) == 2 and all(isinstance(x, list) for x in got)):
+    if not (isinstance(got, tuple | list) and len(got) == 2 and all(isinstance(x, list) for x in got)):
         raise ValueError(f"accept_tree must return (path, emitted), two lists, got {got!r:.200}")
     path, emitted = got
     node = -1

@@ -10,14 +10,20 @@ from minillm.course.results import CheckFailed, check
 # Trees as (parents, drafts, target_tokens): parents before children, -1 for a child of the
 # sequence's last token; target_tokens[0] is the target's token after the sequence, 1 + i after node i.
 TREE_VERIFY_CASES = [
+    ([-1, 0], [5, 6], [4, 5, 6]),  # the first guess is wrong: nothing accepted, whatever follows
     ([-1, 0, 1], [7, 8, 9], [7, 8, 9, 4]),  # a chain, every guess right: 3 accepted and the target's 4th token
     ([-1, 0, 1], [7, 5, 9], [7, 8, 9, 4]),  # a chain cut at its second node
     ([-1, 0, 1], [3, 8, 9], [7, 8, 9, 4]),  # nothing accepted: the target's own token only
+    ([-1, -1], [5, 6], [5, 6, 9]),  # two guesses for one position: node 1 is not node 0's continuation
     ([-1, 0, -1, 2], [5, 6, 7, 8], [7, 1, 2, 8, 3]),  # the second branch wins: nodes 2 and 3
     ([-1, -1, -1], [4, 5, 6], [6, 1, 2, 3]),  # three alternatives for the first token: the last one
     ([-1, 0, 0, 1, 2], [7, 3, 8, 9, 4], [7, 8, 2, 2, 5, 6]),  # a fork below the root: its second child
     ([-1, 0, 1, 0, 3], [7, 8, 1, 2, 3], [7, 2, 9, 4, 3, 6]),  # the deeper branch is not the first one
     ([], [], [5]),  # an empty tree: a plain decode step
+    ([-1, 0, 1, 2, 3, 4], [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 9]),  # a chain of 6, every guess right
+    ([-1, -1, -1, -1, -1, -1], [1, 2, 3, 4, 5, 6], [6, 0, 0, 0, 0, 0, 0]),  # six alternatives: the last one
+    # a short first branch, then a deep one accepted to depth 5 (its tokens repeat the first branch's)
+    ([-1, 0, -1, 2, 3, 4, 5], [3, 4, 1, 3, 4, 5, 6], [1, 8, 8, 3, 4, 5, 6, 2]),
 ]
 
 
@@ -28,9 +34,10 @@ def reference_accept_tree(parents, drafts, target_tokens) -> tuple[list[int], li
 
 
 def _random_case(gen: torch.Generator) -> tuple[list[int], list[int], list[int]]:
-    """A random tree over a five-token vocabulary (so guesses are often right), siblings
-    distinct as a draft head's top choices are, and random target tokens."""
-    n = int(torch.randint(0, 10, (), generator=gen))
+    """A random tree over a five-token vocabulary, siblings distinct as a draft head's top
+    choices are; the target's tokens follow a random branch (so acceptance often runs deep)
+    or are random."""
+    n = int(torch.randint(0, 16, (), generator=gen))
     parents, drafts = [], []
     for i in range(n):
         parent = int(torch.randint(-1, i, (), generator=gen)) if i else -1
@@ -41,6 +48,11 @@ def _random_case(gen: torch.Generator) -> tuple[list[int], list[int], list[int]]
         parents.append(parent)
         drafts.append(free[int(torch.randint(0, len(free), (), generator=gen))])
     target = torch.randint(0, 5, (len(parents) + 1,), generator=gen).tolist()
+    if parents and torch.rand((), generator=gen) < 0.7:  # agree along the branch to a random node
+        node = int(torch.randint(0, len(parents), (), generator=gen))
+        while node >= 0:
+            target[parents[node] + 1] = drafts[node]
+            node = parents[node]
     return parents, drafts, target
 
 
@@ -60,11 +72,18 @@ def _diagnose(got, parents, drafts, target_tokens) -> None:
     if path == want_path and emitted == want_emitted:
         return
     chain = _as_chain(drafts, target_tokens)
-    if (path, emitted) == chain and parents != list(range(-1, len(parents) - 1)):
+    if (path, emitted) == chain and any(parents[i] != i - 1 for i in chain[0]):
         raise CheckFailed(
             f"for {case} you returned {chain}, what accept_greedy gives for the drafts in list order: that is a "
             "chain's rule — in a tree node i continues node parents[i], not node i - 1, so a path steps from a node "
             "to one of its children, and siblings are alternatives for the same position"
+        )
+    own = _own_row(parents, drafts, target_tokens)
+    if own[0] and (path, emitted) == own:
+        raise CheckFailed(
+            f"for {case} you returned {(path, emitted)}: you compared node i's token with target_tokens[i + 1], the "
+            "target's token after node i itself — a node is accepted when its token is the target's token after "
+            "its parent, target_tokens[parents[i] + 1]"
         )
     if path != want_path and path == [drafts[i] for i in want_path] and want_path:
         raise CheckFailed(f"for {case} your path is {path}, the accepted nodes' tokens: the path holds node indices "
@@ -127,6 +146,17 @@ def _as_chain(drafts, target_tokens) -> tuple[list[int], list[int]]:
             break
         path.append(i)
     return path, [drafts[i] for i in path] + [target_tokens[len(path)]]
+
+
+def _own_row(parents, drafts, target_tokens) -> tuple[list[int], list[int]]:
+    """The verdict when each node is matched against the target's token after itself (a slip)."""
+    path, node = [], -1
+    while True:
+        child = next((i for i, p in enumerate(parents) if p == node and drafts[i] == target_tokens[i + 1]), None)
+        if child is None:
+            return path, [drafts[i] for i in path] + [target_tokens[node + 1]]
+        path.append(child)
+        node = child
 
 
 def _greedy(model, ids: list[int], max_tokens: int) -> list[int]:
