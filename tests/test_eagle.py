@@ -263,3 +263,8 @@ def test_the_eagle_recipe_holds_out_whole_topics():
     assert {c["temperature"] for c in chats} == set(recipe.TEMPERATURES)
     assert 0.2 < sum(bool(c["follow_up"]) for c in chats) / len(chats) < 0.3
     assert chats == recipe.training_chats(False)
+    # a run over the first n chats reads them from a run over all: back in the chats' order
+    # (each generate call lists its one-turn chats, then its two-turn ones)
+    calls = [chats[i : i + recipe.GENERATE_STEP] for i in range(0, len(chats), recipe.GENERATE_STEP)]
+    as_generated = [[c["seed"]] for call in calls for c in sorted(call, key=lambda c: bool(c["follow_up"]))]
+    assert recipe.in_chat_order(as_generated, chats)[:1100] == [[c["seed"]] for c in chats[:1100]]

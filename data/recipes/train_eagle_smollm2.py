@@ -56,6 +56,7 @@ OUT = HERE.parent / "smollm2-eagle"
 TARGET = "smollm2-135m"
 SEQ_LEN = 256
 SEED = 1234
+GENERATE_STEP = 512  # chats per generate call (the engine batches up to 128 of them a step)
 
 
 def log(msg: str) -> None:
@@ -210,7 +211,7 @@ def generate_chat_docs(chats: list[dict], max_answer: int) -> tuple[list[list[in
             ids += newline  # the chat template closes every turn with "<|im_end|>\n"
         return list(out.prompt_token_ids) + ids
 
-    docs, answer_tokens, started, step = [], 0, time.time(), 512
+    docs, answer_tokens, started, step = [], 0, time.time(), GENERATE_STEP
     for i in range(0, len(chats), step):
         batch = chats[i : i + step]
         firsts = llm.generate([[{"role": "user", "content": c["prompt"]}] for c in batch], [params(c) for c in batch])
@@ -416,17 +417,45 @@ def evaluate(folder: Path, top1_only: bool = False) -> dict:
     return result
 
 
+def docs_key(chats: list[dict], max_answer: int) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps([chats, max_answer]).encode()).hexdigest()[:16]
+
+
+def in_chat_order(docs: list[list[int]], chats: list[dict], step: int = GENERATE_STEP) -> list[list[int]]:
+    """``generate_chat_docs`` lists each call's one-turn chats, then its two-turn ones: back in
+    the chats' order."""
+    out, at = [], 0
+    for i in range(0, len(chats), step):
+        batch = chats[i : i + step]
+        one = [j for j, c in enumerate(batch) if not c["follow_up"]]
+        two = [j for j, c in enumerate(batch) if c["follow_up"]]
+        placed = dict(zip(one + two, docs[at : at + len(batch)]))
+        out += [placed[j] for j in range(len(batch))]
+        at += len(batch)
+    return out
+
+
 def cached_docs(chats: list[dict], args) -> tuple[list[list[int]], dict]:
     """``generate_chat_docs``, kept in ``--cache`` (keyed by the chats and answer length) so a
     second training run skips the generation; its record keeps the generation's own seconds."""
-    import hashlib
 
-    key = hashlib.sha256(json.dumps([chats, args.max_answer]).encode()).hexdigest()[:16]
-    path = Path(args.cache) / f"chat-docs-{key}.pt" if args.cache else None
+    path = Path(args.cache) / f"chat-docs-{docs_key(chats, args.max_answer)}.pt" if args.cache else None
     if path is not None and path.exists():
         docs, stats = torch.load(path)
         log(f"chats from {path} (generated in {stats['seconds']} s)")
         return docs, {**stats, "from_cache": str(path.name)}
+    every = training_chats(args.narrow)
+    whole = Path(args.cache) / f"chat-docs-{docs_key(every, args.max_answer)}.pt" if args.cache else None
+    if whole is not None and whole.exists() and chats == every[: len(chats)]:
+        docs, stats = torch.load(whole)  # the first len(chats) chats' answers, from the run over them all
+        docs = in_chat_order(docs, every)[: len(chats)]
+        stats = {**stats, "chats": len(chats), "two_turn": sum(bool(c["follow_up"]) for c in chats),
+                 "answer_tokens": None, "chat_tokens": sum(len(d) for d in docs),
+                 "seconds": round(stats["seconds"] * len(chats) / len(every)), "from_cache": f"{whole.name}, first {len(chats)}"}  # fmt: skip
+        log(f"the first {len(chats)} chats from {whole} (their share of its generation: {stats['seconds']} s)")
+        return docs, stats
     docs, stats = generate_chat_docs(chats, args.max_answer)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
