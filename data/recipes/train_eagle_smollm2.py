@@ -1,35 +1,43 @@
 """Recipe: a feature-level (EAGLE) draft head for SmolLM2-135M-Instruct, by self-distillation.
 
-    python data/recipes/train_eagle_smollm2.py                 # everything; minutes on 2 CPU cores
-    python data/recipes/train_eagle_smollm2.py --steps 40 --prompts 64 --no-save   # a pilot
+    python data/recipes/train_eagle_smollm2.py                  # the committed head: ~52 min on 2 CPU cores
+    python data/recipes/train_eagle_smollm2.py --chats 200 --steps 100 --top1-only --no-save   # a pilot
 
 What it builds (``minillm/speculative/eagle.py``): one decoder layer that reads SmolLM2's own
 last hidden state ``f_t`` and the embedding of the next token ``x_{t+1}`` and predicts the next
 feature ``f̂_{t+1}``; SmolLM2's final norm and the rows of its tied head for the
 ``--draft-vocab`` tokens it produces most often turn that into a guess for ``x_{t+2}``.
 
-**Text**: SmolLM2's own greedy answers to templated chat prompts, rendered with its chat
-template — the draft recipe's 408 prompts (``distill_smollm2_draft.py``) and, unless
-``--narrow``, ``len(MORE_SUBJECTS) x len(MORE_TEMPLATES)`` more over other subjects and
-phrasings, none of them the evaluation prompts of either recipe or ``bench_spec.py`` — generated
-by the default (compiled) engine at up to 128 sequences a step; and ``--prose-chars`` of
-Python's reference manual (the draft recipe's training slice); concatenated and cut into
-windows of ``SEQ_LEN`` tokens. (The first committed head saw only the 408 prompts — 63k answer
-tokens, 1,500 steps of 8 windows: top-1 0.66 on training answers, 0.25 on held-out prompts:
-learnt by heart. Prose is free to add: it needs no generation, only SmolLM2's pass over it.) SmolLM2 then runs once over
-the windows: its last hidden state at every position (the features) and its greedy next token
-there (the labels). Nothing but SmolLM2 and the Python standard library's text is used.
+**Text** (``training_chats``): SmolLM2's own answers (up to ``--max-answer`` tokens), from the
+default compiled engine, to chat prompts over 290 topics — general subjects and Python's
+reference-manual topics — in up to 31 phrasings each, in a fixed shuffled order of which the
+first ``--chats`` are used (3,500: 875 of them go on for a second user turn from
+``FOLLOW_UPS``; temperatures 0, 0.7 and 1 in turn, seeded), rendered with the chat template;
+plus ``--prose-chars`` of Python's reference manual (the draft recipe's training slice). **34
+whole topics are held out** (``topics``: every ninth general subject, and the subjects of the
+draft recipe's evaluation prompts): no training chat names one, under any phrasing. SmolLM2
+then runs once over 256-token windows of that text: its last hidden state at every position
+(the features) and its greedy next token there (the labels) — labels are SmolLM2's choice also
+where the text was sampled. Nothing but SmolLM2 and the Python standard library's text is used.
 
 **Loss** (as EAGLE): a smooth-L1 regression of ``f̂_{t+1}`` onto SmolLM2's ``f_{t+1}`` (scaled
 by the features' standard deviation) plus ``--ce-weight`` × the cross-entropy of the reduced
-head against SmolLM2's next token at ``t+1`` (labels outside the reduced vocabulary are left
-out). Input features get Gaussian noise (``--noise`` × their standard deviation), as EAGLE adds
-noise: at run-ahead the head reads its own, imperfect, features. **Initialisation**: the layer from SmolLM2's last decoder layer (it already reads
-late features), ``fc`` as ``[I, 0]`` (start from the feature itself).
+head against SmolLM2's next token at ``t+1`` (``--soft``: against its distribution over the
+draft vocabulary, as EAGLE's code does). Input features get Gaussian noise (``--noise`` × their
+standard deviation): at run-ahead the head reads its own, imperfect, features. Batches of
+``--batch`` windows in one call. **Initialisation**: the layer from SmolLM2's last decoder
+layer (it already reads late features), ``fc`` as ``[I, 0]`` (start from the feature itself).
 
-**Evaluation**: SmolLM2 bf16 serving the 8 held-out chat prompts (64 tokens, greedy) with the
-head proposing k = 4 — acceptance rate and accepted tokens per verify step, and the same for
-prompt lookup, through ``LLM(..., speculative_config=...)``.
+**Evaluation** (``evaluate``): teacher-forced top-1 on SmolLM2's greedy answers (64 tokens) to
+the held-out chats (``held_out_chats``: the draft recipe's 8 evaluation prompts and one prompt
+per held-out topic) and to 16 training chats; tokens per verify pass of ``tree.tree_generate``
+on 12 held-out chats for a chain of 4 and trees of 2 and 3 branches; and chain drafting at k = 4
+in the engine on the held-out chats (acceptance, accepted tokens per verify step), the head
+against prompt lookup.
+
+``--cache DIR`` keeps the generated chats and SmolLM2's features for another run (a run over
+the first n chats reads them from a run over more); ``training.json`` records each phase's own
+seconds and ``recipe_from_scratch``, what a run without a cache takes.
 
 Stores ``data/smollm2-eagle/`` (``config.json``, ``model.safetensors`` in bf16 with the
 vocabulary subset, ``training.json`` with the record of this run).
@@ -486,10 +494,10 @@ def cached_features(windows: torch.Tensor, args) -> tuple[torch.Tensor, torch.Te
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--chats", type=int, default=None, help="training chats (default: all)")
+    parser.add_argument("--chats", type=int, default=3500, help="training chats, the first of the fixed order")
     parser.add_argument("--max-answer", type=int, default=128)
     parser.add_argument("--draft-vocab", type=int, default=8192)
-    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--steps", type=int, default=6000)
     parser.add_argument("--batch", type=int, default=8, help="windows per step")
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--ce-weight", type=float, default=0.1)
