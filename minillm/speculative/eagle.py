@@ -131,7 +131,7 @@ class EagleHead(nn.Module):
         B, T = (1, feats.shape[0]) if feats.dim() == 2 else feats.shape[:2]
         if B > 1 and past_k is not None:
             raise ValueError("a batch of windows has no past draft keys")
-        if self.packed and not torch.is_grad_enabled() and B == 1:
+        if self.packed and not torch.is_grad_enabled() and feats.dim() == 2:
             return self._packed_forward(feats, tokens, positions, past_k, past_v)
         x = self.fc(torch.cat([feats.to(self.fc.weight.dtype), self.embed(tokens)], dim=-1))
         a = self.input_norm(x)
