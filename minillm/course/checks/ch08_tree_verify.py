@@ -140,13 +140,11 @@ def _diagnose(got, parents, drafts, target_tokens) -> None:
 
 
 def _as_chain(drafts, target_tokens) -> tuple[list[int], list[int]]:
-    """The verdict of chain acceptance applied to the nodes in list order (a common slip)."""
-    path = []
-    for i, d in enumerate(drafts):
-        if d != target_tokens[i]:
-            break
-        path.append(i)
-    return path, [drafts[i] for i in path] + [target_tokens[len(path)]]
+    """The verdict of chain acceptance (exercise 1) applied to the nodes in list order (a common slip)."""
+    from minillm.speculative.acceptance import accept_greedy
+
+    emitted = accept_greedy(list(target_tokens[: len(drafts) + 1]), list(drafts))
+    return list(range(len(emitted) - 1)), emitted
 
 
 def _own_row(parents, drafts, target_tokens) -> tuple[list[int], list[int]]:
