@@ -57,19 +57,20 @@ def main(argv=None) -> None:
     v_pool = torch.randn_like(k_pool)
     tables = torch.randperm(63, generator=gen)[: rows * 8].add(1).view(rows, 8)
     lens = torch.full((rows,), context)
-    call = (q, k_pool, v_pool, tables, lens, block, dim**-0.5, 0)
+    visible = torch.full((rows,), -1)  # plain causal rows
+    call = (q, k_pool, v_pool, tables, lens, visible, block, dim**-0.5, 0)
 
     baseline = torch.library.custom_op("minillm_bench::paged_decode", mutates_args=())(cpu_paged.paged_decode_op)
     baseline.register_fake(lambda q, *rest: q.new_empty(q.shape))
     q32, out = q.float().contiguous(), torch.empty(rows, heads, dim)
     kernel = cpu_paged._typed_kernel("bfloat16")
     raw = (q32.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-           out.data_ptr(), rows, heads, kv_heads, dim, 8, block, 0, dim**-0.5)  # fmt: skip
+           visible.data_ptr(), out.data_ptr(), rows, heads, kv_heads, dim, 8, block, 0, dim**-0.5)  # fmt: skip
     cases = {
         "kernel only (ctypes, inputs prepared)": lambda: kernel(*raw),
         "minillm::paged_decode (torch.library.Library)": lambda: torch.ops.minillm.paged_decode(*call),
         "same, as torch.library.custom_op (before)": lambda: torch.ops.minillm_bench.paged_decode(*call),
-        "paged_decode_attention (checked, eager engine)": lambda: cpu_paged.paged_decode_attention(*call[:7]),
+        "paged_decode_attention (checked, eager engine)": lambda: cpu_paged.paged_decode_attention(*call[:5], block, dim**-0.5, 0),
     }
     reference = torch.ops.minillm.paged_decode(*call)
     for name, fn in cases.items():  # the same answer from every entry (the kernel-only call writes `out`)

@@ -79,6 +79,9 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache when first scheduled
         self.num_preemptions = 0
         self.draft_tokens: list[int] = []  # speculative proposals for this step (set by the engine)
+        # Their parents when they form a tree (speculative/tree.py; -1: the sequence's last token,
+        # parents before children); None: a chain.
+        self.draft_parents: list[int] | None = None
         Sequence._counter += 1
         self._order = Sequence._counter
         self.prompt = prompt

@@ -480,18 +480,21 @@ def test_the_kernel_operator_passes_pytorchs_operator_checks():
     q = torch.randn(3, d, h, dtype=torch.bfloat16).transpose(1, 2)  # [3, h, d], not contiguous
     tables = torch.tensor([[1, 2, 0], [3, 0, 0], [4, 5, 6]])
     lens = torch.tensor([6, 2, 11])
-    for window in (0, 3):
-        args = (q, pool_k, pool_v, tables, lens, bs, d**-0.5, window)
+    seen = torch.tensor([-1, -1, 0b1011])  # the third row: a tree node seeing itself, its parent 1 back, and 3 back
+    for window, visible in ((0, seen), (3, torch.full((3,), -1))):
+        args = (q, pool_k, pool_v, tables, lens, visible, bs, d**-0.5, window)
         torch.library.opcheck(torch.ops.minillm.paged_decode.default, args)
         out = torch.ops.minillm.paged_decode(*args)
         assert out.is_contiguous() and out.dtype == q.dtype and out.shape == q.shape
     # It reads raw pointers, so what would make it read out of bounds is refused by name.
     bad = {
-        "int32 tables": (q, pool_k, pool_v, tables.int(), lens, bs, 1.0, 0),
-        "a table per row missing": (q, pool_k, pool_v, tables[:2], lens, bs, 1.0, 0),
-        "pools of two dtypes": (q, pool_k, pool_v.float(), tables, lens, bs, 1.0, 0),
-        "a non-contiguous pool": (q, pool_k.transpose(0, 1), pool_v.transpose(0, 1), tables, lens, bs, 1.0, 0),
-        "another head size": (q[..., :8], pool_k, pool_v, tables, lens, bs, 1.0, 0),
+        "int32 tables": (q, pool_k, pool_v, tables.int(), lens, seen, bs, 1.0, 0),
+        "a table per row missing": (q, pool_k, pool_v, tables[:2], lens, seen, bs, 1.0, 0),
+        "pools of two dtypes": (q, pool_k, pool_v.float(), tables, lens, seen, bs, 1.0, 0),
+        "a non-contiguous pool": (q, pool_k.transpose(0, 1), pool_v.transpose(0, 1), tables, lens, seen, bs, 1.0, 0),
+        "another head size": (q[..., :8], pool_k, pool_v, tables, lens, seen, bs, 1.0, 0),
+        "a mask per row missing": (q, pool_k, pool_v, tables, lens, seen[:2], bs, 1.0, 0),
+        "int32 masks": (q, pool_k, pool_v, tables, lens, seen.int(), bs, 1.0, 0),
     }
     for case, args in bad.items():
         with pytest.raises(ValueError, match="minillm::paged_decode"):
@@ -674,3 +677,47 @@ def test_no_package_is_compiled_while_a_traced_hook_is_overridden(tiny_model, mo
         with pytest.warns(UserWarning, match="hook override"):
             llm = LLM(tiny_model, **ENGINE)  # the default runs eagerly, through the learner's function
     assert llm.engine.graphs is None and not llm.resolved.compile
+
+
+def test_the_compiled_step_verifies_a_tree(engines, tiny_model, tmp_path, monkeypatch):
+    """A speculative tree runs on the compiled graph as rows: each node at its own address with
+    its depth's position, seeing its ancestors only (the kernel's ancestor bits, an input of the
+    graph). With every tree hiding the true continuation behind a wrong first guess, the graph's
+    greedy tokens are the eager engine's and two proposals are accepted per step (a tree of 3
+    nodes: 4 rows, this graph's bound)."""
+    from test_eagle import random_head
+    from test_tree_serving import lure_tree
+
+    from minillm.speculative.eagle import EagleProposer
+
+    compiled, eager = engines
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    truth = {tuple(eager.tokenizer.encode(p)): eager.generate(p, SamplingParams(max_tokens=36, ignore_eos=True))[0].token_ids
+             for p in PROMPTS[:2]}  # fmt: skip
+    grow = EagleProposer._grow_tree
+
+    def grow_lure(self, seq, state, k, topk, depth):
+        tokens, parents = grow(self, seq, state, k, topk, depth)
+        future = truth[tuple(seq.prompt_token_ids)][len(seq.output_token_ids) :]
+        return lure_tree(future, k) if len(future) >= 3 else (tokens, parents)
+
+    monkeypatch.setattr(EagleProposer, "_grow_tree", grow_lure)
+    head = random_head(tmp_path / "head", str(tiny_model), vocab=64)
+    spec = ready(LLM(tiny_model, kv_cache_memory=compiled.engine_config.kv_cache_memory, **COMPILED, **ENGINE,
+                     speculative_config={"method": "eagle", "model": str(head), "num_speculative_tokens": 3,
+                                         "topk": 3, "depth": 3, "adaptive": False}))  # fmt: skip
+    assert spec.engine.graphs.compile_seconds == {}  # the same package serves the speculating engine
+    graphs, trees = spec.engine.graphs, []
+    run = graphs.run
+
+    def counted(chunks, block_tables):
+        trees.extend(len(c.tree_parents) for c in chunks if c.tree_parents)
+        return run(chunks, block_tables)
+
+    graphs.run = counted
+    for prompt in PROMPTS[:2]:
+        out = spec.generate(prompt, params)[0]
+        assert out.token_ids == eager.generate(prompt, params)[0].token_ids
+        assert out.metrics.spec_accepted >= 2 * (out.metrics.num_verify_steps - 2)
+    assert trees and max(trees) == 3  # whole trees ran on the graph
+    assert spec.engine.block_manager.num_used_blocks == 0

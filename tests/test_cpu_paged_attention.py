@@ -97,6 +97,27 @@ def test_sliding_window_sees_only_the_last_keys(window):
     torch.testing.assert_close(out, reference(q, keys, values, 0.3, window), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("length", [5, 40, 90])  # masks within the last 63 keys, and longer rows
+def test_a_tree_nodes_row_sees_only_what_its_mask_lets_it(length):
+    """``visible``: bit ``j`` lets a row see the key ``j`` places before its own (a speculative
+    tree's node: its ancestors, never a sibling branch); keys 63 or more places back are always
+    seen. The result is attention over exactly the keys the mask keeps, whatever the others hold."""
+    gen = torch.Generator().manual_seed(length)
+    lens = [length] * 4
+    k_pool, v_pool, tables, keys, values = scattered_pool(gen, lens, 3, 64, 4, torch.float32, num_blocks=128)
+    q = torch.randn(4, 9, 64, generator=gen)
+    masks = [-1, 0b1, 0b1101, (1 << 62) | 0b101]
+    kept = []
+    for m in masks:
+        back = torch.arange(length - 1, -1, -1)  # how far each key lies behind the row's own
+        kept.append((m == -1) | (back >= 63) | ((m >> back.clamp(max=62)) & 1).bool())
+    out = paged_decode_attention(q, k_pool, v_pool, tables, torch.tensor(lens), 4, 0.125, visible=torch.tensor(masks))
+    want = reference(q, [k[s] for k, s in zip(keys, kept)], [v[s] for v, s in zip(values, kept)], 0.125)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="visible must be a CPU int64 tensor of shape \\(4,\\)"):
+        paged_decode_attention(q, k_pool, v_pool, tables, torch.tensor(lens), 4, 0.125, visible=torch.tensor(masks[:3]))
+
+
 def test_a_row_does_not_depend_on_its_batch_or_the_thread_count():
     """Each (sequence, KV head) is one task with a fixed summation order: a row's result is the
     same bits alone, in a batch, and on one thread or two."""

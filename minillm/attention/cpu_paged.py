@@ -192,10 +192,16 @@ def paged_decode_attention(
     scale: float,
     window: int | None = None,
     check: bool = True,
+    visible: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q[B, H, D]`` (one query per sequence) against ``k_pool, v_pool[slots, KV, D]``: row ``b``
     attends to the keys at positions ``0 .. context_lens[b]-1`` (the last ``window`` of them with
     a sliding window), found through ``block_tables[b]``. Returns ``[B, H, D]`` in ``q``'s dtype.
+
+    ``visible[B]`` (int64; default all ``-1``): bit ``j`` of ``visible[b]`` says whether row ``b``
+    sees the key ``j`` places before its own (bit 0: itself), for ``j < 63``; keys further back
+    are always seen. A speculative tree's node sees its ancestors and not its siblings
+    (``ancestor_bits``); ``-1`` is a plain causal row.
 
     The kernel trusts its arguments (it reads memory through raw pointers), so they are checked
     here first; ``check=False`` skips the checks that read the tables' values, for a caller that
@@ -225,12 +231,19 @@ def paged_decode_attention(
         )
     tables = block_tables.to(torch.long).contiguous()
     lens = context_lens.to(torch.long).contiguous()
+    if visible is None:
+        visible = torch.full((batch,), -1, dtype=torch.long)
+    if visible.shape != (batch,) or visible.dtype != torch.long or visible.device.type != "cpu":
+        raise ValueError(f"visible must be a CPU int64 tensor of shape ({batch},), one mask per row; got "
+                         f"{visible.dtype} {tuple(visible.shape)}")  # fmt: skip
+    visible = visible.contiguous()
     if check and batch:
         check_tables(tables, lens, block_size, k_pool.shape[0] // block_size)
     q32 = q.float().contiguous()
     out = torch.empty_like(q32)
     _typed_kernel(POOL_DTYPES[k_pool.dtype])(
-        q32.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+        q32.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), lens.data_ptr(), visible.data_ptr(),
+        out.data_ptr(),
         batch, heads, kv_heads, dim, tables.shape[1], block_size, window or 0, scale,
     )  # fmt: skip
     return out.to(q.dtype)
@@ -257,7 +270,7 @@ def check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, block_s
 OPERATOR = torch.library.Library("minillm", "DEF")  # held for the process: the operator lives as long as it
 OPERATOR.define(
     "paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor context_lens, "
-    "int block_size, float scale, int window) -> Tensor"
+    "Tensor visible, int block_size, float scale, int window) -> Tensor"
 )
 
 
@@ -266,7 +279,7 @@ def _typed_kernel(pool_dtype: str):
     """The kernel for one pool dtype with its C signature declared, so that ``ctypes`` passes
     plain Python ints and floats straight through (no ``c_void_p`` objects built per call)."""
     kernel = getattr(_library(), f"paged_decode_{pool_dtype}")
-    kernel.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+    kernel.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_float]
     kernel.restype = None
     return kernel
 
@@ -277,6 +290,7 @@ def paged_decode_op(
     v_pool: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
+    visible: torch.Tensor,
     block_size: int,
     scale: float,
     window: int,
@@ -302,21 +316,24 @@ def paged_decode_op(
         or heads % k_pool.shape[1]
         or block_tables.dtype != torch.long
         or context_lens.dtype != torch.long
-        or not (block_tables.is_contiguous() and context_lens.is_contiguous())
+        or visible.dtype != torch.long
+        or not (block_tables.is_contiguous() and context_lens.is_contiguous() and visible.is_contiguous())
         or block_tables.shape[0] != batch
         or context_lens.shape != (batch,)
+        or visible.shape != (batch,)
     ):
         raise ValueError(
             f"minillm::paged_decode: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)} {k_pool.dtype}, v_pool "
             f"{tuple(v_pool.shape)} {v_pool.dtype}, block_tables {tuple(block_tables.shape)} {block_tables.dtype}, "
-            f"context_lens {tuple(context_lens.shape)} {context_lens.dtype}: contiguous pools of one of "
+            f"context_lens {tuple(context_lens.shape)} {context_lens.dtype}, visible {tuple(visible.shape)} "
+            f"{visible.dtype}: contiguous pools of one of "
             f"{list(POOL_DTYPES)} and contiguous int64 tables, one row per query, are needed"
         )
     q32 = q.float().contiguous()
     out = torch.empty_like(q32)
     _typed_kernel(POOL_DTYPES[k_pool.dtype])(
         q32.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
-        out.data_ptr(), batch, heads, k_pool.shape[1], dim, block_tables.shape[1], block_size, window, scale,
+        visible.data_ptr(), out.data_ptr(), batch, heads, k_pool.shape[1], dim, block_tables.shape[1], block_size, window, scale,
     )  # fmt: skip
     return out.to(q.dtype)
 
@@ -325,7 +342,7 @@ OPERATOR.impl("paged_decode", paged_decode_op, "CPU")
 
 
 @torch.library.register_fake("minillm::paged_decode")
-def _(q, k_pool, v_pool, block_tables, context_lens, block_size, scale, window):
+def _(q, k_pool, v_pool, block_tables, context_lens, visible, block_size, scale, window):
     # What the tracer needs: the output's shape, dtype and strides — contiguous, as the kernel
     # returns it whatever q's strides (``empty_like`` would copy a view's strides, and the graph
     # would then read the output wrongly).
@@ -347,7 +364,8 @@ class StaticKernelDecodeStep:
         pool, layout = self.pool, self.layout
         write_kv(pool, layer, layout.slot_mapping, k[0], v[0])
         out = torch.ops.minillm.paged_decode(q[0], pool.k_slots[layer], pool.v_slots[layer], layout.block_tables,
-                              layout.context_lens_tensor, pool.block_size, scale, layout.window or 0)  # fmt: skip
+                              layout.context_lens_tensor, layout.visible, pool.block_size, scale,
+                              layout.window or 0)  # fmt: skip
         return out[None]
 
 
@@ -360,6 +378,7 @@ class CpuPagedStep(ReferencePagedStep):
         nd = layout.num_decodes
         self.decode_tables = layout.block_tables[:nd].contiguous()
         self.decode_lens = torch.tensor(layout.context_lens[:nd], dtype=torch.long)
+        self.decode_visible = layout.visible  # None: every row plainly causal
         if nd:  # once per step, not per layer
             pool = layout.pool
             check_tables(self.decode_tables, self.decode_lens, pool.block_size, len(pool.k_slots[0]) // pool.block_size)
@@ -368,5 +387,5 @@ class CpuPagedStep(ReferencePagedStep):
         pool = self.pool
         return paged_decode_attention(
             q, pool.k_slots[layer], pool.v_slots[layer], self.decode_tables, self.decode_lens,
-            pool.block_size, scale, self.layout.window, check=False,
+            pool.block_size, scale, self.layout.window, check=False, visible=self.decode_visible,
         )  # fmt: skip

@@ -40,11 +40,14 @@ static inline Vec load_as_float(const T* p, int64_t count) {
 }
 
 // q[B, H, D] fp32; k_pool, v_pool[slots, KV, D]; block_tables[B, max_blocks]; context_lens[B];
+// visible[B]: which of a row's last 63 keys it sees (bit j: the key j places before its own, so
+// bit 0 is itself; keys further back are always seen; -1: every key, a plain causal row) — a
+// speculative tree's node sees its ancestors, not its sibling branches (speculative/tree.py);
 // out[B, H, D] fp32. window <= 0: no sliding window. CH: D / Vec::size() when the caller knows it
 // at compile time (then the loops over a row unroll and q stays in registers); 0: any D.
 template <typename T, int CH>
 static void paged_decode(const float* q, const T* k_pool, const T* v_pool, const int64_t* block_tables,
-                         const int64_t* context_lens, float* out, int64_t B, int64_t H, int64_t KV, int64_t D,
+                         const int64_t* context_lens, const int64_t* visible, float* out, int64_t B, int64_t H, int64_t KV, int64_t D,
                          int64_t max_blocks, int64_t block_size, int64_t window, float scale) {
   const int64_t G = H / KV, W = Vec::size(), chunks = CH ? CH : (D + W - 1) / W;
   auto width = [&](int64_t c) { return CH ? W : std::min(W, D - c * W); };  // the last chunk may be short
@@ -55,12 +58,14 @@ static void paged_decode(const float* q, const T* k_pool, const T* v_pool, const
     std::vector<Vec> qv(chunks), acc(chunks);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < B * KV; task++) {
-      const int64_t b = task / KV, kv = task % KV, len = context_lens[b];
-      const int64_t first = (window > 0 && len > window) ? len - window : 0, n = len - first;
+      const int64_t b = task / KV, kv = task % KV, len = context_lens[b], seen = visible[b];
+      const int64_t first = (window > 0 && len > window) ? len - window : 0;
       const int64_t* table = block_tables + b * max_blocks;
-      rows.resize(n);
-      for (int64_t t = 0, block = first / block_size, offset = first % block_size; t < n; t++) {
-        rows[t] = ((table[block] * block_size + offset) * KV + kv) * D;
+      rows.resize(len - first);
+      int64_t n = 0;
+      for (int64_t t = first, block = first / block_size, offset = first % block_size; t < len; t++) {
+        const int64_t back = len - 1 - t;  // keys before the row's own
+        if (seen == -1 || back >= 63 || ((seen >> back) & 1)) rows[n++] = ((table[block] * block_size + offset) * KV + kv) * D;
         if (++offset == block_size) offset = 0, block++;
       }
       scores.resize(G * n);
@@ -100,7 +105,7 @@ static void paged_decode(const float* q, const T* k_pool, const T* v_pool, const
 // Head sizes that are 2, 4, 8 or 16 SIMD vectors (32-256 with AVX-512) get unrolled loops.
 template <typename T>
 static void paged_decode_any(const float* q, const T* k_pool, const T* v_pool, const int64_t* block_tables,
-                             const int64_t* context_lens, float* out, int64_t B, int64_t H, int64_t KV, int64_t D,
+                             const int64_t* context_lens, const int64_t* visible, float* out, int64_t B, int64_t H, int64_t KV, int64_t D,
                              int64_t max_blocks, int64_t block_size, int64_t window, float scale) {
   const int64_t W = Vec::size(), chunks = D % W ? 0 : D / W;
   auto run = chunks == 2    ? paged_decode<T, 2>
@@ -108,14 +113,14 @@ static void paged_decode_any(const float* q, const T* k_pool, const T* v_pool, c
              : chunks == 8  ? paged_decode<T, 8>
              : chunks == 16 ? paged_decode<T, 16>
                             : paged_decode<T, 0>;
-  run(q, k_pool, v_pool, block_tables, context_lens, out, B, H, KV, D, max_blocks, block_size, window, scale);
+  run(q, k_pool, v_pool, block_tables, context_lens, visible, out, B, H, KV, D, max_blocks, block_size, window, scale);
 }
 
 #define MINILLM_PAGED_DECODE(NAME, T)                                                                          \
   extern "C" void NAME(const float* q, const T* k_pool, const T* v_pool, const int64_t* block_tables,         \
-                       const int64_t* context_lens, float* out, int64_t B, int64_t H, int64_t KV, int64_t D, \
+                       const int64_t* context_lens, const int64_t* visible, float* out, int64_t B, int64_t H, int64_t KV, int64_t D, \
                        int64_t max_blocks, int64_t block_size, int64_t window, float scale) {                \
-    paged_decode_any<T>(q, k_pool, v_pool, block_tables, context_lens, out, B, H, KV, D, max_blocks, block_size, \
+    paged_decode_any<T>(q, k_pool, v_pool, block_tables, context_lens, visible, out, B, H, KV, D, max_blocks, block_size, \
                         window, scale);                                                                          \
   }
 

@@ -71,6 +71,10 @@ class StepLayout:
     # draft (EAGLE, speculative/eagle.py) drafts from the target's own features.
     keep_hidden: bool = False
     chunk_ends: list[int] | None = None  # where each chunk's rows end in the flat batch (the runner's order)
+    # Per decode row (every row of a static step), which keys just before its own it sees: the
+    # C++ kernel's ancestor bits (``cpu_paged.paged_decode_attention``), for the nodes of a
+    # speculative tree verified as rows. None: every row plainly causal.
+    visible: torch.Tensor | None = None
 
     @property
     def logit_rows(self) -> torch.Tensor:

@@ -155,6 +155,8 @@ class ReferencePagedStep:
 
     def plan_decodes(self, layout: StepLayout) -> None:
         """Split the decode rows into buckets of similar context length (``bucket_rows``)."""
+        if layout.visible is not None:
+            raise ValueError("a speculative tree's rows (ancestor bits) need the `cpu` attention backend's kernel")
         bs, window, nd = layout.pool.block_size, layout.window, layout.num_decodes
         self.decode_buckets: list[DecodeBucket] = []
         context = layout.context_lens[:nd]

@@ -37,10 +37,16 @@ class SpeculativeConfig:
     # Measure per batch size whether proposing (and how many, up to k) pays, and propose only
     # that many (speculative/governor.py); False: always k.
     adaptive: bool = True
+    # EAGLE-2's dynamic tree ("eagle"): each level expands its ``topk`` most likely nodes into
+    # their ``topk`` best children, ``depth`` levels deep, and the ``num_speculative_tokens`` most
+    # likely nodes of all are verified in one pass (speculative/tree.py). topk 1: a chain of
+    # num_speculative_tokens.
+    topk: int = 1
+    depth: int | None = None  # levels grown (default: num_speculative_tokens for a chain, else 5)
 
     KEYS = {
         "draft": {"method", "model", "num_speculative_tokens", "quantization", "adaptive"},
-        "eagle": {"method", "model", "num_speculative_tokens", "adaptive"},
+        "eagle": {"method", "model", "num_speculative_tokens", "adaptive", "topk", "depth"},
         "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "adaptive"},
     }
 
@@ -67,6 +73,16 @@ class SpeculativeConfig:
             if not isinstance(raw["adaptive"], bool):
                 raise ValueError(f"speculative_config adaptive={raw['adaptive']!r} must be true or false")
             config.adaptive = raw["adaptive"]
+        for key in ("topk", "depth"):
+            if key in raw:
+                check_int(f"speculative_config {key}", raw[key], 1)
+                if raw[key] > 8 and key == "topk":
+                    raise ValueError(f"speculative_config topk={raw[key]} is above 8 (children per expanded node)")
+                if raw[key] > 16:
+                    raise ValueError(f"speculative_config depth={raw[key]} is above 16")
+                setattr(config, key, raw[key])
+        if config.depth is None:
+            config.depth = min(config.num_speculative_tokens, 5) if config.topk > 1 else config.num_speculative_tokens
         if method in ("draft", "eagle"):
             if not isinstance(raw.get("model"), (str, os.PathLike)) or not str(raw.get("model")):
                 what = "the draft model" if method == "draft" else "the EAGLE head, e.g. 'smollm2-eagle'"

@@ -98,6 +98,9 @@ class LLMEngine:
         self.speculator = parts.speculator  # proposes and verifies; does nothing without speculative_config
         self.resolved.speculation = self.speculator.describe()
         self.speculator.resolved = self.resolved  # the governor's decisions show there as they change
+        # Whether this step can verify a tree (runners other than the paged one: chains only).
+        self.speculator.trees_verifiable = getattr(self.runner, "supports_trees", lambda: False)
+        self._tree_paths: dict[int, list[int]] = {}  # this step's verified trees: chunk -> accepted branch
         # Fewer OpenMP threads while other processes keep cores busy (a busy laptop); one process only.
         adapt = config.adapt_threads and self.device.type == "cpu" and config.world_size == 1
         self.threads = ThreadGovernor(config.num_threads, enabled=adapt)
@@ -413,7 +416,9 @@ class LLMEngine:
         return deltas
 
     def _step_inputs(self, scheduled: SchedulerOutput) -> StepInputs:
-        """The step as plain data: what the runner sees of each sequence."""
+        """The step as plain data: what the runner sees of each sequence (a tree's proposals
+        with their parents: the scheduler may have kept fewer of them, and a prefix of a tree
+        whose parents come first is a tree)."""
         chunks = [
             ChunkInput(
                 c.seq.request_id,
@@ -422,6 +427,7 @@ class LLMEngine:
                 c.num_logits,
                 self.scheduler.block_table(c.seq),
                 len(c.seq.prompt_token_ids) + c.seq.max_output,
+                tree_parents=c.seq.draft_parents[: len(c.draft_tokens)] if c.draft_tokens and c.seq.draft_parents else None,
             )
             for c in scheduled.chunks
         ]
@@ -478,8 +484,15 @@ class LLMEngine:
                 if fan > 1:
                     forks[i] = tokens[at + 1 : at + fan]
                 at += fan
+        self._tree_paths = {}
         for i, chunk in enumerate(chunks):
-            if chunk.draft_tokens:  # verify: the k + 1 rows of this chunk decide
+            if chunk.draft_tokens and chunk.seq.draft_parents:  # a tree: the accepted branch and its tokens
+                parents = chunk.seq.draft_parents[: len(chunk.draft_tokens)]
+                path, emitted[i] = self.speculator.verify_tree(
+                    chunk.seq, chunk.draft_tokens, parents, logits[ends[i] : ends[i + 1]]
+                )
+                self._tree_paths[i] = path
+            elif chunk.draft_tokens:  # verify: the k + 1 rows of this chunk decide
                 emitted[i] = self.speculator.verify(chunk.seq, chunk.draft_tokens, logits[ends[i] : ends[i + 1]])
         return emitted, forks
 
@@ -498,8 +511,9 @@ class LLMEngine:
         rows, tokens, num_top = [], [], []
         for i in wanted:
             k = chunks[i].seq.params.logprobs
+            path = self._tree_paths.get(i)  # a tree's emitted token j follows its row of path[j-1]
             for j, token in enumerate(emitted[i]):
-                rows.append(ends[i] + j)
+                rows.append(ends[i] + (j if path is None or j == 0 else 1 + path[j - 1]))
                 tokens.append(token)
                 num_top.append(k)
             for token in forks.get(i, []):
@@ -560,8 +574,11 @@ class LLMEngine:
                 metrics.spec_proposed += len(chunk.draft_tokens)
                 metrics.spec_accepted += accepted
                 if not seq.is_finished:  # rejected proposals: their K/V goes (a finished one frees all)
+                    if i in self._tree_paths:  # the accepted branch's K/V moves up behind the sequence
+                        self.runner.keep_tree_branch(self.scheduler.block_table(seq), chunk.start + 1,
+                                                     self._tree_paths[i][:accepted])  # fmt: skip
                     self.scheduler.rollback(seq, chunk.start + 1 + accepted)
-                self.speculator.after_verify(seq)
+                self.speculator.after_verify(seq, self._tree_paths.get(i))
             deltas.append(self._delta(seq, tokens[:appended], None if records is None else records[:appended]))
             if i in forks:
                 for j, token in enumerate(forks[i], start=1):

@@ -97,6 +97,13 @@ class TimedRunner:
     def release(self, request_id: Hashable) -> None:
         self.runner.release(request_id)
 
+    def keep_tree_branch(self, block_table: list[int], first: int, path: list[int]) -> None:
+        self.runner.keep_tree_branch(block_table, first, path)
+
+    @property
+    def last_hidden(self):
+        return self.runner.last_hidden
+
 
 def _next_event(engine, pending: list[WorkloadRequest], i: int, now: float) -> float:
     """When something can change for an engine that could not run a step: the next arrival, or

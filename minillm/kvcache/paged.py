@@ -5,7 +5,7 @@ tensors. Attention backends see them as plain per-layer **slot** views
 (``[num_blocks * block_size, kv_heads, head_dim]``: slot = block * block_size + offset) and
 write new K/V through a slot mapping, read them through block tables
 (``attention/paged.py``, ``attention/triton_kernels.py``). The pool itself only copies
-blocks (copy-on-write).
+blocks (copy-on-write) and slots (a speculative tree's accepted branch).
 """
 
 from __future__ import annotations
@@ -58,6 +58,20 @@ class PagedKVCache:
     def nbytes(self) -> int:
         scales = 0 if self.k_scale is None else self.k_scale.nbytes + self.v_scale.nbytes
         return self.k.nbytes + self.v.nbytes + scales
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Slot ``dst[i]`` becomes a copy of slot ``src[i]`` in every layer (sources read before
+        any is written): a verified speculative tree's accepted branch moved to the addresses
+        that follow the sequence (``LLMEngine``, ``speculative/tree.py``)."""
+        if len(src) != len(dst):
+            raise ValueError(f"copy_slots: {len(src)} sources for {len(dst)} destinations")
+        if not src:
+            return
+        at, to = torch.tensor(src, device=self.k.device), torch.tensor(dst, device=self.k.device)
+        pools = [self.k, self.v] + ([] if self.k_scale is None else [self.k_scale, self.v_scale])
+        for pool in pools:
+            slots = pool.flatten(1, 2)  # [layers, slots, ...]
+            slots[:, to] = slots[:, at]
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: block ``dst`` becomes a copy of ``src`` in every layer."""

@@ -195,7 +195,10 @@ class CompiledDecode:
         self.swap_in()
         if not all(runs_as_rows(c) for c in chunks):
             return False
-        return self.rows_for(sum(c.num_tokens for c in chunks)) is not None
+        batch = self.rows_for(sum(c.num_tokens for c in chunks))
+        if batch is not None and not self.free_rows(batch) and any(c.tree_parents is not None for c in chunks):
+            return False  # a graph over a window has no ancestor bits: the eager step verifies the tree
+        return batch is not None
 
     def rows_for(self, n: int) -> int | None:
         """The smallest loaded graph's row count that fits ``n`` rows (None: none does)."""
@@ -342,9 +345,9 @@ class CompiledDecode:
         pools = [slots] * len(self.pool_tensors)
         if free:
             r = torch.export.Dim("rows", min=MIN_ROWS, max=batch)
-            shapes = ({1: r}, {1: r}, {0: r}, {0: r, 1: width}, {0: r}, pools)
+            shapes = ({1: r}, {1: r}, {0: r}, {0: r, 1: width}, {0: r}, {0: r}, pools)
         else:
-            shapes = (None, None, None, {1: width}, None, pools)
+            shapes = (None, None, None, {1: width}, None, None, pools)
         module = self.in_place_module if free else self.module
         trusted_cache.private_dir(path.parent)
         partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
@@ -380,13 +383,15 @@ class CompiledDecode:
             long_tensor(rows.slot_mapping),
             pad_table_rows(tables, batch, null),
             long_tensor(rows.context_lens),
+            long_tensor(rows.visible),
             self.pool_tensors,
         )
 
     def run(self, chunks: list[ChunkInput], block_tables: BlockTableRows) -> torch.Tensor:
         """Logits ``[rows, V]``, a row per token of ``chunks`` (``block_tables``: the runner's).
         A verify chunk's tokens are rows of its sequence, each with its own position, slot and
-        context length, all over the sequence's one block table."""
+        context length (and, for a tree's nodes, ancestor bits), all over the sequence's one
+        block table."""
         rows = token_rows(chunks)
         batch = self.rows_for(len(rows))
         padded = max(len(rows), MIN_ROWS) if self.free_rows(batch) else batch
@@ -454,7 +459,7 @@ class StaticDecodeModule(torch.nn.Module):
         super().__init__()
         self.model, self.pool, self.window, self.in_place = model, pool, window, in_place
 
-    def forward(self, input_ids, positions, slot_mapping, block_tables, context_lens, pool_tensors) -> torch.Tensor:
+    def forward(self, input_ids, positions, slot_mapping, block_tables, context_lens, visible, pool_tensors) -> torch.Tensor:
         layers = len(self.pool.k_slots)
         scaled = self.pool.k_scales is not None
         pool = KVPool(
@@ -481,6 +486,7 @@ class StaticDecodeModule(torch.nn.Module):
             context_lens_tensor=context_lens,
             static_decode=True,
             in_place_decode=self.in_place,
+            visible=visible,  # a tree's node rows see their ancestors only (in place; ``supports_trees``)
         )
         logits, hidden = self.model.forward_with_hidden(layout)
         return logits[0], hidden  # [1, B, V] -> [B, V]; [B, hidden]

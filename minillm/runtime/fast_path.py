@@ -52,6 +52,7 @@ class FlatInputs:
     slot_mapping: list[int] | torch.Tensor = field(default_factory=list)  # a tensor from gathered tables
     query_lens: list[int] = field(default_factory=list)  # tokens per chunk
     context_lens: list[int] = field(default_factory=list)  # tokens each chunk's sequence has after this step
+    visible: list[int] = field(default_factory=list)  # per chunk: a one-token row's ancestor bits (-1: causal)
 
 
 def flat_inputs(chunks: list[ChunkInput], block_size: int, tables: torch.Tensor | None = None) -> FlatInputs:
@@ -61,13 +62,17 @@ def flat_inputs(chunks: list[ChunkInput], block_size: int, tables: torch.Tensor 
     Given, and with the package's own ``slot_mapping`` in force, every slot comes from one
     tensor expression over them — ``table[p // block_size] * block_size + p % block_size`` for
     all the step's tokens at once — instead of a call per chunk (``slot_mapping`` is then a
-    tensor). A learner's ``slot_mapping`` (chapter 03) is called chunk by chunk, as it must be."""
+    tensor). A learner's ``slot_mapping`` (chapter 03) is called chunk by chunk, as it must be.
+
+    Slots come from each token's *address* (``start + i``), positions from ``ChunkInput.positions``:
+    the two differ only for a speculative tree's nodes (``token_rows``)."""
+    visible = [c.visible for c in chunks]
     if tables is None or hooks.slot_mapping is not addressing.slot_mapping:
-        out = FlatInputs()
+        out = FlatInputs(visible=visible)
         for c in chunks:
             n = c.num_tokens
             out.input_ids.extend(c.token_ids)
-            out.positions.extend(range(c.start, c.start + n))
+            out.positions.extend(c.positions)
             out.slot_mapping.extend(hooks.slot_mapping(c.block_table, c.start, n, block_size))
             out.query_lens.append(n)
             out.context_lens.append(c.start + n)
@@ -75,17 +80,19 @@ def flat_inputs(chunks: list[ChunkInput], block_size: int, tables: torch.Tensor 
     query_lens = [len(c.token_ids) for c in chunks]
     starts = [c.start for c in chunks]
     if len(query_lens) == sum(query_lens):  # a decode step: one token per chunk
-        input_ids, positions, rows = [c.token_ids[0] for c in chunks], starts, torch.arange(len(chunks))
+        input_ids, addresses, rows = [c.token_ids[0] for c in chunks], starts, torch.arange(len(chunks))
+        positions = [c.start if c.position is None else c.position for c in chunks]
     else:
-        input_ids, positions = [], []
+        input_ids, positions, addresses = [], [], []
         for c in chunks:
             input_ids.extend(c.token_ids)
-            positions.extend(range(c.start, c.start + len(c.token_ids)))
+            positions.extend(c.positions)
+            addresses.extend(range(c.start, c.start + len(c.token_ids)))
         rows = torch.arange(len(chunks)).repeat_interleave(long_tensor(query_lens))
-    at = long_tensor(positions)
+    at = long_tensor(addresses)
     slots = tables[rows, at // block_size] * block_size + at % block_size
     context_lens = [s + n for s, n in zip(starts, query_lens)]
-    return FlatInputs(input_ids, positions, slots, query_lens, context_lens)
+    return FlatInputs(input_ids, positions, slots, query_lens, context_lens, visible)
 
 
 # A chunk the compiled step runs as rows: every token wants its logits (a speculative verify
@@ -95,8 +102,23 @@ MAX_ROWS_PER_CHUNK = 17
 
 def runs_as_rows(chunk: ChunkInput) -> bool:
     """Whether ``chunk`` can run as one-token rows (``token_rows``): a decode, or a short chunk
-    that wants logits at every token — a speculative verify chunk."""
+    that wants logits at every token — a speculative verify chunk, a chain or a tree."""
     return chunk.is_decode or chunk.num_tokens == chunk.num_logits <= MAX_ROWS_PER_CHUNK
+
+
+def ancestor_bits(parents: list[int], node: int) -> int:
+    """Node ``node`` of a tree verified as rows: which keys just before its own it sees, as the
+    CPU kernel reads them (bit ``j``: the key ``j`` addresses back). Node ``i`` lies at address
+    ``start + 1 + i``, so bit 0 is itself, bit ``i - a`` its ancestor ``a``, and every bit from
+    ``i + 1`` on — the chunk's first token (the sequence's last) and the sequence before it — is
+    set. Its siblings' bits stay clear: a branch never sees another branch's guesses."""
+    if not 0 <= node < 62:
+        raise ValueError(f"tree node {node}: a tree verified as rows has at most 62 nodes")
+    bits, at = -1 << (node + 1), node
+    while at >= 0:
+        bits |= 1 << (node - at)
+        at = parents[at]
+    return bits
 
 
 def token_rows(chunks: list[ChunkInput]) -> list[ChunkInput]:
@@ -107,14 +129,26 @@ def token_rows(chunks: list[ChunkInput]) -> list[ChunkInput]:
     before any row attends (``write_kv``, then attention), so row ``i`` finds the keys of the
     chunk's earlier tokens in the pool, and its context length stops it at its own position —
     the causal mask of a multi-token chunk, as per-row lengths. A verify chunk of ``k + 1``
-    tokens thus runs on a decode step's static shape (``compiled_decode.py``)."""
+    tokens thus runs on a decode step's static shape (``compiled_decode.py``).
+
+    A tree chunk (``tree_parents``) the same way, with two more things per node row: its
+    position is its depth's (``ChunkInput.positions``), and its ancestor bits hide the nodes
+    between it and the root that are not its ancestors (``ancestor_bits``) — the tree attention
+    mask, row by row."""
     rows = []
     for c in chunks:
         if c.is_decode:
             rows.append(c)
             continue
-        for i, token in enumerate(c.token_ids):
-            rows.append(ChunkInput(c.request_id, [token], c.start + i, 1, c.block_table, c.max_len))
+        if c.tree_parents is None:
+            for i, token in enumerate(c.token_ids):
+                rows.append(ChunkInput(c.request_id, [token], c.start + i, 1, c.block_table, c.max_len))
+            continue
+        positions, parents = c.positions, c.tree_parents
+        rows.append(ChunkInput(c.request_id, c.token_ids[:1], c.start, 1, c.block_table, c.max_len))
+        for i, token in enumerate(c.token_ids[1:]):
+            rows.append(ChunkInput(c.request_id, [token], c.start + 1 + i, 1, c.block_table, c.max_len,
+                                   position=positions[1 + i], visible=ancestor_bits(parents, i)))  # fmt: skip
     return rows
 
 
@@ -141,6 +175,7 @@ def pad_decode_rows(chunks: list[ChunkInput], rows: int, block_size: int, null_b
         out.slot_mapping += [null_slot] * pad
     out.query_lens += [1] * pad
     out.context_lens += [1] * pad
+    out.visible += [-1] * pad
     return out
 
 

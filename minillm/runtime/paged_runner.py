@@ -23,7 +23,8 @@ from minillm.kvcache import addressing
 from minillm.kvcache.paged import PagedKVCache
 from minillm.models.llama import LlamaForCausalLM
 from minillm.runtime.block_table_rows import BlockTableRows
-from minillm.runtime.fast_path import DecodeFastPath, flat_inputs
+from minillm.runtime.compiled_decode import attends_in_place
+from minillm.runtime.fast_path import DecodeFastPath, flat_inputs, token_rows
 from minillm.runtime.runner import ChunkInput, StepInputs, long_tensor, select_logit_rows
 
 
@@ -80,16 +81,47 @@ class PagedRunner:
         sequence's block table goes."""
         self.block_tables.release(request_id)
 
+    def supports_trees(self) -> bool:
+        """Whether a step can verify a speculative tree: its node rows attend through the C++
+        kernel, which reads their ancestor bits (``fast_path.token_rows``) — the ``cpu``
+        backend's eager step and the compiled step's in-place graphs, over the model's own pool
+        dtype, without a sliding window, with the package's ``paged_attention``. Elsewhere the
+        speculator proposes chains."""
+        return (
+            self.model.attention_backend.name == "cpu"
+            and self.window is None
+            and attends_in_place(self.cache)
+            and hooks.current("paged_attention") is hooks.default("paged_attention")
+        )
+
+    def keep_tree_branch(self, block_table: list[int], first: int, path: list[int]) -> None:
+        """A verified tree's accepted branch ``path`` (node indices, root to leaf): node ``i``'s
+        K/V lies at address ``first + i``; the branch's ``d``-th node's moves to ``first + d``,
+        where the sequence continues (its keys already carry that position: ``token_rows``).
+        The engine rolls the rest back after."""
+        moves = [(first + node, first + d) for d, node in enumerate(path) if node != d]
+        if moves:
+            bs = self.cache.block_size
+            slot = lambda a: block_table[a // bs] * bs + a % bs  # noqa: E731
+            self.cache.copy_slots([slot(a) for a, _ in moves], [slot(b) for _, b in moves])
+
     def layout(self, chunks: list[ChunkInput]) -> StepLayout:
         """The flat layout of ``chunks`` (see ``StepLayout``): the decodes first, sorted by their
-        start (neighbours in the pool's order), then the other chunks as they come."""
+        start (neighbours in the pool's order), then each tree chunk's tokens as decode rows
+        (``token_rows``: the kernel reads their ancestor bits), then the other chunks as they come."""
         bs = self.cache.block_size
         decodes = sorted((c for c in chunks if c.is_decode), key=lambda c: c.start)
-        order = decodes + [c for c in chunks if not c.is_decode]
+        trees = [c for c in chunks if c.tree_parents is not None and not c.is_decode]
+        tree_rows = [token_rows([c]) for c in trees]
+        order = decodes + [row for rows in tree_rows for row in rows]
+        order += [c for c in chunks if not c.is_decode and c.tree_parents is None]
         width = addressing.blocks_for(max(c.start + len(c.token_ids) for c in order), bs)
         tables = self.block_tables.gather(order, width)
         flat = flat_inputs(order, bs, tables)
         ends = dict(zip(map(id, order), itertools.accumulate(flat.query_lens)))
+        for c, rows in zip(trees, tree_rows):
+            ends[id(c)] = ends[id(rows[-1])]  # a tree chunk's rows lie together, in order
+        num_decodes = len(decodes) + sum(map(len, tree_rows))
         logit_rows = select_logit_rows(chunks, [ends[id(c)] for c in chunks])
         layout = StepLayout(
             input_ids=self._tensor(flat.input_ids)[None],
@@ -98,11 +130,12 @@ class PagedRunner:
             query_lens=flat.query_lens,
             context_lens=flat.context_lens,
             block_tables=tables.to(self.device),
-            num_decodes=len(decodes),
+            num_decodes=num_decodes,
             logit_index=self._tensor(logit_rows),
             pool=self.pool,
             window=self.window,
             chunk_ends=[ends[id(c)] for c in chunks],
+            visible=long_tensor(flat.visible[:num_decodes]) if trees else None,
         )
         return layout
 

@@ -35,10 +35,31 @@ class ChunkInput:
     num_logits: int = 1  # logits for the chunk's last num_logits positions (0: none)
     block_table: list[int] | None = None  # the paged runner's: the sequence's blocks
     max_len: int = 0  # the most tokens the sequence can reach (the contiguous runner reserves it)
+    # A tree verify chunk: the parents of its draft nodes, its tokens after the first (-1: the
+    # first token, the sequence's last). Node ``i`` lies at address ``start + 1 + i`` in the pool
+    # but at position ``start + 1 + depth(i)`` in its branch, and sees only its ancestors.
+    tree_parents: list[int] | None = None
+    # One token of such a chunk as a row of its own (``fast_path.token_rows``): its position when
+    # that is not ``start``, and which of the keys just before it it sees (``visible``, the CPU
+    # kernel's ancestor bits; -1: all of them, a plain causal row).
+    position: int | None = None
+    visible: int = -1
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def positions(self) -> list[int]:
+        """Each token's position (RoPE's): its address ``start + i``, except in a tree."""
+        if self.position is not None:
+            return [self.position]
+        if self.tree_parents is None:
+            return list(range(self.start, self.start + len(self.token_ids)))
+        depths: list[int] = []
+        for p in self.tree_parents:
+            depths.append(0 if p < 0 else depths[p] + 1)
+        return [self.start] + [self.start + 1 + d for d in depths]
 
     @property
     def is_decode(self) -> bool:

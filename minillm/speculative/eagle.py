@@ -119,33 +119,36 @@ class EagleHead(nn.Module):
         """Scores over the draft vocabulary (``vocab_ids``) for predicted features."""
         return self._mm("head", self.target[0].norm(feats), self.head_weight)
 
-    def forward(self, feats, tokens, positions, past_k=None, past_v=None):
+    def forward(self, feats, tokens, positions, past_k=None, past_v=None, mask=None):
         """``feats[T, hidden]`` (target features at positions ``positions[T]``), ``tokens[T]``
         (the token after each) → predicted next features ``[T, hidden]`` and this call's keys and
         values ``[T, kv_heads, head_dim]``. ``past_k, past_v[P, kv_heads, head_dim]``: the draft
         positions before these (causal over them and within the call).
 
         Training passes a batch of windows instead: ``feats[B, T, hidden]``, ``tokens[B, T]``,
-        shared ``positions[T]`` and no past — each window causal over itself, in one call."""
+        shared ``positions[T]`` and no past — each window causal over itself, in one call.
+
+        ``mask[T, P + T]`` (bool): which past and new keys each row sees, in place of the causal
+        rule — a draft tree's nodes, expanded side by side, each over its own ancestors."""
         cfg = self.cfg
         B, T = (1, feats.shape[0]) if feats.dim() == 2 else feats.shape[:2]
         if B > 1 and past_k is not None:
             raise ValueError("a batch of windows has no past draft keys")
         if self.packed and not torch.is_grad_enabled() and feats.dim() == 2:
-            return self._packed_forward(feats, tokens, positions, past_k, past_v)
+            return self._packed_forward(feats, tokens, positions, past_k, past_v, mask)
         x = self.fc(torch.cat([feats.to(self.fc.weight.dtype), self.embed(tokens)], dim=-1))
         a = self.input_norm(x)
         q = self.q_proj(a).view(B, T, cfg.num_heads, cfg.head_dim)
         k = self.k_proj(a).view(B, T, cfg.num_kv_heads, cfg.head_dim)
         v = self.v_proj(a).view(B, T, cfg.num_kv_heads, cfg.head_dim)
-        o, k, v = self._attend(q, k, v, positions, past_k, past_v)
+        o, k, v = self._attend(q, k, v, positions, past_k, past_v, mask)
         o = o.view(*x.shape[:-1], -1)
         x = x + self.o_proj(o)
         m = self.post_norm(x)
         x = x + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
         return x, k, v
 
-    def _packed_forward(self, feats, tokens, positions, past_k, past_v):
+    def _packed_forward(self, feats, tokens, positions, past_k, past_v, mask=None):
         """``forward`` through the prepacked matrices (same arithmetic, other kernels)."""
         cfg = self.cfg
         T = feats.shape[0]
@@ -155,13 +158,13 @@ class EagleHead(nn.Module):
         q = qkv[:, :nq].reshape(1, T, cfg.num_heads, cfg.head_dim)
         k = qkv[:, nq : nq + nkv].reshape(1, T, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, nq + nkv :].reshape(1, T, cfg.num_kv_heads, cfg.head_dim)
-        o, k, v = self._attend(q, k, v, positions, past_k, past_v)
+        o, k, v = self._attend(q, k, v, positions, past_k, past_v, mask)
         x = x + self._mm("o", o, None)
         gate, up = self._mm("gate_up", self.post_norm(x), None).split(cfg.intermediate_size, dim=-1)
         x = x + self._mm("down", F.silu(gate) * up, None)
         return x, k, v
 
-    def _attend(self, q, k, v, positions, past_k, past_v):
+    def _attend(self, q, k, v, positions, past_k, past_v, mask=None):
         """RoPE, then causal attention over the past draft keys and this call's: ``[T, H*D]``
         and this call's keys and values ``[T, kv_heads, head_dim]`` (``[B*T, ...]`` and
         ``[B, T, ...]`` for a batch of windows)."""
@@ -180,8 +183,7 @@ class EagleHead(nn.Module):
         P = keys.shape[0] - T
         kh = keys.transpose(0, 1).repeat_interleave(groups, 0)[None]  # [1, H, P+T, D]
         vh = values.transpose(0, 1).repeat_interleave(groups, 0)[None]
-        mask = None
-        if T > 1:  # causal within the call; every past key visible
+        if mask is None and T > 1:  # causal within the call; every past key visible
             mask = torch.ones(T, P + T, dtype=torch.bool, device=q.device).tril(P)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), kh, vh, attn_mask=mask)
         return o.transpose(1, 2).reshape(T, -1), k, v
@@ -250,6 +252,7 @@ class _State:
         self.k = torch.empty(64, cfg.num_kv_heads, cfg.head_dim, dtype=head.fc.weight.dtype, device=dev)
         self.v = torch.empty_like(self.k)
         self.kv_lo = self.filled = 0  # draft keys from true inputs at positions kv_lo .. filled-1
+        self.tree_hidden: torch.Tensor | None = None  # a verified tree's node features, until its branch is known
 
     def store(self, start: int, hidden: torch.Tensor) -> None:
         if start > self.hi or start < self.lo:  # a gap (prefix-cache hit) or a recomputed prefix: start over
@@ -290,29 +293,57 @@ class EagleProposer:
         self.head = head
         self.states: dict[Hashable, _State] = {}
 
-    def observe(self, request_ids: list[Hashable], starts: list[int], hidden: list[torch.Tensor], seqs) -> None:
-        """The target's step computed ``hidden[i]`` for positions ``starts[i]..`` of request ``i``."""
-        for rid, start, h, seq in zip(request_ids, starts, hidden, seqs):
+    def observe(self, request_ids: list[Hashable], starts: list[int], hidden: list[torch.Tensor], seqs,
+                trees: list[bool] | None = None) -> None:  # fmt: skip
+        """The target's step computed ``hidden[i]`` for positions ``starts[i]..`` of request ``i``
+        — or, where ``trees[i]``, for a tree: the first row at ``starts[i]``, then one row per node,
+        held back until verification says which branch holds (``accept_branch``)."""
+        for i, (rid, start, h, seq) in enumerate(zip(request_ids, starts, hidden, seqs)):
             state = self.states.get(rid)
             if state is None or state.seq is not seq:
                 state = self.states[rid] = _State(seq, self.head)
-            state.store(start, h.to(state.feats.dtype))
+            h = h.to(state.feats.dtype)
+            if trees is not None and trees[i]:
+                state.store(start, h[:1])
+                state.tree_hidden = h[1:]
+            else:
+                state.store(start, h)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> dict[Hashable, tuple[list[int], torch.Tensor | None]]:
         out = {}
         for seq, k in zip(seqs, ks):
-            state = self.states.get(seq.request_id)
-            if state is None or state.seq is not seq:
-                continue
-            n = len(seq)
-            state.hi = min(state.hi, n - 1)  # features of rejected positions are not the sequence's
-            if state.hi < n - 1 or n - 2 < state.lo:  # the target has not computed position n-2 yet
-                continue
-            out[seq.request_id] = self._propose_one(seq, state, k)
+            state = self._ready(seq)
+            if state is not None:
+                out[seq.request_id] = self._propose_one(seq, state, k)
         return out
 
-    def _propose_one(self, seq: Sequence, state: _State, k: int):
+    @torch.inference_mode()
+    def propose_trees(self, seqs: list[Sequence], ks: list[int], topk: int, depth: int) -> dict[Hashable, tuple[list[int], list[int]]]:
+        """Per sequence, a tree of ``ks[i]`` nodes grown by the head's confidence (EAGLE-2):
+        ``(tokens, parents)``, parents before children, best nodes first (``_grow_tree``)."""
+        out = {}
+        for seq, k in zip(seqs, ks):
+            state = self._ready(seq)
+            if state is not None:
+                out[seq.request_id] = self._grow_tree(seq, state, k, topk, depth)
+        return out
+
+    def _ready(self, seq: Sequence) -> _State | None:
+        """``seq``'s state, if the target has computed the features a proposal starts from."""
+        state = self.states.get(seq.request_id)
+        if state is None or state.seq is not seq:
+            return None
+        n = len(seq)
+        state.hi = min(state.hi, n - 1)  # features of rejected positions are not the sequence's
+        if state.hi < n - 1 or n - 2 < state.lo:  # the target has not computed position n-2 yet
+            return None
+        return state
+
+    def _catch_up(self, seq: Sequence, state: _State) -> torch.Tensor:
+        """Run the draft layer over the positions whose target features arrived since its last
+        step (their keys are true ones, kept); returns its predicted feature at position ``n-1``,
+        whose scores propose the token after the sequence."""
         head, tokens, n = self.head, seq.token_ids, len(seq)
         device = state.feats.device
         first = min(max(state.filled, state.kv_lo), n - 2)  # at least position n-2: it proposes d1
@@ -323,8 +354,13 @@ class EagleProposer:
         pred, k_new, v_new = head(feats, toks, positions, state.k[past], state.v[past])
         state.put_kv(first, k_new, v_new)
         state.filled = n - 1
+        return pred[-1:]
+
+    def _propose_one(self, seq: Sequence, state: _State, k: int):
+        head, n = self.head, len(seq)
+        device = state.feats.device
+        feat = self._catch_up(seq, state)
         proposals, dists = [], []
-        feat = pred[-1:]
         for step in range(k):
             token, dist = self._pick(seq, head.logits(feat)[0])
             proposals.append(token)
@@ -339,6 +375,69 @@ class EagleProposer:
             state.put_kv(at, k_new, v_new)  # beyond `filled`: overwritten by the next catch-up
         return proposals, (torch.stack(dists) if dists else None)
 
+    def _grow_tree(self, seq: Sequence, state: _State, k: int, topk: int, depth: int) -> tuple[list[int], list[int]]:
+        """EAGLE-2's dynamic draft tree (Li et al., 2024, arXiv:2406.16858): a node's score is
+        the sum of the head's log-probabilities along its branch — its chance of being accepted,
+        as far as the head knows. Level by level, the ``topk`` best nodes of the newest level are
+        expanded, side by side in one call of the head (each seeing its own ancestors' keys:
+        ``mask``), each into its ``topk`` best children; after ``depth`` levels the ``k`` best
+        nodes of all are kept. A child never scores above its parent, so the ``k`` best are a
+        tree, and sorted best first (ties: the older node first) parents come before children —
+        a prefix of the list, as the governor and the scheduler may cut it, is the best smaller tree.
+
+        The tree is built from the head's scores whatever the request samples with: a sampled
+        request verifies it as deterministic guesses (``tree.accept_tree_sampled``), exactly."""
+        head, n, ids = self.head, len(seq), self.head.vocab_ids
+        device = state.feats.device
+        feat = self._catch_up(seq, state)
+        past = n - 1 - state.kv_lo  # true draft keys: positions kv_lo .. n-2
+        past_k, past_v = state.k[:past], state.v[:past]
+        tokens, parents, scores, depths = [], [], [], []
+        source: list[torch.Tensor] = []  # per node: the feature whose scores proposed it
+        key_of: dict[int, int] = {}  # expanded node -> its run-ahead key's index
+        run_k, run_v = [], []
+
+        def add_children(parent: int, feature: torch.Tensor, logp: torch.Tensor) -> list[int]:
+            base = scores[parent] if parent >= 0 else 0.0
+            top = logp.topk(min(topk, logp.shape[-1]))
+            made = []
+            for lp, index in zip(top.values.tolist(), top.indices.tolist()):
+                made.append(len(tokens))
+                tokens.append(int(ids[index]))
+                parents.append(parent)
+                scores.append(base + lp)
+                depths.append(0 if parent < 0 else depths[parent] + 1)
+                source.append(feature)
+            return made
+
+        level = add_children(-1, feat, torch.log_softmax(head.logits(feat)[0].float(), -1))
+        for _ in range(depth - 1):
+            expand = sorted(level, key=lambda i: (-scores[i], i))[:topk]
+            T, R = len(expand), sum(len(t) for t in run_k)  # R: run-ahead keys so far
+            mask = torch.zeros(T, past + R + T, dtype=torch.bool, device=device)
+            mask[:, :past] = True
+            for row, node in enumerate(expand):
+                mask[row, past + R + row] = True
+                at = parents[node]
+                while at >= 0:  # its ancestors' run-ahead keys
+                    mask[row, past + key_of[at]] = True
+                    at = parents[at]
+            keys = torch.cat([past_k, *run_k]) if run_k else past_k
+            values = torch.cat([past_v, *run_v]) if run_v else past_v
+            feats_in = torch.cat([source[i] for i in expand])
+            toks = torch.tensor([tokens[i] for i in expand], device=device)
+            pos = torch.tensor([n - 1 + depths[i] for i in expand], device=device)
+            out, k_new, v_new = head(feats_in, toks, pos, keys, values, mask=mask)
+            for row, node in enumerate(expand):
+                key_of[node] = R + row
+            run_k.append(k_new)
+            run_v.append(v_new)
+            logp = torch.log_softmax(head.logits(out).float(), -1)
+            level = [c for row, node in enumerate(expand) for c in add_children(node, out[row : row + 1], logp[row])]
+        best = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[:k]
+        index = {node: i for i, node in enumerate(best)}
+        return [tokens[i] for i in best], [index[parents[i]] if parents[i] >= 0 else -1 for i in best]
+
     def _pick(self, seq: Sequence, scores: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         ids = self.head.vocab_ids
         if seq.params.greedy:
@@ -347,6 +446,17 @@ class EagleProposer:
         full[ids] = scores.float()
         q = filtered_logits(full[None], [seq.params]).softmax(-1)[0]
         return int(torch.multinomial(q, 1, generator=seq.generator)), q
+
+    def accept_branch(self, seq: Sequence, start: int, path: list[int]) -> None:
+        """A verified tree kept ``path`` (node indices): the target's features at positions
+        ``start + 1 ..`` are those of the path's nodes, held back by ``observe``."""
+        state = self.states.get(seq.request_id)
+        tree = getattr(state, "tree_hidden", None)
+        if state is None or tree is None:
+            return
+        state.tree_hidden = None
+        if path and state.hi == start + 1:
+            state.store(start + 1, tree[path])
 
     def rollback(self, seq: Sequence) -> None:
         """Nothing to undo: positions past the sequence are clipped at the next proposal."""

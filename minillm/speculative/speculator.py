@@ -35,6 +35,7 @@ from minillm.speculative import (
     ngram,  # noqa: F401  (registers hook propose_ngram)
 )
 from minillm.speculative.governor import SpeculationGovernor
+from minillm.speculative.tree import accept_tree_sampled, verified_tree
 
 
 class Speculator:
@@ -51,6 +52,9 @@ class Speculator:
         self.governor = SpeculationGovernor(self.k) if config.adaptive else None
         self._step = (0, self.k)  # this step's decoding sequences, and the k the governor chose
         self.resolved = None  # the engine's Resolved, whose `speculation` says what was decided
+        # Whether the engine's runner can verify a tree this step (the engine sets it); trees are
+        # proposed only then (``config.topk > 1``), chains otherwise.
+        self.trees_verifiable = lambda: False
 
     def configure(self, k: int, adaptive: bool) -> None:
         """Propose up to ``k`` tokens from the next step on, measured afresh per batch size when
@@ -71,11 +75,14 @@ class Speculator:
     def describe(self) -> str:
         """The method and what decides ``k``, in words (``LLMEngine.resolved.speculation``)."""
         what = self.config.method + (f" {self.config.model}" if self.config.model else "")
+        if self.config.topk > 1:
+            what += f", trees of up to k nodes (top-{self.config.topk}, depth {self.config.depth})"
         return f"{what}, " + (self.governor.describe() if self.governor else f"k={self.k} always")
 
     def observe(self, chunks, hidden: list[torch.Tensor], seqs: list[Sequence]) -> None:
         """The target's step ran ``chunks`` (``ChunkInput``s) and left each one's hidden states."""
-        self.draft.observe([c.request_id for c in chunks], [c.start for c in chunks], hidden, seqs)
+        trees = [c.tree_parents is not None for c in chunks]
+        self.draft.observe([c.request_id for c in chunks], [c.start for c in chunks], hidden, seqs, trees)
 
     def eligible(self, seq: Sequence, k: int | None = None) -> int:
         """How many tokens to propose for ``seq`` this step, at most ``k`` (default: the
@@ -99,19 +106,24 @@ class Speculator:
         self._step = (batch, step_k)
         seqs, ks = [], []
         for seq in running:
-            seq.draft_tokens = []
+            seq.draft_tokens, seq.draft_parents = [], None
             seeded = seq.params.seed is not None and not seq.params.greedy
             k = self.eligible(seq, self.k if seeded else step_k)
             if k:
                 seqs.append(seq)
                 ks.append(k)
         self._draft_dists.clear()
+        cfg = self.config
+        if cfg.topk > 1 and seqs and self.trees_verifiable():
+            by_id = {s.request_id: s for s in seqs}
+            for rid, (tokens, parents) in self.draft.propose_trees(seqs, ks, cfg.topk, cfg.depth).items():
+                by_id[rid].draft_tokens, by_id[rid].draft_parents = tokens, parents
+            return
         if self.draft is not None:
             by_id = {s.request_id: s for s in seqs}
             for rid, (tokens, dists) in self.draft.propose(seqs, ks).items():
                 by_id[rid].draft_tokens, self._draft_dists[rid] = tokens, dists
             return
-        cfg = self.config
         for seq, k in zip(seqs, ks):
             seq.draft_tokens = hooks.propose_ngram(seq.token_ids, k, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
 
@@ -131,14 +143,28 @@ class Speculator:
         hook ``verify`` (the reference is ``verify`` below)."""
         return hooks.verify(self, seq, drafts, logits)
 
+    def verify_tree(self, seq: Sequence, drafts: list[int], parents: list[int],
+                    logits: torch.Tensor) -> tuple[list[int], list[int]]:  # fmt: skip
+        """``logits[1 + N, V]``: the target's after the sequence's last token and after each of
+        the tree's ``N`` nodes → the accepted branch (node indices) and the tokens to emit,
+        exactly as the target alone would choose: greedy through hook ``accept_tree`` (chapter
+        08's exercise, its verdict checked), sampled by ``tree.accept_tree_sampled``."""
+        if seq.params.greedy:
+            return verified_tree(parents, drafts, logits.argmax(-1).tolist())
+        target = filtered_logits(logits.float(), [seq.params] * len(logits)).softmax(-1)
+        return accept_tree_sampled(target, parents, drafts, seq.generator)
+
     def draft_distributions(self, seq: Sequence) -> torch.Tensor | None:
         """The draft model's distributions ``[k, V]`` behind ``seq``'s proposals this step
         (None: deterministic proposals, as prompt lookup makes)."""
         return self._draft_dists.get(seq.request_id)
 
-    def after_verify(self, seq: Sequence) -> None:
-        """The sequence has its new tokens: roll the draft back to where it still agrees."""
+    def after_verify(self, seq: Sequence, path: list[int] | None = None) -> None:
+        """The sequence has its new tokens (``path``: the branch a verified tree kept): roll the
+        draft back to where it still agrees."""
         if self.draft is not None:
+            if path is not None and hasattr(self.draft, "accept_branch"):
+                self.draft.accept_branch(seq, len(seq) - len(path) - 2, path)
             if seq.is_finished:
                 self.draft.release(seq.request_id)
             else:
@@ -170,7 +196,7 @@ class NoSpeculation:
     def verify(self, seq: Sequence, drafts: list[int], logits: torch.Tensor) -> list[int]:
         raise RuntimeError("a verify chunk without speculative decoding")
 
-    def after_verify(self, seq: Sequence) -> None:
+    def after_verify(self, seq: Sequence, path: list[int] | None = None) -> None:
         pass
 
     def release(self, request_id: Hashable) -> None:

@@ -18,7 +18,11 @@ SpecInfer (Miao et al., 2024, arXiv:2305.09781) verifies token trees this way; M
 al., 2024, arXiv:2401.10774) uses a fixed tree over its heads' top-k; EAGLE-2 (Li et al., 2024,
 arXiv:2406.16858) grows the tree from the draft head's confidence. Here the tree runs in a
 pass over a contiguous KV cache (``tree_pass``), enough to measure what a tree buys in accepted
-tokens (``tree_generate``); the serving engine verifies chains, as rows of its compiled decode step.
+tokens (``tree_generate``). The serving engine verifies the same trees in its paged steps,
+compiled or not: each node a row at its own address with its depth's position, seeing only its
+ancestors through the C++ kernel's ancestor bits (``runtime/fast_path.token_rows``); the
+accepted branch's keys then move up behind the sequence (``PagedRunner.keep_tree_branch``). The
+EAGLE proposer grows those trees by confidence (``EagleProposer._grow_tree``).
 """
 
 from __future__ import annotations
@@ -166,6 +170,45 @@ def verified_tree(parents: list[int], drafts: list[int], target_tokens: list[int
         raise ValueError(f"accept_tree emitted {emitted} for path {path}: the path's draft tokens, then the target's "
                          f"token after its last node ({target_tokens[node + 1]})")  # fmt: skip
     return path, emitted
+
+
+def accept_tree_sampled(target_probs: torch.Tensor, parents: list[int], drafts: list[int],
+                        generator: torch.Generator | None = None) -> tuple[list[int], list[int]]:  # fmt: skip
+    """Sampling verification of a tree of deterministic guesses: ``target_probs[1 + N, V]`` —
+    row 0 the target's distribution after the sequence, row ``1 + i`` after node ``i`` — →
+    the accepted branch and the tokens to emit, distributed exactly as the target's own samples.
+
+    At each node, its children are tried in order, each as a point guess: child ``x`` is kept
+    with probability ``r(x)``, where ``r`` starts as the target's distribution and loses each
+    rejected child's token (renormalised) — so the first child is emitted with probability
+    ``p(x1)``, the second with ``(1 - p(x1)) · p(x2) / (1 - p(x1)) = p(x2)``, and so on; when
+    every child is rejected, the token is drawn from what is left of ``r``: every token ends up
+    with probability ``p`` (SpecInfer's multi-candidate rule, Miao et al., 2024,
+    arXiv:2305.09781, with point-mass drafts). A kept child's own children are then tried
+    against the target's distribution after it."""
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        children.setdefault(p, []).append(i)
+    path, emitted, node = [], [], -1
+    while True:
+        r = target_probs[node + 1].clone()
+        kept = None
+        for child in children.get(node, []):
+            token = drafts[child]
+            total = r.sum()
+            u = torch.rand((), generator=generator, device=r.device)
+            if total > 0 and u * total < r[token]:
+                kept = child
+                break
+            r[token] = 0.0
+        if kept is None:
+            if not r.sum() > 0:  # every token the target allows was a rejected guess: cannot happen but by rounding
+                r = target_probs[node + 1]
+            emitted.append(int(torch.multinomial(r, 1, generator=generator)))
+            return path, emitted
+        path.append(kept)
+        emitted.append(drafts[kept])
+        node = kept
 
 
 @torch.inference_mode()

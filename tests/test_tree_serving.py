@@ -1,0 +1,188 @@
+"""EAGLE-2 trees in the serving engine: each step proposes a tree, the paged step verifies every
+node in one pass (each node a row at its own address, its depth's position, seeing only its
+ancestors through the kernel's ancestor bits), the accepted branch's keys move up behind the
+sequence, and the output is exactly the target's — greedy tokens identical, sampled tokens
+distributed as the target's own — eagerly and on the compiled step, through rollbacks,
+preemption and prefix hits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_eagle import PROMPTS, TARGET, random_head
+
+from minillm import LLM, SamplingParams
+from minillm.assets import resolve_model
+from minillm.attention import cpu_paged
+from minillm.config import ModelConfig
+from minillm.kvcache.addressing import kv_bytes_per_token
+from minillm.runtime.fast_path import ancestor_bits, token_rows
+from minillm.runtime.runner import ChunkInput
+from minillm.speculative.eagle import EagleProposer
+from minillm.speculative.tree import accept_tree_sampled, tree_attention_mask
+
+pytestmark = pytest.mark.skipif(
+    cpu_paged.kernel_unavailable_reason() is not None, reason="trees are verified through the C++ kernel"
+)
+
+
+def tree_config(head_dir, k: int = 7, topk: int = 3, depth: int = 3) -> dict:
+    """Always k nodes (the governor is not these tests' subject)."""
+    return {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": k, "topk": topk, "depth": depth,
+            "adaptive": False}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory):
+    return random_head(tmp_path_factory.mktemp("eagle-tree"))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = LLM(TARGET, dtype="fp32")
+    return [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))]
+
+
+def lure_tree(future: list[int], k: int) -> tuple[list[int], list[int]]:
+    """A tree whose right branch is never the first child: a wrong guess first at the root, the
+    true next token as its sibling, the true continuation under the true token only — and the
+    same true token under the wrong branch too, which only a node that could see its sibling
+    branch (a leaking mask) or the wrong position would score differently."""
+    f0, f1, f2 = future[0], future[1], future[2]
+    w = lambda t: (t + 7) % 40  # noqa: E731  (a token that is not the target's)
+    tokens = [w(f0), f0, f1, w(f1), f2, f1, w(f2)]
+    parents = [-1, -1, 1, 1, 2, 0, 2]  # the branch f0 f1 f2 is nodes 1, 2, 4; f1 again under the wrong guess: node 5
+    return tokens[:k], parents[:k]
+
+
+def lured(monkeypatch, llm: LLM) -> None:
+    truth = {}
+    ref = LLM(TARGET, dtype="fp32")
+    for p in PROMPTS:
+        ids = ref.tokenizer.encode(p)
+        truth[tuple(ids)] = ref.generate(p, SamplingParams(max_tokens=40, ignore_eos=True))[0].token_ids
+    grow = EagleProposer._grow_tree
+
+    def grow_lure(self, seq, state, k, topk, depth):
+        tokens, parents = grow(self, seq, state, k, topk, depth)  # the head's machinery runs as usual
+        future = truth[tuple(seq.prompt_token_ids)][len(seq.output_token_ids) :]
+        return lure_tree(future, k) if len(future) >= 3 else (tokens, parents)
+
+    monkeypatch.setattr(EagleProposer, "_grow_tree", grow_lure)
+
+
+def test_ancestor_bits_are_the_tree_mask_row_by_row():
+    parents = [-1, -1, 0, 1, 1, 4, 2, -1]
+    mask = tree_attention_mask(parents)
+    for i in range(len(parents)):
+        bits = ancestor_bits(parents, i)
+        for j in range(i + 1):  # node j lies i - j addresses before node i
+            assert bool((bits >> (i - j)) & 1) == bool(mask[i, j]), (i, j)
+        assert all((bits >> b) & 1 for b in range(i + 1, 64))  # the root and the sequence: always seen
+    rows = token_rows([ChunkInput("r", [9, 1, 2, 3, 4, 5, 6, 7, 8], 20, 9, [0], tree_parents=parents)])
+    assert [r.start for r in rows] == list(range(20, 29))  # addresses: one after the other
+    assert [r.positions[0] for r in rows] == [20, 21, 21, 22, 22, 22, 23, 23, 21]  # positions: by depth
+    with pytest.raises(ValueError, match="at most 62 nodes"):
+        ancestor_bits(list(range(-1, 62)), 62)
+
+
+def test_greedy_trees_reproduce_the_target_alone(head_dir, reference):
+    llm = LLM(TARGET, dtype="fp32", speculative_config=tree_config(head_dir))
+    assert llm.engine.runner.supports_trees()
+    assert "trees of up to k nodes (top-3, depth 3)" in llm.engine.resolved.speculation
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert [o.token_ids for o in outs] == reference
+    assert sum(o.metrics.spec_proposed for o in outs) > 0
+    assert llm.engine.block_manager.num_used_blocks == 0 and not llm.engine.speculator.draft.states
+
+
+def test_the_right_branch_is_found_behind_a_wrong_first_guess(head_dir, reference, monkeypatch):
+    """Each step's tree hides the true continuation behind a wrong first child (``lure_tree``):
+    three of its tokens are accepted per step, their keys moved up behind the sequence, and the
+    tokens never change — alone, in a pool small enough to preempt, and on a round that hits
+    the prefix cache."""
+    llm = LLM(TARGET, dtype="fp32", speculative_config=tree_config(head_dir))
+    lured(monkeypatch, llm)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    out = llm.generate(PROMPTS[1], params)[0]
+    assert out.token_ids == reference[1]
+    assert out.metrics.spec_accepted >= 3 * (out.metrics.num_verify_steps - 2)  # 3 per step, but near the end
+    per_block = 4 * kv_bytes_per_token(ModelConfig.from_folder(resolve_model(TARGET)), torch.float32)
+    small = LLM(TARGET, dtype="fp32", speculative_config=tree_config(head_dir), max_num_batched_tokens=9,
+                block_size=4, kv_cache_memory=16 * per_block, max_model_len=64)  # fmt: skip
+    outs = small.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == reference
+    assert sum(o.num_preemptions for o in outs) > 0 and sum(o.metrics.spec_accepted for o in outs) > 0
+    small.engine.block_manager.check_invariants()
+    cached = LLM(TARGET, dtype="fp32", speculative_config=tree_config(head_dir), block_size=4)
+    for _ in range(2):
+        outs = cached.generate(PROMPTS, params)
+        assert [o.token_ids for o in outs] == reference
+    assert sum(o.num_cached_tokens for o in outs) > 0
+
+
+def test_logprobs_of_a_tree_step_come_from_the_accepted_branchs_rows(head_dir, monkeypatch):
+    plain = LLM(TARGET, dtype="fp32")
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)
+    want = plain.generate(PROMPTS[0], params)[0]
+    llm = LLM(TARGET, dtype="fp32", speculative_config=tree_config(head_dir))
+    lured(monkeypatch, llm)
+    got = llm.generate(PROMPTS[0], params)[0]
+    assert got.token_ids == want.token_ids and got.metrics.spec_accepted > 0
+    for a, b in zip(got.logprobs, want.logprobs):
+        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+
+
+def test_a_chain_is_proposed_where_the_step_cannot_verify_a_tree(head_dir, reference):
+    """The ``sdpa`` backend attends without ancestor bits: the same configuration proposes chains."""
+    llm = LLM(TARGET, dtype="fp32", attention_backend="sdpa", speculative_config=tree_config(head_dir))
+    assert not llm.engine.runner.supports_trees()
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert [o.token_ids for o in outs] == reference and sum(o.metrics.spec_proposed for o in outs) > 0
+
+
+def test_sampled_tree_verification_is_distributed_as_the_target():
+    """``accept_tree_sampled`` over a tree of deterministic guesses: the first token emitted is
+    distributed as the target's row 0, and the second, after an accepted child, as the target's
+    row after that child (chi-square, 40,000 draws)."""
+    gen = torch.Generator().manual_seed(0)
+    V = 6
+    parents, drafts = [-1, -1, -1, 0, 0, 1], [2, 0, 5, 1, 2, 4]
+    probs = torch.softmax(torch.randn(len(parents) + 1, V, generator=gen) * 1.5, -1)
+    n = 40_000
+    first = torch.zeros(V)
+    second = {0: torch.zeros(V), 1: torch.zeros(V)}
+    for _ in range(n):
+        path, emitted = accept_tree_sampled(probs, parents, drafts, gen)
+        assert len(emitted) == len(path) + 1 and [drafts[i] for i in path] == emitted[: len(path)]
+        first[emitted[0]] += 1
+        if path and path[0] in second:
+            second[path[0]][emitted[1]] += 1
+
+    def chi2_ok(counts, p):
+        expected = counts.sum() * p
+        stat = float(((counts - expected) ** 2 / expected.clamp(min=1e-9)).sum())
+        return stat < 20.5  # 5 degrees of freedom: p < 0.001 of a false alarm
+
+    assert chi2_ok(first, probs[0])
+    assert chi2_ok(second[0], probs[1]) and chi2_ok(second[1], probs[2])
+
+
+def test_sampled_requests_with_trees_are_reproducible_by_seed(head_dir, monkeypatch):
+    llm = LLM(TARGET, dtype="fp32", speculative_config=tree_config(head_dir))
+    lured(monkeypatch, llm)
+    params = SamplingParams(max_tokens=20, temperature=0.8, seed=7, ignore_eos=True)
+    a = llm.generate(PROMPTS[:2], params)
+    b = llm.generate(PROMPTS[:2], params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert sum(o.metrics.spec_proposed for o in a) > 0
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [({"topk": 0}, "topk=0 must be >= 1"), ({"topk": 9}, "topk=9 is above 8"), ({"depth": 17}, "depth=17 is above 16"),
+     ({"topk": "3"}, "topk='3' must be an integer")],
+)  # fmt: skip
+def test_bad_tree_options_are_named(head_dir, extra, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(TARGET, speculative_config={**tree_config(head_dir), **extra})
