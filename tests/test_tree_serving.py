@@ -159,13 +159,34 @@ def test_sampled_tree_verification_is_distributed_as_the_target():
         if path and path[0] in second:
             second[path[0]][emitted[1]] += 1
 
-    def chi2_ok(counts, p):
-        expected = counts.sum() * p
-        stat = float(((counts - expected) ** 2 / expected.clamp(min=1e-9)).sum())
-        return stat < 20.5  # 5 degrees of freedom: p < 0.001 of a false alarm
-
     assert chi2_ok(first, probs[0])
     assert chi2_ok(second[0], probs[1]) and chi2_ok(second[1], probs[2])
+
+
+def chi2_ok(counts, p):
+    expected = counts.sum() * p
+    stat = float(((counts - expected) ** 2 / expected.clamp(min=1e-9)).sum())
+    return stat < 20.5  # 5 degrees of freedom: p < 0.001 of a false alarm
+
+
+def test_the_distribution_test_catches_a_rule_that_forgets_rejected_guesses():
+    """A rule that tries each child against the target's whole distribution (not what is left
+    after the rejected siblings) and falls back to it over-emits the guessed tokens: caught."""
+    gen = torch.Generator().manual_seed(1)
+    V = 6
+    parents, drafts = [-1, -1, -1], [2, 0, 5]
+    probs = torch.softmax(torch.randn(4, V, generator=gen) * 1.5, -1)
+
+    def forgetful(p):
+        for child, token in enumerate(drafts):
+            if torch.rand((), generator=gen) < p[token]:
+                return token
+        return int(torch.multinomial(p, 1, generator=gen))
+
+    counts = torch.zeros(V)
+    for _ in range(20_000):
+        counts[forgetful(probs[0])] += 1
+    assert not chi2_ok(counts, probs[0])
 
 
 def test_sampled_requests_with_trees_are_reproducible_by_seed(head_dir, monkeypatch):
@@ -186,3 +207,42 @@ def test_sampled_requests_with_trees_are_reproducible_by_seed(head_dir, monkeypa
 def test_bad_tree_options_are_named(head_dir, extra, message):
     with pytest.raises(ValueError, match=message):
         LLM(TARGET, speculative_config={**tree_config(head_dir), **extra})
+
+
+@pytest.mark.slow
+def test_smollm2_eagle_trees_in_fp32_reproduce_the_target_alone():
+    """The committed head's own trees over the real model (top-3, depth 4, 8 nodes): SmolLM2's
+    greedy tokens in fp32, and more proposals accepted per verify step than its chain of 4."""
+    chats = [[{"role": "user", "content": q}] for q in ("Explain how a rainbow forms.", "Why do we need sleep?")]
+    params = SamplingParams(max_tokens=40)
+    plain = [o.token_ids for o in LLM("smollm2-135m", dtype="fp32").generate(chats, params)]
+    chain = {"method": "eagle", "model": "smollm2-eagle", "num_speculative_tokens": 4, "adaptive": False}
+    tree = {**chain, "num_speculative_tokens": 8, "topk": 3, "depth": 4}
+    per_step = {}
+    for name, spec in (("chain", chain), ("tree", tree)):
+        outs = LLM("smollm2-135m", dtype="fp32", speculative_config=spec).generate(chats, params)
+        assert [o.token_ids for o in outs] == plain, name
+        per_step[name] = sum(o.metrics.spec_accepted for o in outs) / sum(o.metrics.num_verify_steps for o in outs)
+    assert per_step["tree"] > per_step["chain"] > 0, per_step
+
+
+def test_pruned_growth_keeps_the_same_tree(head_dir):
+    """``_grow_tree`` skips expanding nodes that cannot have a descendant among the k best: the
+    tree (tokens and parents) is the one full growth gives, step after step of a generation."""
+    llm = LLM(TARGET, dtype="fp32", speculative_config=tree_config(head_dir, k=6, topk=3, depth=4))
+    proposer = llm.engine.speculator.draft
+    grow, compared = EagleProposer._grow_tree, []
+
+    def both(self, seq, state, k, topk, depth, prune=True):
+        filled = state.filled
+        full = grow(self, seq, state, k, topk, depth, prune=False)
+        state.filled = filled  # the catch-up again, from where it started
+        pruned = grow(self, seq, state, k, topk, depth, prune=True)
+        compared.append(full == pruned)
+        return pruned
+
+    proposer._grow_tree = both.__get__(proposer)
+    for k in (2, 6):
+        llm.engine.speculator.configure(k, adaptive=False)
+        llm.generate(PROMPTS[:2], SamplingParams(max_tokens=16, ignore_eos=True))
+    assert compared and all(compared)

@@ -375,7 +375,8 @@ class EagleProposer:
             state.put_kv(at, k_new, v_new)  # beyond `filled`: overwritten by the next catch-up
         return proposals, (torch.stack(dists) if dists else None)
 
-    def _grow_tree(self, seq: Sequence, state: _State, k: int, topk: int, depth: int) -> tuple[list[int], list[int]]:
+    def _grow_tree(self, seq: Sequence, state: _State, k: int, topk: int, depth: int,
+                   prune: bool = True) -> tuple[list[int], list[int]]:  # fmt: skip
         """EAGLE-2's dynamic draft tree (Li et al., 2024, arXiv:2406.16858): a node's score is
         the sum of the head's log-probabilities along its branch — its chance of being accepted,
         as far as the head knows. Level by level, the ``topk`` best nodes of the newest level are
@@ -386,7 +387,13 @@ class EagleProposer:
         a prefix of the list, as the governor and the scheduler may cut it, is the best smaller tree.
 
         The tree is built from the head's scores whatever the request samples with: a sampled
-        request verifies it as deterministic guesses (``tree.accept_tree_sampled``), exactly."""
+        request verifies it as deterministic guesses (``tree.accept_tree_sampled``), exactly.
+
+        ``prune``: a level is not expanded where it cannot matter — a child never scores above
+        its parent, and a newer node loses a tie, so a node that scores no better than the
+        ``k``-th best node so far has no descendant among the ``k`` kept. The tree is the same;
+        the head's calls are fewer where its guesses are unsure (where a tree cannot win much).
+        (``prune=False``: every level expanded, for the test that the two agree.)"""
         head, n, ids = self.head, len(seq), self.head.vocab_ids
         device = state.feats.device
         feat = self._catch_up(seq, state)
@@ -413,6 +420,11 @@ class EagleProposer:
         level = add_children(-1, feat, torch.log_softmax(head.logits(feat)[0].float(), -1))
         for _ in range(depth - 1):
             expand = sorted(level, key=lambda i: (-scores[i], i))[:topk]
+            if prune and len(scores) >= k:  # a node no better than the k-th best so far has no child among the k best
+                kth = sorted(scores, reverse=True)[k - 1]
+                expand = [i for i in expand if scores[i] > kth]
+            if not expand:
+                break
             T, R = len(expand), sum(len(t) for t in run_k)  # R: run-ahead keys so far
             mask = torch.zeros(T, past + R + T, dtype=torch.bool, device=device)
             mask[:, :past] = True
