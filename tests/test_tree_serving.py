@@ -174,11 +174,11 @@ def test_the_distribution_test_catches_a_rule_that_forgets_rejected_guesses():
     after the rejected siblings) and falls back to it over-emits the guessed tokens: caught."""
     gen = torch.Generator().manual_seed(1)
     V = 6
-    parents, drafts = [-1, -1, -1], [2, 0, 5]
+    drafts = [2, 0, 5]  # three children of the root
     probs = torch.softmax(torch.randn(4, V, generator=gen) * 1.5, -1)
 
     def forgetful(p):
-        for child, token in enumerate(drafts):
+        for token in drafts:
             if torch.rand((), generator=gen) < p[token]:
                 return token
         return int(torch.multinomial(p, 1, generator=gen))
