@@ -34,6 +34,7 @@ ENGINES = {
     "default": None,
     "ngram k4": {"method": "ngram", "num_speculative_tokens": 4},
     "eagle chain k4": {"method": "eagle", "model": "smollm2-eagle", "num_speculative_tokens": 4},
+    "eagle chain k4 fixed": {"method": "eagle", "model": "smollm2-eagle", "num_speculative_tokens": 4, "adaptive": False},
     "eagle chain k3 fixed": {"method": "eagle", "model": "smollm2-eagle", "num_speculative_tokens": 3, "adaptive": False},
     "eagle tree 2x3 k4 fixed": {"method": "eagle", "model": "smollm2-eagle", "num_speculative_tokens": 4, "topk": 2,
                                 "depth": 3, "adaptive": False},

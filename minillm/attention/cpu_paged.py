@@ -358,13 +358,17 @@ class StaticKernelDecodeStep:
 
     def __init__(self, layout: StepLayout):
         self.layout, self.pool = layout, layout.pool
+        # The compiled step always passes each row's ancestor bits; a layout without them: plain rows.
+        self.visible = layout.visible
+        if self.visible is None:
+            self.visible = torch.full_like(layout.context_lens_tensor, -1)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """``q[1, B, H, D]``, ``k, v[1, B, KV, D]`` (one new token per row) → ``[1, B, H, D]``."""
         pool, layout = self.pool, self.layout
         write_kv(pool, layer, layout.slot_mapping, k[0], v[0])
         out = torch.ops.minillm.paged_decode(q[0], pool.k_slots[layer], pool.v_slots[layer], layout.block_tables,
-                              layout.context_lens_tensor, layout.visible, pool.block_size, scale,
+                              layout.context_lens_tensor, self.visible, pool.block_size, scale,
                               layout.window or 0)  # fmt: skip
         return out[None]
 
