@@ -65,7 +65,7 @@ def lured(monkeypatch, llm: LLM) -> None:
 
     def grow_lure(self, seq, state, k, topk, depth):
         tokens, parents = grow(self, seq, state, k, topk, depth)  # the head's machinery runs as usual
-        future = truth[tuple(seq.prompt_token_ids)][len(seq.output_token_ids) :]
+        future = truth.get(tuple(seq.prompt_token_ids), [])[len(seq.output_token_ids) :]  # other prompts: the head's own
         return lure_tree(future, k) if len(future) >= 3 else (tokens, parents)
 
     monkeypatch.setattr(EagleProposer, "_grow_tree", grow_lure)
@@ -246,3 +246,30 @@ def test_pruned_growth_keeps_the_same_tree(head_dir):
         llm.engine.speculator.configure(k, adaptive=False)
         llm.generate(PROMPTS[:2], SamplingParams(max_tokens=16, ignore_eos=True))
     assert compared and all(compared)
+
+
+def test_a_tree_step_that_finishes_a_request_leaves_only_its_own_kv_in_the_prefix_cache(head_dir, monkeypatch):
+    """A request that stops inside an accepted tree run: its full blocks go to the prefix cache,
+    so the branch's K/V must have moved up first, and the bonus token's slot (never computed)
+    must not be registered. A second request resending the first's prompt and answer hits
+    those blocks and must continue exactly as an engine without a cache."""
+    plain = LLM(TARGET, dtype="fp32", enable_prefix_caching=False, block_size=4)
+    first = plain.generate(PROMPTS[1], SamplingParams(max_tokens=30, ignore_eos=True))[0].token_ids
+    prompt_ids = plain.tokenizer.encode(PROMPTS[1])
+    llm = LLM(TARGET, dtype="fp32", speculative_config=tree_config(head_dir), block_size=4)
+    lured(monkeypatch, llm)
+    hits = 0
+    for stop_at in range(4, 28):  # stops at every offset in a step and in a block
+        stop = first[stop_at]
+        if stop in first[:stop_at]:
+            continue
+        out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=[stop]))[0]
+        assert out.token_ids == first[: stop_at + 1] and out.metrics.spec_accepted > 0
+        again = prompt_ids + out.token_ids
+        params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)  # logprobs: a wrong key shows
+        want = plain.generate([again], params)[0]
+        got = llm.generate([again], params)[0]
+        hits += got.num_cached_tokens > 0
+        assert got.token_ids == want.token_ids, stop_at
+        assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(got.logprobs, want.logprobs)), stop_at
+    assert hits

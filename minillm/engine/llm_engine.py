@@ -573,11 +573,13 @@ class LLMEngine:
                 metrics.num_verify_steps += 1
                 metrics.spec_proposed += len(chunk.draft_tokens)
                 metrics.spec_accepted += accepted
+                if i in self._tree_paths:  # the accepted branch's K/V moves up behind the sequence
+                    self.runner.keep_tree_branch(self.scheduler.block_table(seq), chunk.start + 1,
+                                                 self._tree_paths[i][:accepted])  # fmt: skip
                 if not seq.is_finished:  # rejected proposals: their K/V goes (a finished one frees all)
-                    if i in self._tree_paths:  # the accepted branch's K/V moves up behind the sequence
-                        self.runner.keep_tree_branch(self.scheduler.block_table(seq), chunk.start + 1,
-                                                     self._tree_paths[i][:accepted])  # fmt: skip
                     self.scheduler.rollback(seq, chunk.start + 1 + accepted)
+                else:  # ... but first its full blocks go to the prefix cache: only those whose K/V is the sequence's
+                    seq.num_computed_tokens = min(seq.num_computed_tokens, chunk.start + 1 + accepted, len(seq))
                 self.speculator.after_verify(seq, self._tree_paths.get(i))
             deltas.append(self._delta(seq, tokens[:appended], None if records is None else records[:appended]))
             if i in forks:
