@@ -63,7 +63,7 @@ def _generators(seed: int, rows: int = 7) -> list[torch.Generator]:
 
 
 def _penalized(logits: torch.Tensor, seen: list[int], penalty: float) -> torch.Tensor:
-    ids = torch.tensor(sorted(set(seen)))
+    ids = torch.tensor(sorted(set(seen)), dtype=torch.long)  # long even when nothing was seen (an empty row)
     out = logits.clone()
     out[ids] = torch.where(out[ids] > 0, out[ids] / penalty, out[ids] * penalty)
     return out
