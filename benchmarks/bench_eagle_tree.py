@@ -46,6 +46,8 @@ ENGINES = {
                                 "depth": 4, "adaptive": False},
     "eagle tree 3x4 k8": {"method": "eagle", "model": "smollm2-eagle", "num_speculative_tokens": 8, "topk": 3,
                           "depth": 4},
+    "eagle tree 3x3 k6": {"method": "eagle", "model": "smollm2-eagle", "num_speculative_tokens": 6, "topk": 3,
+                          "depth": 3},
 }  # fmt: skip
 
 
