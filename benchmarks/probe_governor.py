@@ -1,0 +1,119 @@
+"""What the speculation governor chooses at batch 1 against what each choice really makes.
+
+    python benchmarks/probe_governor.py [--chats 12] [--runs 3] [--replays 40]
+
+One engine: SmolLM2-135M as it ships (bf16 where the CPU has fast bf16 kernels, its decode step
+compiled and settled) with the EAGLE head's 6-node trees (``topk`` 3, ``depth`` 3) and the
+governor on, decoding the EAGLE recipe's held-out chats one at a time (64 tokens), ``--runs``
+times. Every pure decode step the governor records is kept: per candidate number of proposals,
+how often it ran and the tokens per second its steps made (mean of per-step rates, ratio of
+sums, spread). Then the governor is replayed offline ``--replays`` times, 1,200 steps each, on
+those recorded steps (each step a random draw from the chosen candidate's own steps): the rate
+it reaches, against always choosing the best candidate — the share lost to choosing by noisy
+estimates and to trying the others. Replays also run a count-weighted estimator (a plain mean
+over a candidate's first steps, then a moving average of weight 0.05), to size that fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import random
+import statistics
+from pathlib import Path
+
+RECIPE = Path(__file__).resolve().parents[1] / "data" / "recipes" / "train_eagle_smollm2.py"
+CONFIG = {"method": "eagle", "model": "smollm2-eagle", "num_speculative_tokens": 6, "topk": 3, "depth": 3}
+
+
+def record_steps(num_chats: int, runs: int) -> tuple[list[tuple[int, int, float]], str]:
+    from minillm import LLM, SamplingParams
+    from minillm.speculative.governor import SpeculationGovernor
+
+    spec = importlib.util.spec_from_file_location("train_eagle_smollm2", RECIPE)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    held = recipe.held_out_chats()
+    chats = [[{"role": "user", "content": q}] for q in held[:: max(1, len(held) // num_chats)][:num_chats]]
+    llm = LLM("smollm2-135m", speculative_config=CONFIG)
+    llm.wait_for_fast_path()
+    steps, record = [], SpeculationGovernor.record
+
+    def recording(self, batch, k, tokens, seconds):
+        steps.append((k, tokens, seconds))
+        record(self, batch, k, tokens, seconds)
+
+    SpeculationGovernor.record = recording  # the engine's governor may be rebuilt (a clock change): patch the class
+    try:
+        for _ in range(runs):
+            for chat in chats:
+                llm.generate([chat], SamplingParams(max_tokens=64))
+    finally:
+        SpeculationGovernor.record = record
+    return steps, llm.resolved.speculation
+
+
+class CountWeighted:
+    """Mixin: a candidate's first steps averaged plainly, then a moving average of weight ``FLOOR``."""
+
+    FLOOR = 0.05
+
+    def record(self, batch, k, tokens, seconds):
+        candidate = self.sizes.get(self.size_class(batch), {}).get(k)
+        if candidate is None or seconds <= 0:
+            return
+        weight, rate, old = max(self.FLOOR, 1 / (candidate.steps + 1)), tokens / seconds, candidate.tokens_per_second
+        candidate.tokens_per_second = rate if old is None else old + weight * (rate - old)
+        candidate.steps += 1
+
+
+def replay(make, by_k: dict, replays: int, steps: int = 1200) -> tuple[float, float]:
+    rates = []
+    for seed in range(replays):
+        draw, governor, tokens, seconds = random.Random(seed), make(), 0, 0.0
+        for _ in range(steps):
+            k = governor.choose(1)
+            t, s = draw.choice(by_k[k])
+            governor.record(1, k, t, s)
+            tokens, seconds = tokens + t, seconds + s
+        rates.append(tokens / seconds)
+    return statistics.mean(rates), min(rates)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--chats", type=int, default=12)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--replays", type=int, default=40)
+    args = parser.parse_args()
+    import torch
+
+    from minillm.machine import machine_description
+    from minillm.speculative.governor import SpeculationGovernor
+
+    machine = machine_description(torch.device("cpu"))
+    print(f"probe_governor: {machine['cpu']}, {machine['torch_threads']} threads; {CONFIG}")
+    steps, resolved = record_steps(args.chats, args.runs)
+    by_k = collections.defaultdict(list)
+    for k, t, s in steps:
+        by_k[k].append((t, s))
+    print(f"{'k':>3} {'steps':>6} {'mean tok/s':>11} {'sum/sum':>8} {'sd':>6} {'tokens':>7} {'ms':>6}")
+    for k in sorted(by_k):
+        rates = [t / s for t, s in by_k[k]]
+        print(f"{k:>3} {len(rates):>6} {statistics.mean(rates):>11.1f} "
+              f"{sum(t for t, _ in by_k[k]) / sum(s for _, s in by_k[k]):>8.1f} {statistics.pstdev(rates):>6.1f} "
+              f"{statistics.mean(t for t, _ in by_k[k]):>7.2f} {1000 * statistics.mean(s for _, s in by_k[k]):>6.1f}")  # fmt: skip
+    print(f"the engine's governor at the end: {resolved}")
+    best = max(by_k, key=lambda k: sum(t for t, _ in by_k[k]) / sum(s for _, s in by_k[k]))
+    oracle = sum(t for t, _ in by_k[best]) / sum(s for _, s in by_k[best])
+    k = max(by_k)
+    shipped = replay(lambda: SpeculationGovernor(k), by_k, args.replays)
+    counted = replay(lambda: type("Counted", (CountWeighted, SpeculationGovernor), {})(k), by_k, args.replays)
+    print(f"replayed on these steps ({args.replays} x 1,200 steps): always k={best} {oracle:.1f} tok/s; "
+          f"the governor as shipped {shipped[0]:.1f} ({shipped[0] / oracle:.1%}, worst {shipped[1]:.1f}); "
+          f"count-weighted estimates {counted[0]:.1f} ({counted[0] / oracle:.1%}, worst {counted[1]:.1f})")
+
+
+if __name__ == "__main__":
+    main()
