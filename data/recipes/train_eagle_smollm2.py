@@ -1,6 +1,6 @@
 """Recipe: a feature-level (EAGLE) draft head for SmolLM2-135M-Instruct, by self-distillation.
 
-    python data/recipes/train_eagle_smollm2.py                  # the committed head: ~51 min on 2 CPU cores
+    python data/recipes/train_eagle_smollm2.py                  # the committed head: ~50 min on 2 CPU cores
     python data/recipes/train_eagle_smollm2.py --chats 200 --steps 100 --top1-only --no-save   # a pilot
 
 What it builds (``minillm/speculative/eagle.py``): one decoder layer that reads SmolLM2's own
@@ -302,7 +302,8 @@ def train(head, feats, labels, windows, vocab_ids, args) -> list[dict]:
     The loss is compiled (``torch.compile``, unless ``--eager``): most of an eager step is not
     the matrix products but the softmax and cross-entropy over ``[batch, 255, draft vocab]`` and
     their gradients, which the compiler fuses — 0.25 s a step against 0.34 s eager (Intel Xeon,
-    2 threads, batch 8, soft; the compile itself takes ~20 s once)."""
+    2 threads, batch 8, soft loss over 8,192 tokens: ``benchmarks/results/train-eagle-pilots-2026-12-06/``,
+    p0 compiled, exp2 eager; the compile itself takes ~20 s once)."""
     index = torch.full((head.target[0].config.vocab_size,), -100, dtype=torch.long)
     index[vocab_ids] = torch.arange(len(vocab_ids))
     sigma = feats[: min(len(feats), 256)].float().std().item()
