@@ -15,22 +15,14 @@ target's pass, which streams ~270 MB, does between two steps).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from timing import median_ms
 
 
 def median_us(fn, repeats: int = 500) -> float:
-    for _ in range(20):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    return median_ms(fn, repeats) * 1e3
 
 
 def main() -> None:
