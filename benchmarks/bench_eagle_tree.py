@@ -6,8 +6,9 @@ Every engine is SmolLM2-135M as it ships (bf16 where this CPU has fast bf16 kern
 decode step compiled — each engine waits for its compiled step, then runs every workload once
 untimed, so it is *settled*): the default engine, prompt lookup and the EAGLE head as chapter 08
 shows them (k = 4, the governor on), and the head's EAGLE-2 trees (``topk`` children per
-expanded node, ``depth`` levels, the ``k`` most likely nodes verified per pass) with the
-governor off and on. Workloads: held-out chats (the EAGLE recipe's evaluation prompts, whole
+expanded node, ``depth`` levels, the ``k`` most likely nodes verified per pass, and by default
+prompt lookup's guess grafted on as a branch of up to 4 more) with the governor on and off, and
+without the grafted branch. ``--engines`` picks others (``ENGINES``). Workloads: held-out chats (the EAGLE recipe's evaluation prompts, whole
 topics no training chat mentions) and grounded requests (copy a passage, then explain it).
 
 Printed per engine and workload: tokens per second (median of ``--runs``), the ratio to the
@@ -30,25 +31,33 @@ from pathlib import Path
 import torch
 
 RECIPE = Path(__file__).resolve().parents[1] / "data" / "recipes" / "train_eagle_smollm2.py"
+HEAD = {"method": "eagle", "model": "smollm2-eagle"}
+
+
+def tree(topk: int, depth: int, k: int, adaptive: bool = True, branch: bool = True) -> dict:
+    """An EAGLE-2 tree configuration; ``branch`` False: without prompt lookup's grafted branch."""
+    spec = {**HEAD, "num_speculative_tokens": k, "topk": topk, "depth": depth}
+    return spec | ({} if adaptive else {"adaptive": False}) | ({} if branch else {"ngram_branch": 0})
+
+
 ENGINES = {
     "default": None,
     "ngram k4": {"method": "ngram", "num_speculative_tokens": 4},
-    "eagle chain k4": {"method": "eagle", "model": "smollm2-eagle", "num_speculative_tokens": 4},
-    "eagle chain k4 fixed": {"method": "eagle", "model": "smollm2-eagle", "num_speculative_tokens": 4, "adaptive": False},
-    "eagle chain k3 fixed": {"method": "eagle", "model": "smollm2-eagle", "num_speculative_tokens": 3, "adaptive": False},
-    "eagle tree 2x3 k4 fixed": {"method": "eagle", "model": "smollm2-eagle", "num_speculative_tokens": 4, "topk": 2,
-                                "depth": 3, "adaptive": False},
-    "eagle tree 3x3 k6 fixed": {"method": "eagle", "model": "smollm2-eagle", "num_speculative_tokens": 6, "topk": 3,
-                                "depth": 3, "adaptive": False},
-    "eagle tree 2x4 k6 fixed": {"method": "eagle", "model": "smollm2-eagle", "num_speculative_tokens": 6, "topk": 2,
-                                "depth": 4, "adaptive": False},
-    "eagle tree 3x4 k8 fixed": {"method": "eagle", "model": "smollm2-eagle", "num_speculative_tokens": 8, "topk": 3,
-                                "depth": 4, "adaptive": False},
-    "eagle tree 3x4 k8": {"method": "eagle", "model": "smollm2-eagle", "num_speculative_tokens": 8, "topk": 3,
-                          "depth": 4},
-    "eagle tree 3x3 k6": {"method": "eagle", "model": "smollm2-eagle", "num_speculative_tokens": 6, "topk": 3,
-                          "depth": 3},
-}  # fmt: skip
+    "eagle chain k4": {**HEAD, "num_speculative_tokens": 4},
+    "eagle chain k4 fixed": {**HEAD, "num_speculative_tokens": 4, "adaptive": False},
+    "eagle tree 4x2 k6": tree(4, 2, 6),
+    "eagle tree 4x2 k6 fixed": tree(4, 2, 6, adaptive=False),
+    "eagle tree 4x2 k6 fixed, no branch": tree(4, 2, 6, adaptive=False, branch=False),
+    "eagle tree 3x3 k6": tree(3, 3, 6),
+    "eagle tree 3x3 k6 fixed": tree(3, 3, 6, adaptive=False),
+    "eagle tree 3x3 k6 fixed, no branch": tree(3, 3, 6, adaptive=False, branch=False),
+    "eagle tree 3x2 k6 fixed": tree(3, 2, 6, adaptive=False),
+    "eagle tree 2x3 k4 fixed": tree(2, 3, 4, adaptive=False),
+    "eagle tree 3x4 k8": tree(3, 4, 8),
+    "eagle tree 3x4 k8 fixed": tree(3, 4, 8, adaptive=False),
+}
+DEFAULT_ENGINES = ["default", "ngram k4", "eagle chain k4", "eagle tree 4x2 k6", "eagle tree 4x2 k6 fixed",
+                   "eagle tree 4x2 k6 fixed, no branch", "eagle tree 3x3 k6", "eagle tree 3x3 k6 fixed, no branch"]  # fmt: skip
 
 
 def workloads(num_chats: int) -> dict[str, list]:
@@ -80,7 +89,7 @@ def main(argv=None) -> None:
     parser.add_argument("--chats", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=2)
-    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
+    parser.add_argument("--engines", nargs="+", default=DEFAULT_ENGINES, choices=list(ENGINES))
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
 
@@ -133,13 +142,13 @@ def main(argv=None) -> None:
                 "same_tokens": f"{same}/{len(ids)}", "step_ms": step_ms, "propose_ms": propose_ms,
                 "target_pass_ms": model_ms,
             }  # fmt: skip
-            say(f"{workload:>16} {name:>26} {rate:7.1f} tok/s {rate / base_rate:6.2f}x  accepted/verify "
+            say(f"{workload:>16} {name:>34} {rate:7.1f} tok/s {rate / base_rate:6.2f}x  accepted/verify "
                 f"{row[workload]['accepted_per_verify']:.2f}  passes/token {row[workload]['passes_per_token']:.2f}  "
                 f"step {step_ms:5.1f} ms = propose {propose_ms:4.1f} + target {model_ms:4.1f} + rest  "
                 f"same tokens {same}/{len(ids)}")  # fmt: skip
         row["speculation"] = llm.resolved.speculation
         if ENGINES[name]:
-            say(f"{'':>16} {name:>26} governor: {llm.resolved.speculation}")
+            say(f"{'':>16} {name:>34} governor: {llm.resolved.speculation}")
         llm.close()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,14 @@ from minillm import LLM, SamplingParams
 from minillm.assets import resolve_model
 from minillm.models import load_model
 from minillm.speculative.eagle import load_eagle_head
-from minillm.speculative.tree import accept_tree, tree_attention_mask, tree_generate, tree_pass
+from minillm.speculative.tree import (
+    accept_tree,
+    check_parents,
+    graft_chain,
+    tree_attention_mask,
+    tree_generate,
+    tree_pass,
+)
 from minillm.tokenizer import Tokenizer
 
 TARGET = "tiny-shakespeare-8m"
@@ -149,3 +156,27 @@ def test_a_model_with_a_sliding_window_is_refused_past_it(model, prompt, monkeyp
     tree_pass(model, prompt, [5], [-1])  # within the window: fine
     with pytest.raises(ValueError, match="no sliding window"):
         tree_pass(model, prompt, [5, 6], [-1, 0])
+
+
+@pytest.mark.parametrize(
+    "chain, drafts, parents",
+    [
+        ([], [5, 6, 7], [-1, -1, 0]),  # no guess: the tree as it was
+        ([5, 7], [5, 6, 7], [-1, -1, 0]),  # every token already a node of one branch: nothing new
+        ([5, 7, 8, 9], [5, 6, 7, 8, 9], [-1, -1, 0, 2, 3]),  # follows 5 -> 7, then grows under node 2
+        ([6, 1], [5, 6, 7, 1], [-1, -1, 0, 1]),  # follows the second root child
+        ([9, 7], [5, 6, 7, 9, 7], [-1, -1, 0, -1, 3]),  # differs at once: a new root child, then its own 7
+        ([5, 6, 5], [5, 6, 7, 6, 5], [-1, -1, 0, 0, 3]),  # 6 under 5 is not the root's 6
+    ],
+)
+def test_graft_chain_follows_the_tree_then_grows_its_own_branch(chain, drafts, parents):
+    tree_drafts, tree_parents = [5, 6, 7], [-1, -1, 0]
+    got = graft_chain(tree_drafts, tree_parents, chain)
+    assert got == (drafts, parents)
+    assert (tree_drafts, tree_parents) == ([5, 6, 7], [-1, -1, 0])  # the inputs untouched
+    check_parents(got[1], len(got[0]))  # parents before children
+    siblings = [(p, t) for p, t in zip(got[1], got[0])]
+    assert len(set(siblings)) == len(siblings)  # no two children of a node with one token
+    node = -1  # the chain is a branch of the grafted tree, from the root
+    for token in chain:
+        node = next(i for i, (p, t) in enumerate(siblings) if p == node and t == token)

@@ -202,11 +202,46 @@ def test_sampled_requests_with_trees_are_reproducible_by_seed(head_dir, monkeypa
 @pytest.mark.parametrize(
     "extra, message",
     [({"topk": 0}, "topk=0 must be >= 1"), ({"topk": 9}, "topk=9 is above 8"), ({"depth": 17}, "depth=17 is above 16"),
-     ({"topk": "3"}, "topk='3' must be an integer")],
+     ({"topk": "3"}, "topk='3' must be an integer"), ({"ngram_branch": -1}, "ngram_branch=-1 must be >= 0"),
+     ({"ngram_branch": 17}, "ngram_branch=17 is above 16"), ({"ngram_branch": 2.0}, "ngram_branch=2.0 must be an integer"),
+     ({"topk": 1, "ngram_branch": 2}, "ngram_branch=2 grafts prompt lookup's guess onto a tree: it needs topk > 1"),
+     ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min=3 is above prompt_lookup_max=2")],
 )  # fmt: skip
 def test_bad_tree_options_are_named(head_dir, extra, message):
     with pytest.raises(ValueError, match=message):
         LLM(TARGET, speculative_config={**tree_config(head_dir), **extra})
+
+
+def test_prompt_lookups_branch_is_verified_with_the_tree(head_dir, reference, monkeypatch):
+    """By default a tree also carries prompt lookup's guess as a branch (``ngram_branch``): the
+    random head's trees are rarely right, the tiny model's text repeats itself, and the grafted
+    branch's tokens are accepted — the tokens stay the target's own. ``ngram_branch: 0`` turns
+    it off; a chain (``topk`` 1) never has it."""
+    import minillm.speculative.speculator as speculator_module
+
+    grafted = []
+    graft = speculator_module.graft_chain
+
+    def counting(drafts, parents, chain):
+        out = graft(drafts, parents, chain)
+        grafted.append(len(out[0]) - len(drafts))
+        return out
+
+    monkeypatch.setattr(speculator_module, "graft_chain", counting)
+    accepted = {}
+    for branch in (4, 0):
+        llm = LLM(TARGET, dtype="fp32", speculative_config={**tree_config(head_dir), "ngram_branch": branch})
+        assert ("prompt-lookup branch of up to 4" in llm.engine.resolved.speculation) == (branch == 4)
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))
+        assert [o.token_ids for o in outs] == reference
+        accepted[branch] = sum(o.metrics.spec_accepted for o in outs)
+        if branch:
+            assert grafted and max(grafted) > 0 and max(grafted) <= 4  # new nodes beyond the tree's k
+            grafted.clear()
+    assert not grafted  # ngram_branch 0: never called
+    assert accepted[4] > accepted[0], accepted
+    chain = LLM(TARGET, dtype="fp32", speculative_config={**tree_config(head_dir), "topk": 1})
+    assert "prompt-lookup" not in chain.engine.resolved.speculation and chain.engine.speculator.config.ngram_branch == 0
 
 
 @pytest.mark.slow

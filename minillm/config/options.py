@@ -43,10 +43,15 @@ class SpeculativeConfig:
     # num_speculative_tokens.
     topk: int = 1
     depth: int | None = None  # levels grown (default: num_speculative_tokens for a chain, else 5)
+    # An EAGLE tree also gets prompt lookup's guess, up to this many tokens, grafted on as a
+    # branch of its own (speculative/tree.py, ``graft_chain``): the head guesses free text, prompt
+    # lookup copies runs the text has seen. Default: 4 for a tree (topk > 1), 0 (none) for a chain.
+    ngram_branch: int | None = None  # from_dict resolves it
 
     KEYS = {
         "draft": {"method", "model", "num_speculative_tokens", "quantization", "adaptive"},
-        "eagle": {"method", "model", "num_speculative_tokens", "adaptive", "topk", "depth"},
+        "eagle": {"method", "model", "num_speculative_tokens", "adaptive", "topk", "depth", "ngram_branch",
+                  "prompt_lookup_max", "prompt_lookup_min"},
         "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "adaptive"},
     }
 
@@ -83,6 +88,16 @@ class SpeculativeConfig:
                 setattr(config, key, raw[key])
         if config.depth is None:
             config.depth = min(config.num_speculative_tokens, 5) if config.topk > 1 else config.num_speculative_tokens
+        if "ngram_branch" in raw:
+            check_int("speculative_config ngram_branch", raw["ngram_branch"], 0)
+            if raw["ngram_branch"] > 16:
+                raise ValueError(f"speculative_config ngram_branch={raw['ngram_branch']} is above 16")
+            if raw["ngram_branch"] and config.topk == 1:
+                raise ValueError(f"speculative_config ngram_branch={raw['ngram_branch']} grafts prompt lookup's guess "
+                                 "onto a tree: it needs topk > 1 (a chain has no second branch)")  # fmt: skip
+            config.ngram_branch = raw["ngram_branch"]
+        else:
+            config.ngram_branch = 4 if method == "eagle" and config.topk > 1 else 0
         if method in ("draft", "eagle"):
             if not isinstance(raw.get("model"), (str, os.PathLike)) or not str(raw.get("model")):
                 what = "the draft model" if method == "draft" else "the EAGLE head, e.g. 'smollm2-eagle'"
@@ -94,16 +109,15 @@ class SpeculativeConfig:
                 except ValueError as err:
                     raise ValueError(f"speculative_config {err}") from None
                 config.quantization = raw["quantization"]
-        else:
-            for key in ("prompt_lookup_max", "prompt_lookup_min"):
-                if key in raw:
-                    check_int(f"speculative_config {key}", raw[key], 1)
-                    setattr(config, key, raw[key])
-            if config.prompt_lookup_min > config.prompt_lookup_max:
-                raise ValueError(
-                    f"speculative_config prompt_lookup_min={config.prompt_lookup_min} is above "
-                    f"prompt_lookup_max={config.prompt_lookup_max}"
-                )
+        for key in ("prompt_lookup_max", "prompt_lookup_min"):  # "ngram", and an EAGLE tree's n-gram branch
+            if key in raw:
+                check_int(f"speculative_config {key}", raw[key], 1)
+                setattr(config, key, raw[key])
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config prompt_lookup_min={config.prompt_lookup_min} is above "
+                f"prompt_lookup_max={config.prompt_lookup_max}"
+            )
         return config
 
 

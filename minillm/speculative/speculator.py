@@ -28,14 +28,14 @@ import torch
 
 import minillm.hooks as hooks
 from minillm.config import SpeculativeConfig
-from minillm.sampling import filtered_logits
+from minillm.sampling import argmax_rows, filtered_logits
 from minillm.sequence import Sequence
 from minillm.speculative import (
     acceptance,  # noqa: F401  (registers hooks accept_greedy and accept_sampled)
     ngram,  # noqa: F401  (registers hook propose_ngram)
 )
 from minillm.speculative.governor import SpeculationGovernor
-from minillm.speculative.tree import accept_tree_sampled, verified_tree
+from minillm.speculative.tree import accept_tree_sampled, graft_chain, verified_tree
 
 
 class Speculator:
@@ -77,6 +77,8 @@ class Speculator:
         what = self.config.method + (f" {self.config.model}" if self.config.model else "")
         if self.config.topk > 1:
             what += f", trees of up to k nodes (top-{self.config.topk}, depth {self.config.depth})"
+            if self.config.ngram_branch:
+                what += f" with a prompt-lookup branch of up to {self.config.ngram_branch}"
         return f"{what}, " + (self.governor.describe() if self.governor else f"k={self.k} always")
 
     def observe(self, chunks, hidden: list[torch.Tensor], seqs: list[Sequence]) -> None:
@@ -115,9 +117,14 @@ class Speculator:
         self._draft_dists.clear()
         cfg = self.config
         if cfg.topk > 1 and seqs and self.trees_verifiable():
-            by_id = {s.request_id: s for s in seqs}
+            by_id, k_of = {s.request_id: s for s in seqs}, {s.request_id: k for s, k in zip(seqs, ks)}
             for rid, (tokens, parents) in self.draft.propose_trees(seqs, ks, cfg.topk, cfg.depth).items():
-                by_id[rid].draft_tokens, by_id[rid].draft_parents = tokens, parents
+                seq = by_id[rid]
+                if cfg.ngram_branch:  # prompt lookup's guess as a branch of its own (as deep as k allows)
+                    chain = hooks.propose_ngram(seq.token_ids, min(cfg.ngram_branch, k_of[rid]),
+                                                cfg.prompt_lookup_max, cfg.prompt_lookup_min)  # fmt: skip
+                    tokens, parents = graft_chain(tokens, parents, chain)
+                seq.draft_tokens, seq.draft_parents = tokens, parents
             return
         if self.draft is not None:
             by_id = {s.request_id: s for s in seqs}
@@ -150,7 +157,7 @@ class Speculator:
         exactly as the target alone would choose: greedy through hook ``accept_tree`` (chapter
         08's exercise, its verdict checked), sampled by ``tree.accept_tree_sampled``."""
         if seq.params.greedy:
-            return verified_tree(parents, drafts, logits.argmax(-1).tolist())
+            return verified_tree(parents, drafts, argmax_rows(logits))  # NumPy's argmax: torch's is slow on CPU
         target = filtered_logits(logits.float(), [seq.params] * len(logits)).softmax(-1)
         return accept_tree_sampled(target, parents, drafts, seq.generator)
 
@@ -209,7 +216,7 @@ def verify(speculator: Speculator, seq: Sequence, drafts: list[int], logits: tor
     the target's argmax agrees with (hook ``accept_greedy``); sampled ones run rejection
     sampling against the draft's distributions (hook ``accept_sampled``)."""
     if seq.params.greedy:
-        return hooks.accept_greedy(logits.argmax(-1).tolist(), drafts)
+        return hooks.accept_greedy(argmax_rows(logits), drafts)
     target = filtered_logits(logits.float(), [seq.params] * len(logits)).softmax(-1)
     dists = speculator.draft_distributions(seq)
     if dists is not None:

@@ -131,6 +131,30 @@ def tree_pass(
     return logits, hidden
 
 
+def graft_chain(drafts: list[int], parents: list[int], chain: list[int]) -> tuple[list[int], list[int]]:
+    """Another proposer's chain of guesses (prompt lookup's, say) grafted onto a draft tree:
+    the chain follows the tree while its tokens are nodes already there, and from where it
+    differs grows a branch of its own. Returns the new ``(drafts, parents)``: the tree's nodes
+    first and unchanged (a prefix of the list, as the scheduler may cut it, is still the tree's
+    best), then the chain's new nodes in order — parents before children, and no two siblings
+    with the same token, so one target pass verifies both proposers' guesses and acceptance
+    keeps whichever agrees longer.
+
+    Why: the two are right about different tokens. A draft head guesses the next words of free
+    text; prompt lookup copies runs the text has already seen (a name, a phrase of the
+    question, a line of code) whole, where the head's confidence fades after a token or two."""
+    drafts, parents, node = list(drafts), list(parents), -1
+    children = {(p, t): i for i, (p, t) in enumerate(zip(parents, drafts))}
+    for token in chain:
+        child = children.get((node, token))
+        if child is None:
+            drafts.append(token)
+            parents.append(node)
+            child = children[(node, token)] = len(drafts) - 1
+        node = child
+    return drafts, parents
+
+
 @hooks.reference("accept_tree")  # tree_generate calls it through the hook (chapter 08's exercise)
 def accept_tree(parents: list[int], drafts: list[int], target_tokens: list[int]) -> tuple[list[int], list[int]]:
     """``target_tokens[0]``: the target's token after the sequence; ``target_tokens[1 + i]``:
