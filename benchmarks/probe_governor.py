@@ -1,17 +1,21 @@
 """What the speculation governor chooses at batch 1 against what each choice really makes.
 
-    python benchmarks/probe_governor.py [--chats 12] [--runs 3] [--replays 40]
+    python benchmarks/probe_governor.py [--chats 12] [--runs 3] [--replays 40] [--save F | --steps-from F]
 
 One engine: SmolLM2-135M as it ships (bf16 where the CPU has fast bf16 kernels, its decode step
-compiled and settled) with the EAGLE head's 6-node trees (``topk`` 3, ``depth`` 3) and the
-governor on, decoding the EAGLE recipe's held-out chats one at a time (64 tokens), ``--runs``
-times. Every pure decode step the governor records is kept: per candidate number of proposals,
-how often it ran and the tokens per second its steps made (mean of per-step rates, ratio of
-sums, spread). Then the governor is replayed offline ``--replays`` times, 1,200 steps each, on
-those recorded steps (each step a random draw from the chosen candidate's own steps): the rate
-it reaches, against always choosing the best candidate — the share lost to choosing by noisy
-estimates and to trying the others. Replays also run a count-weighted estimator (a plain mean
-over a candidate's first steps, then a moving average of weight 0.05), to size that fix.
+compiled and settled) with the EAGLE head's 6-node trees (``topk`` 4, ``depth`` 2, prompt
+lookup's branch grafted on) and the governor on, decoding the EAGLE recipe's held-out chats one
+at a time (64 tokens), ``--runs`` times. Every pure decode step the governor records is kept:
+per candidate number of proposals, how often it ran and the tokens per second its steps made
+(mean of per-step rates, ratio of sums, spread). Then the governor is replayed offline
+``--replays`` times, 1,200 steps each, on those recorded steps (each step a random draw from the
+chosen candidate's own steps): the rate it reaches, against always choosing the best candidate
+— the share lost to choosing by noisy estimates and to trying the others — for the rule as
+shipped (the slower candidates together 2% of the time; a plain mean over a candidate's first 20
+steps, then a moving average of weight 0.05), the rule before stop 69 (each slower candidate its
+own 2%; a moving average of weight 0.25 from the first step), and the shipped rule with the old
+estimate. ``--save`` keeps the recorded steps, ``--steps-from``
+replays them again (another rule, no engine).
 """
 
 from __future__ import annotations
@@ -19,12 +23,13 @@ from __future__ import annotations
 import argparse
 import collections
 import importlib.util
+import json
 import random
 import statistics
 from pathlib import Path
 
 RECIPE = Path(__file__).resolve().parents[1] / "data" / "recipes" / "train_eagle_smollm2.py"
-CONFIG = {"method": "eagle", "model": "smollm2-eagle", "num_speculative_tokens": 6, "topk": 3, "depth": 3}
+CONFIG = {"method": "eagle", "model": "smollm2-eagle", "num_speculative_tokens": 6, "topk": 4, "depth": 2}
 
 
 def record_steps(num_chats: int, runs: int) -> tuple[list[tuple[int, int, float]], str]:
@@ -54,18 +59,27 @@ def record_steps(num_chats: int, runs: int) -> tuple[list[tuple[int, int, float]
     return steps, llm.resolved.speculation
 
 
-class CountWeighted:
-    """Mixin: a candidate's first steps averaged plainly, then a moving average of weight ``FLOOR``."""
-
-    FLOOR = 0.05
+class MovingAverage:
+    """Mixin: the estimate before stop 69 — a moving average of weight 0.25 from the first step."""
 
     def record(self, batch, k, tokens, seconds):
         candidate = self.sizes.get(self.size_class(batch), {}).get(k)
         if candidate is None or seconds <= 0:
             return
-        weight, rate, old = max(self.FLOOR, 1 / (candidate.steps + 1)), tokens / seconds, candidate.tokens_per_second
-        candidate.tokens_per_second = rate if old is None else old + weight * (rate - old)
+        rate, old = tokens / seconds, candidate.tokens_per_second
+        candidate.tokens_per_second = rate if old is None else old + 0.25 * (rate - old)
         candidate.steps += 1
+
+
+class PerCandidateBudget(MovingAverage):
+    """Mixin: the rule before stop 69 — that estimate, and each slower candidate its own 2% of the time."""
+
+    EXPLORE_BUDGET = 0.02
+
+    def _gap(self, measured, best, c, candidate):
+        if c not in measured:
+            return 0 if candidate.last_tried < 0 else self.MIN_GAP
+        return max(self.MIN_GAP, (measured[best] / max(measured[c], 1e-9) - 1) / self.EXPLORE_BUDGET)
 
 
 def replay(make, by_k: dict, replays: int, steps: int = 1200) -> tuple[float, float]:
@@ -86,6 +100,8 @@ def main() -> None:
     parser.add_argument("--chats", type=int, default=12)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--replays", type=int, default=40)
+    parser.add_argument("--save", help="write the recorded steps to this JSON file")
+    parser.add_argument("--steps-from", help="replay the steps a --save wrote instead of recording")
     args = parser.parse_args()
     import torch
 
@@ -94,7 +110,15 @@ def main() -> None:
 
     machine = machine_description(torch.device("cpu"))
     print(f"probe_governor: {machine['cpu']}, {machine['torch_threads']} threads; {CONFIG}")
-    steps, resolved = record_steps(args.chats, args.runs)
+    if args.steps_from:
+        saved = json.loads(Path(args.steps_from).read_text())
+        steps, resolved = [tuple(step) for step in saved["steps"]], saved["resolved"]
+        print(f"steps from {args.steps_from} ({saved['machine']})")
+    else:
+        steps, resolved = record_steps(args.chats, args.runs)
+    if args.save:
+        Path(args.save).write_text(json.dumps({"machine": machine["cpu"], "config": CONFIG, "resolved": resolved,
+                                               "steps": steps}) + "\n")  # fmt: skip
     by_k = collections.defaultdict(list)
     for k, t, s in steps:
         by_k[k].append((t, s))
@@ -108,11 +132,16 @@ def main() -> None:
     best = max(by_k, key=lambda k: sum(t for t, _ in by_k[k]) / sum(s for _, s in by_k[k]))
     oracle = sum(t for t, _ in by_k[best]) / sum(s for _, s in by_k[best])
     k = max(by_k)
-    shipped = replay(lambda: SpeculationGovernor(k), by_k, args.replays)
-    counted = replay(lambda: type("Counted", (CountWeighted, SpeculationGovernor), {})(k), by_k, args.replays)
-    print(f"replayed on these steps ({args.replays} x 1,200 steps): always k={best} {oracle:.1f} tok/s; "
-          f"the governor as shipped {shipped[0]:.1f} ({shipped[0] / oracle:.1%}, worst {shipped[1]:.1f}); "
-          f"count-weighted estimates {counted[0]:.1f} ({counted[0] / oracle:.1%}, worst {counted[1]:.1f})")
+    rules = {
+        "the governor as shipped": SpeculationGovernor,
+        "before stop 69 (each candidate its own 2%, a moving average of 0.25)":
+            type("Old", (PerCandidateBudget, SpeculationGovernor), {}),
+        "as shipped but a moving average of 0.25": type("Moving", (MovingAverage, SpeculationGovernor), {}),
+    }
+    print(f"replayed on these steps ({args.replays} x 1,200 steps): always k={best} {oracle:.1f} tok/s")
+    for name, rule in rules.items():
+        rate, worst = replay(lambda rule=rule: rule(k), by_k, args.replays)
+        print(f"  {name}: {rate:.1f} tok/s ({rate / oracle:.1%}, worst {worst:.1f})")
 
 
 if __name__ == "__main__":

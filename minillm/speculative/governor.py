@@ -11,18 +11,24 @@ rather than predicting it:
 - For each batch size — by powers of two: 1, 2-3, 4-7, 8-15, ... decoding sequences — it keeps,
   for each candidate number of proposals (0, that is plain decoding; 1, 2, 4, ... up to the
   configured ``k``), the output tokens per second of the pure decode steps that used it: a
-  moving average, so the estimate follows the text and the load.
+  plain mean over its first ``1 / SMOOTHING`` steps, then a moving average, so the estimate
+  follows the text and the load. One step's rate swings with how many proposals it happened to
+  accept (at batch 1 with an EAGLE tree, by ±50 tok/s around 120): a moving average of weight
+  0.25 from the first step let one lucky step crown a worse candidate for a while.
 - A step uses the best candidate so far. A batch size seen for the first time starts with what
   the nearest batch size measured best (the configured ``k`` when none has: the engine behaves
   as it always did until there is evidence), then tries every other candidate once.
 - After that it keeps trying the others now and then — so a choice is revisited when acceptance
   or load changes — each as often as it is cheap to: a candidate measured at ``1/x`` of the
-  best's rate costs ``x - 1`` extra step-times when tried, so it waits ``(x - 1) / EXPLORE_BUDGET``
-  steps between tries (and never fewer than ``MIN_GAP``). Exploring thus costs about
-  ``EXPLORE_BUDGET`` of the time per candidate, and a near-tie, where the choice is uncertain and
-  matters least, is re-measured most often. (A first measured version explored one step in 8
-  whatever the candidate cost: at batch 8 a step with 4 proposals took 3 times a plain one, and
-  the exploring alone cost the engine a fifth of its speed.)
+  best's rate costs ``x - 1`` extra step-times when tried, so with ``n`` other candidates it
+  waits ``n · (x - 1) / EXPLORE_BUDGET`` steps between tries (and never fewer than ``MIN_GAP``).
+  Exploring thus costs about ``EXPLORE_BUDGET`` of the time in all, and a near-tie, where the
+  choice is uncertain and matters least, is re-measured most often. (A first measured version
+  explored one step in 8 whatever the candidate cost: at batch 8 a step with 4 proposals took 3
+  times a plain one, and the exploring alone cost the engine a fifth of its speed. A second
+  gave each candidate its own 2% and weighed every step 0.25: replayed on an EAGLE tree's steps
+  at batch 1 it kept 92.0% of the rate of always proposing 6, this rule 96.9% —
+  ``benchmarks/probe_governor.py``, Intel Xeon, 2026-12-06.)
 
 Greedy requests get exactly the target's tokens whatever ``k`` is, and sampled ones keep the
 target's distribution. A *seeded* sampled request keeps the configured ``k``: under rejection
@@ -59,9 +65,9 @@ class Candidate:
 
 
 class SpeculationGovernor:
-    EXPLORE_BUDGET = 0.02  # the share of the time a slower candidate may cost by being re-measured
+    EXPLORE_BUDGET = 0.02  # the share of the time the slower candidates together may cost by being re-measured
     MIN_GAP = 8  # steps of a batch size between two tries of the same candidate, at least
-    SMOOTHING = 0.25  # a step's weight in its candidate's moving average
+    SMOOTHING = 0.05  # a step's weight in its candidate's moving average (after a plain mean of the first 20)
 
     def __init__(self, k: int):
         self.k = k
@@ -99,7 +105,7 @@ class SpeculationGovernor:
         if c not in measured:
             return 0 if candidate.last_tried < 0 else self.MIN_GAP
         extra = measured[best] / max(measured[c], 1e-9) - 1  # step-times a try of c costs beyond best's
-        return max(self.MIN_GAP, extra / self.EXPLORE_BUDGET)
+        return max(self.MIN_GAP, extra * (len(self.candidates) - 1) / self.EXPLORE_BUDGET)
 
     def _nearest_best(self, size: int) -> int:
         """A new batch size's first guess: the best of the nearest one measured (else k)."""
@@ -117,7 +123,8 @@ class SpeculationGovernor:
             return
         rate = tokens / seconds
         old = candidate.tokens_per_second
-        candidate.tokens_per_second = rate if old is None else old + self.SMOOTHING * (rate - old)
+        weight = max(self.SMOOTHING, 1 / (candidate.steps + 1))  # 1 for the first step: its rate
+        candidate.tokens_per_second = rate if old is None else old + weight * (rate - old)
         candidate.steps += 1
 
     def best(self, batch: int) -> int | None:
