@@ -1,6 +1,6 @@
 """Chain against tree drafting in the serving engine, batch 1, against the default engine.
 
-    python benchmarks/bench_eagle_tree.py [--chats 12] [--max-tokens 64] [--runs 2]
+    python benchmarks/bench_eagle_tree.py [--chats 12] [--max-tokens 64] [--runs 3]
 
 Every engine is SmolLM2-135M as it ships (bf16 where this CPU has fast bf16 kernels, its
 decode step compiled — each engine waits for its compiled step, then runs every workload once
@@ -11,8 +11,10 @@ prompt lookup's guess grafted on as a branch of up to 4 more) with the governor 
 without the grafted branch. ``--engines`` picks others (``ENGINES``). Workloads: held-out chats (the EAGLE recipe's evaluation prompts, whole
 topics no training chat mentions) and grounded requests (copy a passage, then explain it).
 
-Printed per engine and workload: tokens per second (median of ``--runs``), the ratio to the
-default engine in the same run, proposals accepted per verify step, a decode step's median
+Every engine is built and settled first; then ``--runs`` rounds, each running every engine on
+every workload in turn, so that a slower spell of the shared machine slows all of them alike.
+Printed per engine and workload: tokens per second (median of the rounds), the ratio to the
+default engine (the median of each round's ratio to the default engine's rate in that round), proposals accepted per verify step, a decode step's median
 time split into proposing (with scheduling) and the target's pass, and whether the tokens
 are the default engine's (bf16: a verify row can round differently from a one-token step where
 two candidates are nearly tied). Results go to ``benchmarks/results/`` as JSON and a log.
@@ -88,7 +90,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chats", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--engines", nargs="+", default=DEFAULT_ENGINES, choices=list(ENGINES))
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
@@ -109,40 +111,45 @@ def main(argv=None) -> None:
     say(f"bench_eagle_tree, {date.today()}: {machine_words(machine)}")
     say(f"cpu flags: {' '.join(f for f in machine.get('cpu_flags', []) if 'amx' in f or 'avx512' in f)}")
     results: dict = {"machine": machine, "max_tokens": args.max_tokens, "runs": args.runs, "engines": {}}
-    baseline: dict[str, tuple[float, list]] = {}
-    for name in names:
-        llm = LLM("smollm2-135m", speculative_config=ENGINES[name])
+    engines = {}
+    for name in names:  # every engine built and settled first: the timed rounds then take turns
+        llm = engines[name] = LLM("smollm2-135m", speculative_config=ENGINES[name])
         llm.wait_for_fast_path()
-        row = results["engines"][name] = {"config": ENGINES[name], "resolved_dtype": str(llm.resolved.dtype)}
-        for workload, prompts in loads.items():
+        for prompts in loads.values():
             run_once(llm, prompts, args.max_tokens)  # settle: shapes seen once, the governor's first measurements
-            times, outs = [], None
-            llm.engine.step_records.clear()
-            for _ in range(args.runs):
+    runs: dict[tuple[str, str], list] = {(n, w): [] for n in names for w in loads}  # (seconds, outputs, steps) per round
+    for _ in range(args.runs):  # a round runs every engine on every workload, so a slower spell of the machine hits all
+        for workload, prompts in loads.items():
+            for name, llm in engines.items():
+                llm.engine.step_records.clear()
                 seconds, outs = run_once(llm, prompts, args.max_tokens)
-                times.append(seconds)
+                runs[(name, workload)].append((seconds, outs, list(llm.engine.step_records)))
+    for name, llm in engines.items():
+        row = results["engines"][name] = {"config": ENGINES[name], "resolved_dtype": str(llm.resolved.dtype)}
+        for workload in loads:
+            rounds, base_rounds = runs[(name, workload)], runs[("default", workload)]
+            rates = [sum(len(o.token_ids) for o in outs) / sec for sec, outs, _ in rounds]
+            ratios = [r / (sum(len(o.token_ids) for o in b[1]) / b[0]) for r, b in zip(rates, base_rounds)]
+            outs, base_ids = rounds[-1][1], [o.token_ids for o in base_rounds[-1][1]]
             # Where a decode (or verify) step's time went: proposing (with scheduling), the target's pass.
-            steps_kept = [r for r in llm.engine.step_records if r.phases is not None and max(c[2] for c in r.chunks) <= 17]
+            steps_kept = [r for _, _, recs in rounds for r in recs if r.phases is not None and max(c[2] for c in r.chunks) <= 17]
             propose_ms = statistics.median(r.phases.schedule for r in steps_kept) * 1e3
             model_ms = statistics.median(r.phases.model for r in steps_kept) * 1e3
             step_ms = statistics.median(r.end - r.start for r in steps_kept) * 1e3
-            tokens = sum(len(o.token_ids) for o in outs)
-            rate = tokens / statistics.median(times)
             ids = [o.token_ids for o in outs]
-            if name == "default":
-                baseline[workload] = (rate, ids)
-            base_rate, base_ids = baseline[workload]
             steps = sum(o.metrics.num_verify_steps for o in outs)
             accepted = sum(o.metrics.spec_accepted for o in outs)
             same = sum(a == b for a, b in zip(ids, base_ids))
+            rate, speedup = statistics.median(rates), statistics.median(ratios)
             row[workload] = {
-                "tok_s": rate, "speedup": rate / base_rate, "times": times, "tokens": tokens,
-                "verify_steps": steps, "accepted_per_verify": accepted / steps if steps else 0.0,
-                "passes_per_token": sum(o.metrics.num_forward_passes for o in outs) / tokens,
+                "tok_s": rate, "speedup": speedup, "speedups": ratios, "times": [sec for sec, _, _ in rounds],
+                "tokens": sum(map(len, ids)), "verify_steps": steps,
+                "accepted_per_verify": accepted / steps if steps else 0.0,
+                "passes_per_token": sum(o.metrics.num_forward_passes for o in outs) / sum(map(len, ids)),
                 "same_tokens": f"{same}/{len(ids)}", "step_ms": step_ms, "propose_ms": propose_ms,
                 "target_pass_ms": model_ms,
             }  # fmt: skip
-            say(f"{workload:>16} {name:>34} {rate:7.1f} tok/s {rate / base_rate:6.2f}x  accepted/verify "
+            say(f"{workload:>16} {name:>34} {rate:7.1f} tok/s {speedup:6.2f}x  accepted/verify "
                 f"{row[workload]['accepted_per_verify']:.2f}  passes/token {row[workload]['passes_per_token']:.2f}  "
                 f"step {step_ms:5.1f} ms = propose {propose_ms:4.1f} + target {model_ms:4.1f} + rest  "
                 f"same tokens {same}/{len(ids)}")  # fmt: skip
