@@ -1,6 +1,6 @@
-"""Chain against tree drafting in the serving engine, batch 1, against the default engine.
+"""Chain against tree drafting in the serving engine, batch 1 (or ``--batch``), against the default engine.
 
-    python benchmarks/bench_eagle_tree.py [--chats 12] [--max-tokens 64] [--runs 3]
+    python benchmarks/bench_eagle_tree.py [--chats 12] [--max-tokens 64] [--runs 3] [--batch 1]
 
 Every engine is SmolLM2-135M as it ships (bf16 where this CPU has fast bf16 kernels, its
 decode step compiled — each engine waits for its compiled step, then runs every workload once
@@ -9,12 +9,14 @@ shows them (k = 4, the governor on), and the head's EAGLE-2 trees (``topk`` chil
 expanded node, ``depth`` levels, the ``k`` most likely nodes verified per pass, and by default
 prompt lookup's guess grafted on as a branch of up to 4 more) with the governor on and off, and
 without the grafted branch. ``--engines`` picks others (``ENGINES``). Workloads: held-out chats (the EAGLE recipe's evaluation prompts, whole
-topics no training chat mentions) and grounded requests (copy a passage, then explain it).
+topics no training chat mentions) and grounded requests (copy a passage, then explain it; 4, or
+``--batch`` of them).
 
-Every engine is built and settled first; then ``--runs`` rounds, each running every engine on
-every workload in turn, so that a slower spell of the shared machine slows all of them alike.
-Printed per engine and workload: tokens per second (median of the rounds), the ratio to the
-default engine (the median of each round's ratio to the default engine's rate in that round), proposals accepted per verify step, a decode step's median
+The default engine stays loaded; each other engine in turn is built, settled, and timed in
+``--runs`` rounds that alternate with the default engine's runs, so that a slower spell of the
+shared machine slows both sides of a ratio. Printed per engine and workload: tokens per second
+(median of its runs), the ratio to the default engine (the median of each run's ratio to the
+default engine's run just before it), proposals accepted per verify step, a decode step's median
 time split into proposing (with scheduling) and the target's pass, and whether the tokens
 are the default engine's (bf16: a verify row can round differently from a one-token step where
 two candidates are nearly tied). Results go to ``benchmarks/results/`` as JSON and a log.
@@ -62,7 +64,7 @@ DEFAULT_ENGINES = ["default", "ngram k4", "eagle chain k4", "eagle tree 4x2 k6",
                    "eagle tree 4x2 k6 fixed, no branch", "eagle tree 3x3 k6", "eagle tree 3x3 k6 fixed, no branch"]  # fmt: skip
 
 
-def workloads(num_chats: int) -> dict[str, list]:
+def workloads(num_chats: int, num_grounded: int = 4) -> dict[str, list]:
     spec = importlib.util.spec_from_file_location("train_eagle_smollm2", RECIPE)
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
@@ -70,7 +72,7 @@ def workloads(num_chats: int) -> dict[str, list]:
 
     held = recipe.held_out_chats()
     chats = held[:: max(1, len(held) // num_chats)][:num_chats]  # spread over the evaluation prompts and topics
-    passages = [t.strip() for t in (topics[k] for k in sorted(topics)) if 500 <= len(t.strip()) <= 1600][:4]
+    passages = [t.strip() for t in (topics[k] for k in sorted(topics)) if 500 <= len(t.strip()) <= 1600][:num_grounded]
     grounded = [f"Copy the first paragraph of the following text, then explain it in one sentence.\n\n{p}" for p in passages]
     return {
         "chat (held out)": [[{"role": "user", "content": c}] for c in chats],
@@ -78,11 +80,13 @@ def workloads(num_chats: int) -> dict[str, list]:
     }
 
 
-def run_once(llm, prompts, max_tokens: int):
+def run_once(llm, prompts, max_tokens: int, batch: int = 1):
     from minillm import SamplingParams
 
     start = time.perf_counter()
-    outs = [llm.generate([p], SamplingParams(max_tokens=max_tokens))[0] for p in prompts]  # batch 1
+    outs = []
+    for i in range(0, len(prompts), batch):  # `batch` requests at a time
+        outs += llm.generate(prompts[i : i + batch], SamplingParams(max_tokens=max_tokens))
     return time.perf_counter() - start, outs
 
 
@@ -91,6 +95,7 @@ def main(argv=None) -> None:
     parser.add_argument("--chats", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=1, help="requests generated together (the governor's batch size)")
     parser.add_argument("--engines", nargs="+", default=DEFAULT_ENGINES, choices=list(ENGINES))
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
@@ -100,7 +105,7 @@ def main(argv=None) -> None:
     from minillm.viz.spec import machine_words
 
     names = ["default"] + [n for n in args.engines if n != "default"]
-    loads = workloads(args.chats)
+    loads = workloads(args.chats, max(4, args.batch))
     machine = machine_description(torch.device("cpu"))
     lines: list[str] = []
 
@@ -108,26 +113,45 @@ def main(argv=None) -> None:
         print(msg, flush=True)
         lines.append(msg)
 
-    say(f"bench_eagle_tree, {date.today()}: {machine_words(machine)}")
+    say(f"bench_eagle_tree, {date.today()}: {machine_words(machine)}; batch {args.batch}")
     say(f"cpu flags: {' '.join(f for f in machine.get('cpu_flags', []) if 'amx' in f or 'avx512' in f)}")
-    results: dict = {"machine": machine, "max_tokens": args.max_tokens, "runs": args.runs, "engines": {}}
-    engines = {}
-    for name in names:  # every engine built and settled first: the timed rounds then take turns
-        llm = engines[name] = LLM("smollm2-135m", speculative_config=ENGINES[name])
+    results: dict = {"machine": machine, "max_tokens": args.max_tokens, "runs": args.runs, "batch": args.batch, "engines": {}}
+    def settled(name: str):
+        llm = LLM("smollm2-135m", speculative_config=ENGINES[name])
         llm.wait_for_fast_path()
         for prompts in loads.values():
-            run_once(llm, prompts, args.max_tokens)  # settle: shapes seen once, the governor's first measurements
-    runs: dict[tuple[str, str], list] = {(n, w): [] for n in names for w in loads}  # (seconds, outputs, steps) per round
-    for _ in range(args.runs):  # a round runs every engine on every workload, so a slower spell of the machine hits all
-        for workload, prompts in loads.items():
-            for name, llm in engines.items():
-                llm.engine.step_records.clear()
-                seconds, outs = run_once(llm, prompts, args.max_tokens)
-                runs[(name, workload)].append((seconds, outs, list(llm.engine.step_records)))
-    for name, llm in engines.items():
-        row = results["engines"][name] = {"config": ENGINES[name], "resolved_dtype": str(llm.resolved.dtype)}
+            run_once(llm, prompts, args.max_tokens, args.batch)  # settle: shapes seen once, the governor's first measurements
+        return llm
+
+    def timed(llm, name: str, workload: str) -> None:
+        llm.engine.step_records.clear()
+        seconds, outs = run_once(llm, loads[workload], args.max_tokens, args.batch)
+        runs[(name, workload)].append((seconds, outs, list(llm.engine.step_records)))
+
+    # The default engine stays loaded; each other engine in turn is built, settled and then timed in
+    # rounds that alternate with the default engine's, so a slower spell of the shared machine hits
+    # both sides of a ratio (and two engines, not all of them, share the memory).
+    runs: dict[tuple[str, str], list] = {(n, w): [] for n in names for w in loads}  # (seconds, outputs, steps) per run
+    pairs: dict[tuple[str, str], list] = {(n, w): [] for n in names for w in loads}  # the default's run before each
+    base_llm, engines = settled("default"), {}
+    for name in names[1:]:
+        llm = settled(name)
+        for _ in range(args.runs):
+            for workload in loads:
+                timed(base_llm, "default", workload)
+                pairs[(name, workload)].append(runs[("default", workload)][-1])
+                timed(llm, name, workload)
+        engines[name] = llm.resolved.speculation
+        llm.close()
+    if len(names) == 1:
+        for _ in range(args.runs):
+            for workload in loads:
+                timed(base_llm, "default", workload)
+    for name in names:
+        row = results["engines"][name] = {"config": ENGINES[name]}
         for workload in loads:
-            rounds, base_rounds = runs[(name, workload)], runs[("default", workload)]
+            rounds = runs[(name, workload)]
+            base_rounds = pairs[(name, workload)] if name != "default" else rounds
             rates = [sum(len(o.token_ids) for o in outs) / sec for sec, outs, _ in rounds]
             ratios = [r / (sum(len(o.token_ids) for o in b[1]) / b[0]) for r, b in zip(rates, base_rounds)]
             outs, base_ids = rounds[-1][1], [o.token_ids for o in base_rounds[-1][1]]
@@ -153,13 +177,15 @@ def main(argv=None) -> None:
                 f"{row[workload]['accepted_per_verify']:.2f}  passes/token {row[workload]['passes_per_token']:.2f}  "
                 f"step {step_ms:5.1f} ms = propose {propose_ms:4.1f} + target {model_ms:4.1f} + rest  "
                 f"same tokens {same}/{len(ids)}")  # fmt: skip
-        row["speculation"] = llm.resolved.speculation
-        if ENGINES[name]:
-            say(f"{'':>16} {name:>34} governor: {llm.resolved.speculation}")
-        llm.close()
+        if name != "default":
+            row["speculation"] = engines[name]
+            say(f"{'':>16} {name:>34} governor: {engines[name]}")
+    results["resolved_dtype"] = str(base_llm.resolved.dtype)
+    base_llm.close()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"bench-eagle-tree-{date.today()}-{machine['cpu'].split()[0].replace('(R)', '')}-{torch.get_num_threads()}t"
+    stem += f"-batch{args.batch}" if args.batch > 1 else ""
     (out / f"{stem}.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     (out / f"{stem}.log").write_text("\n".join(lines) + "\n")
     print(f"wrote {out / stem}.json and .log")
