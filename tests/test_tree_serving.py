@@ -11,6 +11,7 @@ import pytest
 import torch
 from test_eagle import PROMPTS, TARGET, random_head
 
+import minillm.speculative.speculator as speculator_module
 from minillm import LLM, SamplingParams
 from minillm.assets import resolve_model
 from minillm.attention import cpu_paged
@@ -217,8 +218,6 @@ def test_prompt_lookups_branch_is_verified_with_the_tree(head_dir, reference, mo
     random head's trees are rarely right, the tiny model's text repeats itself, and the grafted
     branch's tokens are accepted — the tokens stay the target's own. ``ngram_branch: 0`` turns
     it off; a chain (``topk`` 1) never has it."""
-    import minillm.speculative.speculator as speculator_module
-
     grafted = []
     graft = speculator_module.graft_chain
 
