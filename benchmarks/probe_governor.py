@@ -28,13 +28,14 @@ import random
 import statistics
 from pathlib import Path
 
+from minillm.speculative.governor import SpeculationGovernor
+
 RECIPE = Path(__file__).resolve().parents[1] / "data" / "recipes" / "train_eagle_smollm2.py"
 CONFIG = {"method": "eagle", "model": "smollm2-eagle", "num_speculative_tokens": 6, "topk": 4, "depth": 2}
 
 
 def record_steps(num_chats: int, runs: int) -> tuple[list[tuple[int, int, float]], str]:
     from minillm import LLM, SamplingParams
-    from minillm.speculative.governor import SpeculationGovernor
 
     spec = importlib.util.spec_from_file_location("train_eagle_smollm2", RECIPE)
     recipe = importlib.util.module_from_spec(spec)
@@ -59,27 +60,43 @@ def record_steps(num_chats: int, runs: int) -> tuple[list[tuple[int, int, float]
     return steps, llm.resolved.speculation
 
 
-class MovingAverage:
-    """Mixin: the estimate before stop 69 — a moving average of weight 0.25 from the first step."""
+class Stop69(SpeculationGovernor):
+    """The rule of stop 69: an average of each step's rate (a plain mean over the first 20 steps,
+    then weight 0.05), a try costing ``1/r - 1`` step-times at ``r`` of the best's rate, the
+    slower candidates sharing 2% of the time, no back-off."""
+
+    def first_weight(self, steps: int) -> float:
+        return max(0.05, 1 / (steps + 1))
 
     def record(self, batch, k, tokens, seconds):
         candidate = self.sizes.get(self.size_class(batch), {}).get(k)
         if candidate is None or seconds <= 0:
             return
-        rate, old = tokens / seconds, candidate.tokens_per_second
-        candidate.tokens_per_second = rate if old is None else old + 0.25 * (rate - old)
+        rate = tokens / seconds  # kept as `tokens` over 1 s, so that `tokens_per_second` is the rate
+        candidate.tokens += self.first_weight(candidate.steps) * (rate - candidate.tokens)
+        candidate.seconds = 1.0
         candidate.steps += 1
 
+    def _gap(self, candidates, best, c):
+        cand = candidates[c]
+        if not cand.steps:
+            return 0 if cand.last_tried < 0 else self.MIN_GAP
+        extra = candidates[best].tokens_per_second / cand.tokens_per_second - 1
+        return max(self.MIN_GAP, extra * self.share() / self.EXPLORE_BUDGET)
 
-class PerCandidateBudget(MovingAverage):
-    """Mixin: the rule before stop 69 — that estimate, and each slower candidate its own 2% of the time."""
+    def share(self) -> int:
+        return len(self.candidates) - 1  # the slower candidates share the budget
 
-    EXPLORE_BUDGET = 0.02
 
-    def _gap(self, measured, best, c, candidate):
-        if c not in measured:
-            return 0 if candidate.last_tried < 0 else self.MIN_GAP
-        return max(self.MIN_GAP, (measured[best] / max(measured[c], 1e-9) - 1) / self.EXPLORE_BUDGET)
+class BeforeStop69(Stop69):
+    """The rule before stop 69: a moving average of weight 0.25 from the first step, and each
+    slower candidate its own 2% of the time."""
+
+    def first_weight(self, steps: int) -> float:
+        return 1.0 if steps == 0 else 0.25
+
+    def share(self) -> int:
+        return 1
 
 
 def replay(make, by_k: dict, replays: int, steps: int = 1200) -> tuple[float, float]:
@@ -106,7 +123,6 @@ def main() -> None:
     import torch
 
     from minillm.machine import machine_description
-    from minillm.speculative.governor import SpeculationGovernor
 
     machine = machine_description(torch.device("cpu"))
     print(f"probe_governor: {machine['cpu']}, {machine['torch_threads']} threads; {CONFIG}")
@@ -134,9 +150,9 @@ def main() -> None:
     k = max(by_k)
     rules = {
         "the governor as shipped": SpeculationGovernor,
-        "before stop 69 (each candidate its own 2%, a moving average of 0.25)":
-            type("Old", (PerCandidateBudget, SpeculationGovernor), {}),
-        "as shipped but a moving average of 0.25": type("Moving", (MovingAverage, SpeculationGovernor), {}),
+        "as shipped without the back-off": type("NoBackoff", (SpeculationGovernor,), {"BACKOFF": 1}),
+        "stop 69's (an average of step rates, a try's cost 1/r - 1)": Stop69,
+        "before stop 69 (each candidate its own 2%, a moving average of 0.25)": BeforeStop69,
     }
     print(f"replayed on these steps ({args.replays} x 1,200 steps): always k={best} {oracle:.1f} tok/s")
     for name, rule in rules.items():

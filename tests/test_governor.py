@@ -36,7 +36,7 @@ def test_starts_on_k_sweeps_once_then_keeps_the_fastest_exploring_within_its_bud
     assert picks[:4] == [4, 0, 1, 2]  # the configured k (as the engine always did), then each other once
     assert gov.best(8) == 0 and gov.best(15) == 0  # 8-15 running share a class
     late = picks[4:]
-    lost = sum(speed[0] / speed[k] - 1 for k in late) / len(late)  # step-times lost to exploring, per step
+    lost = sum(1 - speed[k] / speed[0] for k in late) / len(late)  # step-times lost to exploring, per step
     assert 0 < lost <= gov.EXPLORE_BUDGET * 1.2, lost  # the slower candidates together cost about the budget
     assert late.count(4) < late.count(1)  # the costly candidate is re-measured least often
     # another batch size starts from the nearest one's choice, then sweeps its own
@@ -63,7 +63,7 @@ def test_a_candidate_that_becomes_faster_wins_again():
         gov.record(4, k, int(speed[k]), 1.0)
     assert gov.best(4) == 0
     speed[2] = 300.0  # acceptance improved: the text turned repetitive
-    for _ in range(200):  # k=2 measured at 0.4x waits 2 · (1/0.4 - 1) / EXPLORE_BUDGET = 75 steps for its next try
+    for _ in range(200):  # k=2 measured at 0.4x waits 2 · (1 - 0.4) / EXPLORE_BUDGET = 60 steps for its next try
         k = gov.choose(4)
         gov.record(4, k, int(speed[k]), 1.0)
     assert gov.best(4) == 2
@@ -87,6 +87,60 @@ def test_one_lucky_step_does_not_crown_a_slower_candidate():
     fresh.record(1, 2, 10, 0.1)
     fresh.record(1, 2, 30, 0.1)
     assert fresh.sizes[1][2].tokens_per_second == pytest.approx(200)  # two steps: their plain mean
+
+
+def test_the_rate_is_tokens_over_time_not_a_mean_of_step_rates():
+    """Ten tokens in 0.1 s, then ten in 0.3 s (the machine was busy): 20 tokens in 0.4 s is
+    50 tok/s; the mean of the two steps' rates (100 and 33) would say 67."""
+    gov = SpeculationGovernor(2)
+    gov.choose(1)
+    gov.record(1, 2, 10, 0.1)
+    gov.record(1, 2, 10, 0.3)
+    assert gov.sizes[1][2].tokens_per_second == pytest.approx(50)
+
+
+def test_a_try_that_makes_more_tokens_at_the_same_rate_costs_more_and_waits_longer():
+    """At 0.6x the best's rate, a try whose step emits 20 tokens (and takes 2.5 times as long as
+    one that emits 8) loses 2.5 times the time: it waits 2.5 times as many steps."""
+    gaps = []
+    for tokens in (8, 20):
+        gov = SpeculationGovernor(4)
+        gov.choose(8)
+        for _ in range(30):
+            gov.record(8, 0, 8, 0.01)  # plain: 800 tok/s
+        gov.record(8, 4, tokens, tokens / 480)  # one try of k=4: 480 tok/s, whatever it emits
+        sizes = gov.sizes[8]
+        gaps.append(gov._gap(sizes, 0, 4))
+    lost = 8 / 480 / 0.01 - 1  # 8 tokens, a plain step's: 1/0.6 - 1 of its step-times lost
+    assert gaps[0] == pytest.approx(lost * 3 / SpeculationGovernor.EXPLORE_BUDGET)
+    assert gaps[1] == pytest.approx(2.5 * gaps[0])
+
+
+def test_a_costly_candidate_found_slower_again_and_again_is_tried_less_often_until_it_wins():
+    """Each try that leaves a candidate slower and loses half a step or more doubles its wait,
+    up to BACKOFF times (where proposals never pay, re-measuring them costs ever less); a cheap
+    try is repeated at its own pace; one that wins starts afresh."""
+
+    def gaps_of_tries(gov, speed, steps=3000):
+        tries = []
+        for n in range(steps):
+            k = gov.choose(8)
+            if k == 1:
+                tries.append(n)
+            gov.record(8, k, int(speed[k]), 1.0)
+        return [b - a for a, b in zip(tries, tries[1:])]
+
+    gov, speed = SpeculationGovernor(1), {0: 100.0, 1: 40.0}
+    gaps = gaps_of_tries(gov, speed)
+    base = (1 - 0.4) / gov.EXPLORE_BUDGET  # a try loses 0.6 step-times; one other candidate: 30 steps
+    # (the configured k was the best at its first step, before plain decoding was measured)
+    assert gaps[:5] == [base, base, 2 * base, 4 * base, 4 * base], gaps[:5]
+    assert set(gaps[4:]) == {gov.BACKOFF * base}
+    speed[1] = 300.0  # proposals now pay: found at the next try, and kept
+    gaps_of_tries(gov, speed, 200)
+    assert gov.best(8) == 1 and gov.sizes[8][1].misses == 0
+    cheap = gaps_of_tries(SpeculationGovernor(1), {0: 100.0, 1: 60.0})  # a try loses 0.4 step-times
+    assert set(cheap) == {(1 - 0.6) / SpeculationGovernor.EXPLORE_BUDGET}
 
 
 def test_describe_names_each_batch_size_and_its_choice():
@@ -151,6 +205,39 @@ def test_when_proposals_are_nearly_free_it_keeps_them():
     assert "8+ running: k=" in said and "8+ running: plain" not in said, said
     assert adaptive_s < plain_s
     assert [o.token_ids for o in adaptive] == [o.token_ids for o in plain]
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_a_step_counts_every_token_while_requests_wait_and_the_furthest_behind_when_none_do(policy):
+    """While requests wait for a place (continuous batching), a step is worth every token it
+    made; when none does — or under static batching, whose newcomers wait for the whole batch —
+    it is worth ``batch`` times what it moved the sequences with the most tokens left."""
+    engine = LLMEngine(TARGET, dtype="fp32", compile=False, max_num_seqs=4, scheduling_policy=policy,
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})  # fmt: skip
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(prompt, SamplingParams(max_tokens=24 + 12 * (i % 3), ignore_eos=True))
+    governor, recorded = engine.speculator.governor, []
+    record = governor.record
+    governor.record = lambda batch, k, tokens, seconds: recorded.append(tokens) or record(batch, k, tokens, seconds)
+    seen = {"waiting": 0, "furthest behind differs": 0}
+    while engine.has_unfinished_requests():
+        queued = len(engine.scheduler.waiting) if policy == "continuous" else 0
+        before = [(s, len(s.output_token_ids), s.max_output - len(s.output_token_ids))
+                  for s in engine.scheduler.running if s.is_decoding]  # fmt: skip
+        n = len(recorded)
+        engine.step()
+        if len(recorded) == n:
+            continue  # a step with a prefill: no evidence
+        moved = [len(s.output_token_ids) - b for s, b, _ in before]
+        most = max(left for *_, left in before)
+        behind = [m for m, (*_, left) in zip(moved, before) if left == most]
+        expected = sum(moved) if queued or len(before) == 1 else len(before) * sum(behind) / len(behind)
+        assert recorded[-1] == pytest.approx(expected)
+        seen["waiting"] += bool(queued)
+        seen["furthest behind differs"] += not queued and expected != sum(moved)
+    engine.close()
+    assert seen["furthest behind differs"] > 0  # proposals were accepted unevenly, and it showed
+    assert (seen["waiting"] > 0) == (policy == "continuous")
 
 
 def test_seeded_sampled_requests_keep_k_and_their_tokens_whatever_the_timing():

@@ -366,7 +366,7 @@ class LLMEngine:
         # where the step's time went, kept in its record (StepPhases).
         t0 = time.perf_counter()
         started = self.clock()
-        self.speculator.propose(self.scheduler.running)  # proposals for decoding sequences, if speculating
+        self.speculator.propose(self.scheduler.running, self.scheduler.queued_for_a_place())  # if speculating
         scheduled = self.scheduler.schedule(started)
         for seq in scheduled.preempted:
             self.speculator.release(seq.request_id)

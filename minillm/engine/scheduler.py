@@ -123,6 +123,12 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
+    def queued_for_a_place(self) -> int:
+        """Requests a place freed now would go to: the waiting ones under continuous batching;
+        none under static or dynamic batching, whose newcomers wait for the whole batch (what
+        the speculation governor weighs a step by: ``Speculator.step_done``)."""
+        return len(self.waiting) if self.policy == "continuous" else 0
+
     def block_table(self, seq: Sequence) -> list[int]:
         return self.block_manager.block_table_of(seq)
 

@@ -10,25 +10,33 @@ rather than predicting it:
 
 - For each batch size — by powers of two: 1, 2-3, 4-7, 8-15, ... decoding sequences — it keeps,
   for each candidate number of proposals (0, that is plain decoding; 1, 2, 4, ... up to the
-  configured ``k``), the output tokens per second of the pure decode steps that used it: a
-  plain mean over its first ``1 / SMOOTHING`` steps, then a moving average, so the estimate
-  follows the text and the load. One step's rate swings with how many proposals it happened to
-  accept (at batch 1 with an EAGLE tree, by ±50 tok/s around 120): a moving average of weight
-  0.25 from the first step let one lucky step crown a worse candidate for a while.
+  configured ``k``), the tokens a pure decode step that used it emitted and the time it took:
+  each a plain mean over its first ``1 / SMOOTHING`` steps, then a moving average, so the
+  estimate follows the text and the load; the candidate's rate is their ratio. One step's
+  tokens swing with how many proposals it happened to accept (at batch 1 with an EAGLE tree,
+  by ±50 tok/s around 120): a moving average of weight 0.25 from the first step let one lucky
+  step crown a worse candidate for a while.
 - A step uses the best candidate so far. A batch size seen for the first time starts with what
   the nearest batch size measured best (the configured ``k`` when none has: the engine behaves
   as it always did until there is evidence), then tries every other candidate once.
 - After that it keeps trying the others now and then — so a choice is revisited when acceptance
-  or load changes — each as often as it is cheap to: a candidate measured at ``1/x`` of the
-  best's rate costs ``x - 1`` extra step-times when tried, so with ``n`` other candidates it
-  waits ``n · (x - 1) / EXPLORE_BUDGET`` steps between tries (and never fewer than ``MIN_GAP``).
-  Exploring thus costs about ``EXPLORE_BUDGET`` of the time in all, and a near-tie, where the
+  or load changes — each as often as it is cheap to: a try loses its step's time less what the
+  best would need for the tokens it made — ``x`` of the best's step-times, say — so with ``n``
+  other candidates it waits ``n · x / EXPLORE_BUDGET`` steps between tries (and never fewer
+  than ``MIN_GAP``) — twice, then ``BACKOFF`` times as long after costly tries in a row
+  (each lost ``COSTLY_TRY`` of the best's step-times or more) that left it slower; a cheap
+  try, or one that wins, starts afresh. Exploring thus costs at most about ``EXPLORE_BUDGET``
+  of the time in all, a quarter of it where a costly candidate keeps losing (an EAGLE tree
+  at batch 8, whose head first catches up on the steps it sat out), and a near-tie, where the
   choice is uncertain and matters least, is re-measured most often. (A first measured version
   explored one step in 8 whatever the candidate cost: at batch 8 a step with 4 proposals took 3
   times a plain one, and the exploring alone cost the engine a fifth of its speed. A second
   gave each candidate its own 2% and weighed every step 0.25: replayed on an EAGLE tree's steps
   at batch 1 it kept 91.3% of the rate of always proposing the best size, this rule 95.9% —
-  ``benchmarks/probe_governor.py``, Intel Xeon, 2026-12-06.)
+  ``benchmarks/probe_governor.py``, Intel Xeon, 2026-12-06. A third counted a try's loss as
+  ``1/r - 1`` step-times for a rate ``r`` of the best's: an EAGLE tree's try at batch 8 emits
+  2.5 times a plain step's tokens, and loses 2.5 times that — at batch 8 on chat the tries
+  alone cost the engine 5%.)
 
 Greedy requests get exactly the target's tokens whatever ``k`` is, and sampled ones keep the
 target's distribution. A *seeded* sampled request keeps the configured ``k``: under rejection
@@ -57,16 +65,26 @@ from dataclasses import dataclass
 
 @dataclass
 class Candidate:
-    """One number of proposals at one batch size: what its steps made."""
+    """One number of proposals at one batch size: what its steps made, on average."""
 
-    tokens_per_second: float | None = None  # moving average over the steps that used it
+    tokens: float = 0.0  # tokens a step emitted: moving average over the steps that used it
+    seconds: float = 0.0  # what a step took: moving average over the same steps
     steps: int = 0
     last_tried: int = -1  # the batch size's decision count when it last ran
+    misses: int = 0  # tries in a row that left it slower than the best
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        """Its rate: average tokens over average time — not an average of each step's rate,
+        which one step's luck in acceptance or one slow moment of the machine would tilt."""
+        return self.tokens / self.seconds if self.steps else None
 
 
 class SpeculationGovernor:
     EXPLORE_BUDGET = 0.02  # the share of the time the slower candidates together may cost by being re-measured
     MIN_GAP = 8  # steps of a batch size between two tries of the same candidate, at least
+    BACKOFF = 4  # a candidate found slower try after try waits up to this many times its gap
+    COSTLY_TRY = 0.5  # ... where each of those tries lost at least this many of the best's step-times
     SMOOTHING = 0.05  # a step's weight in its candidate's moving average (after a plain mean of the first 20)
 
     def __init__(self, k: int):
@@ -93,19 +111,23 @@ class SpeculationGovernor:
         else:
             best = pick = max(measured, key=measured.get)
             due = [c for c, cand in candidates.items()
-                   if c != best and n - cand.last_tried >= self._gap(measured, best, c, cand)]  # fmt: skip
+                   if c != best and n - cand.last_tried >= self._gap(candidates, best, c)]  # fmt: skip
             if due:
                 pick = min(due, key=lambda c: candidates[c].last_tried)
         candidates[pick].last_tried = n
         return pick
 
-    def _gap(self, measured: dict[int, float], best: int, c: int, candidate: Candidate) -> float:
+    def _gap(self, candidates: dict[int, Candidate], best: int, c: int) -> float:
         """Steps between two tries of candidate ``c``: never tried, at once; tried but not yet
-        measured (its step had a prefill chunk, which is no evidence), ``MIN_GAP``; else by its cost."""
-        if c not in measured:
-            return 0 if candidate.last_tried < 0 else self.MIN_GAP
-        extra = measured[best] / max(measured[c], 1e-9) - 1  # step-times a try of c costs beyond best's
-        return max(self.MIN_GAP, extra * (len(self.candidates) - 1) / self.EXPLORE_BUDGET)
+        measured (its step had a prefill chunk, which is no evidence), ``MIN_GAP``; else by its
+        cost: a try's time less what the best needs for the tokens the try made, in the best's
+        step-times (a try that emits 20 tokens at 0.6x the best's rate loses more than one of 8)."""
+        cand, top = candidates[c], candidates[best]
+        if not cand.steps:
+            return 0 if cand.last_tried < 0 else self.MIN_GAP
+        extra = (cand.seconds - cand.tokens / top.tokens_per_second) / top.seconds
+        backoff = min(2 ** max(cand.misses - 1, 0), self.BACKOFF)  # 1, 2, 4, 4, ... after 1, 2, 3, 4, ... misses
+        return max(self.MIN_GAP, backoff * extra * (len(self.candidates) - 1) / self.EXPLORE_BUDGET)
 
     def _nearest_best(self, size: int) -> int:
         """A new batch size's first guess: the best of the nearest one measured (else k)."""
@@ -121,11 +143,13 @@ class SpeculationGovernor:
         candidate = self.sizes.get(self.size_class(batch), {}).get(k)
         if candidate is None or seconds <= 0:
             return
-        rate = tokens / seconds
-        old = candidate.tokens_per_second
-        weight = max(self.SMOOTHING, 1 / (candidate.steps + 1))  # 1 for the first step: its rate
-        candidate.tokens_per_second = rate if old is None else old + weight * (rate - old)
+        weight = max(self.SMOOTHING, 1 / (candidate.steps + 1))  # 1 for the first step: its own
+        candidate.tokens += weight * (tokens - candidate.tokens)
+        candidate.seconds += weight * (seconds - candidate.seconds)
         candidate.steps += 1
+        best = self.sizes[self.size_class(batch)][self.best(batch)]
+        lost = (seconds - tokens / best.tokens_per_second) / best.seconds  # this step, in the best's step-times
+        candidate.misses = candidate.misses + 1 if lost >= self.COSTLY_TRY and best is not candidate else 0
 
     def best(self, batch: int) -> int | None:
         """The candidate a step of ``batch`` sequences would use now (None: none measured)."""
