@@ -152,9 +152,11 @@ class Speculator:
         static batch, a quiet server), the engine is busy until its furthest-behind sequence
         finishes, and a token for one that will finish first anyway frees a place nobody takes:
         the step is worth ``batch`` times what it moved the sequences with the most tokens left
-        (on average; at batch 1, the tokens it made). Measured on every token, static batches of 8 held-out chats ran at 0.95x the
-        plain engine with prompt lookup (the lucky sequences finished early; the batch's last
-        steps ran half empty at nearly full cost — ``benchmarks/bench_eagle_tree.py --batch 8``)."""
+        (on average; at batch 1, the tokens it made). Counting every token, prompt lookup decoded
+        static batches of 8 held-out chats at 0.98x the default engine — its lucky sequences
+        finished early, and the batch's last steps ran half empty at nearly a full step's cost —
+        and weighed so, at 1.02x (medians of 10 rounds in one run,
+        ``benchmarks/probe_governor_drain.py``, Intel Xeon, 2026-12-07)."""
         batch, step_k = self._step
         if self.governor is None or not batch or not all(c.draft_tokens or c.is_decode for c in chunks):
             return
