@@ -117,6 +117,56 @@ def test_drafting_step_by_step_matches_one_pass(head_dir):
     torch.testing.assert_close(state.k[:12], k_all, atol=1e-4, rtol=1e-4)  # only true keys were kept
 
 
+class FakeSeq:
+    """What the proposer reads of a sequence."""
+
+    params = SamplingParams(temperature=0)
+
+    def __init__(self, request_id, ids):
+        self.request_id, self.token_ids = request_id, ids
+
+    def __len__(self):
+        return len(self.token_ids)
+
+
+def test_catching_up_together_is_each_sequence_alone(head_dir):
+    """Sequences that resume proposing catch up in one call of the head (each row masked to its
+    own sequence): the proposals, chains and trees, and the draft keys kept are what each
+    sequence catching up alone gives."""
+    target = load_model(resolve_model(TARGET), torch.float32)
+    head = load_eagle_head(head_dir, target)
+    torch.manual_seed(1)
+    lengths = {"a": 20, "b": 9, "c": 31}
+    feats = {r: torch.randn(n, target.config.hidden_size) for r, n in lengths.items()}
+    tokens = {r: torch.randint(0, 40, (n + 1,)).tolist() for r, n in lengths.items()}
+    together, alone = EagleProposer(head), EagleProposer(head)
+    calls = []
+    forward = head.forward
+    head.forward = lambda *a, **kw: calls.append(len(a[0])) or forward(*a, **kw)
+    for cut in ((3, 6, 2), (11, 9, 17), (20, 9, 31)):  # each round: how far each sequence has come
+        seqs = {}
+        for r, m in zip(lengths, cut):
+            for proposer in (together, alone):
+                seq = proposer.states[r].seq if r in proposer.states else FakeSeq(r, [])
+                seq.token_ids = tokens[r][: m + 1]
+                start = proposer.states[r].hi if r in proposer.states else 0
+                proposer.observe([r], [start], [feats[r][start:m]], [seq])
+                seqs.setdefault(r, []).append(seq)
+        with torch.inference_mode():
+            calls.clear()
+            both = together.propose([s for s, _ in seqs.values()], [1, 1, 1])
+            assert len(calls) == 1  # three catch-ups, one call
+            each = {r: alone.propose([s], [1])[r] for r, (_, s) in seqs.items()}
+            assert {r: p[0] for r, p in both.items()} == {r: p[0] for r, p in each.items()}
+            for r in lengths:
+                a, b = together.states[r], alone.states[r]
+                assert a.filled == b.filled
+                torch.testing.assert_close(a.k[: a.filled - a.kv_lo], b.k[: b.filled - b.kv_lo], atol=1e-4, rtol=1e-4)
+            trees = together.propose_trees([s for s, _ in seqs.values()], [6, 6, 6], 3, 2)
+            assert trees == {r: alone.propose_trees([s], [6], 3, 2)[r] for r, (_, s) in seqs.items()}
+    head.forward = forward
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_greedy_eagle_reproduces_the_target_alone(head_dir, reference, k):
     llm = LLM(TARGET, dtype="fp32", speculative_config=eagle(head_dir, k))
