@@ -36,7 +36,7 @@ rather than predicting it:
   ``benchmarks/probe_governor.py``, Intel Xeon, 2026-12-06. A third counted a try's loss as
   ``1/r - 1`` step-times for a rate ``r`` of the best's: an EAGLE tree's try at batch 8 emits
   2.5 times a plain step's tokens, and loses 2.5 times that — at batch 8 on chat the tries
-  alone cost the engine 5%.)
+  alone cost the engine about 5% of a run: ``benchmarks/probe_batch_steps.py``, 2026-12-07.)
 
 Greedy requests get exactly the target's tokens whatever ``k`` is, and sampled ones keep the
 target's distribution. A *seeded* sampled request keeps the configured ``k``: under rejection

@@ -1,0 +1,87 @@
+"""Where a batch's time goes, step by step: the default engine against speculative ones.
+
+    python benchmarks/probe_batch_steps.py [ENGINE ...] [--batch 8] [--chats 16] [--rounds 3]
+
+Each engine (names from ``bench_eagle_tree.ENGINES``; default: the default engine, prompt lookup
+k 4 and the EAGLE tree 4x2, 6 nodes, governor on) is SmolLM2-135M as it ships, settled by two
+untimed runs, then decodes the EAGLE recipe's held-out chats ``--batch`` at a time (64 tokens),
+``--rounds`` times, the engines taking turns. Per run: tokens per second, the time in steps
+with a prefill chunk, in pure decode steps and outside any step; and per batch size class (1,
+2-3, 4-7, 8-15 decoding sequences) and number of proposals the governor chose: steps, time,
+ms a step, tokens a step and rows a step (a verify row per proposal). The default engine has no
+governor: its steps all show as size 1, k=0. What found the tries' cost and the half-empty
+tail of stop 69's governor at batch 8 (docs/benchmarks.md, "2026-12-07 (stop 70)").
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import bench_eagle_tree as bench
+
+from minillm import LLM
+
+
+def run(llm, chats, batch: int):
+    """One timed run: seconds, tokens, and per step (batch, k, tokens, seconds, pure decode, rows)."""
+    speculator, steps = llm.engine.speculator, []
+    step_done = speculator.step_done
+
+    def recording(chunks, tokens, seconds):
+        size, k = getattr(speculator, "_step", (None, 0))
+        pure = all(c.draft_tokens or c.is_decode for c in chunks)
+        steps.append((size, k, tokens, seconds, pure, sum(c.num_tokens for c in chunks)))
+        return step_done(chunks, tokens, seconds)
+
+    speculator.step_done = recording
+    try:
+        seconds, outs = bench.run_once(llm, chats, 64, batch)
+    finally:
+        speculator.step_done = step_done
+    return seconds, sum(len(o.token_ids) for o in outs), steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("engines", nargs="*", default=["default", "ngram k4", "eagle tree 4x2 k6"])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--chats", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    unknown = [name for name in args.engines if name not in bench.ENGINES]
+    if unknown:
+        parser.error(f"unknown engines {unknown}; choose from {list(bench.ENGINES)}")
+    chats = bench.workloads(args.chats, args.batch)["chat (held out)"]
+    engines = {}
+    for name in args.engines:
+        llm = LLM("smollm2-135m", speculative_config=bench.ENGINES[name])
+        llm.wait_for_fast_path()
+        for _ in range(2):
+            run(llm, chats, args.batch)
+        engines[name] = llm
+    for r in range(args.rounds):
+        for name, llm in engines.items():
+            start = time.perf_counter()
+            _, tokens, steps = run(llm, chats, args.batch)
+            elapsed = time.perf_counter() - start
+            decode = [s for s in steps if s[4]]
+            prefill = sum(s[3] for s in steps if not s[4])
+            print(f"round {r} {name:>20}: {tokens / elapsed:6.1f} tok/s {elapsed * 1e3:7.0f} ms; steps {len(steps)}; "
+                  f"with a prefill {prefill * 1e3:6.0f} ms; pure decode {sum(s[3] for s in decode) * 1e3:6.0f} ms; "
+                  f"outside steps {(elapsed - sum(s[3] for s in steps)) * 1e3:5.0f} ms")  # fmt: skip
+            by = collections.defaultdict(lambda: [0, 0.0, 0, 0])
+            for size, k, emitted, seconds, _, rows in decode:
+                row = by[(1 << (max(size or 1, 1).bit_length() - 1), k)]
+                row[0], row[1], row[2], row[3] = row[0] + 1, row[1] + seconds, row[2] + emitted, row[3] + rows
+            for (size, k), (n, seconds, emitted, rows) in sorted(by.items()):
+                print(f"      size {size} k={k}: {n:4d} steps {seconds * 1e3:7.1f} ms {seconds / n * 1e3:6.2f} ms/step "
+                      f"{emitted / n:5.2f} tok/step {rows / n:5.1f} rows/step")  # fmt: skip
+    for name, llm in engines.items():
+        print(f"{name}: {llm.resolved.speculation}")
+        llm.close()
+
+
+if __name__ == "__main__":
+    main()
