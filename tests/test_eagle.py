@@ -167,6 +167,30 @@ def test_catching_up_together_is_each_sequence_alone(head_dir):
     head.forward = forward
 
 
+def test_a_long_catch_up_and_a_seeded_sampled_request_run_alone(head_dir):
+    """A shared call's attention grows with the square of all its rows: a catch-up longer than
+    ``SHARED_CATCH_UP_MAX`` (a whole prompt after its prefill) runs alone; so does a seeded
+    sampled request's, whose draws must not depend on which others propose."""
+    target = load_model(resolve_model(TARGET), torch.float32)
+    head = load_eagle_head(head_dir, target)
+    proposer, calls = EagleProposer(head), []
+    forward = head.forward
+    head.forward = lambda *a, **kw: calls.append(len(a[0])) or forward(*a, **kw)
+    torch.manual_seed(2)
+    behind = {"short": 3, "also short": 5, "long": EagleProposer.SHARED_CATCH_UP_MAX + 16, "seeded": 4}
+    seqs = []
+    for r, n in behind.items():
+        seq = FakeSeq(r, torch.randint(0, 40, (n + 1,)).tolist())
+        if r == "seeded":
+            seq.params, seq.generator = SamplingParams(temperature=0.8, seed=3), torch.Generator().manual_seed(3)
+        proposer.observe([r], [0], [torch.randn(n, target.config.hidden_size)], [seq])
+        seqs.append(seq)
+    with torch.inference_mode():
+        proposer.propose(seqs, [1] * len(seqs))
+    head.forward = forward
+    assert sorted(calls) == sorted([3 + 5, behind["long"], 4])  # the two short ones shared a call
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_greedy_eagle_reproduces_the_target_alone(head_dir, reference, k):
     llm = LLM(TARGET, dtype="fp32", speculative_config=eagle(head_dir, k))

@@ -8,9 +8,12 @@ sampled request's tokens."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from minillm import LLMEngine, SamplingParams
-from minillm.config import SpeculativeConfig
+from minillm.assets import resolve_model
+from minillm.config import ModelConfig, SpeculativeConfig
+from minillm.kvcache.addressing import kv_bytes_per_token
 from minillm.speculative.governor import SpeculationGovernor
 
 TARGET = "tiny-shakespeare-8m"
@@ -219,7 +222,7 @@ def test_a_step_counts_every_token_while_requests_wait_and_the_furthest_behind_w
     governor, recorded = engine.speculator.governor, []
     record = governor.record
     governor.record = lambda batch, k, tokens, seconds: recorded.append(tokens) or record(batch, k, tokens, seconds)
-    seen = {"waiting": 0, "furthest behind differs": 0}
+    seen = {"waiting": 0, "furthest behind differs": 0, "a queue, but no place to give": 0}
     while engine.has_unfinished_requests():
         queued = len(engine.scheduler.waiting) if policy == "continuous" else 0
         before = [(s, len(s.output_token_ids), s.max_output - len(s.output_token_ids))
@@ -235,9 +238,48 @@ def test_a_step_counts_every_token_while_requests_wait_and_the_furthest_behind_w
         assert recorded[-1] == pytest.approx(expected)
         seen["waiting"] += bool(queued)
         seen["furthest behind differs"] += not queued and expected != sum(moved)
+        seen["a queue, but no place to give"] += not queued and bool(engine.scheduler.waiting)
     engine.close()
     assert seen["furthest behind differs"] > 0  # proposals were accepted unevenly, and it showed
-    assert (seen["waiting"] > 0) == (policy == "continuous")
+    if policy == "continuous":
+        assert seen["waiting"] > 0
+    else:  # static batching: requests did wait, for the whole batch, not for a place
+        assert seen["a queue, but no place to give"] > 0
+
+
+def test_a_step_that_preempts_the_furthest_behind_is_weighed_by_those_it_ran():
+    """A pool too small for every request (14 blocks of 4 tokens for 4 of them) preempts one
+    now and then, often one with the most tokens left, in a step that began with nobody
+    waiting: it moved no token for want of room, not of proposals. The step is weighed by the
+    furthest-behind sequences it ran — never recorded as no progress (a first record of 0
+    tokens made the governor divide by zero) — and the greedy tokens stay the target's."""
+    per_block = 4 * kv_bytes_per_token(ModelConfig.from_folder(resolve_model(TARGET)), torch.float32)
+    small = {"block_size": 4, "kv_cache_memory": 14 * per_block, "max_model_len": 64}
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+
+    def generate(speculative_config):
+        engine = LLMEngine(TARGET, dtype="fp32", compile=False, speculative_config=speculative_config, **small)
+        recorded, preempted_with_none_waiting = [], 0
+        if speculative_config:
+            record = engine.speculator.governor.record
+            engine.speculator.governor.record = lambda b, k, t, s: recorded.append(t) or record(b, k, t, s)
+        for prompt in PROMPTS[:4]:
+            engine.add_request(prompt + " " + prompt, params)
+        outputs = {}
+        while engine.has_unfinished_requests():
+            none_waiting = not engine.scheduler.waiting
+            for d in engine.step():
+                if d.output is not None:
+                    outputs[d.request_id] = d.output.token_ids
+            preempted_with_none_waiting += none_waiting and bool(engine.step_records[-1].preempted)
+        engine.close()
+        return [outputs[i] for i in sorted(outputs)], recorded, preempted_with_none_waiting
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    plain, _, _ = generate(None)
+    tokens, recorded, preempted = generate(spec)
+    assert preempted > 0  # the case happened
+    assert tokens == plain and recorded and min(recorded) >= 1
 
 
 def test_seeded_sampled_requests_keep_k_and_their_tokens_whatever_the_timing():

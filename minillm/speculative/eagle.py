@@ -313,7 +313,7 @@ class EagleProposer:
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> dict[Hashable, tuple[list[int], torch.Tensor | None]]:
         ready = [(seq, state, k) for seq, k in zip(seqs, ks) if (state := self._ready(seq)) is not None]
-        self._catch_up_together([(seq, state) for seq, state, _ in ready])
+        self._catch_up_together([(seq, state) for seq, state, _ in ready if self._may_share_a_call(seq, state)])
         return {seq.request_id: self._propose_one(seq, state, k) for seq, state, k in ready}
 
     @torch.inference_mode()
@@ -321,7 +321,7 @@ class EagleProposer:
         """Per sequence, a tree of ``ks[i]`` nodes grown by the head's confidence (EAGLE-2):
         ``(tokens, parents)``, parents before children, best nodes first (``_grow_tree``)."""
         ready = [(seq, state, k) for seq, k in zip(seqs, ks) if (state := self._ready(seq)) is not None]
-        self._catch_up_together([(seq, state) for seq, state, _ in ready])
+        self._catch_up_together([(seq, state) for seq, state, _ in ready if self._may_share_a_call(seq, state)])
         return {seq.request_id: self._grow_tree(seq, state, k, topk, depth) for seq, state, k in ready}
 
     def _ready(self, seq: Sequence) -> _State | None:
@@ -359,6 +359,17 @@ class EagleProposer:
         past = slice(0, first - state.kv_lo)
         return (state.feats[first - state.lo : n - 1 - state.lo], torch.tensor(tokens[first + 1 : n], device=device),
                 torch.arange(first, n - 1, device=device), state.k[past], state.v[past], first)  # fmt: skip
+
+    SHARED_CATCH_UP_MAX = 64  # positions: a longer catch-up (a whole prompt, after its prefill) runs alone
+
+    def _may_share_a_call(self, seq: Sequence, state: _State) -> bool:
+        """Whether ``seq``'s catch-up may run in the call ``_catch_up_together`` makes: a short one
+        (a shared call's attention grows with the square of all its rows: two prompts of 2k
+        tokens together would cost twice what they cost apart), and not a seeded sampled
+        request's, whose draws must not depend on which others propose this step (bf16 products
+        over more rows may round differently)."""
+        seeded = seq.params.seed is not None and not seq.params.greedy
+        return not seeded and len(seq) - 1 - max(state.filled, state.kv_lo) <= self.SHARED_CATCH_UP_MAX
 
     def _catch_up_together(self, pairs: list[tuple[Sequence, _State]]) -> None:
         """Every sequence's catch-up in one call of the head: each row sees its own sequence's

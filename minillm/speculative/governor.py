@@ -71,7 +71,7 @@ class Candidate:
     seconds: float = 0.0  # what a step took: moving average over the same steps
     steps: int = 0
     last_tried: int = -1  # the batch size's decision count when it last ran
-    misses: int = 0  # tries in a row that left it slower than the best
+    misses: int = 0  # costly tries in a row (each lost COSTLY_TRY step-times or more) that left it slower
 
     @property
     def tokens_per_second(self) -> float | None:
@@ -141,7 +141,7 @@ class SpeculationGovernor:
         """A pure decode step of ``batch`` sequences, run with ``k`` proposals each, emitted
         ``tokens`` in ``seconds`` (proposing, the target's pass, verifying and appending)."""
         candidate = self.sizes.get(self.size_class(batch), {}).get(k)
-        if candidate is None or seconds <= 0:
+        if candidate is None or seconds <= 0 or tokens <= 0:  # a pure decode step emits a token per sequence
             return
         weight = max(self.SMOOTHING, 1 / (candidate.steps + 1))  # 1 for the first step: its own
         candidate.tokens += weight * (tokens - candidate.tokens)

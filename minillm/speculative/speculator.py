@@ -152,7 +152,10 @@ class Speculator:
         static batch, a quiet server), the engine is busy until its furthest-behind sequence
         finishes, and a token for one that will finish first anyway frees a place nobody takes:
         the step is worth ``batch`` times what it moved the sequences with the most tokens left
-        (on average; at batch 1, the tokens it made). Counting every token, prompt lookup decoded
+        before ``max_tokens`` (on average, over those the step ran — a preempted sequence, or
+        one the token budget left out, moved for want of room, not of proposals; at batch 1,
+        the tokens it made). Where requests stop at EOS, that is the best guess there is at
+        which sequence finishes last. Counting every token, prompt lookup decoded
         static batches of 8 held-out chats at 0.98x the default engine — its lucky sequences
         finished early, and the batch's last steps ran half empty at nearly a full step's cost —
         and weighed so, at 1.02x (medians of 10 rounds in one run,
@@ -160,9 +163,10 @@ class Speculator:
         batch, step_k = self._step
         if self.governor is None or not batch or not all(c.draft_tokens or c.is_decode for c in chunks):
             return
-        if self._laggards:
-            moved = sum(len(seq.output_token_ids) - before for seq, before in self._laggards)
-            tokens = batch * moved / len(self._laggards)
+        ran = {id(c.seq) for c in chunks}
+        behind = [(seq, before) for seq, before in self._laggards or [] if id(seq) in ran]
+        if behind:
+            tokens = batch * sum(len(seq.output_token_ids) - before for seq, before in behind) / len(behind)
         self.governor.record(batch, step_k, tokens, seconds)
         if self.resolved is not None:
             self.resolved.speculation = self.describe()
