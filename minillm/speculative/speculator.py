@@ -163,7 +163,7 @@ class Speculator:
         batch, step_k = self._step
         if self.governor is None or not batch or not all(c.draft_tokens or c.is_decode for c in chunks):
             return
-        ran = {id(c.seq) for c in chunks}
+        ran = {id(c.seq) for c in chunks} if self._laggards else set()
         behind = [(seq, before) for seq, before in self._laggards or [] if id(seq) in ran]
         if behind:
             tokens = batch * sum(len(seq.output_token_ids) - before for seq, before in behind) / len(behind)
