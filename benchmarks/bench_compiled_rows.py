@@ -28,8 +28,7 @@ import torch
 from bench_decode_step import measure
 
 from minillm import LLM
-from minillm.bench import machine_description
-from minillm.machine import machine_tag
+from minillm.machine import machine_description, machine_tag
 
 RESULTS = Path(__file__).parent / "results"
 ENGINES = {

@@ -268,7 +268,7 @@ def bench_end_to_end(model: str, batches, prompt_len: int, new_tokens: int, repe
     from transformers import AutoModelForCausalLM
 
     from minillm import LLM, SamplingParams
-    from minillm.bench import _measure, _prompts
+    from minillm.tools.bench import _measure, _prompts
 
     common = dict(dtype="bf16", enable_prefix_caching=False, kv_cache_memory=4 << 30)  # two engines + HF share the GPU
     engines = {
@@ -387,7 +387,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_gpu.py needs a CUDA GPU; none is available here.", file=sys.stderr)
         return 1
-    from minillm.bench import machine_description
+    from minillm.machine import machine_description
     from minillm.viz.roofline import measure_machine
 
     device = torch.device("cuda")

@@ -35,11 +35,11 @@ from pathlib import Path
 import torch
 
 from minillm import LLM, SamplingParams
-from minillm.bench import machine_description
 from minillm.config import ModelConfig
+from minillm.machine import machine_description
+from minillm.tools.workloads import WorkloadRequest, replay
 from minillm.viz.parallel_results import parallel_tables
 from minillm.viz.pipeline import bubble_fraction
-from minillm.workloads import WorkloadRequest, replay
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from minillm import LLM, SamplingParams
-from minillm.bench import _measure, _prompts, machine_description
+from minillm.tools.bench import _measure, _prompts, machine_description
 
 PROMPTS = [
     "The history of the Roman Empire",
@@ -93,8 +93,8 @@ def gguf_checkpoint(model: str) -> Path:
 
 def evaluate(model: str, method: str, reference_tokens: list[list[int]] | None, repeats: int, hf: bool) -> dict:
     from minillm.assets import heldout_text
-    from minillm.evaluation import engine_perplexity, perplexity
     from minillm.kvcache.addressing import kv_bytes_per_token
+    from minillm.tools.evaluation import engine_perplexity, perplexity
 
     kwargs = {} if method == "int4-gguf" else method_kwargs(method)
     source = gguf_checkpoint(model) if method == "int4-gguf" else model

@@ -35,12 +35,12 @@ import torch
 
 from minillm import LLMEngine
 from minillm.assets import resolve_model
-from minillm.bench import machine_description
 from minillm.config import ModelConfig
+from minillm.machine import machine_description
 from minillm.metrics import SLO, run_report
 from minillm.outputs import RequestMetrics, RequestOutput
 from minillm.server import ServerProcess
-from minillm.workloads import poisson_workload, replay
+from minillm.tools.workloads import poisson_workload, replay
 
 RESULTS = Path(__file__).parent / "results"
 

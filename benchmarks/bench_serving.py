@@ -26,12 +26,11 @@ import torch
 
 from minillm import LLMEngine
 from minillm.assets import resolve_model
-from minillm.bench import machine_description
 from minillm.config import ModelConfig, parse_memory
-from minillm.machine import machine_tag
+from minillm.machine import machine_description, machine_tag
 from minillm.metrics import SLO, run_report
 from minillm.outputs import RequestMetrics, RequestOutput
-from minillm.workloads import poisson_workload, replay, shared_prefix_workload
+from minillm.tools.workloads import poisson_workload, replay, shared_prefix_workload
 
 RESULTS = Path(__file__).parent / "results"
 

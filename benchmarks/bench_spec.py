@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from minillm import LLM, SamplingParams
-from minillm.bench import machine_description
+from minillm.machine import machine_description
 
 QUESTIONS = [
     "What is the capital of France, and what is it famous for?",

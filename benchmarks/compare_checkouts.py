@@ -115,7 +115,7 @@ def main(argv=None) -> dict:
         print(f"{key:44s} {runs(base) + f' ({mb:.2f})':>22s} {runs(cand) + f' ({mc:.2f})':>22s} {mc / mb:9.3f}")
     import torch
 
-    from minillm.bench import machine_description
+    from minillm.machine import machine_description
 
     machine = machine_description(torch.device("cpu"))
     commits = {k: _commit(v) for k, v in checkouts.items()}

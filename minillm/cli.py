@@ -409,7 +409,7 @@ def cmd_quantize(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from minillm.bench import run_generate_benchmark
+    from minillm.tools.bench import run_generate_benchmark
 
     run_generate_benchmark(
         model=args.model,

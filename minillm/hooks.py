@@ -156,8 +156,8 @@ torch_attention = _declare(
     "torch_attention",
     "torch_attention(q[B, H, T, D], k[B, KV, S, D], v, mask, is_causal, scale) -> [B, H, T, D]",
     "01 prefill and decode (causal attention); 05 attention variants (grouped-query attention)",
-    "minillm.attention",
-    "minillm/attention/__init__.py",
+    "minillm.attention.backend",
+    "minillm/attention/backend.py",
     """The ``torch`` attention backend's arithmetic: causal scaled-dot-product attention with
     grouped K/V heads, the T queries being the last T of the S key positions. Every layer of
     the naive and contiguous engines, and the paged reference step, call it.""",

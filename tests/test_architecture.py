@@ -110,9 +110,9 @@ def test_no_import_cycles_in_the_package():
 #: The floors of the house, bottom up (docs/architecture.md). A package may import its own floor
 #: and the floors below; every arrow that runs up is listed in UPWARD_ARROWS with its reason.
 FLOORS = [
-    {"errors", "machine", "outputs", "bench_llamacpp", "hooks", "trusted_cache"},
+    {"errors", "machine", "outputs", "hooks", "trusted_cache", "triton_setup"},
     {"config", "tokenizer", "sampling", "assets", "metrics"},
-    {"sequence", "inputs", "workloads", "layers", "kv_head_pooling"},
+    {"sequence", "inputs", "layers", "kv_head_pooling"},
     {"kvcache"},
     {"attention"},
     {"quantization"},
@@ -120,9 +120,9 @@ FLOORS = [
     {"runtime"},
     {"parallel", "speculative"},
     {"engine"},
-    {"server", "evaluation"},
+    {"server", "tools"},
     {"cluster"},
-    {"bench", "viz"},
+    {"viz"},
     {"course"},
     {"cli"},
     {"__main__", "minillm"},
@@ -548,3 +548,33 @@ def test_engine_code_calls_hooks_through_the_module():
                 if "hooks" in {a.name for a in node.names}:
                     frozen.append(f"{name}: from minillm import hooks (runs the package's __init__: import minillm.hooks)")
     assert not frozen, frozen
+
+
+#: The request path's packages: a function there reads in one screen, or is split into named parts.
+SHORT_FUNCTION_PACKAGES = ("engine", "runtime", "server")
+MAX_FUNCTION_LINES = 80
+
+
+def _long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> list[tuple[str, int]]:
+    """(name, lines) of each function in ``source`` longer than ``limit`` lines (nested ones too)."""
+    return [
+        (node.name, node.end_lineno - node.lineno + 1)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > limit
+    ]
+
+
+def test_the_long_function_rule_catches_one():
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    assert _long_functions(f"def f():\n{body}\n") == [("f", MAX_FUNCTION_LINES + 1)]
+    assert _long_functions(f"def f():\n{body}\n", limit=MAX_FUNCTION_LINES + 1) == []
+
+
+def test_functions_on_the_request_path_are_short():
+    long = [
+        f"{name}: {func} ({lines} lines)"
+        for name, path in _module_names().items()
+        if _package(name) in SHORT_FUNCTION_PACKAGES
+        for func, lines in _long_functions(path.read_text())
+    ]
+    assert not long, long

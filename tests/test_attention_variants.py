@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from minillm.evaluation import perplexity
 from minillm.kv_head_pooling import pool_kv_heads
 from minillm.models import load_model
 from minillm.models.llama import ForwardBatch
+from minillm.tools.evaluation import perplexity
 
 
 def duplicate_kv_heads(src, dst):

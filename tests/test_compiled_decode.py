@@ -593,7 +593,7 @@ def _gguf(path, file_type: int):
 
 
 def test_llama_cpp_anchor_reads_llama_benchs_own_figures(tmp_path):
-    from minillm.bench_llamacpp import LlamaCpp
+    from minillm.tools.llamacpp import LlamaCpp
 
     binary = tmp_path / "llama-bench"  # prints what llama-bench -o json prints, and its arguments
     binary.write_text(
@@ -612,8 +612,8 @@ def test_llama_cpp_anchor_reads_llama_benchs_own_figures(tmp_path):
 
 
 def test_llama_cpp_anchor_refuses_bad_input(tmp_path):
-    from minillm.bench import run_generate_benchmark
-    from minillm.bench_llamacpp import LlamaCpp
+    from minillm.tools.bench import run_generate_benchmark
+    from minillm.tools.llamacpp import LlamaCpp
 
     binary = tmp_path / "llama-bench"
     binary.write_text("")  # exists, but cannot run
@@ -640,7 +640,7 @@ def test_llama_cpp_anchor_refuses_bad_input(tmp_path):
 def test_generate_benchmark_reports_mbu_and_engine_starts():
     """The benchmark end to end on the tiny model (eager only: fast) — decode, prefill, MBU
     against the measured bandwidth — and the start-up table a compiled run adds."""
-    from minillm.bench import format_table, measure_read_bandwidth, run_generate_benchmark
+    from minillm.tools.bench import format_table, measure_read_bandwidth, run_generate_benchmark
 
     assert measure_read_bandwidth(megabytes=64, repeats=2) > 0.1
     result = run_generate_benchmark(

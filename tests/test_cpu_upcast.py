@@ -74,7 +74,7 @@ def test_greedy_tokens_and_perplexity_match_the_native_kernel(monkeypatch):
     """tiny-shakespeare-8m in bf16, a 200-token prompt (prefilled in fp32 from 16 rows): the same
     24 greedy tokens as plain bf16 storage, and the perplexity within 0.5%."""
     from minillm.assets import heldout_text
-    from minillm.evaluation import perplexity
+    from minillm.tools.evaluation import perplexity
 
     no_half_kernels(monkeypatch)
     params = SamplingParams(max_tokens=24, ignore_eos=True)

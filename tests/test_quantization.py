@@ -80,7 +80,7 @@ def test_fast_kernel_matches_the_dequantized_reference(method, rows, dtype):
 def test_engine_on_quantized_weights_stays_within_budget():
     """Perplexity on held-out text: int8 within 0.5% of fp32, int4 within 2%; greedy tokens agree."""
     from minillm.assets import heldout_text
-    from minillm.evaluation import perplexity
+    from minillm.tools.evaluation import perplexity
 
     ppl, tokens, held = {}, {}, {}
     params = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -360,8 +360,8 @@ def test_awq_calibration_beats_round_to_nearest():
     than plain int4 on held-out Shakespeare (measured on SmolLM2-135M at groups of 64: RTN
     +5.6, AWQ +2.7 — see the README; here the fast tiny model)."""
     from minillm.assets import heldout_text
-    from minillm.evaluation import perplexity
     from minillm.quantization.awq import AWQInt4Method
+    from minillm.tools.evaluation import perplexity
 
     ppl = {}
     for q in (None, "int4", "awq"):
@@ -418,7 +418,7 @@ def test_default_int4_keeps_smollm2s_quality():
     """The default group follows the checkpoint's own 4-bit grid (groups of 32): greedy tokens and
     perplexity stay with bf16's. Groups of 64 cut across that grid (+28% perplexity, bench_quant)."""
     from minillm.assets import heldout_text
-    from minillm.evaluation import perplexity
+    from minillm.tools.evaluation import perplexity
 
     prompts = ["The capital of France is", "def fibonacci(n):", "Photosynthesis is the process"]
     params = SamplingParams(max_tokens=4, ignore_eos=True)

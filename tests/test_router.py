@@ -7,7 +7,7 @@ import pytest
 
 from minillm.cluster.router import Router, prompt_block_hashes
 from minillm.kvcache.block_manager import block_hash
-from minillm.workloads import shared_prefix_workload
+from minillm.tools.workloads import shared_prefix_workload
 
 
 def test_prompt_hashes_are_the_block_managers_chain():

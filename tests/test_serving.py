@@ -15,7 +15,7 @@ import torch
 from minillm import LLM, LLMEngine, SamplingParams
 from minillm.kvcache.addressing import kv_bytes_per_token
 from minillm.metrics import SLO, run_report
-from minillm.workloads import Lengths, load_jsonl, poisson_workload, replay, save_jsonl, shared_prefix_workload
+from minillm.tools.workloads import Lengths, load_jsonl, poisson_workload, replay, save_jsonl, shared_prefix_workload
 
 PROMPTS = [
     [5, 17, 42, 8, 99, 3, 250, 61, 7, 12, 19, 33, 8, 1, 2, 3, 4, 5, 6],

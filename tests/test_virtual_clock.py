@@ -13,9 +13,10 @@ import time
 import pytest
 
 from minillm import LLMEngine
-from minillm.engine.virtual_clock import StepCost, TimedRunner, VirtualClock, calibrate, virtual_replay
+from minillm.engine.virtual_clock import StepCost, TimedRunner, VirtualClock
 from minillm.metrics import SLO, run_report
-from minillm.workloads import poisson_workload
+from minillm.tools.replay import calibrate, virtual_replay
+from minillm.tools.workloads import poisson_workload
 
 MODEL = "tiny-shakespeare-1m"
 ENGINE = dict(dtype="fp32", cpu_prepack=False)  # as in the chapter

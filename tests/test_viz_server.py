@@ -7,9 +7,9 @@ import pytest
 
 from minillm.engine.virtual_clock import StepCost
 from minillm.metrics import SLO
+from minillm.tools.workloads import poisson_workload
 from minillm.viz.dashboard import ServerDashboard, histogram_quantile, parse_metrics
 from minillm.viz.tuning import TuningLog
-from minillm.workloads import poisson_workload
 
 MODEL = "tiny-shakespeare-8m"
 

@@ -100,7 +100,7 @@ def test_engine_w8a8_stays_within_budget_and_quantizes_every_decoder_layer():
     """fp32 tiny model, held-out Shakespeare: w8a8 perplexity within 1% of fp32 (measured
     +0.0%), the same first 16 greedy tokens; the head is int8 weight-only."""
     from minillm.assets import heldout_text
-    from minillm.evaluation import perplexity
+    from minillm.tools.evaluation import perplexity
 
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     ppl, tokens = {}, {}
@@ -177,8 +177,8 @@ def test_pruning_costs_quality_and_wanda_keeps_layer_outputs_closer():
     on perplexity depends on the text: on held-out Shakespeare the tiny model calibrated on
     English prose loses slightly more with Wanda — ``bench_quant.py`` reports SmolLM2.)"""
     from minillm.assets import heldout_text
-    from minillm.evaluation import perplexity
     from minillm.quantization.calibration import calibration_ids, collect_activations
+    from minillm.tools.evaluation import perplexity
 
     ppl = {}
     for method in (None, "2:4", "2:4-wanda"):

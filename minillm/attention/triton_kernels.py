@@ -32,8 +32,8 @@ to even, and the e4m3 encoding and decoding done with integer bit arithmetic (``
 the interpreter, whose float → fp8 cast drops the carry when rounding crosses a power of two
 (it turns 126 into 64).
 
-On a machine without CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``
-is set here before the kernels are defined): slow, but the same code, which is how the course
+On a machine without CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``,
+set by ``minillm/triton_setup.py`` before triton is imported): slow, but the same code, which is how the course
 runs them on a laptop. The interpreter computes bfloat16 arithmetic wrongly, so every load is
 upcast to fp32 first; on a GPU that costs nothing (bf16 → fp32 is exact, and ``tf32`` dot
 products of upcast bf16 values are exact too).
@@ -41,27 +41,12 @@ products of upcast bf16 values are exact too).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from minillm.attention.decode_tuning import DEFAULT as DEFAULT_DECODE
+from minillm.attention.decode_tuning import DecodeConfig
+from minillm.triton_setup import INTERPRETED, tl, triton  # sets up (and checks) the interpreter first
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from minillm.attention.decode_tuning import DEFAULT as DEFAULT_DECODE  # noqa: E402
-from minillm.attention.decode_tuning import DecodeConfig  # noqa: E402
-
-if os.environ.get("TRITON_INTERPRET") == "1" and type(tl.zeros).__name__ != "InterpretedFunction":
-    raise ImportError(
-        "triton was imported before TRITON_INTERPRET=1 was set, so its helpers are compiled for a GPU this "
-        "machine does not have: import minillm first, or set TRITON_INTERPRET=1 in the environment"
-    )
-
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 NO_WINDOW = 1 << 30  # "no sliding window": a window longer than any context
 KV_QUANT = {"auto": 0, "int8": 1, "fp8": 2}  # the kernels' constexpr for the pool's kv_cache_dtype
 

@@ -21,11 +21,8 @@ explains.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-import minillm.attention.triton_kernels  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
-from minillm.attention.triton_kernels import INTERPRETED
+from minillm.triton_setup import INTERPRETED, tl, triton  # sets up (and checks) the interpreter first
 
 
 @triton.jit

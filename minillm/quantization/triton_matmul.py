@@ -32,8 +32,8 @@ Two tile shapes, chosen by the number of rows ``M``:
 
 On a GPU, bf16/fp16 activations are multiplied in their own dtype on the tensor cores (fp32
 accumulation); fp32 activations use exact-fp32 (``ieee``) dots. Without CUDA the kernels run
-under Triton's interpreter (``TRITON_INTERPRET=1``, set by ``minillm/__init__.py`` and checked
-in ``minillm/attention/triton_kernels.py``, whose ``triton`` we import) — slow, for tests. The
+under Triton's interpreter (``TRITON_INTERPRET=1``, set and checked by ``minillm/triton_setup.py``,
+whose ``triton`` we import) — slow, for tests. The
 interpreter computes bfloat16 arithmetic wrongly, so there every load is upcast to fp32 first
 and the fp32 result is rounded to bf16 by PyTorch.
 
@@ -44,13 +44,10 @@ are on CUDA; the CPU engine keeps PyTorch's CPU kernels. Tests call them (or the
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from minillm.attention.triton_kernels import tl, triton  # one place sets up (and checks) the interpreter
+from minillm.triton_setup import INTERPRETED, tl, triton  # sets up (and checks) the interpreter first
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DECODE_ROWS = 16  # up to this many rows: the GEMV-shaped config
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); int4's BLOCK_K is also capped by the group.

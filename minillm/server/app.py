@@ -75,14 +75,37 @@ def build_app(
     # Requests are parsed, validated and tokenized here, off the event loop (a few threads: the
     # work is CPU-bound, and the tokenizer releases the GIL). A fixed pool: no thread per request.
     parsing = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="minillm-parse")
+    docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="minillm", lifespan=_lifespan(engines, parsing), **docs)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+    app.add_middleware(FrontDoor, allowed_hosts=allowed_hosts, api_key=api_key)  # outermost: runs first
+    app.state.engines, app.state.metrics, app.state.response_cache = engines, metrics, response_cache
+    _add_error_handlers(app, metrics)
+    _add_status_routes(app, engines, metrics)
+    generation = Generation(engines, metrics, response_cache, parsing, disconnect_poll_s)
 
-    async def off_loop(fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(parsing, fn, *args)
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generation(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generation(request, "/v1/chat/completions")
+
+    return app
+
+
+async def _off_loop(pool: ThreadPoolExecutor, fn, *args):
+    return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+
+def _lifespan(engines: dict[str, AsyncEngine], parsing: ThreadPoolExecutor):
+    """The app's start and stop: the engines' threads, the heap trimmer, the parse pool."""
 
     async def trim_heap_forever():
         while True:
             await asyncio.sleep(heap.TRIM_EVERY_S)
-            await off_loop(heap.trim)
+            await _off_loop(parsing, heap.trim)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -97,13 +120,11 @@ def build_app(
             engine.engine.close()  # a parallel engine's worker processes, a compile still running
         parsing.shutdown(wait=False)
 
-    docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="minillm", lifespan=lifespan, **docs)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
-    app.add_middleware(FrontDoor, allowed_hosts=allowed_hosts, api_key=api_key)  # outermost: runs first
-    app.state.engines, app.state.metrics, app.state.response_cache = engines, metrics, response_cache
+    return lifespan
 
-    # -- errors --------------------------------------------------------------------------------
+
+def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    """Every error a JSON body in OpenAI's shape, with the status that fits."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -120,7 +141,9 @@ def build_app(
         log.exception("unhandled error on %s", request.url.path)
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
 
-    # -- small routes --------------------------------------------------------------------------
+
+def _add_status_routes(app: FastAPI, engines: dict[str, AsyncEngine], metrics: ServerMetrics) -> None:
+    """The small GET routes: liveness, readiness, the model list, Prometheus metrics."""
 
     @app.get("/health")
     async def health():
@@ -161,17 +184,17 @@ def build_app(
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    # -- the two generation routes -------------------------------------------------------------
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await _generate(request, "/v1/completions")
+class Generation:
+    """The two generation routes' handler: read and validate the body off the event loop,
+    answer from the response cache, admit, queue, then collect or stream the results."""
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await _generate(request, "/v1/chat/completions")
+    def __init__(self, engines, metrics: ServerMetrics, response_cache: ResponseCache | None,
+                 parsing: ThreadPoolExecutor, disconnect_poll_s: float):  # fmt: skip
+        self.engines, self.metrics, self.response_cache = engines, metrics, response_cache
+        self.parsing, self.disconnect_poll_s = parsing, disconnect_poll_s
 
-    async def _generate(request: Request, endpoint: str):
+    async def __call__(self, request: Request, endpoint: str):
         # Decoding, parsing and (below) tokenizing run on a worker thread, not the event loop: a
         # 2 MB body must not stall every other connection, /health included, while it is read.
         try:
@@ -179,51 +202,58 @@ def build_app(
         except ClientDisconnect:  # it left while sending: nobody to answer, nothing went wrong here
             log.info("client %s left while sending its request body to %s", _peer(request), endpoint)
             return Response(status_code=499)
-        body, req = await off_loop(_parse_body, raw, endpoint)
-        engine = choose_engine(req, engines)
+        body, req = await _off_loop(self.parsing, _parse_body, raw, endpoint)
+        engine = choose_engine(req, self.engines)
         request.state.model = req.model  # a metrics label only once it names a served model
-        chat = endpoint == "/v1/chat/completions"
-        cache_key = None
-        if response_cache is not None:  # the validated request: fields the schema ignores neither grow nor miss it
-            cache_key = response_cache.key(endpoint, {k: v for k, v in body.items() if k in type(req).model_fields})
-        if cache_key is not None:
-            hit = response_cache.get(cache_key)
-            if hit is not None:
-                metrics.requests.labels(req.model, endpoint, "200").inc()
-                hit["id"], hit["created"] = engine.new_request_id("chatcmpl" if chat else "cmpl"), int(time.time())
-                return JSONResponse(hit)
-        count = req.n * (1 if chat else len(req.prompts()))  # sequences this request will queue
+        prefix = "chatcmpl" if endpoint == "/v1/chat/completions" else "cmpl"
+        cache_key = self._cache_key(endpoint, body, req)
+        if cache_key is not None and (hit := self.response_cache.get(cache_key)) is not None:
+            self.metrics.requests.labels(req.model, endpoint, "200").inc()
+            hit["id"], hit["created"] = engine.new_request_id(prefix), int(time.time())
+            return JSONResponse(hit)
+        count = req.n * (1 if prefix == "chatcmpl" else len(req.prompts()))  # sequences this request will queue
         if count > engine.max_waiting:
             raise APIError(400, f"this request asks for {count} sequences (prompts × n); the server queues at most "
                                 f"{engine.max_waiting}", "n" if req.n > 1 else "prompt")  # fmt: skip
-        p = await off_loop(plan, req, engine, engine.engine, engine.new_request_id("chatcmpl" if chat else "cmpl"))
+        p = await _off_loop(self.parsing, plan, req, engine, engine.engine, engine.new_request_id(prefix))
+        self._admit(engine, count)
+        streams = [engine.open(seq) for seq in p.seqs]  # queued now: no await since admit()
+        self.metrics.prompt_tokens.labels(req.model).inc(p.prompt_tokens)
+        if req.stream:
+            self.metrics.requests.labels(req.model, endpoint, "200").inc()
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(
+                self.stream(engine, p.seqs, streams, p.formatter, include_usage, req.model, p.prompt_tokens),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        response = response_of(p, await self.collect(request, engine, p.seqs, streams, req.model))
+        if cache_key is not None:
+            self.response_cache.put(cache_key, response)
+        self.metrics.requests.labels(req.model, endpoint, "200").inc()
+        return JSONResponse(response)
+
+    def _cache_key(self, endpoint: str, body: dict, req) -> str | None:
+        """The response cache's key for this request, None when it cannot be cached. Built from
+        the validated request: fields the schema ignores neither grow nor miss the cache."""
+        if self.response_cache is None:
+            return None
+        return self.response_cache.key(endpoint, {k: v for k, v in body.items() if k in type(req).model_fields})
+
+    def _admit(self, engine: AsyncEngine, count: int) -> None:
+        """Reserve ``count`` places in the engine's queue, or answer 429 (full) / 503 (dead)."""
         try:
             engine.admit(count)
         except QueueFull as exc:
-            metrics.rejected.labels("queue_full").inc()
+            self.metrics.rejected.labels("queue_full").inc()
             raise APIError(429, f"server busy: {exc}; retry later", None, "rate_limit_error", "queue_full",
                            {"Retry-After": str(exc.retry_after)}) from None  # fmt: skip
         except EngineDead as exc:
             raise APIError(503, str(exc), None, "server_error") from None
-        seqs, fmt, prompt_tokens = p.seqs, p.formatter, p.prompt_tokens
-        streams = [engine.open(seq) for seq in seqs]  # queued now: no await since admit()
-        metrics.prompt_tokens.labels(req.model).inc(prompt_tokens)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        if req.stream:
-            metrics.requests.labels(req.model, endpoint, "200").inc()
-            return StreamingResponse(
-                _stream(engine, seqs, streams, fmt, include_usage, req.model, prompt_tokens),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        response = response_of(p, await _collect(request, engine, seqs, streams, req.model))
-        if cache_key is not None:
-            response_cache.put(cache_key, response)
-        metrics.requests.labels(req.model, endpoint, "200").inc()
-        return JSONResponse(response)
 
-    async def _collect(request: Request, engine: AsyncEngine, seqs, streams, model: str):
+    async def collect(self, request: Request, engine: AsyncEngine, seqs, streams, model: str):
         """Run every sequence to the end; abort them all if the client hangs up first."""
+        metrics = self.metrics
 
         async def last(deltas):
             done = []
@@ -238,7 +268,7 @@ def build_app(
         tasks = [asyncio.ensure_future(last(d)) for d in streams]
         try:
             while True:
-                done, _ = await asyncio.wait(tasks, timeout=disconnect_poll_s)
+                done, _ = await asyncio.wait(tasks, timeout=self.disconnect_poll_s)
                 if len(done) == len(tasks):
                     break
                 if await request.is_disconnected():
@@ -255,11 +285,12 @@ def build_app(
                     t.cancel()
                     engine.abort(seq.request_id)
 
-    def _stream(
-        engine: AsyncEngine, seqs, streams, fmt: Formatter, include_usage: bool, model: str, prompt_tokens: int
+    def stream(
+        self, engine: AsyncEngine, seqs, streams, fmt: Formatter, include_usage: bool, model: str, prompt_tokens: int
     ) -> AsyncIterator[bytes]:
         """The request's event stream: ``hooks.stream_events`` (``server/streaming.py``, chapter
         10's exercise) over its deltas, with the metrics of finished samples and aborts kept here."""
+        metrics = self.metrics
 
         async def observed(deltas):
             async for delta in deltas:
@@ -273,8 +304,6 @@ def build_app(
 
         n = len(seqs) and seqs[0].params.n
         return hooks.stream_events([observed(d) for d in streams], fmt, n, include_usage, prompt_tokens, abort)
-
-    return app
 
 
 def _peer(request: Request) -> str:

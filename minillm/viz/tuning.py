@@ -13,8 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minillm.engine import LLMEngine
-from minillm.engine.virtual_clock import StepCost, virtual_replay
+from minillm.engine.virtual_clock import StepCost
 from minillm.metrics import SLO, run_report
+from minillm.tools.replay import virtual_replay
 
 
 @dataclass

@@ -323,9 +323,9 @@ def check_head_pooling(pool_heads, model: str = POOLING_MODEL) -> str:
     from minillm import LLM, SamplingParams
     from minillm.assets import heldout_text, resolve_model
     from minillm.config import ModelConfig
-    from minillm.evaluation import perplexity
     from minillm.kv_head_pooling import pool_kv_heads
     from minillm.models import load_model
+    from minillm.tools.evaluation import perplexity
 
     calls = []
 

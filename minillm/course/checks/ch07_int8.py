@@ -148,7 +148,7 @@ def check_quantize_per_channel(quantize_per_channel, model: str = QUANT_MODEL) -
     """``quantize_per_channel(weight[out, in]) -> (q int8 [out, in], scale [out])``, ``weight ≈ q * scale[:, None]``."""
     from minillm import LLM
     from minillm.assets import heldout_text
-    from minillm.evaluation import perplexity
+    from minillm.tools.evaluation import perplexity
 
     _check_int8_values(quantize_per_channel, _int8_test_weight())
     _check_int8_values(quantize_per_channel, torch.randn(64, 32, generator=torch.Generator().manual_seed(8)) * 0.02)

@@ -16,7 +16,7 @@ OUTSTANDING = 8  # requests in flight: the oldest finishes when one more arrives
 
 def routing_workload() -> list[list[int]]:
     """8 system prompts (8 blocks each) × 12 questions, shuffled: the prompts compete for cache."""
-    from minillm.workloads import shared_prefix_workload
+    from minillm.tools.workloads import shared_prefix_workload
 
     prompts = []
     for g in range(8):

@@ -128,9 +128,9 @@ def run_generate_benchmark(
     TTFT; per dtype: prefill tok/s on one ``prefill_len``-token prompt; MBU of batch-1 decode
     against the measured read bandwidth. ``quantization``: minillm's engines quantize their
     linear layers (HF and llama.cpp run the unquantized model: the baselines stay the same)."""
-    from minillm.bench_llamacpp import LlamaCpp
     from minillm.engine import LLM
     from minillm.sampling import SamplingParams
+    from minillm.tools.llamacpp import LlamaCpp
 
     if threads:
         torch.set_num_threads(threads)
