@@ -214,15 +214,16 @@ def test_when_proposals_are_nearly_free_it_keeps_them():
 def test_a_step_counts_every_token_while_requests_wait_and_the_furthest_behind_when_none_do(policy):
     """While requests wait for a place (continuous batching), a step is worth every token it
     made; when none does — or under static batching, whose newcomers wait for the whole batch —
-    it is worth ``batch`` times what it moved the sequences with the most tokens left."""
+    it is worth ``batch`` times what it brought the end of the last sequence nearer: the most
+    tokens any had left less the most any has left after the step."""
     engine = LLMEngine(TARGET, dtype="fp32", compile=False, max_num_seqs=4, scheduling_policy=policy,
                        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})  # fmt: skip
     for i, prompt in enumerate(PROMPTS):
-        engine.add_request(prompt, SamplingParams(max_tokens=24 + 12 * (i % 3), ignore_eos=True))
+        engine.add_request(prompt, SamplingParams(max_tokens=24 + 12 * (i % 2), ignore_eos=True))
     governor, recorded = engine.speculator.governor, []
     record = governor.record
     governor.record = lambda batch, k, tokens, seconds: recorded.append(tokens) or record(batch, k, tokens, seconds)
-    seen = {"waiting": 0, "furthest behind differs": 0, "a queue, but no place to give": 0}
+    seen = {"waiting": 0, "furthest behind differs": 0, "a queue, but no place to give": 0, "ties moved unevenly": 0}
     while engine.has_unfinished_requests():
         queued = len(engine.scheduler.waiting) if policy == "continuous" else 0
         before = [(s, len(s.output_token_ids), s.max_output - len(s.output_token_ids))
@@ -233,11 +234,14 @@ def test_a_step_counts_every_token_while_requests_wait_and_the_furthest_behind_w
             continue  # a step with a prefill: no evidence
         moved = [len(s.output_token_ids) - b for s, b, _ in before]
         most = max(left for *_, left in before)
-        behind = [m for m, (*_, left) in zip(moved, before) if left == most]
-        expected = sum(moved) if queued or len(before) == 1 else len(before) * sum(behind) / len(behind)
+        left_after = max(0 if s.is_finished else s.max_output - len(s.output_token_ids) for s, *_ in before)
+        expected = sum(moved) if queued or len(before) == 1 else len(before) * (most - left_after)
         assert recorded[-1] == pytest.approx(expected)
         seen["waiting"] += bool(queued)
         seen["furthest behind differs"] += not queued and expected != sum(moved)
+        # tied furthest-behind sequences: the batch ends nearer only by the least of their progress
+        behind = [m for m, (*_, left) in zip(moved, before) if left == most]
+        seen["ties moved unevenly"] += not queued and len(before) > 1 and len(set(behind)) > 1
         seen["a queue, but no place to give"] += not queued and bool(engine.scheduler.waiting)
     engine.close()
     assert seen["furthest behind differs"] > 0  # proposals were accepted unevenly, and it showed
@@ -245,6 +249,8 @@ def test_a_step_counts_every_token_while_requests_wait_and_the_furthest_behind_w
         assert seen["waiting"] > 0
     else:  # static batching: requests did wait, for the whole batch, not for a place
         assert seen["a queue, but no place to give"] > 0
+        # a batch that starts together ties its furthest behind: the least of their progress counted
+        assert seen["ties moved unevenly"] > 0
 
 
 def test_a_step_that_preempts_the_furthest_behind_is_weighed_by_those_it_ran():

@@ -51,7 +51,7 @@ class Speculator:
         # How many to propose, measured per batch size (governor.py); None: always k.
         self.governor = SpeculationGovernor(self.k) if config.adaptive else None
         self._step = (0, self.k)  # this step's decoding sequences, and the k the governor chose
-        self._laggards: list[tuple[Sequence, int]] | None = None  # step_done's measure while draining
+        self._left: list[tuple[Sequence, int]] | None = None  # step_done's measure while draining
         self.resolved = None  # the engine's Resolved, whose `speculation` says what was decided
         # Whether the engine's runner can verify a tree this step (the engine sets it); trees are
         # proposed only then (``config.topk > 1``), chains otherwise.
@@ -110,11 +110,9 @@ class Speculator:
         batch = len(decoding)
         step_k = self.governor.choose(batch) if self.governor is not None and batch else self.k
         self._step = (batch, step_k)
-        self._laggards = None
+        self._left = None
         if self.governor is not None and batch > 1 and not waiting:
-            left = [seq.max_output - len(seq.output_token_ids) for seq in decoding]
-            most = max(left)
-            self._laggards = [(seq, len(seq.output_token_ids)) for seq, n in zip(decoding, left) if n == most]
+            self._left = [(seq, _tokens_left(seq)) for seq in decoding]
         seqs, ks = [], []
         for seq in running:
             seq.draft_tokens, seq.draft_parents = [], None
@@ -151,22 +149,28 @@ class Speculator:
         step is worth every token it made. When none waits (the end of a ``generate`` call, a
         static batch, a quiet server), the engine is busy until its furthest-behind sequence
         finishes, and a token for one that will finish first anyway frees a place nobody takes:
-        the step is worth ``batch`` times what it moved the sequences with the most tokens left
-        before ``max_tokens`` (on average, over those the step ran — a preempted sequence, or
-        one the token budget left out, moved for want of room, not of proposals; at batch 1,
-        the tokens it made). Where requests stop at EOS, that is the best guess there is at
-        which sequence finishes last. Counting every token, prompt lookup decoded
-        static batches of 8 held-out chats at 0.98x the default engine — its lucky sequences
-        finished early, and the batch's last steps ran half empty at nearly a full step's cost —
-        and weighed so, at 1.02x (medians of 10 rounds in one run,
-        ``benchmarks/probe_governor_drain.py``, Intel Xeon, 2026-12-07)."""
+        the step is worth ``batch`` times what it brought the end of the last of them nearer —
+        the most tokens any had left before ``max_tokens`` less the most any has left after
+        (over the sequences the step ran: a preempted one, or one the token budget left out,
+        moved for want of room, not of proposals; at batch 1, the tokens it made). Where
+        requests stop at EOS, ``max_tokens`` is the best guess there is at which finishes last.
+        Counting every token, prompt lookup decoded static batches of 8 held-out chats at 0.98x
+        the default engine — its lucky sequences finished early, and the batch's last steps ran
+        half empty at nearly a full step's cost — and weighed by the mean progress of the
+        sequences furthest behind, at 1.02x (medians of 10 rounds in one run,
+        ``benchmarks/probe_governor_drain.py``, Intel Xeon, 2026-12-07). That mean still
+        overrated a try: eight sequences that start together are all furthest behind, and the
+        batch ends no sooner unless every one of them accepts a proposal — the least of their
+        progress, which this measure takes. With the mean, prompt lookup decoded 16 chats 8 at a
+        time at 0.974x the default engine (9 of 10 rounds slower; tries at 8 sequences were a
+        fifth of those steps), ``bench_eagle_tree.py --batch 8 --runs 10``, Intel Xeon, 2026-12-07."""
         batch, step_k = self._step
         if self.governor is None or not batch or not all(c.draft_tokens or c.is_decode for c in chunks):
             return
-        ran = {id(c.seq) for c in chunks} if self._laggards else set()
-        behind = [(seq, before) for seq, before in self._laggards or [] if id(seq) in ran]
-        if behind:
-            tokens = batch * sum(len(seq.output_token_ids) - before for seq, before in behind) / len(behind)
+        ran = {id(c.seq) for c in chunks} if self._left else set()
+        before = [(seq, left) for seq, left in self._left or [] if id(seq) in ran]
+        if before:  # how much nearer the last of them to finish is: the batch's remaining steps
+            tokens = batch * (max(left for _, left in before) - max(_tokens_left(seq) for seq, _ in before))
         self.governor.record(batch, step_k, tokens, seconds)
         if self.resolved is not None:
             self.resolved.speculation = self.describe()
@@ -235,6 +239,11 @@ class NoSpeculation:
 
     def release(self, request_id: Hashable) -> None:
         pass
+
+
+def _tokens_left(seq: Sequence) -> int:
+    """Tokens ``seq`` may still emit before ``max_tokens`` (none once it finished)."""
+    return 0 if seq.is_finished else seq.max_output - len(seq.output_token_ids)
 
 
 @hooks.reference("verify")
