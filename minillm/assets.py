@@ -27,6 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tqdm.auto import tqdm
 
 from minillm.errors import ModelNotFoundError
 
@@ -198,9 +205,6 @@ def assemble_draft(src: Path, base: Path, dst: Path) -> Path:
     """A complete HF folder ``dst`` from a draft's committed files ``src`` (``config.json``,
     ``model.safetensors`` without the embedding) and its target's folder ``base`` (the
     embedding ``model.embed_tokens.weight``, tokenizer and generation config)."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-
     src, base, dst = Path(src), Path(base), Path(dst)
     config = json.loads((src / "config.json").read_text())
     base_config = json.loads((base / "config.json").read_text())
@@ -284,12 +288,6 @@ def _field(reader, key: str, default=None):
 
 def convert_gguf_to_hf(src: Path, dst: Path, progress: bool = False) -> Path:
     """Dequantize a Llama GGUF file into an HF folder ``dst`` (bf16 safetensors). Idempotent."""
-    import torch
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-    from safetensors.torch import save_file
-    from tqdm.auto import tqdm
-
     reader = GGUFReader(str(src))
     arch = _field(reader, "general.architecture")
     if arch != "llama":
@@ -364,8 +362,6 @@ def _ensure_parent(dst: Path) -> Path:
 
 def _write_tokenizer(reader, folder: Path, bos: int, eos: int, pad) -> None:
     """Rebuild the byte-level BPE tokenizer (GPT-2 style, SmolLM pre-tokenizer) from GGUF."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
     model_kind = _field(reader, "tokenizer.ggml.model")
     if model_kind != "gpt2":
         raise ValueError(f"GGUF tokenizer model {model_kind!r} is not supported (gpt2/BPE only)")

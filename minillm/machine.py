@@ -4,6 +4,7 @@ records it, and the engine keys per-machine decisions on it (``attention/precisi
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 from pathlib import Path
@@ -49,6 +50,4 @@ def machine_tag(machine: dict) -> str:
 def triton_available() -> bool:
     """Whether the ``triton`` package is installed (its kernels then run on CUDA, or on the CPU
     in Triton's interpreter). A probe of this environment, not a setting."""
-    import importlib.util
-
     return importlib.util.find_spec("triton") is not None

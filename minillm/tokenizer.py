@@ -22,6 +22,7 @@ class Tokenizer:
         folder = Path(folder)
         if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
             raise ModelLoadError(f"{folder}: no tokenizer.json / tokenizer_config.json found")
+        # deferred: transformers takes 0.6 s to import; only a chat template it alone can render needs it
         from transformers import AutoTokenizer
 
         try:

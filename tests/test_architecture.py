@@ -578,3 +578,43 @@ def test_functions_on_the_request_path_are_short():
         for func, lines in _long_functions(path.read_text())
     ]
     assert not long, long
+
+
+#: Where an import inside a function is the norm: the course's checks run learners' code and
+#: load per exercise, the widgets defer plotly, the command line defers each command's world.
+DEFERRED_IMPORTS_ALLOWED = ("course", "viz", "cli")
+
+
+def _unexplained_deferred_imports(source: str) -> list[int]:
+    """Lines of imports inside functions that do not say why — ``# deferred: <reason>`` (a real
+    cycle, or a heavy optional dependency) on the import's first line or the line above it."""
+    lines = [""] + source.splitlines()
+    return [
+        node.lineno
+        for fn in ast.walk(ast.parse(source))
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for node in ast.walk(fn)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        and "# deferred: " not in lines[node.lineno]
+        and not lines[node.lineno - 1].strip().startswith("# deferred: ")
+    ]
+
+
+def test_the_deferred_import_rule_catches_one():
+    assert _unexplained_deferred_imports("def f():\n    import json\n") == [2]
+    assert _unexplained_deferred_imports("def f():\n    import triton  # deferred: heavy\n") == []
+    assert _unexplained_deferred_imports("def f():\n    # deferred: heavy\n    import triton\n") == []
+    assert _unexplained_deferred_imports("def f():\n    # heavy\n    import triton\n") == [3]
+    assert _unexplained_deferred_imports("import json\n") == []
+
+
+def test_imports_are_at_the_top_or_say_why_not():
+    """A reader sees a module's dependencies from its top; an import inside a function only
+    breaks a real cycle or defers a heavy optional dependency, and says which."""
+    hidden = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}"
+        for name, path in _module_names().items()
+        if _package(name) not in DEFERRED_IMPORTS_ALLOWED
+        for line in _unexplained_deferred_imports(path.read_text())
+    ]
+    assert hidden == [], hidden

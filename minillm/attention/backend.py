@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 
 import minillm.hooks as hooks
+from minillm.attention.cpu_paged import CpuPagedStep, StaticKernelDecodeStep
 from minillm.attention.paged import ReferencePagedStep, StaticDecodeStep
 from minillm.attention.torch_ref import attention, causal_mask
+from minillm.attention.triton_paged import TritonPagedStep
 from minillm.config import ATTENTION_BACKENDS
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", bool, float], torch.Tensor]
@@ -56,19 +58,13 @@ class AttentionBackend:
     def paged_step(self, layout):
         """The per-step attention object for a paged ``StepLayout``."""
         if self.name == "triton":
-            from minillm.attention.triton_paged import TritonPagedStep  # imports triton only when used
-
             return TritonPagedStep(layout)
         if layout.static_decode and layout.in_place_decode:
-            from minillm.attention.cpu_paged import StaticKernelDecodeStep
-
             return StaticKernelDecodeStep(layout)
         if layout.static_decode:
             # The pool's logical dtype (an 8-bit pool's storage dtype is only how it is stored).
             return StaticDecodeStep(layout, self.decode_dtype or layout.pool.dtype or layout.pool.k_slots[0].dtype)
         if self.name == "cpu":
-            from minillm.attention.cpu_paged import CpuPagedStep
-
             return CpuPagedStep(layout, self.padded, self.decode_dtype)
         return ReferencePagedStep(layout, self.padded, self.decode_dtype)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import hashlib
 import os
 import platform
 import threading
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 
 from minillm import trusted_cache
+from minillm.assets import cache_dir
 from minillm.attention.layout import StepLayout
 from minillm.attention.paged import ReferencePagedStep, write_kv
 
@@ -41,9 +43,8 @@ def _library() -> ctypes.CDLL:
     """Compile (or find in inductor's cache) and load the kernel library — a library found on
     disk only from a private folder, and only if it is the file recorded when it was built
     (``minillm/trusted_cache.py``: loading a library runs its code)."""
-    from torch._inductor.codecache import CppCodeCache  # PyTorch's C++ build + on-disk cache
-
-    from minillm.assets import cache_dir
+    # deferred: torch._inductor takes 1.3 s to import; only a first build of the kernel needs it
+    from torch._inductor.codecache import CppCodeCache
 
     source = "#include <torch/csrc/inductor/cpp_prefix.h>\n" + SOURCE.read_text()
     inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
@@ -77,6 +78,7 @@ def _build(cpp_code_cache, source: str):
     other thread as before. A compiler that rejects those flags gets a build the probing way;
     any other failure is the build's own (raised)."""
     try:
+        # deferred: torch._inductor takes 1.3 s to import; only a first build needs it
         from torch._inductor import codecache, cpu_vec_isa
 
         isa = _isa_from_cpu_flags(cpu_vec_isa)
@@ -127,8 +129,6 @@ def _isa_from_cpu_flags(cpu_vec_isa):
 
 
 def _source_key(source: str) -> str:
-    import hashlib
-
     return hashlib.sha256(source.encode()).hexdigest()[:20]
 
 
@@ -155,7 +155,7 @@ def start_building() -> None:
     urllib3, which runs ``from backports import zstd``. With the two imports on two threads, a
     worker's tokenizer import failed once in a suite run with ``KeyError: 'backports'``."""
     if _unavailable_reason.cache_info().currsize == 0:
-        import torch.utils.cpp_extension  # noqa: F401  (setuptools on this thread, not the build's)
+        import torch.utils.cpp_extension  # noqa: F401  # deferred: 0.15 s (setuptools), on this thread on purpose (above)
 
         threading.Thread(target=_build_early, name="minillm-cpu-kernel-build", daemon=True).start()
 

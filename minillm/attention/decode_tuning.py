@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minillm.attention.paged import decode_mask
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -148,8 +150,6 @@ def gather_sdpa_decode(
     each row's blocks (``block_tables[B, W]``) into a padded ``[B, KV, W·block_size, D]`` batch,
     masking keys past ``context_lens`` (and before the window), and calling SDPA with GQA.
     Shapes come from the tensors only, so a CUDA graph can capture it. Returns ``[B, H, D]``."""
-    from minillm.attention.paged import decode_mask
-
     b, width = block_tables.shape
     slots, kv_heads, dim = k_pool.shape
     blocks = block_tables.reshape(-1).long()

@@ -22,6 +22,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+from minillm.assets import cache_dir
+from minillm.machine import machine_description
+
 # fp32 must be this much faster to be chosen: a near-tie keeps the model's dtype.
 MARGIN = 1.2
 
@@ -80,15 +83,11 @@ def measure_decode_attention(
 
 
 def _machine_key() -> str:
-    from minillm.machine import machine_description
-
     m = machine_description(torch.device("cpu"))
     return f"{m['cpu']}|{','.join(m['cpu_flags'])}|torch {m['torch']}|{torch.get_num_threads()} threads"
 
 
 def _path():
-    from minillm.assets import cache_dir
-
     return cache_dir() / "machine" / "attention_dtype.json"
 
 

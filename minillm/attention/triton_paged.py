@@ -18,7 +18,15 @@ import itertools
 
 import torch
 
+from minillm.attention.decode_tuning import (
+    GATHER_SDPA,
+    SEARCH_SPACE,
+    decode_choice,
+    gather_sdpa_decode,
+    shape_bucket,
+)  # fmt: skip
 from minillm.attention.layout import StepLayout
+from minillm.attention.prefill_tuning import FLASH, gather_sdpa_prefill, prefill_bucket, prefill_choice
 
 
 class TritonPagedStep:
@@ -44,7 +52,7 @@ class TritonPagedStep:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """``q[1, N, H, D]``, ``k, v[1, N, KV, D]`` → ``[1, N, H, D]``."""
-        from minillm.attention.triton_kernels import write_kv
+        from minillm.attention.triton_kernels import write_kv  # deferred: triton: imported only when a Triton step runs
 
         q, k, v = q[0], k[0], v[0]
         layout, pool = self.layout, self.layout.pool
@@ -66,7 +74,7 @@ class TritonPagedStep:
     def _prefill(self, q: torch.Tensor, k_pool, v_pool, scale: float, quant: dict) -> torch.Tensor:
         """The prefill chunks, by our FlashAttention or gather + SDPA, whichever was measured
         faster for this shape (``prefill_tuning.py``; on a CPU, our kernel)."""
-        from minillm.attention.prefill_tuning import FLASH, gather_sdpa_prefill, prefill_bucket, prefill_choice
+        # deferred: triton: imported only when a Triton step runs
         from minillm.attention.triton_kernels import flash_attention
 
         layout, block_size = self.layout, self.layout.pool.block_size
@@ -88,13 +96,7 @@ class TritonPagedStep:
     def _decode(self, q: torch.Tensor, k_pool, v_pool, scale: float, quant: dict) -> torch.Tensor:
         """The decode rows, by the kernel and settings measured fastest for this shape
         (``decode_tuning.py``; on a CPU, the default settings)."""
-        from minillm.attention.decode_tuning import (
-            GATHER_SDPA,
-            SEARCH_SPACE,
-            decode_choice,
-            gather_sdpa_decode,
-            shape_bucket,
-        )  # fmt: skip
+        # deferred: triton: imported only when a Triton step runs
         from minillm.attention.triton_kernels import paged_decode
 
         layout, block_size = self.layout, self.layout.pool.block_size

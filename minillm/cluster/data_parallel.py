@@ -27,14 +27,19 @@ import logging
 from contextlib import asynccontextmanager
 
 import httpx
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from minillm.assets import resolve_model
 from minillm.cluster.router import NoLiveReplica, Router
 from minillm.inputs import routing_ids
 from minillm.server.body_limit import BodyLimit
+from minillm.server.connections import with_header_timeout
 from minillm.server.front_door import FrontDoor, default_allowed_hosts
+from minillm.server.launch import ServerProcess, served_name
 from minillm.server.protocol import error_body
+from minillm.tokenizer import Tokenizer
 
 FORWARDED_HEADERS = ("content-type", "retry-after")
 log = logging.getLogger("minillm.router")
@@ -195,13 +200,6 @@ def serve_data_parallel(
     """Start ``replicas`` servers of ``models`` (each ``minillm serve`` + ``replica_args`` on a
     free loopback port), then the router on ``host:port`` until interrupted; the replicas
     stop with it."""
-    import uvicorn
-
-    from minillm.assets import resolve_model
-    from minillm.server.connections import with_header_timeout
-    from minillm.server.launch import ServerProcess, served_name
-    from minillm.tokenizer import Tokenizer
-
     tokenizers = {served_name(m): Tokenizer(resolve_model(m)) for m in models}
     servers = [ServerProcess(models, replica_args, log_level="warning") for _ in range(replicas)]
 

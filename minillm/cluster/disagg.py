@@ -33,12 +33,15 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from minillm.config import ModelConfig
+from minillm.assets import resolve_model
+from minillm.config import EngineConfig, ModelConfig
+from minillm.engine import LLMEngine
 from minillm.engine.client import EngineClient
 from minillm.inputs import InputProcessor
 from minillm.kvcache.block_manager import prompt_block_hashes
 from minillm.parallel.processes import START_TIMEOUT, STEP_TIMEOUT, WorkerGroup
 from minillm.sampling import SamplingParams
+from minillm.tokenizer import Tokenizer
 
 PREFILL, DECODE = 0, 1
 
@@ -80,10 +83,6 @@ class DisaggregatedLLM:
     routes requests and collects answers). ``engine_args`` go to both workers' engines."""
 
     def __init__(self, model: str = "smollm2-135m", prefill_threads: int = 1, decode_threads: int = 1, **engine_args):
-        from minillm.assets import resolve_model
-        from minillm.config import EngineConfig
-        from minillm.tokenizer import Tokenizer
-
         config = EngineConfig(**engine_args)  # validated here, before any worker starts
         if config.mode != "paged" or not config.enable_prefix_caching or config.kv_cache_dtype != "auto":
             raise ValueError(
@@ -202,8 +201,6 @@ class _Request:
 
 
 def _disagg_main(spec: DisaggSpec, rank: int, conn) -> None:
-    from minillm.engine import LLMEngine
-
     torch.set_num_threads(spec.threads[rank])
     engine = LLMEngine(spec.model, **spec.engine_args)
     conn.send(("ready", {"rank": rank, "role": "prefill" if rank == PREFILL else "decode", "blocks": engine.block_manager.num_blocks}))  # fmt: skip

@@ -4,8 +4,14 @@ processes, each ``generate`` call's prompts routed over them by the router of ``
 
 from __future__ import annotations
 
+import os
+
+from minillm.assets import resolve_model
 from minillm.cluster.router import Router
+from minillm.config import EngineConfig
 from minillm.inputs import routing_ids
+from minillm.parallel.processes import STEP_TIMEOUT, WorkerGroup
+from minillm.tokenizer import Tokenizer
 
 
 class DataParallelLLM:
@@ -20,12 +26,6 @@ class DataParallelLLM:
 
     def __init__(self, model, replica_main, data_parallel_size: int = 2, router_policy: str = "prefix_aware",
                  **engine_args):  # fmt: skip
-        import os
-
-        from minillm.assets import resolve_model
-        from minillm.config import EngineConfig
-        from minillm.parallel.processes import WorkerGroup
-        from minillm.tokenizer import Tokenizer
 
         size = data_parallel_size
         if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 64:
@@ -53,8 +53,6 @@ class DataParallelLLM:
     def generate(self, prompts, sampling_params=None) -> list:
         """Like ``LLM.generate``: one ``RequestOutput`` per prompt, in prompt order (a replica
         validates its prompts as one engine would; a bad one raises its ``ValueError``)."""
-        from minillm.parallel.processes import STEP_TIMEOUT
-
         self.workers.check_open()
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]

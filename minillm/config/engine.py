@@ -8,6 +8,7 @@ whether options *combine* is the compatibility table's question (``compatibility
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -47,8 +48,6 @@ def option(default: Any, help: str, *, flag: str | None = None, choices=None, pa
 
 
 def _json_object(text: str) -> dict:
-    import json
-
     try:
         value = json.loads(text)
     except ValueError as err:

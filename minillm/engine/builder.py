@@ -13,13 +13,17 @@ once, so the engine's step loop never asks what mode it is in:
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from minillm.assets import resolve_model
 from minillm.attention.cpu_paged import kernel_unavailable_reason, start_building
+from minillm.attention.precision import decode_attention_dtype as measured_choice
 from minillm.config import EngineConfig, ModelConfig, Where, check_compatible, refusal
 from minillm.engine.scheduler import Scheduler
 from minillm.kvcache.addressing import blocks_for, kv_bytes_per_token
@@ -27,8 +31,12 @@ from minillm.kvcache.block_manager import BlockManager
 from minillm.kvcache.paged import PagedKVCache
 from minillm.kvcache.unpaged import NoBlockPool
 from minillm.layers.cpu_prepack import release_plain_weights
+from minillm.layers.tensor_parallel import heads_of_rank, stage_layers
 from minillm.machine import triton_available
+from minillm.models import load_model
 from minillm.models.llama import LlamaForCausalLM
+from minillm.parallel.executor import DistributedRunner, InProcessRunner
+from minillm.parallel.worker import ShardSpec, ShardWorker, shard_quantization
 from minillm.runtime.background_compile import BackgroundBuild, CompileJob, load_packages_on_disk
 from minillm.runtime.compiled_decode import CompiledDecode
 from minillm.runtime.contiguous_runner import ContiguousRunner
@@ -39,7 +47,10 @@ from minillm.runtime.naive_runner import NaiveRunner
 from minillm.runtime.paged_runner import PagedRunner
 from minillm.runtime.runner import ModelRunner
 from minillm.runtime.thread_governor import configured_threads
+from minillm.speculative.draft_model import DraftModelProposer, check_same_tokenizer
+from minillm.speculative.eagle import EagleProposer, load_eagle_head
 from minillm.speculative.speculator import NoSpeculation, Speculator
+from minillm.tokenizer import Tokenizer
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
@@ -238,10 +249,6 @@ def build_parallel_parts(
     ``pipeline_parallel_size`` ways, in worker processes (``minillm.parallel``). Every rank's
     pool has the same number of blocks — as many as the fullest rank's share of ``kv_cache_memory``
     holds — so a block id means the same slot on every rank."""
-    from minillm.layers.tensor_parallel import heads_of_rank, stage_layers
-    from minillm.parallel.executor import DistributedRunner
-    from minillm.parallel.worker import ShardSpec, shard_quantization
-
     device = config.resolve_device()
     dtype = config.resolve_dtype(model_config, device)
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
@@ -299,13 +306,6 @@ def _join_torchrun(spec, comm: str):
     """Every rank runs the same program; here they part ways. Rank 0 keeps the engine (driver
     and rank 0 in one process); every other rank serves steps inside this call and, when rank
     0 closes its engine, exits — so a script's later lines run on rank 0 only."""
-    import sys
-
-    import torch.distributed as dist
-
-    from minillm.parallel.executor import InProcessRunner
-    from minillm.parallel.worker import ShardWorker
-
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     if world != spec.world_size:
         raise ValueError(
@@ -331,11 +331,6 @@ def build_speculator(config: EngineConfig, model_config: ModelConfig, tokenizer,
         return NoSpeculation()
     draft = None
     if spec.method == "draft":
-        from minillm.assets import resolve_model
-        from minillm.models import load_model
-        from minillm.speculative.draft_model import DraftModelProposer, check_same_tokenizer
-        from minillm.tokenizer import Tokenizer
-
         folder = resolve_model(spec.model)
         draft_config = ModelConfig.from_folder(folder)
         check_same_tokenizer(Tokenizer(folder), tokenizer, draft_config, model_config, spec.model)
@@ -350,9 +345,6 @@ def build_speculator(config: EngineConfig, model_config: ModelConfig, tokenizer,
         extra = config.max_num_seqs * blocks_for(spec.num_speculative_tokens + 1, config.block_size)
         draft = DraftModelProposer(model, draft_config, config.block_size, num_blocks + extra)
     elif spec.method == "eagle":
-        from minillm.assets import resolve_model
-        from minillm.speculative.eagle import EagleProposer, load_eagle_head
-
         draft = EagleProposer(load_eagle_head(resolve_model(spec.model), target))
     return Speculator(spec, max_model_len, draft)
 
@@ -398,8 +390,6 @@ def num_kv_blocks(
 def decode_attention_dtype(config: EngineConfig, model_config: ModelConfig, device, dtype) -> torch.dtype | None:
     """fp32 decode attention over a half-precision pool where this CPU computes it faster
     (measured once per machine: ``attention/precision.py``); None: the model's dtype."""
-    from minillm.attention.precision import decode_attention_dtype as measured_choice
-
     if config.mode != "paged" or config.attention_backend == "triton":
         return None
     heads, kv_heads = model_config.num_heads, model_config.num_kv_heads

@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from minillm.engine.client import EngineClient
 from minillm.engine.llm_engine import LLMEngine
 from minillm.inputs import Prompt
@@ -35,6 +37,7 @@ class LLM:
         """``data_parallel_size=N`` (N > 1) builds a ``DataParallelLLM`` instead: N replicas in
         worker processes behind a router (``router_policy``), for offline ``generate``."""
         if engine_args.get("data_parallel_size", 1) != 1:
+            # deferred: the one arrow up the floors: the multi-engine layer is built on this one
             from minillm.cluster.replicas import DataParallelLLM
 
             return DataParallelLLM(model, _serve_replica, **engine_args)
@@ -124,8 +127,6 @@ class LLM:
         seqs = self._make_sequences(prompts, sampling_params)
         progress = None
         if use_tqdm:
-            from tqdm.auto import tqdm
-
             progress = tqdm(total=len(seqs), desc="generating", unit="req")
         boxes = self._submit(seqs, streaming=False)
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from minillm.config import ModelConfig
+from minillm.kvcache.quantization import SCALE_DTYPE, STORAGE
 from minillm.kvcache.zeroed import zeroed
 
 
@@ -32,7 +33,6 @@ class PagedKVCache:
         shape = (config.num_layers, num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
         # kv_cache_dtype="int8" | "fp8": 8-bit values plus one scale per (token, head)
         # (kvcache/quantization.py); attention computes in ``dtype`` after dequantizing.
-        from minillm.kvcache.quantization import SCALE_DTYPE, STORAGE
 
         self.kv_cache_dtype, self.dtype = kv_cache_dtype, dtype
         stored = STORAGE.get(kv_cache_dtype, dtype)

@@ -227,6 +227,7 @@ class LlamaForCausalLM(nn.Module):
         or PyTorch's ops. The builder turns them on for the Triton backend on a GPU."""
         fused = None
         if on:
+            # deferred: triton: imported only when the fused Triton kernels run
             from minillm.models import triton_fused as fused
         for layer in self.layers:
             layer.fused = layer.mlp.fused = fused

@@ -28,6 +28,7 @@ from minillm.errors import ModelLoadError
 from minillm.layers import Linear
 from minillm.layers.tensor_parallel import SINGLE, ParallelContext
 from minillm.models.llama import LlamaForCausalLM
+from minillm.quantization.checkpoint import prepare_quantized, quantization_config
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -147,7 +148,6 @@ def load_model(
     model.tie_weights()  # to_empty gives each module its own tensor: share the head again
 
     targets = model.checkpoint_targets()
-    from minillm.quantization.checkpoint import prepare_quantized, quantization_config
 
     qc = quantization_config(folder)
     if qc is not None and parallel != SINGLE:

@@ -18,6 +18,7 @@ import weakref
 from collections.abc import Hashable
 
 import torch
+import torch.distributed as dist
 
 from minillm.parallel.processes import STEP_TIMEOUT, WorkerGroup
 from minillm.parallel.worker import ShardSpec, ShardWorker
@@ -97,8 +98,6 @@ class InProcessRunner:
 def _finish_torchrun(worker: ShardWorker) -> None:
     """Tell the other ranks to stop, then take down this rank's process group: a gloo group
     still alive when the interpreter exits aborts the process (its threads are never joined)."""
-    import torch.distributed as dist
-
     worker.broadcast_stop()
     if dist.is_initialized():
         dist.destroy_process_group()

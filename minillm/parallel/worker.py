@@ -29,6 +29,10 @@ import torch.distributed as dist
 from minillm.config import EngineConfig, ModelConfig
 from minillm.kvcache.paged import PagedKVCache
 from minillm.layers.tensor_parallel import COMM, ParallelContext
+from minillm.models import load_model
+from minillm.models.llama import LlamaForCausalLM
+from minillm.quantization import check_quantizable
+from minillm.runtime.model_setup import configure_model
 from minillm.runtime.paged_runner import PagedRunner
 from minillm.runtime.runner import ChunkInput, StepInputs
 
@@ -65,9 +69,6 @@ def shard_quantization(model_config: ModelConfig, tp_size: int, method: str, gro
     not cut a row-parallel slice into whole groups, say); each shard is built on the meta device,
     shapes only. Returns the int4 group size every rank uses (the one-process model's default
     when none is given), else None."""
-    from minillm.models.llama import LlamaForCausalLM
-    from minillm.quantization import check_quantizable
-
     group = group_size
     for rank in range(tp_size):
         with torch.device("meta"):
@@ -97,9 +98,6 @@ class ShardWorker:
     """This rank's shard of the model and pool, and its part of each step."""
 
     def __init__(self, spec: ShardSpec, rank: int):
-        from minillm.models import load_model
-        from minillm.runtime.model_setup import configure_model
-
         self.spec, self.rank = spec, rank
         tp, pp = spec.tp_size, spec.pp_size
         # Every rank creates every stage's TP group, in the same order (a collective call).

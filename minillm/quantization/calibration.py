@@ -13,14 +13,15 @@ offline on every machine; ``benchmarks/bench_quant.py`` evaluates on a different
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pydoc_data.topics import topics
 
 import torch
+
+from minillm.attention.contiguous import ForwardBatch
 
 
 def calibration_text(start: int = 60_000, length: int = 12_000) -> str:
     """English prose every Python installation carries, away from the slice evaluated on."""
-    from pydoc_data.topics import topics
-
     return "\n\n".join(topics[k] for k in sorted(topics))[start : start + length]
 
 
@@ -38,8 +39,6 @@ class ActivationStats:
 def collect_activations(model, layers, token_ids: list[int], window: int = 256, rows: int = 512) -> dict:
     """Run ``model`` over ``token_ids`` (in windows of ``window`` tokens) and return each of
     ``layers``' ``ActivationStats``, measured by a forward pre-hook on the layer."""
-    from minillm.attention.contiguous import ForwardBatch
-
     if len(token_ids) < 2:
         raise ValueError(f"calibration needs at least 2 tokens, got {len(token_ids)}")
     acc = {layer: {"abs": 0.0, "max": 0.0, "sq": 0.0, "n": 0, "rows": []} for layer in layers}

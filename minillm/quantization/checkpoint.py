@@ -31,18 +31,23 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 import minillm.hooks as hooks
+from minillm.config import INT4_METHODS, QUANTIZATION_METHODS, check_quantization
 from minillm.errors import ModelLoadError
+from minillm.layers.linear import Linear
+from minillm.quantization import default_group_size
+from minillm.quantization.awq import AWQInt4Method, awq_scales
+from minillm.quantization.calibration import calibration_ids
 from minillm.quantization.int4 import Int4Method, quantize_int4
 from minillm.quantization.int8 import Int8Method, quantize_int8, share_int8_head_as_embedding
+from minillm.quantization.w8a8 import W8A8Method, w8a8_scales
 
 FORMAT = "minillm"
 
 
 def _linear_layers(model) -> dict:
-    from minillm.layers.linear import Linear
-
     return {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
 
 
@@ -53,11 +58,6 @@ def save_quantized(model, model_dir: str | Path, out_dir: str | Path, method: st
     calibrated methods (awq, w8a8) calibrate on the shipped text, tokenized with ``tokenizer``.
     ``int4_layers`` (int4 only): each decoder layer's ``(q, scale, minimum)`` already quantized
     elsewhere (``gguf_int4.py``), written as they are."""
-    from safetensors.torch import save_file
-
-    from minillm.config import INT4_METHODS, check_quantization
-    from minillm.quantization import default_group_size
-
     check_quantization(method, group_size)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if method in INT4_METHODS and group_size is None:
@@ -125,9 +125,6 @@ def _calibrate(model, method: str, decoder: list, group_size: int | None, tokeni
     engine runs when it quantizes in memory), else nothing."""
     if method not in ("awq", "w8a8"):
         return {}
-    from minillm.quantization.awq import awq_scales
-    from minillm.quantization.calibration import calibration_ids
-    from minillm.quantization.w8a8 import w8a8_scales
 
     ids = calibration_ids(tokenizer)
     found = awq_scales(model, decoder, group_size, ids) if method == "awq" else w8a8_scales(model, decoder, ids)
@@ -156,8 +153,6 @@ def prepare_quantized(model, folder: Path, qc: dict) -> dict[str, tuple]:
     Returns the targets of the saved tensors, ``"<layer>.<tensor>" → (layer, tensor, None)``,
     for the loader to hand to each layer's ``weight_loader`` — the one road into a layer. A bad
     ``quantization_config`` is a ``ModelLoadError``."""
-    from minillm.config import INT4_METHODS, QUANTIZATION_METHODS
-
     method, group = qc.get("method"), qc.get("group_size")
     if method not in QUANTIZATION_METHODS:
         raise ModelLoadError(f"{folder}: quantization_config method {method!r} is not one of {QUANTIZATION_METHODS}")
@@ -179,9 +174,6 @@ def _saved_method(method: str, group: int | None):
     """The method a layer saved as ``method`` loads into; int4 bytes are unpacked through the
     ``unpack_int4`` hook, looked up at each call (chapter 07 reads a checkpoint back with the
     learner's unpacking)."""
-    from minillm.quantization.awq import AWQInt4Method
-    from minillm.quantization.w8a8 import W8A8Method
-
     def unpack(packed: torch.Tensor) -> torch.Tensor:
         return hooks.unpack_int4(packed)
 

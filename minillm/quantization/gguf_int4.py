@@ -21,6 +21,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGUFReader
+
+from minillm.assets import _field, _hf_name, _unpermute_rope
+from minillm.quantization.checkpoint import _linear_layers
 
 Q4_1_BLOCK = 32  # weights per block
 Q4_1_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
@@ -43,11 +47,6 @@ def gguf_int4_layers(gguf_file: str | Path, model) -> dict[str, tuple[torch.Tens
     """Every decoder linear layer of ``model`` (our module names, fused shards concatenated in
     the layer's order) as ``(q, scale, minimum)`` read from the GGUF file's Q4_1 blocks.
     Raises ``ValueError`` naming a tensor that is not Q4_1 or a layer the file does not cover."""
-    from gguf import GGUFReader
-
-    from minillm.assets import _field, _hf_name, _unpermute_rope
-    from minillm.quantization.checkpoint import _linear_layers
-
     reader = GGUFReader(str(gguf_file))
     n_heads = int(_field(reader, "llama.attention.head_count"))
     n_kv = int(_field(reader, "llama.attention.head_count_kv", n_heads))

@@ -161,6 +161,7 @@ class Int4Method(LoadsSavedTensors):
         """The CUDA path: the Triton kernel on the packed bytes, scales and minima as held.
         ``apply`` takes it only on CUDA; tests call it directly on CPU (under Triton's
         interpreter) on a layer that holds the packed form."""
+        # deferred: triton: imported only when a Triton matmul runs
         from minillm.quantization.triton_matmul import int4_matmul
 
         rows = x.reshape(-1, layer.in_features)

@@ -107,6 +107,7 @@ class Int8Method(LoadsSavedTensors):
     def apply_triton(self, layer, x: torch.Tensor) -> torch.Tensor:
         """The CUDA path: the Triton kernel on ``qweight`` and ``scales`` as held. ``apply`` takes it
         only on CUDA; tests call it directly on CPU, where it runs under Triton's interpreter."""
+        # deferred: triton: imported only when a Triton matmul runs
         from minillm.quantization.triton_matmul import int8_matmul
 
         y = int8_matmul(x.reshape(-1, layer.in_features), layer.qweight, layer.scales)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.sparse import to_sparse_semi_structured
 
 from minillm.quantization.calibration import collect_activations
 
@@ -78,8 +79,6 @@ class SemiStructuredMethod:
         )
 
     def process_weights(self, layer) -> None:
-        from torch.sparse import to_sparse_semi_structured
-
         layer.sparse_weight = to_sparse_semi_structured(layer.weight.detach())
         layer.weight = None
 

@@ -34,6 +34,15 @@ import time
 import traceback
 from pathlib import Path
 
+import torch
+
+from minillm.config import ModelConfig
+from minillm.kvcache.paged import PagedKVCache
+from minillm.models import load_model
+from minillm.runtime.compiled_decode import KEEP_PACKAGES, CompiledDecode, copy_folded_tensors, prune_packages
+from minillm.runtime.model_setup import configure_model
+from minillm.tokenizer import Tokenizer
+
 # Lower than anything a learner runs: the engine, JupyterLab and the browser come first.
 NICENESS = 19
 NICENESS_VARIABLE = "MINILLM_COMPILE_NICENESS"
@@ -81,6 +90,7 @@ def cache_inductor_templates() -> None:
     number of times, so a cache keyed by the source changes nothing but the time. Only in this
     worker process; skipped if a torch version lays its code out otherwise."""
     try:
+        # deferred: torch._inductor takes 1.3 s to import, and a torch without this layout is skipped
         from torch._inductor.codegen.common import KernelTemplate
     except ImportError:
         return
@@ -107,15 +117,6 @@ def one_compile_at_a_time(folder: Path):
 
 def build(job) -> None:
     """Rebuild the engine's model and compile its missing packages (see the module docstring)."""
-    import torch
-
-    from minillm.config import ModelConfig
-    from minillm.kvcache.paged import PagedKVCache
-    from minillm.models import load_model
-    from minillm.runtime.compiled_decode import KEEP_PACKAGES, CompiledDecode, copy_folded_tensors, prune_packages
-    from minillm.runtime.model_setup import configure_model
-    from minillm.tokenizer import Tokenizer
-
     torch.set_num_threads(job.threads)  # the generated loops are parallelised for the engine's thread count
     model_config = ModelConfig.from_folder(job.model_dir)
     model = load_model(job.model_dir, job.dtype, torch.device("cpu"), max_positions=job.max_model_len)

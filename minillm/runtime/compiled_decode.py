@@ -72,11 +72,13 @@ import torch
 
 import minillm.hooks as hooks
 from minillm import trusted_cache
+from minillm.assets import cache_dir
 from minillm.attention.cpu_paged import POOL_DTYPES, isa_on_this_thread  # also registers the kernel's operator
 from minillm.attention.layout import KVPool, StepLayout
 from minillm.kvcache import addressing
 from minillm.kvcache.paged import PagedKVCache
 from minillm.layers.exact_top import refine_top_logits
+from minillm.machine import machine_description
 from minillm.models.llama import LlamaForCausalLM
 from minillm.runtime.block_table_rows import BlockTableRows
 from minillm.runtime.fast_path import pad_decode_rows, pad_table_rows, runs_as_rows, token_rows
@@ -142,8 +144,6 @@ INDUCTOR_OPTIONS = {
 
 
 def packages_dir() -> Path:
-    from minillm.assets import cache_dir
-
     return cache_dir() / "compiled"
 
 
@@ -304,8 +304,6 @@ class CompiledDecode:
 
     def digest(self, weights: str, batch: int) -> str:
         """What the compiled code depends on, hashed: a change to any of it compiles anew."""
-        from minillm.machine import machine_description
-
         machine = machine_description(torch.device("cpu"))
         key = {
             "weights": weights,
@@ -427,9 +425,10 @@ def load_package(path: Path):
     flags (``digest``), so a package on disk was built for this CPU: while it loads, on this thread
     only, the machine's instruction set is answered with the one the package records. Any other
     thread, and any other PyTorch (other private names), gets inductor's own answer."""
-    import torch._inductor
+    import torch._inductor  # deferred: torch._inductor takes 1.3 s to import; only a compile needs it
 
     try:
+        # deferred: torch._inductor takes 1.3 s to import; only a compile needs it
         from torch._inductor import cpu_vec_isa
 
         recorded = torch._C._aoti.AOTIModelPackageLoader.load_metadata_from_package(str(path), "model")

@@ -8,8 +8,15 @@ import os
 
 import torch
 
+from minillm.assets import cache_dir
 from minillm.config import EngineConfig
+from minillm.layers.cpu_prepack import CPUPrepackMethod, prepack_available
+from minillm.layers.cpu_upcast import CPUUpcastMethod, half_gemm_is_slow
+from minillm.layers.linear import PLAIN
+from minillm.layers.offload import memory_map_weights, stream_layers
 from minillm.models.llama import LlamaForCausalLM
+from minillm.quantization import prune, quantize_model
+from minillm.quantization.sparsity import SemiStructuredMethod
 
 
 def apply_weight_methods(
@@ -19,12 +26,6 @@ def apply_weight_methods(
     (``quantization``), then — for the layers left in plain storage — the compressed 2:4 format
     on a GPU that has sparse kernels, or oneDNN prepacking on CPU (or, for half precision on a
     CPU without half-precision kernels, many rows multiplied in fp32); then compilation."""
-    from minillm.layers.cpu_prepack import CPUPrepackMethod, prepack_available
-    from minillm.layers.cpu_upcast import CPUUpcastMethod, half_gemm_is_slow
-    from minillm.layers.linear import PLAIN
-    from minillm.quantization import prune, quantize_model
-    from minillm.quantization.sparsity import SemiStructuredMethod
-
     saved = {layer.method.name for layer in model.linear_layers()} - {PLAIN.name}
     if config.quantization is not None and saved:
         raise ValueError(
@@ -67,9 +68,6 @@ def apply_weight_methods(
 
 
 def _offload(config: EngineConfig, model: LlamaForCausalLM, device: torch.device) -> None:
-    from minillm.assets import cache_dir
-    from minillm.layers.offload import memory_map_weights, stream_layers
-
     if config.weight_offload == "host":
         stream_layers(model, device)
         return

@@ -15,6 +15,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tqdm import tqdm
+
+from minillm.engine import LLMEngine
+from minillm.server.launch import served_name
 from minillm.server.plan import choose_engine, parse, plan, response_of
 from minillm.server.protocol import APIError, error_body
 
@@ -27,9 +31,6 @@ def run_batch_file(
     progress: bool = True,
 ) -> dict:
     """Run every line of ``input_path``; write ``output_path``; return counts."""
-    from minillm.engine import LLMEngine
-    from minillm.server.launch import served_name
-
     lines = Path(input_path).read_text(encoding="utf-8").splitlines()
     engines = {served_name(m): LLMEngine(m, **engine_args) for m in (models or ["smollm2-135m"])}
     results: list[dict | None] = [None] * len(lines)
@@ -76,8 +77,6 @@ def run_batch_file(
 
 def _run(engines: dict, total: int, progress: bool) -> dict:
     """Step every engine until all of its requests finish; each request's samples by its id."""
-    from tqdm import tqdm
-
     outputs = {}
     with tqdm(total=total, unit="req", disable=not progress, desc="batch") as bar:
         while any(e.has_unfinished_requests() for e in engines.values()):

@@ -6,7 +6,10 @@ process; tests and notebooks use it to talk HTTP to the engine without a second 
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +18,7 @@ import time
 import uvicorn
 
 import minillm.hooks as hooks
+from minillm.engine import LLMEngine
 from minillm.server import heap
 from minillm.server.app import build_app
 from minillm.server.async_engine import AsyncEngine
@@ -30,8 +34,6 @@ SERVED_STEP_RECORDS = 0
 def build_engines(models: list[str], max_waiting: int = 256, **engine_args) -> dict[str, AsyncEngine]:
     """One engine per model name (the name clients put in ``model``), all with ``engine_args``
     (``max_step_records`` defaults to ``SERVED_STEP_RECORDS``)."""
-    from minillm.engine import LLMEngine
-
     engine_args.setdefault("max_step_records", SERVED_STEP_RECORDS)
     if len(set(models)) != len(models):
         raise ValueError(f"a model is named twice in {models}")
@@ -129,9 +131,6 @@ def _terminate_with_parent() -> None:
     """In the child, before it runs: on Linux, ask the kernel for SIGTERM when the parent dies,
     so a server never outlives a killed notebook kernel or router."""
     try:
-        import ctypes
-        import signal
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass  # not Linux: the parent's stop() is the only way
@@ -146,8 +145,6 @@ class ServerProcess:
     """
 
     def __init__(self, models: list[str], args: list[str] = (), port: int | None = None, log_level: str = "warning"):
-        import socket
-
         if port is None:
             with socket.socket() as s:  # a free port now; the child binds it a moment later
                 s.bind(("127.0.0.1", 0))
@@ -164,7 +161,7 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 300.0) -> ServerProcess:
-        import httpx
+        import httpx  # deferred: httpx: a client for the readiness probe, not a dependency of the package
 
         self.proc = subprocess.Popen(
             self.cmd, env=os.environ | {"PYTHONUNBUFFERED": "1"}, preexec_fn=_terminate_with_parent

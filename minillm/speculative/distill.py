@@ -31,19 +31,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
+
+from minillm.assets import resolve_model
 
 LOSSES = ("data", "distill")
 
 
 def _config(folder: Path):
+    # deferred: transformers takes 0.6 s to import; only the recipe's training needs it
     from transformers import LlamaConfig
 
     return LlamaConfig.from_pretrained(str(folder))
 
 
 def _state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     out: dict[str, torch.Tensor] = {}
     for path in sorted(Path(folder).glob("*.safetensors")):
         out.update({k: v.float() for k, v in load_file(str(path)).items()})
@@ -53,9 +55,8 @@ def _state_dict(folder: Path) -> dict[str, torch.Tensor]:
 def load_hf(model: str | Path):
     """The HF ``transformers`` Llama of ``model`` (a name or a folder) in fp32, for training
     (no progress bars: weights read directly from the safetensors)."""
+    # deferred: transformers takes 0.6 s to import; only the recipe's training needs it
     from transformers import LlamaForCausalLM
-
-    from minillm.assets import resolve_model
 
     folder = resolve_model(str(model))
     hf = LlamaForCausalLM(_config(folder))
@@ -67,9 +68,8 @@ def load_hf(model: str | Path):
 def truncated_draft(target: str | Path, layers: int = 1):
     """A draft with ``target``'s width and tokenizer and its first ``layers`` decoder layers and
     final norm; the embedding (and tied LM head) is shared and frozen."""
+    # deferred: transformers takes 0.6 s to import; only the recipe's training needs it
     from transformers import LlamaForCausalLM
-
-    from minillm.assets import resolve_model
 
     folder = resolve_model(str(target))
     config = _config(folder)
@@ -194,10 +194,6 @@ def agreement(draft, teacher, windows: torch.Tensor) -> dict[str, float]:
 def save_draft(draft, folder: str | Path, like: str | Path) -> Path:
     """Write ``draft`` as an HF folder the engine can load (``speculative_config={"model": folder}``),
     with the tokenizer and generation config of ``like`` (the target)."""
-    from safetensors.torch import save_file
-
-    from minillm.assets import resolve_model
-
     folder, src = Path(folder), resolve_model(str(like))
     folder.mkdir(parents=True, exist_ok=True)
     config = json.loads((src / "config.json").read_text())

@@ -31,8 +31,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
 
+from minillm.layers.cpu_prepack import prepack_available
 from minillm.models.rope import apply_rope
 from minillm.sampling import filtered_logits
 from minillm.sequence import Sequence
@@ -90,8 +92,6 @@ class EagleHead(nn.Module):
         matmul streams weights far below the machine's bandwidth: a run-ahead step took 0.97 ms
         packed against 1.39 ms plain (``benchmarks/eval_eagle_head.py``, Intel Xeon, 2 threads).
         Returns whether it packed."""
-        from minillm.layers.cpu_prepack import prepack_available
-
         dtype = self.fc.weight.dtype
         if self.fc.weight.device.type != "cpu" or dtype == torch.float32 or not prepack_available(dtype):
             return False
@@ -204,8 +204,6 @@ def head_rows(target, vocab_ids: torch.Tensor) -> torch.Tensor:
 def save_eagle_head(head: EagleHead, folder: str | Path) -> None:
     """``config.json`` and ``model.safetensors`` (the head's own weights in bf16, and its
     vocabulary subset): what ``load_eagle_head`` reads."""
-    from safetensors.torch import save_file
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     head.cfg.save(folder)
@@ -216,8 +214,6 @@ def save_eagle_head(head: EagleHead, folder: str | Path) -> None:
 
 def load_eagle_head(folder: str | Path, target) -> EagleHead:
     """The head stored in ``folder`` (``config.json``, ``model.safetensors``) over ``target``."""
-    from safetensors.torch import load_file
-
     folder = Path(folder)
     cfg = EagleConfig.from_folder(folder)
     tcfg = target.config

@@ -20,7 +20,11 @@ from pathlib import Path
 import torch
 
 from minillm.config import parse_dtype
+from minillm.engine import LLM
+from minillm.kvcache.addressing import kv_bytes_per_token
 from minillm.machine import machine_description, machine_tag
+from minillm.sampling import SamplingParams
+from minillm.tools.llamacpp import LlamaCpp
 
 
 def _prompts(tokenizer, batch: int, prompt_len: int) -> list[list[int]]:
@@ -95,8 +99,6 @@ def decode_bytes_per_step(model_config, dtype: torch.dtype, context: int) -> int
     """Bytes one batch-1 decode step must read: every linear weight once (a tied LM head is
     the embedding matrix, read once as the head; looking up one embedding row is negligible)
     and the K/V of ``context`` tokens."""
-    from minillm.kvcache.addressing import kv_bytes_per_token
-
     c = model_config
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
@@ -128,10 +130,6 @@ def run_generate_benchmark(
     TTFT; per dtype: prefill tok/s on one ``prefill_len``-token prompt; MBU of batch-1 decode
     against the measured read bandwidth. ``quantization``: minillm's engines quantize their
     linear layers (HF and llama.cpp run the unquantized model: the baselines stay the same)."""
-    from minillm.engine import LLM
-    from minillm.sampling import SamplingParams
-    from minillm.tools.llamacpp import LlamaCpp
-
     if threads:
         torch.set_num_threads(threads)
     if prefill_len < 1 or prompt_len < 1 or new_tokens < 2:
@@ -174,6 +172,7 @@ def run_generate_benchmark(
         starts.append(start)
         hf = None
         if include_hf:
+            # deferred: transformers takes 0.6 s to import; only the HF side of the benchmark needs it
             from transformers import AutoModelForCausalLM
 
             hf = AutoModelForCausalLM.from_pretrained(str(first.model_dir), dtype=dtype).to(first.device).eval()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 
 from minillm.attention.contiguous import ForwardBatch
+from minillm.runtime.runner import ChunkInput, StepInputs
+from minillm.sampling import SamplingParams
 
 
 @torch.inference_mode()
@@ -61,9 +63,6 @@ def engine_perplexity(engine, token_ids: list[int], window: int = 256, chunk: in
 
 def _window_nll(engine, bm, ids: list[int], chunk: int, request_id) -> float:
     """Summed negative log-likelihood of ``ids[1:]``, prefilled ``chunk`` tokens per step."""
-    from minillm.runtime.runner import ChunkInput, StepInputs
-    from minillm.sampling import SamplingParams
-
     window, total = len(ids) - 1, 0.0
     seq = engine.make_sequence(ids[:-1], SamplingParams(max_tokens=1), request_id=request_id)
     bm.match_prefix(seq)

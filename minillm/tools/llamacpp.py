@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 import torch
+from gguf import GGUFReader
 
 # general.file_type of a GGUF file (llama.cpp's LLAMA_FTYPE_*) → the dtype our engine runs.
 FILE_TYPES = {0: torch.float32, 1: torch.float16, 32: torch.bfloat16}
@@ -89,8 +90,6 @@ class LlamaCpp:
 
 def gguf_dtype(path: Path) -> torch.dtype:
     """The weights' dtype of a GGUF file (its ``general.file_type``)."""
-    from gguf import GGUFReader
-
     try:
         field = GGUFReader(str(path)).fields.get("general.file_type")
     except (ValueError, OSError) as e:
