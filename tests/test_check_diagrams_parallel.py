@@ -4,7 +4,7 @@ of the failing layout, the spec's heads against the learner's (the grade records
 from __future__ import annotations
 
 import pytest
-from check_catalogue import heads_of_rank, heads_of_rank_extra_to_last, heads_of_rank_ignoring_groups
+from catalogue.ch09 import heads_of_rank, heads_of_rank_extra_to_last, heads_of_rank_ignoring_groups
 
 import minillm.course as course
 from minillm.course import CheckFailed

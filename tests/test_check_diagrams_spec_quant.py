@@ -8,7 +8,8 @@ import re
 
 import pytest
 import torch
-from check_catalogue import _rollback_variant, _sampled_variant, unpack_int4
+from catalogue.ch07 import unpack_int4
+from catalogue.ch08 import _rollback_variant, _sampled_variant
 
 import minillm.course as course
 from minillm.course import CheckFailed
