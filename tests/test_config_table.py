@@ -36,6 +36,8 @@ BREAKS = {
     16: (dict(attention_backend="triton", mode="contiguous"), Where(backend="triton")),
     17: (dict(compile=True), Where(device="cuda")),
     18: (dict(cuda_graphs=True), Where(backend="sdpa")),
+    19: (dict(data_parallel_size=2, tensor_parallel_size=2), Where()),
+    20: (dict(router_policy="round_robin"), Where()),
 }
 
 

@@ -24,16 +24,12 @@ class DataParallelLLM:
     ``replica_main(spec, rank, conn)`` is what each worker runs (``LLM`` passes its own: this
     module stays below the engine and never imports it)."""
 
-    def __init__(self, model, replica_main, data_parallel_size: int = 2, router_policy: str = "prefix_aware",
+    def __init__(self, model, replica_main, data_parallel_size: int = 2, router_policy: str | None = None,
                  **engine_args):  # fmt: skip
-
-        size = data_parallel_size
-        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 64:
-            raise ValueError(f"data_parallel_size={size!r} must be an integer from 1 to 64")
-        config = EngineConfig(**engine_args)  # validated before any replica starts
-        if config.world_size > 1:  # a replica's own workers would be children of a daemonic process
-            raise ValueError("data_parallel_size cannot be combined with tensor/pipeline parallelism yet")
-        self.router = Router(size, router_policy, config.block_size)
+        # Every option checked, and how they combine (config/compatibility.py), before any replica starts.
+        config = EngineConfig(data_parallel_size=data_parallel_size, router_policy=router_policy, **engine_args)
+        size = config.data_parallel_size
+        self.router = Router(size, config.router_policy or "prefix_aware", config.block_size)
         self.tokenizer = Tokenizer(resolve_model(model))
         threads = config.num_threads or max(1, (os.cpu_count() or 1) // size)
         spec = (str(model), dict(engine_args, num_threads=threads))

@@ -28,9 +28,10 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from minillm.config import ROUTER_POLICIES
 from minillm.kvcache.block_manager import prompt_block_hashes
 
-POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+POLICIES = ROUTER_POLICIES  # the one list, declared with the engine's options (config/options.py)
 __all__ = ["POLICIES", "Decision", "NoLiveReplica", "Router", "prompt_block_hashes"]
 
 

@@ -202,6 +202,20 @@ RULES: tuple[Rule, ...] = (
         "replays the Triton decode kernels, whose shapes do not change between steps",
         "cuda_graphs replays the Triton kernels: attention_backend='triton' only",
     ),
+    Rule(
+        ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"),
+        lambda c, w: c.data_parallel_size > 1 and c.world_size > 1,
+        lambda c, w: f"data_parallel_size={c.data_parallel_size} cannot be combined with tensor/pipeline "
+        f"parallelism yet ({_sizes(c)}): a replica's own workers would be children of a daemonic process",
+        "replicas of parallel engines: not yet",
+    ),
+    Rule(
+        ("router_policy", "data_parallel_size"),
+        lambda c, w: c.router_policy is not None and c.data_parallel_size == 1,
+        lambda c, w: f"router_policy={c.router_policy!r} needs data_parallel_size > 1 (one engine has nothing "
+        "to route between)",
+        "a router picks between replicas: data_parallel_size > 1 only",
+    ),
 )
 
 

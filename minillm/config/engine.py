@@ -25,6 +25,7 @@ from minillm.config.options import (
     EXECUTION_MODES,
     KV_CACHE_DTYPES,
     QUANTIZATION_METHODS,
+    ROUTER_POLICIES,
     SCHEDULING_POLICIES,
     SPARSITY_METHODS,
     SpeculativeConfig,
@@ -162,6 +163,14 @@ class EngineConfig:
     pipeline_microbatches: int | None = option(
         None, "micro-batches a pipeline cuts each step into (default: one per stage)", cli=False
     )
+    # Data parallelism (chapter 09): ``LLM(model, data_parallel_size=N)`` runs N replicas of the
+    # whole engine, each in its own process, behind a router (minillm/cluster/replicas.py); each
+    # replica's own engine has data_parallel_size 1. ``minillm serve`` has its own flags of these names.
+    data_parallel_size: int = option(1, "replicas of the whole engine, each in its own process", cli=False)
+    router_policy: str | None = option(
+        None, "how prompts are routed over the replicas (default with data_parallel_size > 1: prefix_aware)",
+        choices=ROUTER_POLICIES, cli=False,
+    )  # fmt: skip
     # The last resort when the weights do not fit (minillm/layers/offload.py).
     weight_offload: str | None = option(
         None,
@@ -240,6 +249,11 @@ class EngineConfig:
                 f"tensor_parallel_size={self.tensor_parallel_size}, pipeline_parallel_size="
                 f"{self.pipeline_parallel_size} asks for {self.world_size} worker processes; at most 64"
             )
+        size = self.data_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 64:
+            raise ValueError(f"data_parallel_size={size!r} must be an integer from 1 to 64")
+        if self.router_policy is not None and self.router_policy not in ROUTER_POLICIES:
+            raise ValueError(f"router_policy={self.router_policy!r}; expected one of {ROUTER_POLICIES} (or None)")
         if self.weight_offload is not None and self.weight_offload not in WEIGHT_OFFLOAD:
             raise ValueError(f"weight_offload={self.weight_offload!r}: expected 'host', 'disk' or None")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -16,6 +16,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "cpu", "triton")
 QUANTIZATION_METHODS = ("int8", "int4", "awq", "w8a8")  # the linear-layer methods of minillm/quantization
 SPARSITY_METHODS = ("2:4", "2:4-wanda")  # 2:4 pruning by magnitude or by Wanda scores (quantization/sparsity.py)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # the paged pool's storage (minillm/kvcache/quantization.py)
+#: How a data-parallel router picks a replica for a prompt (minillm/cluster/router.py).
+ROUTER_POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's CPU int4 kernel accepts
 INT4_METHODS = ("int4", "awq")  # the methods that store int4 groups
 

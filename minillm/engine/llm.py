@@ -51,9 +51,6 @@ class LLM:
         enable_chunked_prefill, max_num_batched_tokens, batch_timeout; quantization ("int8" |
         "int4" | "awq" | "w8a8") with quantization_group_size, sparsity ("2:4" | "2:4-wanda"),
         and kv_cache_dtype ("auto" | "int8" | "fp8")."""
-        engine_args.pop("data_parallel_size", None)  # 1: this process's own engine
-        if "router_policy" in engine_args:
-            raise ValueError(f"router_policy={engine_args['router_policy']!r} needs data_parallel_size > 1")
         self.engine = LLMEngine(model, **engine_args)
         self.client = EngineClient(self.engine)  # each request's deltas into its own mailbox
 
