@@ -38,6 +38,9 @@ BREAKS = {
     18: (dict(cuda_graphs=True), Where(backend="sdpa")),
     19: (dict(data_parallel_size=2, tensor_parallel_size=2), Where()),
     20: (dict(router_policy="round_robin"), Where()),
+    21: (dict(enable_prefix_caching=False), Where(deployment="disaggregated")),
+    22: (dict(speculative_config=NGRAM), Where(deployment="disaggregated")),
+    23: (dict(), Where(device="cuda", deployment="disaggregated")),
 }
 
 

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from minillm.assets import resolve_model
-from minillm.config import EngineConfig, ModelConfig
+from minillm.config import EngineConfig, ModelConfig, Where, check_compatible
 from minillm.engine import LLMEngine
 from minillm.engine.client import EngineClient
 from minillm.inputs import InputProcessor
@@ -84,17 +84,7 @@ class DisaggregatedLLM:
 
     def __init__(self, model: str = "smollm2-135m", prefill_threads: int = 1, decode_threads: int = 1, **engine_args):
         config = EngineConfig(**engine_args)  # validated here, before any worker starts
-        if config.mode != "paged" or not config.enable_prefix_caching or config.kv_cache_dtype != "auto":
-            raise ValueError(
-                "disaggregation lands the K/V in the decode worker's prefix cache: it needs mode='paged', "
-                "enable_prefix_caching=True and kv_cache_dtype='auto'"
-            )
-        if config.world_size > 1 or config.speculative_config is not None:
-            raise ValueError(
-                "disaggregation runs one whole model per worker: no tensor/pipeline parallelism, no speculation"
-            )
-        if config.resolve_device().type != "cpu":
-            raise ValueError("DisaggregatedLLM runs its workers on the CPU (gloo); device must be 'cpu'")
+        check_compatible(config, Where(config.resolve_device().type, deployment="disaggregated"))
         for name, value in (("prefill_threads", prefill_threads), ("decode_threads", decode_threads)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")

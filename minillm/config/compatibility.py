@@ -23,10 +23,13 @@ from typing import Any
 @dataclass(frozen=True)
 class Where:
     """What the engine runs on, where known: ``device`` the device type ("cpu", "cuda"), and
-    ``backend`` the attention backend ("sdpa", "cpu", "triton", ...); None: not resolved yet."""
+    ``backend`` the attention backend ("sdpa", "cpu", "triton", ...); None: not resolved yet.
+    ``deployment``: what the engine is part of, when more than itself — "disaggregated" (a
+    prefill and a decode worker, ``cluster/disagg.py``); None: an engine of its own."""
 
     device: str | None = None
     backend: str | None = None
+    deployment: str | None = None
 
     @classmethod
     def of(cls, config) -> Where:
@@ -215,6 +218,27 @@ RULES: tuple[Rule, ...] = (
         lambda c, w: f"router_policy={c.router_policy!r} needs data_parallel_size > 1 (one engine has nothing "
         "to route between)",
         "a router picks between replicas: data_parallel_size > 1 only",
+    ),
+    Rule(
+        ("mode", "enable_prefix_caching", "kv_cache_dtype"),
+        lambda c, w: w.deployment == "disaggregated"
+        and (c.mode != "paged" or not c.enable_prefix_caching or c.kv_cache_dtype != "auto"),
+        lambda c, w: "disaggregation lands the K/V in the decode worker's prefix cache: it needs mode='paged', "
+        f"enable_prefix_caching=True and kv_cache_dtype='auto' (got mode={c.mode!r}, enable_prefix_caching="
+        f"{c.enable_prefix_caching}, kv_cache_dtype={c.kv_cache_dtype!r})",
+        "disaggregated workers hand K/V over through the prefix cache: paged, prefix caching on, plain pools",
+    ),
+    Rule(
+        ("tensor_parallel_size", "pipeline_parallel_size", "speculative_config"),
+        lambda c, w: w.deployment == "disaggregated" and (c.world_size > 1 or c.speculative_config is not None),
+        lambda c, w: "disaggregation runs one whole model per worker: no tensor/pipeline parallelism, no speculation",
+        "disaggregated workers are one whole model each: no parallel workers, no speculation",
+    ),
+    Rule(
+        ("device",),
+        lambda c, w: w.deployment == "disaggregated" and w.device not in (None, "cpu"),
+        lambda c, w: "DisaggregatedLLM runs its workers on the CPU (gloo); device must be 'cpu'",
+        "disaggregated workers run on the CPU",
     ),
 )
 
