@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -209,3 +210,23 @@ def test_an_explicit_choice_is_resolved_as_given(tiny_model):
     llm = LLM(tiny_model, dtype="fp32", mode="contiguous", compile=False, attention_backend="sdpa")
     assert llm.resolved.attention_backend == "sdpa" and llm.resolved.num_kv_blocks is None
     assert llm.resolved.compile_reason == "compile=False"
+
+
+def test_kv_cache_dtype_is_a_checked_value_the_pool_owns():
+    """Checked once where it is made; the pool and the kernels ask it (``quantized``, ``storage``,
+    ``kernel_code``) instead of comparing names; it stays a string where one is expected."""
+    from minillm.config import KVCacheDtype
+    from minillm.kvcache.paged import PagedKVCache
+
+    assert [KVCacheDtype(n).kernel_code for n in ("auto", "int8", "fp8")] == [0, 1, 2]
+    assert [KVCacheDtype(n).storage for n in ("auto", "int8", "fp8")] == [None, torch.int8, torch.uint8]
+    assert not KVCacheDtype().quantized and KVCacheDtype("int8").quantized
+    assert KVCacheDtype("fp8") == "fp8" and repr(KVCacheDtype("fp8")) == "'fp8'"
+    for bad in ("int4", "INT8", None, 8):
+        with pytest.raises(ValueError, match="expected one of"):
+            KVCacheDtype(bad)
+    config = EngineConfig(kv_cache_dtype="int8")
+    assert type(config.kv_cache_dtype) is KVCacheDtype
+    shape = SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=4)  # all a pool reads of its model
+    pool = PagedKVCache(shape, 2, 4, torch.float32, torch.device("cpu"), "fp8")
+    assert type(pool.kv_cache_dtype) is KVCacheDtype and pool.k.dtype == torch.uint8 and pool.k_scale is not None

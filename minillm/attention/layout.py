@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minillm.config import KVCacheDtype
+
 
 @dataclass
 class KVPool:
@@ -30,7 +32,7 @@ class KVPool:
     k_scales: list[torch.Tensor] | None = None
     v_scales: list[torch.Tensor] | None = None
     dtype: torch.dtype | None = None
-    kv_cache_dtype: str = "auto"  # "int8" | "fp8": how the slots' 8 bits are read
+    kv_cache_dtype: KVCacheDtype = KVCacheDtype("auto")  # the pool's: how its slots' 8 bits are read
 
     @classmethod
     def of(cls, cache) -> KVPool:

@@ -45,17 +45,17 @@ import torch
 
 from minillm.attention.decode_tuning import DEFAULT as DEFAULT_DECODE
 from minillm.attention.decode_tuning import DecodeConfig
+from minillm.config import KVCacheDtype
 from minillm.triton_setup import INTERPRETED, tl, triton  # sets up (and checks) the interpreter first
 
 NO_WINDOW = 1 << 30  # "no sliding window": a window longer than any context
-KV_QUANT = {"auto": 0, "int8": 1, "fp8": 2}  # the kernels' constexpr for the pool's kv_cache_dtype
 
 
-def _kv_quant(kv_cache_dtype: str, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> int:
-    """The ``KV_QUANT`` code of a pool, checking an 8-bit one comes with its scales."""
-    if kv_cache_dtype not in KV_QUANT:
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: expected one of {tuple(KV_QUANT)}")
-    code = KV_QUANT[kv_cache_dtype]
+def _kv_quant(kv_cache_dtype: KVCacheDtype | str, k_scales: torch.Tensor | None,
+              v_scales: torch.Tensor | None) -> int:  # fmt: skip
+    """The kernels' ``KV_QUANT`` code of a pool (``KVCacheDtype.kernel_code``), checking an 8-bit
+    one comes with its scales."""
+    code = KVCacheDtype(kv_cache_dtype).kernel_code
     if code and (k_scales is None or v_scales is None):
         raise ValueError(f"an {kv_cache_dtype} pool needs k_scales and v_scales ([num_slots, kv_heads])")
     if code and k_scales.stride() != v_scales.stride():
@@ -220,7 +220,7 @@ def flash_attention(
     window: int | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
-    kv_cache_dtype: str = "auto",
+    kv_cache_dtype: KVCacheDtype | str = "auto",
 ) -> torch.Tensor:
     """Attention for packed variable-length sequences. ``q[N, H, D]`` holds every sequence's
     queries back to back (``cu_seqlens_q[S+1]`` marks where each starts). Keys come either
@@ -343,7 +343,7 @@ def paged_decode(
     window: int | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
-    kv_cache_dtype: str = "auto",
+    kv_cache_dtype: KVCacheDtype | str = "auto",
     config: DecodeConfig = DEFAULT_DECODE,
 ) -> torch.Tensor:
     """One query token per sequence, ``q[B, H, D]``, against K/V in the pool (``[num_slots, KV, D]``)
@@ -465,7 +465,7 @@ def write_kv(
     slots: torch.Tensor,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
-    kv_cache_dtype: str = "auto",
+    kv_cache_dtype: KVCacheDtype | str = "auto",
 ) -> None:
     """Store ``k, v[N, KV, D]`` at pool rows ``slots[N]`` (pool ``[num_slots, KV, D]``), fused in one
     kernel. An 8-bit pool (``kv_cache_dtype="int8"`` or ``"fp8"``) gets each token's K and V

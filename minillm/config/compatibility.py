@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from minillm.config.options import KVCacheDtype
+
 
 @dataclass(frozen=True)
 class Where:
@@ -116,7 +118,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         ("kv_cache_dtype", "mode"),
-        lambda c, w: c.kv_cache_dtype != "auto" and c.mode != "paged",
+        lambda c, w: KVCacheDtype(c.kv_cache_dtype).quantized and c.mode != "paged",
         lambda c, w: f"kv_cache_dtype={c.kv_cache_dtype!r} needs mode='paged' (got mode={c.mode!r})",
         "an 8-bit KV pool is a paged pool: mode='paged' only",
     ),
@@ -180,7 +182,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         ("attention_backend", "kv_cache_dtype"),
-        lambda c, w: c.attention_backend == "cpu" and c.kv_cache_dtype != "auto",
+        lambda c, w: c.attention_backend == "cpu" and KVCacheDtype(c.kv_cache_dtype).quantized,
         lambda c, w: f"attention_backend='cpu' reads fp32/bf16/fp16 pools, not kv_cache_dtype={c.kv_cache_dtype!r}: "
         "use 'sdpa' (or 'auto')",
         "attention_backend='cpu' reads plain pools: kv_cache_dtype='auto' only",
@@ -222,7 +224,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         ("mode", "enable_prefix_caching", "kv_cache_dtype"),
         lambda c, w: w.deployment == "disaggregated"
-        and (c.mode != "paged" or not c.enable_prefix_caching or c.kv_cache_dtype != "auto"),
+        and (c.mode != "paged" or not c.enable_prefix_caching or KVCacheDtype(c.kv_cache_dtype).quantized),
         lambda c, w: "disaggregation lands the K/V in the decode worker's prefix cache: it needs mode='paged', "
         f"enable_prefix_caching=True and kv_cache_dtype='auto' (got mode={c.mode!r}, enable_prefix_caching="
         f"{c.enable_prefix_caching}, kv_cache_dtype={c.kv_cache_dtype!r})",

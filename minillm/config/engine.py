@@ -28,6 +28,7 @@ from minillm.config.options import (
     ROUTER_POLICIES,
     SCHEDULING_POLICIES,
     SPARSITY_METHODS,
+    KVCacheDtype,
     SpeculativeConfig,
     check_int,
     check_quantization,
@@ -123,8 +124,8 @@ class EngineConfig:
         "prune the decoder's linear layers to 2 of every 4 weights, by magnitude or Wanda scores (default: none)",
         choices=SPARSITY_METHODS,
     )
-    kv_cache_dtype: str = option("auto", "KV pool storage (default: the model's dtype; int8/fp8 with scales)",
-                                 choices=KV_CACHE_DTYPES)  # fmt: skip
+    kv_cache_dtype: KVCacheDtype = option("auto", "KV pool storage (default: the model's dtype; int8/fp8 with "
+                                          "scales)", choices=KV_CACHE_DTYPES)  # fmt: skip
     scheduling_policy: str = option("continuous", "batching policy", choices=SCHEDULING_POLICIES)
     block_size: int = option(16, "KV block size in tokens (paged mode)", parse=int)
     kv_cache_memory: int | float | None = option(
@@ -242,8 +243,7 @@ class EngineConfig:
         check_quantization(self.quantization, self.quantization_group_size)
         if self.sparsity is not None and self.sparsity not in SPARSITY_METHODS:
             raise ValueError(f"sparsity={self.sparsity!r}: expected one of {SPARSITY_METHODS} (or None)")
-        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: expected one of {KV_CACHE_DTYPES}")
+        self.kv_cache_dtype = KVCacheDtype(self.kv_cache_dtype)  # checked: ValueError naming the choices
         if self.world_size > 64:
             raise ValueError(
                 f"tensor_parallel_size={self.tensor_parallel_size}, pipeline_parallel_size="

@@ -8,6 +8,8 @@ import numbers
 import os
 from dataclasses import dataclass
 
+import torch
+
 EXECUTION_MODES = ("paged", "contiguous", "naive")
 #: Old mode names that still work, with a deprecation warning.
 DEPRECATED_MODES = {"kv_cache": "contiguous"}
@@ -21,6 +23,42 @@ ROUTER_POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's CPU int4 kernel accepts
 INT4_METHODS = ("int4", "awq")  # the methods that store int4 groups
 
+
+
+class KVCacheDtype(str):
+    """How the paged pool stores keys and values: ``auto`` (the model's dtype), ``int8`` or
+    ``fp8`` (8 bits per value plus one fp32 scale per token and head: kvcache/quantization.py).
+
+    Checked once, where it is made (``EngineConfig``; the pool takes it or a name), and asked
+    instead of compared: the pool reads ``storage`` and ``quantized``, the Triton kernels
+    ``kernel_code``. It stays a string — it prints, compares, pickles and reaches chapter 07's
+    ``quantize_kv(x, kind)`` as its name."""
+
+    __slots__ = ()
+    _KERNEL_CODES = {"auto": 0, "int8": 1, "fp8": 2}  # the Triton kernels' constexpr KV_QUANT
+
+    def __new__(cls, value: str = "auto") -> KVCacheDtype:
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, str) or value not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={value!r}: expected one of {KV_CACHE_DTYPES}")
+        return super().__new__(cls, value)
+
+    @property
+    def quantized(self) -> bool:
+        """8-bit values with scales (``int8``, ``fp8``), not the model's dtype."""
+        return str(self) != "auto"
+
+    @property
+    def storage(self) -> torch.dtype | None:
+        """What the pool's K/V tensors hold (fp8 as its bit patterns: PyTorch's CPU kernels cannot
+        index-copy fp8); None: the model's dtype."""
+        return {"int8": torch.int8, "fp8": torch.uint8}.get(str(self))
+
+    @property
+    def kernel_code(self) -> int:
+        """The Triton kernels' ``KV_QUANT`` constexpr: 0 plain, 1 int8, 2 fp8."""
+        return self._KERNEL_CODES[str(self)]
 
 
 SPECULATIVE_METHODS = ("draft", "eagle", "ngram")

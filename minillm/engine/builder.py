@@ -24,7 +24,7 @@ import torch.distributed as dist
 from minillm.assets import resolve_model
 from minillm.attention.cpu_paged import kernel_unavailable_reason, start_building
 from minillm.attention.precision import decode_attention_dtype as measured_choice
-from minillm.config import EngineConfig, ModelConfig, Where, check_compatible, refusal
+from minillm.config import EngineConfig, KVCacheDtype, ModelConfig, Where, check_compatible, refusal
 from minillm.engine.scheduler import Scheduler
 from minillm.kvcache.addressing import blocks_for, kv_bytes_per_token
 from minillm.kvcache.block_manager import BlockManager
@@ -90,7 +90,7 @@ class Resolved:
     compile: bool
     compile_reason: str
     decode_fast_path: str  # "compiled (256,)", "cuda graphs", or "none (eager)"
-    kv_cache_dtype: str
+    kv_cache_dtype: KVCacheDtype
     num_kv_blocks: int | None  # the paged pool's, in this process (None: no pool here)
     # speculative decoding: the method, and how many tokens it proposes — what the governor has
     # measured to pay at each batch size so far (speculative/governor.py), updated as it runs
@@ -124,7 +124,7 @@ def start_kernel_build(config: EngineConfig, device: torch.device) -> None:
     """Start building the CPU decode kernel now when ``resolve_backend`` may pick it (the paged
     CPU engine on one process, ``auto`` or ``cpu`` backend, a plain pool): on a cold cache its
     build takes seconds, which then pass while the tokenizer and the weights load."""
-    wanted = config.attention_backend == "cpu" or (config.attention_backend == "auto" and config.kv_cache_dtype == "auto")
+    wanted = config.attention_backend == "cpu" or (config.attention_backend == "auto" and not config.kv_cache_dtype.quantized)
     if wanted and device.type == "cpu" and config.mode == "paged" and config.world_size == 1:
         start_building()
 
@@ -144,7 +144,7 @@ def resolve_backend(config: EngineConfig, device: torch.device) -> str:
         return "sdpa"
     if device.type == "cuda":
         return "triton" if triton_available() else "sdpa"
-    if config.kv_cache_dtype != "auto":  # the kernel reads plain pools; the reference dequantizes 8-bit ones
+    if config.kv_cache_dtype.quantized:  # the kernel reads plain pools; the reference dequantizes 8-bit ones
         return "sdpa"
     reason = kernel_unavailable_reason()
     if reason:

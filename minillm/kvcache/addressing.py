@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 import minillm.hooks as hooks
-from minillm.config import ModelConfig
+from minillm.config import KVCacheDtype, ModelConfig
 
 RELEASED = -1  # a block-table entry whose block was given back (it fell behind a sliding window)
 
@@ -59,9 +59,10 @@ def kv_bytes_per_token_of(layers: int, kv_heads: int, head_dim: int, dtype: torc
     return 2 * layers * kv_heads * head_dim * dtype_bytes(dtype)
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype | str | float, kv_cache_dtype: str = "auto") -> int:
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype | str | float,
+                       kv_cache_dtype: KVCacheDtype | str = "auto") -> int:  # fmt: skip
     """``kv_bytes_per_token_of`` for a model's shape, rounded up to whole bytes; an int8 pool
     (``kv_cache_dtype="int8"`` or ``"fp8"``) costs one byte per value plus a 4-byte scale per token and head."""
-    if kv_cache_dtype in ("int8", "fp8"):
+    if KVCacheDtype(kv_cache_dtype).quantized:
         dtype = 1 + 4 / config.head_dim
     return int(-(-kv_bytes_per_token_of(config.num_layers, config.num_kv_heads, config.head_dim, dtype) // 1))

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from minillm.config import ModelConfig
-from minillm.kvcache.quantization import SCALE_DTYPE, STORAGE
+from minillm.config import KVCacheDtype, ModelConfig
+from minillm.kvcache.quantization import SCALE_DTYPE
 from minillm.kvcache.zeroed import zeroed
 
 
@@ -25,7 +25,7 @@ class PagedKVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
-        kv_cache_dtype: str = "auto",
+        kv_cache_dtype: KVCacheDtype | str = "auto",
     ):
         # One block more than the block manager hands out: the null block, which padded rows of
         # a batch (a CUDA graph's spare seats, a short block table's tail) write to and read from.
@@ -34,15 +34,15 @@ class PagedKVCache:
         # kv_cache_dtype="int8" | "fp8": 8-bit values plus one scale per (token, head)
         # (kvcache/quantization.py); attention computes in ``dtype`` after dequantizing.
 
-        self.kv_cache_dtype, self.dtype = kv_cache_dtype, dtype
-        stored = STORAGE.get(kv_cache_dtype, dtype)
+        self.kv_cache_dtype, self.dtype = KVCacheDtype(kv_cache_dtype), dtype  # the pool's own, checked
+        stored = self.kv_cache_dtype.storage or dtype
         # Zeroed, not empty: attention multiplies unused slots by a probability of exactly 0,
         # and 0 * NaN (uninitialised memory) would still be NaN. On a CPU the zeros cost nothing
         # until a page is written (kvcache/zeroed.py).
         self.k = zeroed(shape, stored, device)
         self.v = zeroed(shape, stored, device)
         self.k_scale = self.v_scale = None
-        if kv_cache_dtype in STORAGE:
+        if self.kv_cache_dtype.quantized:
             self.k_scale = zeroed(shape[:-1], SCALE_DTYPE, device)
             self.v_scale = zeroed(shape[:-1], SCALE_DTYPE, device)
         self.num_blocks = num_blocks

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from minillm.config import EngineConfig, ModelConfig
+from minillm.config import EngineConfig, KVCacheDtype, ModelConfig
 from minillm.kvcache.paged import PagedKVCache
 from minillm.layers.tensor_parallel import COMM, ParallelContext
 from minillm.models import load_model
@@ -50,7 +50,7 @@ class ShardSpec:
     cpu_prepack: bool
     num_blocks: int
     block_size: int
-    kv_cache_dtype: str
+    kv_cache_dtype: KVCacheDtype
     tp_size: int = 1
     pp_size: int = 1
     num_microbatches: int = 1

@@ -113,7 +113,7 @@ def cpu_has_amx() -> bool:
 def attends_in_place(cache: PagedKVCache) -> bool:
     """Whether graphs over ``cache`` can attend in place through the C++ kernel (an operator in
     the graph), which reads the model's own pool dtypes but not an 8-bit pool."""
-    return cache.kv_cache_dtype == "auto" and cache.dtype in POOL_DTYPES
+    return not cache.kv_cache_dtype.quantized and cache.dtype in POOL_DTYPES
 
 
 def default_batch_sizes(cache: PagedKVCache) -> tuple[int, ...]:
