@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from tqdm.auto import tqdm
 
+from minillm.config import environment
 from minillm.errors import ModelNotFoundError
 
 #: Bump when the conversion output changes, so stale caches are rebuilt.
@@ -93,7 +94,7 @@ def data_dir() -> Path:
 
 def cache_dir() -> Path:
     """Where converted models live: ``$MINILLM_CACHE`` or ``<repo>/.cache/minillm`` (git-ignored)."""
-    env = os.environ.get("MINILLM_CACHE")
+    env = environment.get("MINILLM_CACHE")
     if env:
         return Path(env)
     repo_root = Path(__file__).resolve().parent.parent

@@ -18,6 +18,8 @@ import json
 import os
 import sys
 
+from minillm.config import environment
+
 
 def _add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) -> None:
     g = p.add_argument_group("engine")
@@ -562,7 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
         "any on 0.0.0.0; '*': any)",
     )  # fmt: skip
     p.add_argument(
-        "--api-key", default=os.environ.get("MINILLM_API_KEY"),
+        "--api-key", default=environment.get("MINILLM_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $MINILLM_API_KEY, else none)",
     )  # fmt: skip
     p.add_argument(

@@ -13,23 +13,24 @@ kernel is needed (``attention_backend="triton"``, a quantized matmul on CUDA, th
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from minillm.config import environment
+
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    environment.set_default("TRITON_INTERPRET", "1")
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 #: Whether the kernels run in Triton's interpreter (on the CPU: correct, slow).
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETED = environment.get("TRITON_INTERPRET") == "1"
 
 if INTERPRETED and type(tl.zeros).__name__ != "InterpretedFunction":
     raise ImportError(
         "triton was imported before TRITON_INTERPRET=1 was set, so its helpers are compiled for a GPU this "
-        "machine does not have: import minillm first, or set TRITON_INTERPRET=1 in the environment"
+        "machine does not have: import minillm.triton_setup first (it imports triton ready for this machine), "
+        "or set TRITON_INTERPRET=1 in the environment"
     )
 
 __all__ = ["INTERPRETED", "tl", "triton"]

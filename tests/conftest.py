@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import minillm  # noqa: F401  (first: without CUDA it switches Triton to its interpreter before anything imports triton)
+from minillm.machine import triton_available
+
+if triton_available():  # tests write Triton kernels of their own: triton ready for this machine, first
+    import minillm.triton_setup  # noqa: F401
 
 # Engines stay eager unless a test asks for compile=True (as `make test` sets it too): compiling
 # every model and pool the suite builds would take hours.

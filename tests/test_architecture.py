@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 import textwrap
 import warnings
 from pathlib import Path
@@ -110,8 +111,8 @@ def test_no_import_cycles_in_the_package():
 #: The floors of the house, bottom up (docs/architecture.md). A package may import its own floor
 #: and the floors below; every arrow that runs up is listed in UPWARD_ARROWS with its reason.
 FLOORS = [
-    {"errors", "machine", "outputs", "hooks", "trusted_cache", "triton_setup"},
-    {"config", "tokenizer", "sampling", "assets", "metrics"},
+    {"errors", "machine", "outputs", "hooks", "trusted_cache"},
+    {"config", "tokenizer", "sampling", "assets", "metrics", "triton_setup"},
     {"sequence", "inputs", "layers", "kv_head_pooling"},
     {"kvcache"},
     {"attention"},
@@ -618,3 +619,58 @@ def test_imports_are_at_the_top_or_say_why_not():
         for line in _unexplained_deferred_imports(path.read_text())
     ]
     assert hidden == [], hidden
+
+
+def _environment_uses(source: str) -> list[int]:
+    """Lines that touch ``os.environ`` or call ``os.getenv``/``os.putenv``/``os.unsetenv``."""
+    return sorted({
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os"
+        and node.attr in ("environ", "getenv", "putenv", "unsetenv", "environb")
+    })  # fmt: skip
+
+
+def test_the_environment_rule_catches_each_way_in():
+    assert _environment_uses("import os\nos.environ.get('X')\nos.getenv('Y')\nx = dict(os.environ)\n") == [2, 3, 4]
+    assert _environment_uses("from minillm.config import environment\nenvironment.get('MINILLM_CACHE')\n") == []
+
+
+def test_the_environment_is_read_and_written_in_one_module():
+    """Every environment variable minillm reads or sets is declared in config/environment.py and
+    goes through it (``get``, ``set_default``, ``scoped``, ``for_children``)."""
+    touched = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}"
+        for name, path in _module_names().items()
+        if name != "minillm.config.environment"
+        for line in _environment_uses(path.read_text())
+    ]
+    assert touched == [], touched
+
+
+def test_importing_minillm_changes_no_process_wide_setting():
+    """No environment variable set, no Triton imported, on import: set-up waits for an engine."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import os, sys; before = dict(os.environ); import minillm, minillm.server, minillm.cluster, minillm.tools.bench; "
+        "changed = {k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)}; "
+        "print(sorted(changed), 'triton' in sys.modules, 'minillm.triton_setup' in sys.modules)"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TORCHINDUCTOR_CACHE_DIR")}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[]", "False", "False"], out.stdout
+
+
+def test_an_engine_sets_up_what_it_needs_and_says_so(tiny_model):
+    from minillm.config import environment
+
+    llm = LLM(tiny_model, dtype="float32", compile=False)
+    try:
+        assert environment.is_set("TORCHINDUCTOR_CACHE_DIR")
+        assert "TORCHINDUCTOR_CACHE_DIR=" in llm.engine.resolved.environment
+        assert llm.engine.resolved.environment == environment.describe()
+    finally:
+        llm.close()

@@ -22,7 +22,6 @@ import contextlib
 import ctypes
 import functools
 import hashlib
-import os
 import platform
 import threading
 from pathlib import Path
@@ -33,6 +32,7 @@ from minillm import trusted_cache
 from minillm.assets import cache_dir
 from minillm.attention.layout import StepLayout
 from minillm.attention.paged import ReferencePagedStep, write_kv
+from minillm.config import environment
 
 SOURCE = Path(__file__).with_name("cpu_paged_decode.cpp")
 POOL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -47,7 +47,7 @@ def _library() -> ctypes.CDLL:
     from torch._inductor.codecache import CppCodeCache
 
     source = "#include <torch/csrc/inductor/cpp_prefix.h>\n" + SOURCE.read_text()
-    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    inductor = environment.get("TORCHINDUCTOR_CACHE_DIR")
     if inductor:
         trusted_cache.check_private(Path(inductor))
     # Where this source's library was built, recorded then (the path is inductor's to choose).
@@ -119,7 +119,7 @@ def _rejects_flags(error: Exception, isa) -> bool:
 def _isa_from_cpu_flags(cpu_vec_isa):
     """Inductor's AVX-512 or AVX2 description when this x86 CPU has it (no probe builds), else
     None (other architectures, or ``ATEN_CPU_CAPABILITY`` set: inductor's own rules apply)."""
-    if platform.machine() not in ("x86_64", "AMD64") or os.environ.get("ATEN_CPU_CAPABILITY"):
+    if platform.machine() not in ("x86_64", "AMD64") or environment.get("ATEN_CPU_CAPABILITY"):
         return None
     if torch.cpu._is_avx512_supported():
         return cpu_vec_isa.VecAVX512()

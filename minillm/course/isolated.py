@@ -48,6 +48,7 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 
+from minillm.config import environment
 from minillm.course.results import CHECK_ERROR, FAIL, NOT_ATTEMPTED, PASS, CheckResult
 
 CHECK_TIMEOUT_S = 300  # one check, fresh process included: the slowest (TP ranks) takes ~60 s
@@ -492,13 +493,12 @@ def _grade_in_this_process(job: dict) -> dict:
     exercise = BY_CHECK[check_name]
     guard = guard_answers(check_name, exercise.references)  # the package's answers refuse learner code
     unhidden = hide_sources(guard.modules)  # their source cannot be read back (in this process's own mounts)
-    os.environ[ENVIRONMENT] = check_name  # a process the learner's code starts guards them too
     try:
-        verdict = _graded(job, check_fn, exercise, guard)
+        with environment.scoped(ENVIRONMENT, check_name):  # a process the learner's code starts guards them too
+            verdict = _graded(job, check_fn, exercise, guard)
         return verdict if unhidden is None else {**verdict, "exposed": unhidden}
     finally:
         guard.lift()
-        os.environ.pop(ENVIRONMENT, None)
 
 
 def _graded(job: dict, check_fn, exercise, guard) -> dict:

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import NoReturn
 
+from minillm.config import environment
 from minillm.course.records import record_pass
 
 GRADE_LOG_ENV = "MINILLM_GRADE_LOG"
@@ -194,7 +195,7 @@ def graded(name: str, nonce: str):
 
 def _record(result: CheckResult) -> None:
     _latest[result.check] = result
-    path = os.environ.get(GRADE_LOG_ENV)
+    path = environment.get(GRADE_LOG_ENV)
     if path:
         with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps(asdict(result)) + "\n")

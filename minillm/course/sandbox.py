@@ -18,6 +18,8 @@ import ctypes.util
 import os
 from pathlib import Path
 
+from minillm.config import environment
+
 
 def answer_folders() -> list[Path]:
     """The folders beside the package that hold answers: the solved notebooks (``solutions/``,
@@ -26,7 +28,7 @@ def answer_folders() -> list[Path]:
     alone is installed. ``MINILLM_GRADING_HIDE`` adds folders (``:``-separated), such as an
     nbgrader course kept elsewhere."""
     root = Path(__file__).resolve().parents[2]
-    extra = [Path(p) for p in os.environ.get("MINILLM_GRADING_HIDE", "").split(os.pathsep) if p]
+    extra = [Path(p) for p in (environment.get("MINILLM_GRADING_HIDE") or "").split(os.pathsep) if p]
     candidates = [root / "solutions", root / "source", root / "tests", root / ".git", *extra]
     return [folder for folder in candidates if folder.is_dir()]
 

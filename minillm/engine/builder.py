@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from minillm.assets import resolve_model
+from minillm.assets import cache_dir, resolve_model
 from minillm.attention.cpu_paged import kernel_unavailable_reason, start_building
 from minillm.attention.precision import decode_attention_dtype as measured_choice
-from minillm.config import EngineConfig, KVCacheDtype, ModelConfig, Where, check_compatible, refusal
+from minillm.config import EngineConfig, KVCacheDtype, ModelConfig, Where, check_compatible, environment, refusal
 from minillm.engine.scheduler import Scheduler
 from minillm.kvcache.addressing import blocks_for, kv_bytes_per_token
 from minillm.kvcache.block_manager import BlockManager
@@ -95,6 +95,9 @@ class Resolved:
     # speculative decoding: the method, and how many tokens it proposes — what the governor has
     # measured to pay at each batch size so far (speculative/governor.py), updated as it runs
     speculation: str = "off"
+    # the declared environment variables that are set, with where each value came from
+    # (config/environment.py): MINILLM_COMPILE=0 explains compile=False, for one
+    environment: str = field(default_factory=environment.describe)
 
     def __str__(self) -> str:
         rows = [(k, getattr(self, k)) for k in self.__dataclass_fields__]
@@ -118,6 +121,15 @@ def free_memory_bytes(device: torch.device) -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def prepare_process() -> None:
+    """The process-wide set-up an engine needs, done when the first is built (importing minillm
+    sets nothing): inductor's on-disk cache in the project's cache folder — set before anything
+    asks inductor for its folder (it fixes the default on first use) — so the minute a compile
+    costs is paid once per machine, not once per start (``runtime/compiled_decode.py``). A
+    folder the user chose is kept (``config/environment.py``)."""
+    environment.set_default("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
 
 
 def start_kernel_build(config: EngineConfig, device: torch.device) -> None:
@@ -299,14 +311,14 @@ def build_parallel_parts(
 
 def launched_by_torchrun() -> bool:
     """``torchrun`` (torch.distributed.run) started this process as one of several ranks."""
-    return "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return environment.is_set("TORCHELASTIC_RUN_ID") and int(environment.get("WORLD_SIZE")) > 1
 
 
 def _join_torchrun(spec, comm: str):
     """Every rank runs the same program; here they part ways. Rank 0 keeps the engine (driver
     and rank 0 in one process); every other rank serves steps inside this call and, when rank
     0 closes its engine, exits — so a script's later lines run on rank 0 only."""
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    world, rank = int(environment.get("WORLD_SIZE")), int(environment.get("RANK"))
     if world != spec.world_size:
         raise ValueError(
             f"torchrun started {world} processes but tensor_parallel_size x pipeline_parallel_size = {spec.world_size}"
@@ -409,7 +421,7 @@ def compile_by_default(config: EngineConfig, model, backend: str) -> Decision:
     disk, so only the first start on a machine pays) where the compatibility table allows
     ``compile=True`` with the rest of the config, the weights are a kind measured faster compiled,
     and the model is big enough to repay the compile — unless ``MINILLM_COMPILE=0``."""
-    if os.environ.get("MINILLM_COMPILE", "1") == "0":
+    if environment.get("MINILLM_COMPILE") == "0":
         return Decision(False, "MINILLM_COMPILE=0")
     if config.mode != "paged":
         return Decision(False, f"compile by default covers the paged engine's decode steps (mode={config.mode!r})")

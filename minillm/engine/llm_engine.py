@@ -38,7 +38,7 @@ import torch
 import minillm.hooks as hooks
 from minillm.assets import resolve_model
 from minillm.config import EngineConfig, ModelConfig
-from minillm.engine.builder import build_engine_parts, build_parallel_parts, start_kernel_build
+from minillm.engine.builder import build_engine_parts, build_parallel_parts, prepare_process, start_kernel_build
 from minillm.engine.gc_pause import collection_paused
 from minillm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from minillm.engine.stats import EngineStats
@@ -69,6 +69,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or limit
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}")
+        prepare_process()  # importing minillm set nothing; an engine's process-wide set-up happens here
         start_kernel_build(config, self.device)  # a cold C++ build overlaps the tokenizer and weights
         self.tokenizer = Tokenizer(self.model_dir)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len)

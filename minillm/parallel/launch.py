@@ -25,6 +25,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from minillm.config import environment
 from minillm.parallel import start_method
 
 
@@ -53,8 +54,8 @@ class Rendezvous:
         """In a rank: join the process group (``dist.init_process_group``) through this store."""
         loopback = loopback_interface()
         if loopback is not None:
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
-            os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
+            environment.set_default("GLOO_SOCKET_IFNAME", loopback)
+            environment.set_default("NCCL_SOCKET_IFNAME", loopback)
         store = dist.FileStore(self.path, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 

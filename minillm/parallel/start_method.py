@@ -28,6 +28,8 @@ import sys
 
 import torch.multiprocessing as mp
 
+from minillm.config.environment import adopt, for_children
+
 #: What the fork server imports once, so that no worker imports it again: torch, and the
 #: modules whose functions the workers run (ranks of a check, of an engine, of a cluster).
 PRELOAD = (
@@ -55,14 +57,13 @@ def context():
 
 def environment() -> dict[str, str]:
     """The driver's environment, to hand to a worker (``adopt_environment``)."""
-    return dict(os.environ)
+    return for_children()
 
 
 def adopt_environment(env: dict[str, str] | None) -> None:
     """In a worker, first thing: the driver's environment from when it started this worker."""
-    if env is not None and env != os.environ:
-        os.environ.clear()
-        os.environ.update(env)
+    if env is not None:
+        adopt(env)
 
 
 def driver_gone(driver_pid: int, first_parent: int) -> bool:

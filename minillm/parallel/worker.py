@@ -18,7 +18,6 @@ Rank ``r`` is tensor-parallel rank ``r % tp_size`` of stage ``r // tp_size``.
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -26,7 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from minillm.config import EngineConfig, KVCacheDtype, ModelConfig
+from minillm.config import EngineConfig, KVCacheDtype, ModelConfig, environment
 from minillm.kvcache.paged import PagedKVCache
 from minillm.layers.tensor_parallel import COMM, ParallelContext
 from minillm.models import load_model
@@ -106,7 +105,7 @@ class ShardWorker:
         self.parallel = ParallelContext(rank % tp, tp, stage, pp, groups[stage])
         dtype, device = getattr(torch, spec.dtype), torch.device(spec.device)
         if device.type == "cuda":  # one GPU per rank (on its node)
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+            device = torch.device("cuda", int(environment.get("LOCAL_RANK") or rank))
             torch.cuda.set_device(device)
         self.model = load_model(spec.model_dir, dtype, device, spec.max_model_len, parallel=self.parallel)
         weights = EngineConfig(

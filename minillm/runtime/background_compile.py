@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from minillm import trusted_cache
-from minillm.config import EngineConfig
+from minillm.config import EngineConfig, environment
 from minillm.layers.cpu_prepack import release_plain_weights
 from minillm.runtime.compile_worker import niceness
 from minillm.runtime.compiled_decode import CompiledDecode, folded_tensors, packages_dir
@@ -234,7 +234,7 @@ class BackgroundBuild:
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     text=True,
-                    env={**os.environ, "OMP_NUM_THREADS": str(job.threads)},
+                    env=environment.for_children(OMP_NUM_THREADS=str(job.threads)),
                 )
             threading.Thread(target=self._read_log, daemon=True, name="minillm-fast-path-log").start()
             self._follow(self._worker)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from minillm.config import ModelConfig
+from minillm.config import ModelConfig, environment
 from minillm.kvcache.paged import PagedKVCache
 from minillm.models import load_model
 from minillm.runtime.compiled_decode import KEEP_PACKAGES, CompiledDecode, copy_folded_tensors, prune_packages
@@ -54,9 +54,9 @@ def niceness() -> int:
     2-core machine, a tiny model's compile took 439 s instead of 76 s. A machine whose other work
     is not a learner's engine — a test suite, an instructor's ``minillm warmup`` on a shared
     host — may set it lower."""
-    raw = os.environ.get(NICENESS_VARIABLE)
-    if raw is None or raw == "":
+    if not environment.is_set(NICENESS_VARIABLE):
         return NICENESS
+    raw = environment.get(NICENESS_VARIABLE)
     try:
         value = int(raw)
     except ValueError:

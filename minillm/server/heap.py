@@ -21,8 +21,9 @@ import ctypes
 import ctypes.util
 import gc
 import logging
-import os
 import sys
+
+from minillm.config import environment
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +70,8 @@ def bound_kernel_caches(capacity: int = KERNEL_CACHE_CAPACITY) -> dict[str, str]
         raise ValueError(f"bound_kernel_caches: capacity must be at least 1, not {capacity}")
     set_here = {}
     for name in KERNEL_CACHE_VARIABLES:
-        if name not in os.environ:
-            os.environ[name] = set_here[name] = str(capacity)
+        if environment.set_default(name, str(capacity)):
+            set_here[name] = str(capacity)
     return set_here
 
 

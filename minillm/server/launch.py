@@ -18,6 +18,7 @@ import time
 import uvicorn
 
 import minillm.hooks as hooks
+from minillm.config import environment
 from minillm.engine import LLMEngine
 from minillm.server import heap
 from minillm.server.app import build_app
@@ -164,7 +165,7 @@ class ServerProcess:
         import httpx  # deferred: httpx: a client for the readiness probe, not a dependency of the package
 
         self.proc = subprocess.Popen(
-            self.cmd, env=os.environ | {"PYTHONUNBUFFERED": "1"}, preexec_fn=_terminate_with_parent
+            self.cmd, env=environment.for_children(PYTHONUNBUFFERED="1"), preexec_fn=_terminate_with_parent
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -9,13 +9,14 @@ build the tools and convert the model: the README's "Benchmarks" section.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import torch
 from gguf import GGUFReader
+
+from minillm.config import environment
 
 # general.file_type of a GGUF file (llama.cpp's LLAMA_FTYPE_*) → the dtype our engine runs.
 FILE_TYPES = {0: torch.float32, 1: torch.float16, 32: torch.bfloat16}
@@ -78,7 +79,7 @@ class LlamaCpp:
         cmd = [str(binary), *args]
         env = None
         if shutil.which(binary.name) is None:  # a build tree: its shared libraries sit beside it
-            env = dict(os.environ, LD_LIBRARY_PATH=f"{binary.parent}:{os.environ.get('LD_LIBRARY_PATH', '')}")
+            env = environment.for_children(LD_LIBRARY_PATH=f"{binary.parent}:{environment.get('LD_LIBRARY_PATH') or ''}")
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
         except (OSError, subprocess.TimeoutExpired) as e:  # not executable, not a binary, hung

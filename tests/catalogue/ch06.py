@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from catalogue.answers import Answers
+from minillm.machine import triton_available
 
 ANSWERS = Answers()
 right, wrong = ANSWERS.right, ANSWERS.wrong
@@ -125,21 +126,10 @@ wrong("check_online_softmax", "returned (m, acc, l)", lambda *a: _update(*a, ord
 wrong("check_online_softmax", "after the first tile", online_softmax_no_infinity)
 
 
-def triton_available() -> bool:
-    """Whether ``triton`` imports here (the course's extras install it on Linux)."""
-    try:
-        import triton  # noqa: F401
-
-        return True
-    except ImportError:
-        return False
-
-
 # ---- the Triton kernel of chapter 06: one kernel, a mistake chosen by a constexpr ----------------
 
 if triton_available():
-    import triton
-    import triton.language as tl
+    from minillm.triton_setup import tl, triton  # triton ready for this machine (its interpreter without CUDA)
 
     @triton.jit
     def _flash_kernel(
