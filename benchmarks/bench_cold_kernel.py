@@ -65,6 +65,7 @@ def cold_run(code: str, model_dir: Path) -> float:
         (Path(cache) / model_dir.name).symlink_to(model_dir)
         env = {k: v for k, v in os.environ.items() if k not in ("MINILLM_COMPILE", "TORCHINDUCTOR_CACHE_DIR")}
         env["MINILLM_CACHE"] = cache
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache) / "inductor")  # cold too: an engine would set it so
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
         if done.returncode:
             raise SystemExit(f"a cold run failed:\n{done.stderr[-3000:]}")

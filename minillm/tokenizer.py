@@ -22,7 +22,7 @@ class Tokenizer:
         folder = Path(folder)
         if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
             raise ModelLoadError(f"{folder}: no tokenizer.json / tokenizer_config.json found")
-        # deferred: transformers takes 0.6 s to import; only a chat template it alone can render needs it
+        # deferred: transformers takes 0.6 s to import; import minillm (the CLI, the course) stays light until a model loads
         from transformers import AutoTokenizer
 
         try:

@@ -13,12 +13,9 @@ kernel is needed (``attention_backend="triton"``, a quantized matmul on CUDA, th
 
 from __future__ import annotations
 
-import torch
-
 from minillm.config import environment
 
-if not torch.cuda.is_available():
-    environment.set_default("TRITON_INTERPRET", "1")
+environment.choose_triton_mode()
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402

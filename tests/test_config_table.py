@@ -41,7 +41,8 @@ BREAKS = {
     20: (dict(router_policy="round_robin"), Where()),
     21: (dict(enable_prefix_caching=False), Where(deployment="disaggregated")),
     22: (dict(speculative_config=NGRAM), Where(deployment="disaggregated")),
-    23: (dict(), Where(device="cuda", deployment="disaggregated")),
+    23: (dict(data_parallel_size=2), Where(deployment="engine")),
+    24: (dict(), Where(device="cuda", deployment="disaggregated")),
 }
 
 

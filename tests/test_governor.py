@@ -7,6 +7,8 @@ sampled request's tokens."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -234,7 +236,7 @@ def test_a_step_counts_every_token_while_requests_wait_and_the_furthest_behind_w
             continue  # a step with a prefill: no evidence
         moved = [len(s.output_token_ids) - b for s, b, _ in before]
         most = max(left for *_, left in before)
-        left_after = max(0 if s.is_finished else s.max_output - len(s.output_token_ids) for s, *_ in before)
+        left_after = max(left - m for m, (*_, left) in zip(moved, before))  # tokens emitted, not a stop's windfall
         expected = sum(moved) if queued or len(before) == 1 else len(before) * (most - left_after)
         assert recorded[-1] == pytest.approx(expected)
         seen["waiting"] += bool(queued)
@@ -251,6 +253,26 @@ def test_a_step_counts_every_token_while_requests_wait_and_the_furthest_behind_w
         assert seen["a queue, but no place to give"] > 0
         # a batch that starts together ties its furthest behind: the least of their progress counted
         assert seen["ties moved unevenly"] > 0
+
+
+def test_a_sequence_that_stops_is_credited_with_its_tokens_not_its_unused_budget():
+    """The furthest-behind sequence stops at EOS after one token: the batch's end came 1 token
+    nearer by the step's own work — the 53 tokens it will never need are the stop's windfall, not
+    the proposals' (counted as progress, one such step would crown whichever k ran it)."""
+    engine = LLMEngine(TARGET, dtype="fp32", compile=False,
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})  # fmt: skip
+    speculator, recorded = engine.speculator, []
+    speculator.governor.record = lambda batch, k, tokens, seconds: recorded.append(tokens)
+    behind = SimpleNamespace(output_token_ids=[1] * 10, max_output=64)  # 54 tokens left
+    ahead = SimpleNamespace(output_token_ids=[1] * 20, max_output=64)  # 44 left
+    speculator._step, speculator._left = (2, 3), [(behind, 54, 10), (ahead, 44, 20)]
+    behind.output_token_ids.append(2)  # one token, then EOS: it finished
+    ahead.output_token_ids += [2, 3]  # a proposal accepted
+    chunks = [SimpleNamespace(seq=behind, draft_tokens=[], is_decode=True),
+              SimpleNamespace(seq=ahead, draft_tokens=[5], is_decode=False)]  # fmt: skip
+    speculator.step_done(chunks, 3, 0.01)
+    engine.close()
+    assert recorded == [2 * (54 - 53)]
 
 
 def test_a_step_that_preempts_the_furthest_behind_is_weighed_by_those_it_ran():

@@ -1,6 +1,6 @@
 """Triton kernels against the PyTorch reference.
 
-Without CUDA they run under Triton's interpreter (``minillm`` sets ``TRITON_INTERPRET=1``), so
+Without CUDA they run under Triton's interpreter (``minillm/triton_setup.py`` sets ``TRITON_INTERPRET=1``), so
 shapes stay small; with CUDA the same tests run on the GPU, plus larger shapes. Tolerances:
 fp32 1e-5 on the interpreter (exact fp32 arithmetic), 2e-3 on a GPU (tf32-free "ieee" dots,
 but a different summation order); bf16/fp16 inputs are compared after the reference's own

@@ -18,15 +18,10 @@ import itertools
 
 import torch
 
-from minillm.attention.decode_tuning import (
-    GATHER_SDPA,
-    SEARCH_SPACE,
-    decode_choice,
-    gather_sdpa_decode,
-    shape_bucket,
-)  # fmt: skip
+from minillm.attention import decode_tuning, prefill_tuning
+from minillm.attention.decode_tuning import GATHER_SDPA, SEARCH_SPACE, gather_sdpa_decode, shape_bucket
 from minillm.attention.layout import StepLayout
-from minillm.attention.prefill_tuning import FLASH, gather_sdpa_prefill, prefill_bucket, prefill_choice
+from minillm.attention.prefill_tuning import FLASH, gather_sdpa_prefill, prefill_bucket
 
 
 class TritonPagedStep:
@@ -91,7 +86,7 @@ class TritonPagedStep:
         key = prefill_bucket(self.prefill_query_lens, self.prefill_context_list, q.shape[1], k_pool.shape[1],
                              q.shape[2], q.dtype, quant.get("kv_cache_dtype", "auto"), layout.window)  # fmt: skip
         candidates = (FLASH,) if quant else None  # SDPA reads an unquantized pool only
-        return run(prefill_choice(q.device).pick(key, run, candidates))
+        return run(prefill_tuning.prefill_choice(q.device).pick(key, run, candidates))  # through the module: tests swap it
 
     def _decode(self, q: torch.Tensor, k_pool, v_pool, scale: float, quant: dict) -> torch.Tensor:
         """The decode rows, by the kernel and settings measured fastest for this shape
@@ -112,4 +107,4 @@ class TritonPagedStep:
         key = shape_bucket(q.shape[0], self.max_decode_context, heads, kv_heads, q.shape[2], q.dtype,
                            quant.get("kv_cache_dtype", "auto"), layout.window)  # fmt: skip
         candidates = SEARCH_SPACE if quant else None  # gather + SDPA reads an unquantized pool only
-        return run(decode_choice(q.device).pick(key, run, candidates))
+        return run(decode_tuning.decode_choice(q.device).pick(key, run, candidates))  # through the module: tests swap it

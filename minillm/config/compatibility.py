@@ -26,8 +26,9 @@ from minillm.config.options import KVCacheDtype
 class Where:
     """What the engine runs on, where known: ``device`` the device type ("cpu", "cuda"), and
     ``backend`` the attention backend ("sdpa", "cpu", "triton", ...); None: not resolved yet.
-    ``deployment``: what the engine is part of, when more than itself — "disaggregated" (a
-    prefill and a decode worker, ``cluster/disagg.py``); None: an engine of its own."""
+    ``deployment``: what is being built — "engine" (one ``LLMEngine``), "disaggregated" (a
+    prefill and a decode worker, ``cluster/disagg.py``); None: not said (``LLM`` builds
+    replicas for ``data_parallel_size`` > 1, else one engine)."""
 
     device: str | None = None
     backend: str | None = None
@@ -235,6 +236,14 @@ RULES: tuple[Rule, ...] = (
         lambda c, w: w.deployment == "disaggregated" and (c.world_size > 1 or c.speculative_config is not None),
         lambda c, w: "disaggregation runs one whole model per worker: no tensor/pipeline parallelism, no speculation",
         "disaggregated workers are one whole model each: no parallel workers, no speculation",
+    ),
+    Rule(
+        ("data_parallel_size",),
+        lambda c, w: c.data_parallel_size > 1 and w.deployment in ("engine", "disaggregated"),
+        lambda c, w: f"data_parallel_size={c.data_parallel_size} runs that many engines: "
+        + ("LLMEngine is one engine — use LLM(model, data_parallel_size=N) offline, or minillm serve "
+           "--data-parallel-size N" if w.deployment == "engine" else "a disaggregated pair is one engine of each kind"),
+        "replicas are LLM's (or minillm serve's): not one LLMEngine, not a disaggregated pair",
     ),
     Rule(
         ("device",),

@@ -19,14 +19,18 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class EnvOption:
-    """One environment variable: its default (None: unset means "not given") and what it does."""
+    """One environment variable: its default (None: unset means "not given") and what it does.
+    ``secret``: its value is never printed (``describe`` says only that it is set)."""
 
     name: str
     default: str | None
     help: str
+    secret: bool = False
 
 
 OPTIONS: dict[str, EnvOption] = {
@@ -37,7 +41,8 @@ OPTIONS: dict[str, EnvOption] = {
         EnvOption("MINILLM_COMPILE", "1", "0: compile=None (auto) leaves the decode step eager — for test suites "
                   "and classrooms that must not start a compile"),
         EnvOption("MINILLM_COMPILE_NICENESS", "19", "the background compiler's priority, 0 (normal) to 19 (lowest)"),
-        EnvOption("MINILLM_API_KEY", None, "minillm serve: the API key clients must send (default for --api-key)"),
+        EnvOption("MINILLM_API_KEY", None, "minillm serve: the API key clients must send (default for --api-key)",
+                  secret=True),
         EnvOption("MINILLM_GRADING", None, "set by a grading run for the processes a learner's code starts: "
                   "names the check being graded"),
         EnvOption("MINILLM_GRADING_HIDE", None, "folders (os.pathsep-separated) a graded notebook must not read"),
@@ -73,8 +78,9 @@ def _option(name: str) -> EnvOption:
 
 def get(name: str) -> str | None:
     """The variable's value, or its default when unset (or set to the empty string)."""
+    option = _option(name)  # an undeclared (or misspelt) name fails whether or not it is set
     value = os.environ.get(name)
-    return value if value else _option(name).default
+    return value if value else option.default
 
 
 def is_set(name: str) -> bool:
@@ -126,8 +132,18 @@ def adopt(env: dict[str, str]) -> None:
 def describe() -> str:
     """The declared variables that are set, each with its value and source, e.g.
     ``MINILLM_COMPILE=0 (environment); TORCHINDUCTOR_CACHE_DIR=... (set by minillm)``."""
-    parts = [f"{n}={os.environ[n]} ({source(n)})" for n in OPTIONS if is_set(n)]
+    parts = [f"{n}={'<set>' if o.secret else os.environ[n]} ({source(n)})" for n, o in OPTIONS.items() if is_set(n)]
     return "; ".join(parts) or "none set"
+
+
+def choose_triton_mode() -> None:
+    """Without CUDA, Triton's kernels run only in its interpreter, and the switch must be set
+    before triton is first imported — which torch does by itself (``torch._dynamo`` and
+    ``torch._inductor`` import it: a compile, the C++ decode kernel's build). So an engine's
+    set-up, the parallel workers' fork server and ``minillm.triton_setup`` each set it first
+    (unless the environment chose), without importing triton."""
+    if not torch.cuda.is_available():
+        set_default("TRITON_INTERPRET", "1")
 
 
 def table() -> str:

@@ -125,11 +125,13 @@ def free_memory_bytes(device: torch.device) -> int | None:
 
 def prepare_process() -> None:
     """The process-wide set-up an engine needs, done when the first is built (importing minillm
-    sets nothing): inductor's on-disk cache in the project's cache folder — set before anything
+    sets nothing): Triton's interpreter where there is no GPU (``environment.choose_triton_mode``),
+    and inductor's on-disk cache in the project's cache folder — set before anything
     asks inductor for its folder (it fixes the default on first use) — so the minute a compile
     costs is paid once per machine, not once per start (``runtime/compiled_decode.py``). A
     folder the user chose is kept (``config/environment.py``)."""
     environment.set_default("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    environment.choose_triton_mode()  # before a compile or the kernel's build imports triton
 
 
 def start_kernel_build(config: EngineConfig, device: torch.device) -> None:

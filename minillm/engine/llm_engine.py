@@ -37,7 +37,7 @@ import torch
 
 import minillm.hooks as hooks
 from minillm.assets import resolve_model
-from minillm.config import EngineConfig, ModelConfig
+from minillm.config import EngineConfig, ModelConfig, Where, check_compatible
 from minillm.engine.builder import build_engine_parts, build_parallel_parts, prepare_process, start_kernel_build
 from minillm.engine.gc_pause import collection_paused
 from minillm.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -59,6 +59,7 @@ class LLMEngine:
     def __init__(self, model: str | Path = "smollm2-135m", **engine_args):
         """``engine_args`` are ``EngineConfig`` fields (see its docstring)."""
         self.engine_config = config = EngineConfig(**engine_args)
+        check_compatible(config, Where(deployment="engine"))  # data_parallel_size > 1 is LLM's, not one engine's
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.model_dir = resolve_model(model)

@@ -33,7 +33,6 @@ class PagedKVCache:
         shape = (config.num_layers, num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
         # kv_cache_dtype="int8" | "fp8": 8-bit values plus one scale per (token, head)
         # (kvcache/quantization.py); attention computes in ``dtype`` after dequantizing.
-
         self.kv_cache_dtype, self.dtype = KVCacheDtype(kv_cache_dtype), dtype  # the pool's own, checked
         stored = self.kv_cache_dtype.storage or dtype
         # Zeroed, not empty: attention multiplies unused slots by a probability of exactly 0,

@@ -28,7 +28,7 @@ import sys
 
 import torch.multiprocessing as mp
 
-from minillm.config.environment import adopt, for_children
+from minillm.config.environment import adopt, choose_triton_mode, for_children
 
 #: What the fork server imports once, so that no worker imports it again: torch, and the
 #: modules whose functions the workers run (ranks of a check, of an engine, of a cluster).
@@ -48,6 +48,7 @@ PRELOAD = (
 
 def context():
     """The multiprocessing context workers start from: the fork server where the platform has one."""
+    choose_triton_mode()  # the fork server copies this environment and preloads torch._dynamo (triton)
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")

@@ -74,7 +74,6 @@ def quantize_model(model, method: str, group_size: int | None = None, calibratio
     picks ``default_group_size``. ``awq`` calibrates on ``calibration_ids`` (default: the
     shipped calibration text, tokenized with ``tokenizer``). A pipeline stage without the LM
     head quantizes its decoder layers only."""
-
     check_quantization(method, group_size)
     calibrated = method in ("awq", "w8a8")
     if calibrated and calibration_ids is None and tokenizer is None:

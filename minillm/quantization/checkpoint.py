@@ -125,7 +125,6 @@ def _calibrate(model, method: str, decoder: list, group_size: int | None, tokeni
     engine runs when it quantizes in memory), else nothing."""
     if method not in ("awq", "w8a8"):
         return {}
-
     ids = calibration_ids(tokenizer)
     found = awq_scales(model, decoder, group_size, ids) if method == "awq" else w8a8_scales(model, decoder, ids)
     return {layer: s for layer, (s, _) in found.items()}

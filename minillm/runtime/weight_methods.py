@@ -10,8 +10,9 @@ import torch
 
 from minillm.assets import cache_dir
 from minillm.config import EngineConfig
-from minillm.layers.cpu_prepack import CPUPrepackMethod, prepack_available
-from minillm.layers.cpu_upcast import CPUUpcastMethod, half_gemm_is_slow
+from minillm.layers import cpu_prepack, cpu_upcast
+from minillm.layers.cpu_prepack import CPUPrepackMethod
+from minillm.layers.cpu_upcast import CPUUpcastMethod
 from minillm.layers.linear import PLAIN
 from minillm.layers.offload import memory_map_weights, stream_layers
 from minillm.models.llama import LlamaForCausalLM
@@ -42,8 +43,9 @@ def apply_weight_methods(
         for layer in model.linear_layers():
             if layer.method is PLAIN and layer is not model.lm_head and SemiStructuredMethod.supported(layer):
                 layer.set_method(SemiStructuredMethod())
-    prepack = config.cpu_prepack and device.type == "cpu" and prepack_available(dtype)
-    upcast = config.cpu_prepack and device.type == "cpu" and not prepack and half_gemm_is_slow(dtype)
+    # Through the modules, not names bound at import: a test (or a learner) swaps these probes.
+    prepack = config.cpu_prepack and device.type == "cpu" and cpu_prepack.prepack_available(dtype)
+    upcast = config.cpu_prepack and device.type == "cpu" and not prepack and cpu_upcast.half_gemm_is_slow(dtype)
     if config.weight_offload is not None:  # a method around each layer's own; packed tensors are opaque
         _offload(config, model, device)
         prepack = upcast = False

@@ -51,7 +51,7 @@ class Speculator:
         # How many to propose, measured per batch size (governor.py); None: always k.
         self.governor = SpeculationGovernor(self.k) if config.adaptive else None
         self._step = (0, self.k)  # this step's decoding sequences, and the k the governor chose
-        self._left: list[tuple[Sequence, int]] | None = None  # step_done's measure while draining
+        self._left: list[tuple[Sequence, int, int]] | None = None  # step_done's measure while draining
         self.resolved = None  # the engine's Resolved, whose `speculation` says what was decided
         # Whether the engine's runner can verify a tree this step (the engine sets it); trees are
         # proposed only then (``config.topk > 1``), chains otherwise.
@@ -112,7 +112,7 @@ class Speculator:
         self._step = (batch, step_k)
         self._left = None
         if self.governor is not None and batch > 1 and not waiting:
-            self._left = [(seq, _tokens_left(seq)) for seq in decoding]
+            self._left = [(seq, seq.max_output - len(seq.output_token_ids), len(seq.output_token_ids)) for seq in decoding]
         seqs, ks = [], []
         for seq in running:
             seq.draft_tokens, seq.draft_parents = [], None
@@ -150,10 +150,13 @@ class Speculator:
         static batch, a quiet server), the engine is busy until its furthest-behind sequence
         finishes, and a token for one that will finish first anyway frees a place nobody takes:
         the step is worth ``batch`` times what it brought the end of the last of them nearer —
-        the most tokens any had left before ``max_tokens`` less the most any has left after
-        (over the sequences the step ran: a preempted one, or one the token budget left out,
-        moved for want of room, not of proposals; at batch 1, the tokens it made). Where
-        requests stop at EOS, ``max_tokens`` is the best guess there is at which finishes last.
+        the most tokens any had left before ``max_tokens`` less the most any has left after,
+        counting only the tokens each emitted (over the sequences the step ran: a preempted one,
+        or one the token budget left out, moved for want of room, not of proposals; at batch 1,
+        the tokens it made). Where requests stop at EOS, ``max_tokens`` is the best guess there
+        is at which finishes last — and a sequence that stops there is credited with its
+        tokens, not with the budget it left unused: that windfall is the stop's, not the
+        proposals' (one such step weighed as hundreds of tokens would crown whichever k ran it).
         Counting every token, prompt lookup decoded static batches of 8 held-out chats at 0.98x
         the default engine — its lucky sequences finished early, and the batch's last steps ran
         half empty at nearly a full step's cost — and weighed by the mean progress of the
@@ -168,9 +171,10 @@ class Speculator:
         if self.governor is None or not batch or not all(c.draft_tokens or c.is_decode for c in chunks):
             return
         ran = {id(c.seq) for c in chunks} if self._left else set()
-        before = [(seq, left) for seq, left in self._left or [] if id(seq) in ran]
+        before = [(seq, left, n) for seq, left, n in self._left or [] if id(seq) in ran]
         if before:  # how much nearer the last of them to finish is: the batch's remaining steps
-            tokens = batch * (max(left for _, left in before) - max(_tokens_left(seq) for seq, _ in before))
+            moved = [left - (len(seq.output_token_ids) - n) for seq, left, n in before]
+            tokens = batch * (max(left for _, left, _ in before) - max(moved))
         self.governor.record(batch, step_k, tokens, seconds)
         if self.resolved is not None:
             self.resolved.speculation = self.describe()
@@ -239,11 +243,6 @@ class NoSpeculation:
 
     def release(self, request_id: Hashable) -> None:
         pass
-
-
-def _tokens_left(seq: Sequence) -> int:
-    """Tokens ``seq`` may still emit before ``max_tokens`` (none once it finished)."""
-    return 0 if seq.is_finished else seq.max_output - len(seq.output_token_ids)
 
 
 @hooks.reference("verify")
