@@ -173,8 +173,8 @@ class Speculator:
         ran = {id(c.seq) for c in chunks} if self._left else set()
         before = [(seq, left, n) for seq, left, n in self._left or [] if id(seq) in ran]
         if before:  # how much nearer the last of them to finish is: the batch's remaining steps
-            moved = [left - (len(seq.output_token_ids) - n) for seq, left, n in before]
-            tokens = batch * (max(left for _, left, _ in before) - max(moved))
+            left_after = [left - (len(seq.output_token_ids) - n) for seq, left, n in before]  # by tokens emitted
+            tokens = batch * (max(left for _, left, _ in before) - max(left_after))
         self.governor.record(batch, step_k, tokens, seconds)
         if self.resolved is not None:
             self.resolved.speculation = self.describe()
