@@ -15,7 +15,8 @@ import torch
 from minillm import LLM, SamplingParams
 from minillm.attention import triton_available
 from minillm.attention.torch_ref import attention, causal_mask
-from minillm.kvcache.quantization import FP8_MAX, STORAGE, dequantize_kv, quantize_kv
+from minillm.config import KVCacheDtype
+from minillm.kvcache.quantization import FP8_MAX, dequantize_kv, quantize_kv
 
 if not triton_available():
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -30,7 +31,7 @@ BLOCK = 16
 
 
 def empty_pool(kind: str, num_slots: int, kv_heads: int, dim: int):
-    k = torch.zeros(num_slots, kv_heads, dim, dtype=STORAGE[kind], device=DEVICE)
+    k = torch.zeros(num_slots, kv_heads, dim, dtype=KVCacheDtype(kind).storage, device=DEVICE)
     scales = torch.zeros(num_slots, kv_heads, device=DEVICE)
     return k, torch.zeros_like(k), scales, torch.zeros_like(scales)
 

@@ -32,7 +32,6 @@ SCALE_DTYPE = torch.float32
 
 
 FP8_MAX = 448.0  # the largest float8_e4m3fn value
-STORAGE = {"int8": torch.int8, "fp8": torch.uint8}  # what the pool's tensors hold per kind
 
 
 @hooks.reference("quantize_kv")  # the paged write path calls it through the hook (chapter 07's exercise)
