@@ -1,6 +1,6 @@
 """Where a batch's time goes, step by step: the default engine against speculative ones.
 
-    python benchmarks/probe_batch_steps.py [ENGINE ...] [--batch 8] [--chats 16] [--rounds 3]
+    python benchmarks/probe_batch_steps.py [ENGINE ...] [--batch 8] [--chats 16] [--rounds 3] [--grounded] [--plain]
 
 Each engine (names from ``bench_eagle_tree.ENGINES``; default: the default engine, prompt lookup
 k 4 and the EAGLE tree 4x2, 6 nodes, governor on) is SmolLM2-135M as it ships, settled by two
@@ -9,7 +9,11 @@ untimed runs, then decodes the EAGLE recipe's held-out chats ``--batch`` at a ti
 with a prefill chunk, in pure decode steps and outside any step; and per batch size class (1,
 2-3, 4-7, 8-15 decoding sequences) and number of proposals the governor chose: steps, time,
 ms a step, tokens a step and rows a step (a verify row per proposal). The default engine has no
-governor: its steps all show as size 1, k=0. What found the tries' cost and the half-empty
+governor: its steps all show as size 1, k=0. ``--grounded``: before each timed chat run, an
+untimed run of ``--batch`` grounded requests (as ``bench_eagle_tree.py`` alternates its two
+workloads), so the governor comes to chat from text where proposals pay. ``--plain``: every
+governor made to choose 0 proposals — what the speculative engine's machinery costs when it
+proposes nothing. What found the tries' cost and the half-empty
 tail of stop 69's governor at batch 8 (docs/benchmarks.md, "2026-12-07 (stop 70)").
 """
 
@@ -49,20 +53,27 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--chats", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--grounded", action="store_true", help="an untimed grounded run before each chat run")
+    parser.add_argument("--plain", action="store_true", help="every governor chooses 0 proposals")
     args = parser.parse_args()
     unknown = [name for name in args.engines if name not in bench.ENGINES]
     if unknown:
         parser.error(f"unknown engines {unknown}; choose from {list(bench.ENGINES)}")
-    chats = bench.workloads(args.chats, args.batch)["chat (held out)"]
+    loads = bench.workloads(args.chats, args.batch)
+    chats, grounded = loads["chat (held out)"], loads["grounded"]
     engines = {}
     for name in args.engines:
         llm = LLM("smollm2-135m", speculative_config=bench.ENGINES[name])
         llm.wait_for_fast_path()
+        if args.plain and getattr(llm.engine.speculator, "governor", None) is not None:
+            llm.engine.speculator.governor.choose = lambda batch: 0
         for _ in range(2):
             run(llm, chats, args.batch)
         engines[name] = llm
     for r in range(args.rounds):
         for name, llm in engines.items():
+            if args.grounded:
+                bench.run_once(llm, grounded, 64, args.batch)
             start = time.perf_counter()
             _, tokens, steps = run(llm, chats, args.batch)
             elapsed = time.perf_counter() - start
