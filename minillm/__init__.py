@@ -14,7 +14,8 @@ folder when an engine is built, Triton's interpreter when Triton is first used:
 
 from minillm.config import EngineConfig, ModelConfig
 from minillm.config import environment as _environment
-from minillm.engine import LLM, LLMEngine
+from minillm.engine import LLMEngine
+from minillm.entrypoints import LLM
 from minillm.errors import ModelLoadError, ModelNotFoundError, PromptTooLongError
 from minillm.outputs import RequestMetrics, RequestOutput, StreamDelta, TokenLogprob
 from minillm.sampling import SamplingParams

@@ -114,7 +114,7 @@ def _engine_kwargs(args) -> dict:
 
 
 def _llm(args):
-    from minillm.engine import LLM
+    from minillm.entrypoints import LLM
 
     return LLM(args.model, **_engine_kwargs(args))
 

@@ -166,7 +166,7 @@ def test_chat_survives_bad_bytes_and_an_overlong_history(tiny_model):
 
 
 def test_chat_ctrl_c_stops_the_reply_not_the_session(tiny_model, monkeypatch, capsys):
-    from minillm.engine.llm import LLM
+    from minillm.entrypoints.llm import LLM
 
     real_stream = LLM.stream
     calls = {"n": 0}

@@ -89,12 +89,13 @@ def test_a_replica_killed_mid_load_is_routed_around(tiny_model):
         children = psutil.Process(server.proc.pid).children()
         replicas = {c.pid for c in children if "serve" in " ".join(c.cmdline())}
         assert len(replicas) == 2
-        body = {"model": "llama_gqa", "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True}
+        body = {"model": "llama_gqa", "max_tokens": 190, "ignore_eos": True, "temperature": 0, "stream": True}  # 59 + 190 fit 256
 
         async def stream(prompt, started):
             events = []
             async with httpx.AsyncClient(timeout=60) as http:
                 async with http.stream("POST", server.url + "/v1/completions", json=body | {"prompt": prompt}) as r:
+                    assert r.status_code == 200, await r.aread()
                     replica = int(r.headers["x-minillm-replica"])
                     async for line in r.aiter_lines():
                         if line.startswith("data: "):
@@ -106,7 +107,7 @@ def test_a_replica_killed_mid_load_is_routed_around(tiny_model):
             started = [asyncio.Event() for _ in range(4)]
             tasks = [asyncio.ensure_future(stream(SHARED + q, e)) for q, e in zip("abcd", started)]
             for e in started:
-                await e.wait()
+                await asyncio.wait_for(e.wait(), 60)  # a refused stream fails the test, not hangs it
             # the replica all four streams went to (the shared prefix): kill it mid-stream
             state = httpx.get(server.url + "/router").json()
             busy = max(range(2), key=lambda r: state["outstanding"][r])
@@ -142,15 +143,21 @@ def test_offline_data_parallel_llm(tiny_model):
     with LLM(tiny_model, dtype="float32") as llm:
         want = [o.token_ids for o in llm.generate(prompts, greedy)]
     with LLM(tiny_model, dtype="float32", data_parallel_size=2, block_size=4) as llm:
-        assert isinstance(llm, DataParallelLLM)
+        assert type(llm) is LLM and isinstance(llm.replicas, DataParallelLLM)  # one front door, no __new__ trick
+        assert llm.engine_config.data_parallel_size == 2
         assert [o.token_ids for o in llm.generate(prompts, greedy)] == want
-        chosen = [d.replica for d in llm.router.decisions]
+        router = llm.replicas.router
+        chosen = [d.replica for d in router.decisions]
         assert chosen[0] == chosen[1] == chosen[2] and len(set(chosen)) == 2  # the prefix stays; the rest spread
-        assert llm.router.load == [0, 0]
+        assert router.load == [0, 0]
         with pytest.raises(ValueError, match="outside the vocabulary"):
             llm.generate([[5, 6], [10**9]], greedy)
+        with pytest.raises(ValueError, match="a stream belongs to one engine"):
+            next(llm.stream(prompts[0], greedy))
+        with pytest.raises(AttributeError, match=r"data_parallel_size=2\) runs its engines in 2 worker processes"):
+            llm.engine  # noqa: B018
         assert [o.token_ids for o in llm.generate(prompts[:1], greedy)] == want[:1]
-        procs = list(llm.workers.procs)
+        procs = list(llm.replicas.workers.procs)
     assert not any(p.is_alive() for p in procs)
     with pytest.raises(ValueError, match="data_parallel_size=0"):
         LLM(tiny_model, data_parallel_size=0)

@@ -7,5 +7,6 @@
 - ``disagg.py`` — prefill and decode on different engines, the KV cache sent between them.
 
 It imports the engine, the server and ``minillm.parallel``'s process ownership; none of them
-imports it (``LLM(data_parallel_size=N)`` reaches ``replicas.py`` through one deferred import).
+imports it. ``LLM`` (``minillm/entrypoints/``, the floor above) builds ``replicas.py``'s
+``DataParallelLLM`` for ``LLM(model, data_parallel_size=N)``.
 """

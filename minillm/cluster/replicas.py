@@ -1,6 +1,7 @@
 """Data parallelism offline: ``LLM(model, data_parallel_size=N)`` — N replica engines in worker
 processes, each ``generate`` call's prompts routed over them by the router of ``router.py``
-(the served version, replicas behind an HTTP router, is ``data_parallel.py``)."""
+(the served version, replicas behind an HTTP router, is ``data_parallel.py``). ``LLM``
+(``entrypoints/llm.py``, the floor above) holds one of these as ``llm.replicas``."""
 
 from __future__ import annotations
 
@@ -21,14 +22,15 @@ class DataParallelLLM:
     generation only: a stream belongs to one engine — serve replicas with
     ``minillm serve --data-parallel-size N`` for that.
 
-    ``replica_main(spec, rank, conn)`` is what each worker runs (``LLM`` passes its own: this
-    module stays below the engine and never imports it)."""
+    ``replica_main(spec, rank, conn)`` is what each worker runs (``LLM`` passes its own,
+    ``entrypoints.llm.serve_replica``: this module stays below the front door and never imports it)."""
 
     def __init__(self, model, replica_main, data_parallel_size: int = 2, router_policy: str | None = None,
                  **engine_args):  # fmt: skip
         # Every option checked, and how they combine (config/compatibility.py), before any replica starts.
         config = EngineConfig(data_parallel_size=data_parallel_size, router_policy=router_policy, **engine_args)
-        size = config.data_parallel_size
+        self.config, self.size = config, config.data_parallel_size
+        size = self.size
         self.router = Router(size, config.router_policy or "prefix_aware", config.block_size)
         self.tokenizer = Tokenizer(resolve_model(model))
         threads = config.num_threads or max(1, (os.cpu_count() or 1) // size)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from minillm.config import parse_dtype
-from minillm.engine import LLM
+from minillm.entrypoints import LLM
 from minillm.kvcache.addressing import kv_bytes_per_token
 from minillm.machine import machine_description, machine_tag
 from minillm.sampling import SamplingParams

@@ -12,6 +12,11 @@ work starts, so a bad prompt raises a ``ValueError`` naming it and the engine st
 then ``step()`` until they have finished. Several callers may share one ``LLM`` (threads, or
 streams interleaved in one thread): whoever waits runs the next step, and each delta is put in
 the mailbox of its own request, so nobody's tokens are lost or taken by another caller.
+
+With ``data_parallel_size=N`` (N > 1) it drives N replica engines instead, each in a worker
+process, through ``cluster/replicas.py``'s ``DataParallelLLM`` (``llm.replicas``): ``generate``
+routes each prompt to a replica. The front door sits above both the engine and the multi-engine
+layer (as vLLM's ``vllm/entrypoints/llm.py`` does), so neither imports upwards to reach the other.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from minillm.cluster.replicas import DataParallelLLM
+from minillm.config import EngineConfig
 from minillm.engine.client import EngineClient
 from minillm.engine.llm_engine import LLMEngine
 from minillm.inputs import Prompt
@@ -33,16 +40,6 @@ from minillm.sequence import Sequence
 
 
 class LLM:
-    def __new__(cls, model: str | Path = "smollm2-135m", **engine_args):
-        """``data_parallel_size=N`` (N > 1) builds a ``DataParallelLLM`` instead: N replicas in
-        worker processes behind a router (``router_policy``), for offline ``generate``."""
-        if engine_args.get("data_parallel_size", 1) != 1:
-            # deferred: the one arrow up the floors: the multi-engine layer is built on this one
-            from minillm.cluster.replicas import DataParallelLLM
-
-            return DataParallelLLM(model, _serve_replica, **engine_args)
-        return super().__new__(cls)
-
     def __init__(self, model: str | Path = "smollm2-135m", **engine_args):
         """``engine_args`` are ``EngineConfig`` fields: device, dtype, max_model_len,
         max_num_seqs, mode ("paged" | "contiguous" | "naive"), num_threads, seed,
@@ -50,13 +47,39 @@ class LLM:
         engine scheduling_policy, block_size, kv_cache_memory, enable_prefix_caching,
         enable_chunked_prefill, max_num_batched_tokens, batch_timeout; quantization ("int8" |
         "int4" | "awq" | "w8a8") with quantization_group_size, sparsity ("2:4" | "2:4-wanda"),
-        and kv_cache_dtype ("auto" | "int8" | "fp8")."""
-        self.engine = LLMEngine(model, **engine_args)
-        self.client = EngineClient(self.engine)  # each request's deltas into its own mailbox
+        and kv_cache_dtype ("auto" | "int8" | "fp8"); data_parallel_size and router_policy
+        (N > 1: N replicas in worker processes, ``generate`` only — a stream belongs to one engine)."""
+        self.replicas: DataParallelLLM | None = None
+        self._engine: LLMEngine | None = None
+        if engine_args.get("data_parallel_size", 1) != 1:
+            self.replicas = DataParallelLLM(model, serve_replica, **engine_args)
+            return
+        self._engine = LLMEngine(model, **engine_args)
+        self.client = EngineClient(self._engine)  # each request's deltas into its own mailbox
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The one engine this ``LLM`` drives (with ``data_parallel_size`` > 1 there is none
+        here: each replica's engine lives in its own process — ``llm.replicas``)."""
+        if self._engine is None:
+            raise AttributeError(
+                f"LLM(data_parallel_size={self.replicas.size}) runs its engines in {self.replicas.size} worker "
+                "processes: there is no llm.engine here — llm.generate routes prompts to them (llm.replicas: "
+                "the router and the workers)"
+            )
+        return self._engine
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        return self.replicas.config if self.replicas is not None else self.engine.engine_config
 
     def close(self) -> None:
-        """Stop a parallel engine's worker processes (``with LLM(...) as llm:`` does it too)."""
-        self.engine.close()
+        """Stop a parallel engine's or the replicas' worker processes (``with LLM(...) as llm:``
+        does it too)."""
+        if self.replicas is not None:
+            self.replicas.close()
+        else:
+            self.engine.close()
 
     def __enter__(self) -> LLM:
         return self
@@ -65,7 +88,6 @@ class LLM:
         self.close()
 
     # The engine's parts, for notebooks and tools.
-    engine_config = property(lambda self: self.engine.engine_config)
     resolved = property(lambda self: self.engine.resolved, doc="What the engine's auto choices became.")
     model = property(lambda self: self.engine.model)
     model_config = property(lambda self: self.engine.model_config)
@@ -121,6 +143,8 @@ class LLM:
         (at most ``max_num_seqs`` run together) — with the requests of any other ``generate`` or
         ``stream`` running on this ``LLM`` at the same time, from this thread or another.
         """
+        if self.replicas is not None:
+            return self.replicas.generate(prompts, sampling_params)
         seqs = self._make_sequences(prompts, sampling_params)
         progress = None
         if use_tqdm:
@@ -147,6 +171,11 @@ class LLM:
         ``finish_reason`` and ``output``, and the stream ends after the one with
         ``request_finished``. Several streams (and ``generate`` calls) may run at
         once, interleaved in one thread or from several: each gets exactly its own deltas."""
+        if self.replicas is not None:
+            raise ValueError(
+                f"LLM(data_parallel_size={self.replicas.size}) generates only: a stream belongs to one engine — "
+                "stream from LLM(model) or from `minillm serve --data-parallel-size N`"
+            )
         (seq,) = self._make_sequences([prompt], sampling_params)
         (box,) = self._submit([seq], streaming=True)
         try:
@@ -220,7 +249,7 @@ class _Mailbox:
             self.deltas.append(delta)
 
 
-def _serve_replica(spec, rank: int, conn) -> None:
+def serve_replica(spec, rank: int, conn) -> None:
     """One data-parallel replica (a worker process): an ``LLM`` answering ``generate`` jobs."""
     model, engine_args = spec
     with LLM(model, **engine_args) as llm:
