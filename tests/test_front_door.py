@@ -317,6 +317,90 @@ def test_sigterm_drains_running_requests_then_exits(tiny_model, tmp_path):
             proc.kill()
 
 
+def _serve_subprocess(tiny_model, *flags):
+    """`minillm serve` of the tiny model on a free port, in its own process, once healthy."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "minillm", "serve", str(tiny_model), "--port", str(port), "--dtype", "fp32",
+         "--block-size", "4", "--log-level", "warning", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={k: v for k, v in os.environ.items() if k != "MINILLM_COMPILE"},
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(proc.stdout.read().decode()[-2000:])
+        time.sleep(0.3)
+
+
+def test_the_drain_deadline_ends_every_request_with_a_word(tiny_model):
+    """SIGTERM with --shutdown-timeout 1 while 16 requests need longer than that (one runs at a
+    time): each stream the deadline cuts ends with an error event naming the shutdown and then
+    [DONE] (not a broken connection), each non-streamed one gets a 503 with a JSON body, and
+    the server exits. A request that finished before the deadline is whole."""
+    import json
+    import signal
+    import threading
+
+    proc, url = _serve_subprocess(tiny_model, "--shutdown-timeout", "1", "--max-num-seqs", "1")
+    try:
+        name = os.path.basename(str(tiny_model))
+        body = {"model": name, "prompt": "hello", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
+        streams: list[list[str]] = [[] for _ in range(8)]
+        answers: list = [None] * 8
+        started = threading.Event()
+
+        def stream(i):
+            with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        streams[i].append(line)
+                        started.set()
+
+        def collect(i):
+            answers[i] = httpx.post(url + "/v1/completions", json=body, timeout=60)
+
+        threads = [threading.Thread(target=f, args=(i,)) for i in range(8) for f in (stream, collect)]
+        for t in threads:
+            t.start()
+        assert started.wait(60)
+        time.sleep(0.2)  # the others queued behind it
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert proc.wait(30) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    cut = 0
+    for lines in streams:
+        assert lines and lines[-1] == "data: [DONE]", lines[-3:]  # every stream ends properly
+        if len(lines) < 240 + 1:
+            error = json.loads(lines[-2].removeprefix("data: "))["error"]
+            assert "shutting down" in error["message"] and "--shutdown-timeout 1 s" in error["message"]
+            cut += 1
+    for answer in answers:
+        if answer.status_code != 200:
+            assert answer.status_code == 503 and "shutting down" in answer.json()["error"]["message"]
+            cut += 1
+        else:
+            assert answer.json()["usage"]["completion_tokens"] == 240
+    # 16 x 240 tokens one at a time outlast the drain (~2.4 s here, where ~6 requests finish a second)
+    assert cut >= 8 and any(a.status_code == 503 for a in answers) and any(len(lines) < 241 for lines in streams)
+
+
 @pytest.fixture(scope="module")
 def strict_headers():
     with ServerThread(build_app(build_engines([MODEL], **ENGINE)), header_timeout=1.0) as srv:

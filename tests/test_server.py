@@ -162,6 +162,8 @@ BAD = [
     ({"model": MODEL}, 400, "prompt"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "x", "max_tokens": "12"}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 10**9}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 2**64}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
@@ -445,6 +447,37 @@ def test_logprobs_on_completions_and_chat(client, reference):
     content = chat.choices[0].logprobs.content
     assert len(content) == 5 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices[0].logprobs is None
+
+
+def test_max_tokens_beyond_the_context_is_refused_by_name_and_an_unset_one_is_cut(server, reference):
+    """One rule (docs/server.md): a max_tokens the client sets must fit in the context beside the
+    prompt (400 naming the limit otherwise); left unset, it is cut to what the context leaves."""
+    context = reference[MODEL].max_model_len
+    prompt_ids = reference[MODEL].tokenizer.encode(PROMPT)
+    room = context - len(prompt_ids)
+    url = server.url + "/v1"
+    r = httpx.post(url + "/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": room + 1}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "max_tokens" and error["message"] == (
+        f"this model's context is {context} tokens; prompt has {len(prompt_ids)}, so max_tokens may be at most "
+        f"{room}, not {room + 1}"
+    )
+    batch = {"model": MODEL, "prompt": ["x", PROMPT], "max_tokens": room + 1}
+    r = httpx.post(url + "/completions", json=batch, timeout=60)
+    assert r.status_code == 400 and "prompt[1] has" in r.json()["error"]["message"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**9}
+    r = httpx.post(url + "/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
+    fits = {"model": MODEL, "prompt": prompt_ids, "max_tokens": room, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(url + "/completions", json=fits, timeout=120)  # exactly the room left: served whole
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == room
+    long_prompt = prompt_ids * (context // len(prompt_ids))
+    long_prompt = long_prompt[: context - 3]
+    unset = {"model": MODEL, "prompt": long_prompt, "temperature": 0, "ignore_eos": True}  # default 16, 3 fit
+    r = httpx.post(url + "/completions", json=unset, timeout=120)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    assert r.json()["choices"][0]["finish_reason"] == "length"
 
 
 def test_a_request_that_can_never_fit_the_pool_is_refused():

@@ -44,7 +44,7 @@ from minillm.server.metrics import ServerMetrics
 from minillm.server.plan import choose_engine, parse, plan, response_of
 from minillm.server.protocol import APIError, error_body
 from minillm.server.response_cache import ResponseCache
-from minillm.server.responses import Formatter
+from minillm.server.responses import DONE, Formatter
 
 log = logging.getLogger("minillm.server")
 PARSE_THREADS = 2
@@ -303,7 +303,27 @@ class Generation:
             engine.abort(seqs[p].request_id)
 
         n = len(seqs) and seqs[0].params.n
-        return hooks.stream_events([observed(d) for d in streams], fmt, n, include_usage, prompt_tokens, abort)
+        events = hooks.stream_events([observed(d) for d in streams], fmt, n, include_usage, prompt_tokens, abort)
+        return _done_after_a_cut(events, engine)
+
+
+async def _done_after_a_cut(events: AsyncIterator[bytes], engine: AsyncEngine) -> AsyncIterator[bytes]:
+    """``events``, then ``[DONE]`` where the server's drain deadline cut the stream.
+
+    ``stream_events`` ends a stream whose request failed with the error event alone. One the
+    server ended on purpose (``AsyncEngine.cut``: the error event names the shutdown) is
+    closed properly too, so a client reading to ``[DONE]``, as OpenAI's do, stops cleanly
+    rather than on a broken connection."""
+    last = None
+    try:
+        async for last in events:
+            yield last
+        if last != DONE and engine.shutting_down is not None:
+            yield DONE
+    finally:
+        aclose = getattr(events, "aclose", None)  # a learner's hook may return any async iterator
+        if aclose is not None:
+            await aclose()  # a client that left: stream_events aborts its prompts now, not at collection
 
 
 def _peer(request: Request) -> str:

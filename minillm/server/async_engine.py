@@ -58,6 +58,12 @@ class EngineDead(Exception):
     """The engine thread failed; the message says why."""
 
 
+class ServerShuttingDown(EngineDead):
+    """The server's drain deadline ended this request before it finished (SIGTERM, then
+    ``--shutdown-timeout`` seconds: ``launch.DrainingServer``), or it arrived after that: a
+    stream gets it as an error event and then ``[DONE]``, any other request a 503."""
+
+
 @dataclass
 class _Sink:
     loop: asyncio.AbstractEventLoop
@@ -88,6 +94,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name=f"minillm-engine-{name}", daemon=True)
         self.error: BaseException | None = None
         self.num_steps_failed = 0
+        self.shutting_down: ServerShuttingDown | None = None  # set by ``cut``: new requests are refused
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -130,6 +137,8 @@ class AsyncEngine:
     def admit(self, count: int = 1) -> None:
         """Raise :class:`QueueFull` if ``count`` more sequences may not wait (checked before
         tokenizing; the caller posts them with no ``await`` in between)."""
+        if self.shutting_down is not None:
+            raise ServerShuttingDown(str(self.shutting_down))
         failure = self.failure()
         if failure is not None:
             raise EngineDead(f"the engine for {self.name!r} cannot serve: {failure}")
@@ -154,12 +163,19 @@ class AsyncEngine:
         """Abort a request (no-op if it has finished): the engine frees its blocks before its next step."""
         self._post(("abort", request_id, None))
 
+    def cut(self, reason: ServerShuttingDown) -> None:
+        """End every open request with ``reason`` (each is aborted, its caller told) and refuse
+        new ones: the server's drain deadline has come. Called on the event loop's thread, as
+        ``admit`` is, so no request is admitted after it and missed by it."""
+        self.shutting_down = reason
+        self._post(("cut", reason, None))
+
     async def _deltas(self, request_id: Hashable, sink: _Sink) -> AsyncIterator[StreamDelta]:
         finished = False
         try:
             while True:
                 item = await sink.queue.get()
-                if isinstance(item, RequestFailed):  # this request alone failed in a step
+                if isinstance(item, (RequestFailed, ServerShuttingDown)):  # this request alone failed; the drain's end
                     raise item
                 if isinstance(item, BaseException):
                     raise EngineDead(f"the engine for {self.name!r} failed: {item!r}") from item
@@ -194,6 +210,8 @@ class AsyncEngine:
                     self.client.submit(item, sink)
                 except Exception as exc:  # noqa: BLE001 (an id clash: answer this request, keep serving)
                     sink.put(exc)
+            elif kind == "cut":  # the drain deadline: every open request aborted, its caller told why
+                self.client.fail(item)
             else:  # abort: the request may have finished meanwhile (then nothing happens)
                 if self.client.owns(item):
                     self.client.abort(item)

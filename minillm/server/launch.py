@@ -6,6 +6,7 @@ process; tests and notebooks use it to talk HTTP to the engine without a second 
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import os
 import signal
@@ -22,7 +23,7 @@ from minillm.config import environment
 from minillm.engine import LLMEngine
 from minillm.server import heap
 from minillm.server.app import build_app
-from minillm.server.async_engine import AsyncEngine
+from minillm.server.async_engine import AsyncEngine, ServerShuttingDown
 from minillm.server.connections import with_header_timeout
 from minillm.server.front_door import default_allowed_hosts
 
@@ -82,9 +83,45 @@ def serve(
     app = build_app(engines, cache, max_body_bytes=max_body_bytes, enable_docs=enable_docs, allowed_hosts=hosts,
                     api_key=api_key, body_timeout_s=body_timeout)  # fmt: skip
     heap.freeze_startup_heap()  # the start-up's objects live until exit: no collection walks them again
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=keep_alive_timeout,
-                limit_concurrency=max_connections, timeout_graceful_shutdown=shutdown_timeout,
-                http=with_header_timeout(header_timeout))  # fmt: skip
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=keep_alive_timeout,
+                            limit_concurrency=max_connections, timeout_graceful_shutdown=shutdown_timeout,
+                            http=with_header_timeout(header_timeout))  # fmt: skip
+    DrainingServer(config, engines).run()
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose drain ends requests itself before uvicorn's deadline cuts them.
+
+    On SIGTERM uvicorn stops accepting, waits up to ``timeout_graceful_shutdown`` seconds for
+    running requests, then cancels them: a stream cut so ends with neither an error nor
+    ``[DONE]`` (the client sees "peer closed connection without sending complete message
+    body"), and a client cannot tell a shutdown from a crash. So ``DRAIN_MARGIN_S`` before that
+    deadline (half the drain when it is shorter than twice that) every engine is ``cut``: each
+    open request is aborted with ``ServerShuttingDown`` — a stream's last events are an error
+    naming the shutdown and ``[DONE]``, a waiting non-streamed request gets a 503 with a JSON
+    body — and new requests are refused with a 503. With no timeout, uvicorn waits for ever and
+    nothing is cut."""
+
+    DRAIN_MARGIN_S = 0.5
+
+    def __init__(self, config: uvicorn.Config, engines: dict[str, AsyncEngine]):
+        super().__init__(config)
+        self.engines = engines
+
+    async def shutdown(self, sockets=None) -> None:
+        timeout = self.config.timeout_graceful_shutdown
+        if timeout is not None:
+            cut_after = timeout - min(self.DRAIN_MARGIN_S, timeout / 2)
+            reason = ServerShuttingDown(
+                f"the server is shutting down: this request had not finished when its drain time "
+                f"(--shutdown-timeout {timeout:g} s) ran out; retry it on another server"
+            )  # fmt: skip
+            asyncio.get_running_loop().call_later(cut_after, self.cut_all, reason)
+        await super().shutdown(sockets)
+
+    def cut_all(self, reason: ServerShuttingDown) -> None:
+        for engine in self.engines.values():
+            engine.cut(reason)
 
 
 class ServerThread:

@@ -86,6 +86,7 @@ def plan(req, engine, llm_engine, request_id: str) -> Plan:
     else:
         params = req.sampling_params(req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs)
         prompts = req.prompts()
+    asked = req.requested_max_tokens() if chat else req.max_tokens
     seqs = []
     for i, prompt in enumerate(prompts):
         where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
@@ -95,8 +96,24 @@ def plan(req, engine, llm_engine, request_id: str) -> Plan:
             # A chat template may refuse a conversation itself ("roles must alternate").
             param = "n" if str(exc).startswith("n=") else "messages" if chat else "prompt"
             raise APIError(400, str(exc), param) from None
+        if asked is not None:
+            _check_fits(len(seqs[-1].prompt_token_ids), asked, llm_engine.max_model_len, where, req)
     prompt_tokens = sum(len(s.prompt_token_ids) for s in seqs)
     return Plan(req, engine, seqs, Formatter(chat, request_id, req.model, llm_engine.tokenizer), prompt_tokens)
+
+
+def _check_fits(prompt_tokens: int, max_tokens: int, max_model_len: int, where: str, req) -> None:
+    """A ``max_tokens`` the client set must fit in the context beside the prompt: 400 otherwise,
+    naming the limit, as OpenAI and vLLM answer. (Capping it quietly, as this server once did,
+    answered a request for 10^9 tokens with 1,023 and a client could not tell why it stopped.)
+    Left unset, ``max_tokens`` is this server's default — 16 for a completion, the rest of the
+    context for a chat — cut to what the context leaves, the output's ``finish_reason`` then
+    "length"."""
+    if prompt_tokens + max_tokens > max_model_len:
+        param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+        raise APIError(
+            400, f"this model's context is {max_model_len} tokens; {where} has {prompt_tokens}, so {param} may be at "
+            f"most {max_model_len - prompt_tokens}, not {max_tokens}", param)  # fmt: skip
 
 
 def response_of(plan_: Plan, outputs) -> dict:
