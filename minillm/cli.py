@@ -256,6 +256,17 @@ def cmd_warmup(args) -> int:
     return 1 if failed else 0
 
 
+def cmd_cache(args) -> int:
+    """What the cache holds (``minillm cache``), or clear its compiled code (``minillm cache clean``)."""
+    from minillm.tools import cache
+
+    if args.action == "clean":
+        removed = cache.clean(everything=args.all)
+        print(f"removed {len(removed)} entries; now:")
+    print(cache.format_report(cache.report()))
+    return 0
+
+
 def cmd_generate(args) -> int:
     params = _sampling_params(args)  # validate before the slow model load
     llm = _llm(args)
@@ -524,6 +535,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("models", nargs="*", metavar="MODEL", help="short name or HF-format folder")
     add_engine_flags(p.add_argument_group("engine"))
     p.set_defaults(func=cmd_warmup)
+
+    p = sub.add_parser(
+        "cache",
+        help="what the cache folder holds (size per part); `clean` removes compiled code",
+        description="Report the cache folder ($MINILLM_CACHE, else <repo>/.cache/minillm) part by part, or with "
+        "`clean` remove its compiled code (decode packages, inductor's cache) and the files of compiles whose "
+        "processes were killed; --all removes everything, converted models too. The engine builds what it needs again.",
+    )
+    p.add_argument("action", nargs="?", choices=["report", "clean"], default="report")
+    p.add_argument("--all", action="store_true", help="with clean: remove everything in the cache")
+    p.set_defaults(func=cmd_cache)
 
     p = sub.add_parser("generate", help="generate text for one or more prompts")
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable: runs batched)")

@@ -1,28 +1,47 @@
-"""Compiled code from the cache runs only if this user wrote it: private folders, recorded hashes.
+"""Compiled code from the cache runs only if this user built it: private folders, keyed records.
 
-A compiled decode package (``.pt2``) and the C++ attention kernel (``.so``) are native code the
-engine loads and runs. Whoever can replace one in the cache runs their own code in every later
-engine — on a shared lab machine, or with a cache on a shared drive. So:
+Compiled decode packages (``.pt2``), the C++ attention kernel (``.so``) and inductor's own
+libraries (its compiled kernels and the probe programs it loads to pick an instruction set)
+are native code the engine, or its compile worker, loads and runs. Whoever can put a file of
+their own in the cache runs their code in every later engine — on a shared lab machine, or with
+a cache on a shared drive. So:
 
-- the cache's code folders are created private (mode 0700), and a folder that another user
-  could write to — group- or world-writable, or owned by someone else — is refused with an
-  ``UnsafeCacheError`` naming it and the fix, before anything in it is loaded;
-- each file's SHA-256 is recorded beside it when it is built (``NAME.sha256``) and checked
-  before it is loaded: a file that does not match — replaced, truncated, or from before the
-  record existed — is not loaded; it is deleted and built again.
+- every folder of the cache's code trees is checked, not only the top ones (``check_tree``):
+  created private (mode 0700), and a folder another user could write to — group- or
+  world-writable, or owned by someone else — or a symbolic link that leads out of the tree is
+  refused with an ``UnsafeCacheError`` naming it and the fix, before anything in it is loaded;
+- each file's record (``NAME.sha256``) is written when the engine builds it, and checked
+  before it is loaded: a file that does not match — replaced, truncated, or with no record at
+  all — is never loaded; it is deleted and built again (``sweep_unrecorded`` before inductor
+  runs; ``verified`` before a package or the kernel loads). A record is an HMAC of the file
+  keyed by a secret of this cache (``compiled/trust.key``, mode 0600, made on first use): a file planted
+  beside a record its planter computed — a plain SHA-256 — does not match.
 
-Hashing a 330 MB package takes a fraction of a second (once per load, on the background
-thread that loads it); loading it takes seconds anyway.
+What it does not protect against: anyone who can write as this user (the key, the records, the
+code alike), and code outside the cache (PyTorch itself, Triton's own cache on a GPU,
+``~/.triton``). Hashing a 330 MB package takes a fraction of a second (once per load, on the
+background thread that loads it).
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 import hashlib
+import hmac
 import os
+import secrets
 import stat
+from collections.abc import Iterable
 from pathlib import Path
 
+from minillm.assets import cache_dir
+from minillm.config import environment
+
 SUFFIX = ".sha256"
+KEY_FILE = "trust.key"
+RECORD_PREFIX = "hmac-sha256:"  # records written before keyed ones (plain SHA-256) no longer match
+NATIVE = (".so", ".pt2")  # what a loader would run
 
 
 class UnsafeCacheError(PermissionError):
@@ -63,16 +82,81 @@ def private_dir(folder: Path) -> Path:
     return folder
 
 
+def check_tree(root: Path) -> None:
+    """``check_private(root)``, then every folder beneath it: none another user could write to,
+    none owned by another, and no symbolic link that leads out of ``root``. Raises
+    ``UnsafeCacheError`` naming the first offender."""
+    root = Path(root)
+    if not root.exists():
+        return
+    check_private(root)
+    top = root.resolve()
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    for folder, subfolders, files in os.walk(root):  # does not follow links into other trees
+        for name in subfolders + files:
+            path = Path(folder) / name
+            info = path.lstat()
+            if stat.S_ISLNK(info.st_mode):
+                if not path.resolve().is_relative_to(top):
+                    raise UnsafeCacheError(
+                        f"{path} is a symbolic link to {os.readlink(path)}, out of {root}: code loaded through it "
+                        f"could be anyone's. Remove it (or set MINILLM_CACHE to a private folder)"
+                    )
+                continue
+            if not stat.S_ISDIR(info.st_mode):
+                continue
+            if uid is not None and info.st_uid != uid:
+                raise UnsafeCacheError(
+                    f"{path} belongs to another user (uid {info.st_uid}), so compiled code in it cannot be trusted: "
+                    f"remove it (or set MINILLM_CACHE to a folder of your own)"
+                )
+            if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                raise UnsafeCacheError(
+                    f"{path} is writable by other users (mode {stat.S_IMODE(info.st_mode):o}): anyone could put "
+                    f"code in it. Run `chmod -R go-w {root}` (or set MINILLM_CACHE to a private folder)"
+                )
+
+
+def _key() -> bytes:
+    """This cache's secret (``<cache>/compiled/trust.key``, 32 random bytes; in the folder that
+    is always private), made on first use."""
+    root = private_dir(cache_dir() / "compiled")
+    path = root / KEY_FILE
+    if not path.exists():
+        partial = root / f"{KEY_FILE}.{os.getpid()}.partial"
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(32))
+        try:
+            os.link(partial, path)  # atomic: two first starts agree on one key
+        except FileExistsError:
+            pass
+        finally:
+            partial.unlink(missing_ok=True)
+    info = path.lstat()
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    if stat.S_ISLNK(info.st_mode) or (uid is not None and info.st_uid != uid) or info.st_mode & 0o077:
+        raise UnsafeCacheError(
+            f"{path} must be a file of yours that no one else can read or write (mode 600): with it anyone could "
+            f"sign code for this cache. Remove it (a new one is made, and the compiled code is built again)"
+        )
+    key = path.read_bytes()
+    if len(key) < 32:
+        raise UnsafeCacheError(f"{path} is not a key minillm wrote ({len(key)} bytes): remove it")
+    return key
+
+
 def digest(path: Path) -> str:
-    h = hashlib.sha256()
+    """The record of ``path``: an HMAC-SHA256 of its bytes under this cache's key."""
+    h = hmac.new(_key(), digestmod=hashlib.sha256)
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
             h.update(chunk)
-    return h.hexdigest()
+    return RECORD_PREFIX + h.hexdigest()
 
 
 def record(path: Path, as_: Path | None = None) -> None:
-    """Write ``path``'s hash beside it (atomically): it was built here, by this user. ``as_``:
+    """Write ``path``'s record beside it (atomically): it was built here, by this user. ``as_``:
     the name the file is about to be renamed to (its record is written first)."""
     path, name = Path(path), Path(as_ or path)
     partial = name.with_name(f"{name.name}{SUFFIX}.{os.getpid()}.partial")
@@ -87,7 +171,37 @@ def verified(path: Path) -> bool:
         recorded = path.with_name(path.name + SUFFIX).read_text().strip()
     except OSError:
         return False
-    return recorded == digest(path)
+    return hmac.compare_digest(recorded, digest(path))
+
+
+def native_files(root: Path, suffixes: Iterable[str] = NATIVE) -> list[Path]:
+    """The libraries and packages under ``root`` (not through links)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(Path(folder) / name for folder, _, files in os.walk(root) for name in files
+                  if name.endswith(tuple(suffixes)) and not (Path(folder) / name).is_symlink())  # fmt: skip
+
+
+def sweep_unrecorded(root: Path, suffixes: Iterable[str] = NATIVE) -> list[Path]:
+    """Before anything under ``root`` may be loaded (by us, or by inductor, which loads whatever
+    sits at the path it computes): check every folder (``check_tree``), and delete each library
+    or package that is not the file recorded when it was built — the compiler builds it again.
+    The paths deleted."""
+    check_tree(root)
+    removed = [path for path in native_files(root, suffixes) if not verified(path)]
+    for path in removed:
+        forget(path)
+    return removed
+
+
+def record_unrecorded(root: Path, suffixes: Iterable[str] = NATIVE) -> list[Path]:
+    """After our own compile under ``root``: record every library or package it wrote (each one
+    without a record; ``sweep_unrecorded`` removed any other before it ran). The paths recorded."""
+    new = [path for path in native_files(root, suffixes) if not path.with_name(path.name + SUFFIX).exists()]
+    for path in new:
+        record(path)
+    return new
 
 
 def forget(path: Path) -> None:
@@ -95,3 +209,42 @@ def forget(path: Path) -> None:
     path = Path(path)
     path.unlink(missing_ok=True)
     path.with_name(path.name + SUFFIX).unlink(missing_ok=True)
+
+
+def inductor_cache() -> Path | None:
+    """Inductor's on-disk cache folder, as this process's inductor will use it (None: unset)."""
+    folder = environment.get("TORCHINDUCTOR_CACHE_DIR")
+    return Path(folder) if folder else None
+
+
+def guard_inductor() -> list[Path]:
+    """Before inductor compiles or loads in this process: in the folder minillm chose for it
+    (``<cache>/inductor``), every folder checked and every unrecorded library deleted — inductor
+    builds again what it needs rather than load a file nobody recorded (its compiled kernels,
+    and the probe programs it loads to pick an instruction set). A folder the user chose
+    (``TORCHINDUCTOR_CACHE_DIR``) is checked folder by folder, but its files are the user's:
+    none is deleted. The paths deleted."""
+    folder = inductor_cache()
+    if folder is None:
+        return []
+    if folder != cache_dir() / "inductor":
+        check_tree(folder)
+        return []
+    return sweep_unrecorded(private_dir(folder), (".so",))
+
+
+def record_inductor() -> list[Path]:
+    """After inductor compiled in this process (``guard_inductor`` ran first): record the
+    libraries it wrote in minillm's folder for it. The paths recorded."""
+    folder = inductor_cache()
+    if folder is None or folder != cache_dir() / "inductor":
+        return []
+    return record_unrecorded(folder, (".so",))
+
+
+@functools.cache
+def record_inductor_at_exit() -> None:
+    """``record_inductor`` when this process exits (once, however often it is asked): for
+    ``torch.compile`` in the engine's own process, which compiles at its first calls. A process
+    killed first leaves its libraries unrecorded, and the next ``guard_inductor`` deletes them."""
+    atexit.register(record_inductor)

@@ -125,3 +125,167 @@ def test_the_kernels_library_is_rebuilt_when_replaced(monkeypatch, tmp_path):
         put(original)
         trusted_cache.record(path)
         cpu_paged._library.cache_clear()
+
+
+# ---- issue 50, item 1: only verified native code runs ------------------------------------------
+
+PLANTED_C = r"""
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((constructor)) static void planted(void) {
+    const char *marker = getenv("PLANTED_MARKER");
+    if (marker) { FILE *f = fopen(marker, "w"); if (f) { fputs("ran", f); fclose(f); } }
+}
+"""
+
+
+def _planted_library(tmp_path) -> bytes:
+    """A shared library whose constructor writes $PLANTED_MARKER: proof that it was loaded."""
+    import shutil
+    import subprocess
+
+    compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    source, out = tmp_path / "planted.c", tmp_path / "planted.so"
+    source.write_text(PLANTED_C)
+    subprocess.run([compiler, "-shared", "-fPIC", "-x", "c", str(source), "-o", str(out)], check=True)
+    return out.read_bytes()
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MINILLM_CACHE", str(cache))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
+    return cache
+
+
+def test_a_plain_sha256_record_beside_a_planted_file_does_not_verify(private_cache):
+    import hashlib
+
+    folder = trusted_cache.private_dir(private_cache / "inductor" / "ab")
+    planted = folder / "planted.so"
+    planted.write_bytes(b"\x7fELF someone's code")
+    (folder / "planted.so.sha256").write_text(hashlib.sha256(planted.read_bytes()).hexdigest() + "\n")
+    assert not trusted_cache.verified(planted)  # the record is keyed by this cache's secret
+    trusted_cache.record(planted)
+    assert trusted_cache.verified(planted)
+    key = private_cache / "compiled" / "trust.key"
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    key.chmod(0o644)
+    with pytest.raises(trusted_cache.UnsafeCacheError, match="mode 600"):
+        trusted_cache.verified(planted)
+
+
+def test_an_unrecorded_library_under_inductor_is_deleted_before_inductor_runs(private_cache):
+    inductor = trusted_cache.private_dir(private_cache / "inductor")
+    probe = trusted_cache.private_dir(inductor / "xy") / "cxyprobe.so"  # as an instruction-set probe sits
+    probe.write_bytes(b"\x7fELF planted probe")
+    ours = inductor / "xy" / "ckernel.so"
+    ours.write_bytes(b"\x7fELF compiled here")
+    trusted_cache.record(ours)
+    source = inductor / "xy" / "cxyprobe.cpp"  # not native code: left alone
+    source.write_text("int main() {}")
+    assert trusted_cache.guard_inductor() == [probe]
+    assert not probe.exists() and ours.exists() and source.exists()
+    fresh = inductor / "zz" / "cnew.so"
+    trusted_cache.private_dir(fresh.parent)
+    fresh.write_bytes(b"\x7fELF compiled just now")
+    assert trusted_cache.record_inductor() == [fresh] and trusted_cache.verified(fresh)
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775, 0o722])
+def test_every_folder_under_inductor_is_checked_not_only_the_top(private_cache, mode):
+    inductor = trusted_cache.private_dir(private_cache / "inductor")
+    deep = trusted_cache.private_dir(inductor / "ab" / "cd")
+    (deep / "k.so").write_bytes(b"x")
+    deep.chmod(mode)
+    with pytest.raises(trusted_cache.UnsafeCacheError, match=f"{deep} is writable by other users"):
+        trusted_cache.guard_inductor()
+    assert (deep / "k.so").exists()  # refused, not deleted: not ours to judge
+
+
+def test_a_symlink_out_of_the_tree_is_refused(private_cache, tmp_path):
+    inductor = trusted_cache.private_dir(private_cache / "inductor")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (inductor / "ab").symlink_to(elsewhere)
+    with pytest.raises(trusted_cache.UnsafeCacheError, match="symbolic link"):
+        trusted_cache.guard_inductor()
+    (inductor / "ab").unlink()
+    trusted_cache.private_dir(inductor / "ab")
+    (inductor / "ab" / "inside").symlink_to(inductor / "ab")  # a link that stays inside is fine
+    trusted_cache.guard_inductor()
+
+
+def test_a_folder_the_user_chose_for_inductor_is_checked_but_not_swept(private_cache, tmp_path, monkeypatch):
+    chosen = tmp_path / "my-inductor"
+    trusted_cache.private_dir(chosen)
+    (chosen / "k.so").write_bytes(b"theirs")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(chosen))
+    assert trusted_cache.guard_inductor() == [] and (chosen / "k.so").exists()
+    chosen.chmod(0o777)
+    with pytest.raises(trusted_cache.UnsafeCacheError):
+        trusted_cache.guard_inductor()
+
+
+def test_the_compile_worker_sweeps_inductor_before_it_compiles_and_records_after(private_cache, monkeypatch, tmp_path):
+    """The worker's order: guard (an unrecorded probe planted in inductor's tree is gone before
+    the build starts), build, record what the build wrote."""
+    import pickle
+    from types import SimpleNamespace
+
+    from minillm.runtime import compile_worker
+
+    inductor = trusted_cache.private_dir(private_cache / "inductor")
+    planted = trusted_cache.private_dir(inductor / "pr") / "cprobe.so"
+    planted.write_bytes(b"\x7fELF planted")
+    seen = {}
+
+    def build(job, tensors):
+        seen["planted before the build"] = planted.exists()
+        (inductor / "pr" / "cbuilt.so").write_bytes(b"\x7fELF built by the compile")
+
+    monkeypatch.setattr(compile_worker, "build", build)
+    monkeypatch.setattr(compile_worker, "follow_parent", lambda *a: None)
+    monkeypatch.setattr(compile_worker, "niceness", lambda: os.getpriority(os.PRIO_PROCESS, 0))
+    job_file = tmp_path / f"job-{os.getpid()}-x.pkl"
+    packages = trusted_cache.private_dir(private_cache / "compiled")
+    job_file.write_bytes(pickle.dumps(SimpleNamespace(paths={1: str(packages / "decode-b1-x.pt2")}, tensors=None,
+                                                      parent_pid=os.getppid())))  # fmt: skip
+    assert compile_worker.main([str(job_file)]) == 0
+    assert seen == {"planted before the build": False}
+    assert trusted_cache.verified(inductor / "pr" / "cbuilt.so")
+
+
+def test_the_kernels_library_with_its_record_deleted_is_rebuilt_never_loaded(tmp_path):
+    """The field's attack: put a library of one's own where the kernel's is, delete its record,
+    start again. The planted library's constructor must not run; the kernel is built anew."""
+    import subprocess
+    import sys
+
+    from minillm.attention import cpu_paged
+
+    if cpu_paged.kernel_unavailable_reason() is not None:
+        pytest.skip(f"no C++ kernel here: {cpu_paged.kernel_unavailable_reason()}")
+    planted = _planted_library(tmp_path)
+    marker = tmp_path / "planted-ran"
+    env = dict(os.environ, MINILLM_CACHE=str(tmp_path / "cache"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache" / "inductor"),
+               PLANTED_MARKER=str(marker))  # fmt: skip
+    load = "from minillm.attention import cpu_paged; print(cpu_paged._library()._name)"
+    first = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, env=env, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    path = first.stdout.strip().splitlines()[-1]
+    assert path.startswith(str(tmp_path / "cache" / "compiled" / "kernels"))
+    with open(path, "wb") as f:
+        f.write(planted)
+    os.unlink(path + trusted_cache.SUFFIX)
+    for record in (tmp_path / "cache" / "compiled").glob("cpu-paged-decode-*.path"):  # an older layout's record
+        record.unlink()
+    again = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, env=env, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert not marker.exists(), "the planted library's constructor ran"
+    rebuilt = again.stdout.strip().splitlines()[-1]
+    with open(rebuilt, "rb") as f:
+        assert f.read() != planted

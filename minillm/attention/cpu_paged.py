@@ -11,8 +11,7 @@ the two).
 
 It is compiled at first use with PyTorch's own C++ toolchain (inductor's, the one
 ``torch.compile`` uses on CPU: same compiler flags, OpenMP runtime and SIMD headers) and kept in
-inductor's on-disk cache (under the project's cache folder), so later starts load it in
-milliseconds. Prefill chunks use the reference path; an 8-bit pool is not read here (``auto``
+``<cache>/compiled/kernels/`` with its record, so later starts load it in milliseconds. Prefill chunks use the reference path; an 8-bit pool is not read here (``auto``
 picks ``sdpa`` for it, whose reference dequantizes as it gathers).
 """
 
@@ -21,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import hashlib
 import platform
 import threading
 from pathlib import Path
@@ -40,27 +38,43 @@ POOL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 
 @functools.cache
 def _library() -> ctypes.CDLL:
-    """Compile (or find in inductor's cache) and load the kernel library — a library found on
-    disk only from a private folder, and only if it is the file recorded when it was built
-    (``minillm/trusted_cache.py``: loading a library runs its code)."""
+    """Compile (or find on disk) and load the kernel library — only a library recorded when this
+    cache built it (``minillm/trusted_cache.py``: loading a library runs its code).
+
+    Inductor loads whatever file sits at the path it computes for a source, so the kernel is
+    built in a folder of its own, ``<cache>/compiled/kernels/`` (inductor's cache folder is
+    pointed there for this build, on this thread only), where every library must carry a
+    record: before inductor looks, every folder is checked and every unrecorded library is
+    deleted — built again, never loaded — and after it built one, the new library is recorded."""
     # deferred: torch._inductor takes 1.3 s to import; only a first build of the kernel needs it
-    from torch._inductor.codecache import CppCodeCache
+    from torch._inductor import codecache
 
     source = "#include <torch/csrc/inductor/cpp_prefix.h>\n" + SOURCE.read_text()
-    inductor = environment.get("TORCHINDUCTOR_CACHE_DIR")
-    if inductor:
-        trusted_cache.check_private(Path(inductor))
-    # Where this source's library was built, recorded then (the path is inductor's to choose).
-    where = trusted_cache.private_dir(cache_dir() / "compiled") / f"cpu-paged-decode-{_source_key(source)}.path"
-    built = Path(where.read_text().strip()) if where.is_file() else None
-    if built is not None and built.is_file() and not trusted_cache.verified(built):
-        trusted_cache.forget(built)  # replaced since it was built: inductor compiles it again
-    library = _build(CppCodeCache, source)
-    path = Path(library._name)
-    if path.is_file() and (built != path or not trusted_cache.verified(path)):
-        trusted_cache.record(path)
-        where.write_text(f"{path}\n")
+    folder = trusted_cache.private_dir(kernels_dir())
+    trusted_cache.sweep_unrecorded(folder, (".so",))
+    with cache_dir_on_this_thread(codecache, folder):
+        library = _build(codecache.CppCodeCache, source)
+    trusted_cache.record_unrecorded(folder, (".so",))
     return library
+
+
+def kernels_dir() -> Path:
+    """Where the kernel's library is built and kept (and nothing else)."""
+    return cache_dir() / "compiled" / "kernels"
+
+
+@contextlib.contextmanager
+def cache_dir_on_this_thread(module, folder: Path):
+    """Inside the ``with``, ``module.cache_dir()`` answers ``folder`` on this thread — inductor's
+    own answer on every other (a compiled package loading on another thread keeps its cache)."""
+    caller = threading.get_ident()
+    with _PICK_LOCK:
+        inductors = module.cache_dir
+        module.cache_dir = lambda: str(folder) if threading.get_ident() == caller else inductors()
+        try:
+            yield
+        finally:
+            module.cache_dir = inductors
 
 
 _PICK_LOCK = threading.RLock()  # re-entrant: a build inside a load on one thread must not wait on itself
@@ -126,10 +140,6 @@ def _isa_from_cpu_flags(cpu_vec_isa):
     if torch.cpu._is_avx2_supported():
         return cpu_vec_isa.VecAVX2()
     return None
-
-
-def _source_key(source: str) -> str:
-    return hashlib.sha256(source.encode()).hexdigest()[:20]
 
 
 _BUILD_LOCK = threading.Lock()

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import minillm.hooks as hooks
+from minillm import trusted_cache
 from minillm.attention import AttentionBackend, get_backend
 from minillm.attention.contiguous import AttentionMask, ForwardBatch
 from minillm.config import ModelConfig
@@ -269,6 +270,8 @@ class LlamaForCausalLM(nn.Module):
         prepacked fp32 models, whose single-row linears are plain (traceable) matmuls while
         multi-row ones use oneDNN's packed kernels, faster than anything the compiler emits.
         """
+        trusted_cache.guard_inductor()  # what inductor finds on disk runs only if recorded ...
+        trusted_cache.record_inductor_at_exit()  # ... and what it writes now is recorded at exit
         self._compiled_step = torch.compile(self._forward, dynamic=True)
         self._compiled_single_row_only = single_row_only
 

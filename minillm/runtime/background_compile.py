@@ -39,8 +39,9 @@ import torch
 from minillm import trusted_cache
 from minillm.config import EngineConfig, environment
 from minillm.layers.cpu_prepack import release_plain_weights
+from minillm.runtime.compile_files import owned_prefix, sweep_stale
 from minillm.runtime.compile_worker import niceness
-from minillm.runtime.compiled_decode import CompiledDecode, folded_tensors, packages_dir
+from minillm.runtime.compiled_decode import CompiledDecode, folded_tensors
 
 # The worker lowers its priority (argv[1], compile_worker.niceness()) before it imports anything:
 # torch's import is seconds of CPU.
@@ -110,6 +111,8 @@ def load_packages_on_disk(compiled: CompiledDecode, job: CompileJob) -> tuple[in
     threads, medians of 3; ``benchmarks/bench_warm_start.py``). A package that is not there (a cold
     machine) costs nothing here; one that cannot be loaded is left to the background build, which
     reports it as before."""
+    for folder in {Path(p).parent for p in job.paths.values()}:
+        sweep_stale(folder)  # files of compiles whose processes were killed (compile_files.py)
     loaded = []
     for batch, where in sorted(job.paths.items()):
         path = Path(where)
@@ -217,13 +220,17 @@ class BackgroundBuild:
         self._set("building", "starting the compiler in a low-priority process")
         nice = niceness()  # a bad MINILLM_COMPILE_NICENESS fails the build here, named, before any file is written
         job = CompileJob(**{**vars(self.job), "paths": missing})
-        folder = trusted_cache.private_dir(packages_dir())
+        folder = trusted_cache.private_dir(Path(next(iter(missing.values()))).parent)  # beside the packages
         # The engine's exact tensors travel with the job: a model rebuilt from the checkpoint can
         # differ in the last bit (calibrated quantization), and the graph must fold in these.
-        with tempfile.NamedTemporaryFile("wb", dir=folder, prefix="tensors-", suffix=".pt", delete=False) as saved:
+        # Named after this process (compile_files.py): if it is killed before the clean-up below,
+        # the next engine start removes them; the worker removes them as soon as it has read them.
+        with tempfile.NamedTemporaryFile("wb", dir=folder, prefix=owned_prefix("tensors"), suffix=".pt",
+                                         delete=False) as saved:  # fmt: skip
             torch.save(folded_tensors(self.compiled.module.model), saved)
         job.tensors = saved.name
-        with tempfile.NamedTemporaryFile("wb", dir=folder, prefix="job-", suffix=".pkl", delete=False) as handle:
+        with tempfile.NamedTemporaryFile("wb", dir=folder, prefix=owned_prefix("job"), suffix=".pkl",
+                                         delete=False) as handle:  # fmt: skip
             pickle.dump(job, handle)
         try:
             with self._lock:

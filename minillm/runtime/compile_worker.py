@@ -33,12 +33,15 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
+from minillm import trusted_cache
 from minillm.config import ModelConfig, environment
 from minillm.kvcache.paged import PagedKVCache
 from minillm.models import load_model
+from minillm.runtime.compile_files import own_partials
 from minillm.runtime.compiled_decode import KEEP_PACKAGES, CompiledDecode, copy_folded_tensors, prune_packages
 from minillm.runtime.model_setup import configure_model
 from minillm.tokenizer import Tokenizer
@@ -70,12 +73,15 @@ def emit(event: str, **fields) -> None:
     print(json.dumps({"event": event, **fields}), flush=True)
 
 
-def follow_parent(parent_pid: int) -> None:
-    """Exit when the process that started us has gone (its engine no longer wants the graphs)."""
+def follow_parent(parent_pid: int, folder: Path) -> None:
+    """Exit when the process that started us has gone (its engine no longer wants the graphs),
+    removing the package half written into ``folder`` first."""
 
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(0.5)
+        for partial in own_partials(folder):
+            partial.unlink(missing_ok=True)
         os._exit(3)
 
     threading.Thread(target=watch, daemon=True, name="minillm-follow-parent").start()
@@ -115,15 +121,17 @@ def one_compile_at_a_time(folder: Path):
         yield
 
 
-def build(job) -> None:
-    """Rebuild the engine's model and compile its missing packages (see the module docstring)."""
+def build(job, tensors: BinaryIO | None) -> None:
+    """Rebuild the engine's model and compile its missing packages (see the module docstring);
+    ``tensors``: the engine's folded tensors (``read_job``)."""
     torch.set_num_threads(job.threads)  # the generated loops are parallelised for the engine's thread count
     model_config = ModelConfig.from_folder(job.model_dir)
     model = load_model(job.model_dir, job.dtype, torch.device("cpu"), max_positions=job.max_model_len)
     tokenizer = Tokenizer(job.model_dir) if job.config.quantization else None  # calibration data
     configure_model(model, job.config, job.backend, job.window, job.attention_dtype, tokenizer)
-    if job.tensors:  # the engine's exact values (a calibrated rebuild can differ in the last bit)
-        copy_folded_tensors(model, torch.load(job.tensors, weights_only=True))
+    if tensors is not None:  # the engine's exact values (a calibrated rebuild can differ in the last bit)
+        with tensors:
+            copy_folded_tensors(model, torch.load(tensors, weights_only=True))
     # A pool of a few blocks: the package serves every pool size (the slot count is a free dimension).
     cache = PagedKVCache(model_config, 4, job.config.block_size, job.dtype, torch.device("cpu"),
                          job.config.kv_cache_dtype)  # fmt: skip
@@ -143,17 +151,34 @@ def build(job) -> None:
     prune_packages(KEEP_PACKAGES, Path(job.paths[batch]).parent)
 
 
+def read_job(path: str) -> tuple[object, BinaryIO | None]:
+    """The job, and its tensors file open for reading — both files removed from the folder at
+    once: an open file's data stays readable until it is closed, and its disk space is freed
+    then, or when this process dies however it dies (compile_files.py)."""
+    try:
+        with open(path, "rb") as handle:
+            job = pickle.load(handle)
+    finally:
+        Path(path).unlink(missing_ok=True)
+    if not job.tensors:
+        return job, None
+    tensors = open(job.tensors, "rb")  # noqa: SIM115 (closed by build, after reading it)
+    Path(job.tensors).unlink(missing_ok=True)
+    return job, tensors
+
+
 def main(argv: list[str]) -> int:
-    with open(argv[0], "rb") as handle:
-        job = pickle.load(handle)
-    follow_parent(job.parent_pid)
+    job, tensors = read_job(argv[0])
+    follow_parent(job.parent_pid, Path(next(iter(job.paths.values()))).parent)
     wanted = niceness()
     if os.getpriority(os.PRIO_PROCESS, 0) < wanted:  # started some other way than background_compile's LAUNCH
         os.nice(wanted - os.getpriority(os.PRIO_PROCESS, 0))
     cache_inductor_templates()
     try:
         with one_compile_at_a_time(Path(next(iter(job.paths.values()))).parent):
-            build(job)
+            trusted_cache.guard_inductor()  # no library inductor finds on disk runs unless we recorded it
+            build(job, tensors)
+            trusted_cache.record_inductor()
     except BaseException as error:  # reported to the engine, which keeps running eagerly
         traceback.print_exc(file=sys.stderr)
         emit("failed", error=f"{type(error).__name__}: {error}")

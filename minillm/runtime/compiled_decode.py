@@ -278,7 +278,7 @@ class CompiledDecode:
         """Load one package — only from a private folder, and only if it is the file recorded
         when it was built (``trusted_cache.py``) — and offer its graph (swapped in at the next
         step boundary)."""
-        trusted_cache.check_private(path.parent)
+        trusted_cache.check_tree(path.parent)  # every folder in it: the kernel's is one
         if not trusted_cache.verified(path):
             raise ValueError("it is not the file recorded when it was built (replaced, truncated, or older)")
         start = time.perf_counter()
