@@ -140,6 +140,7 @@ def cmd_serve(args) -> int:
             args.router_policy,
             host=args.host, port=args.port, log_level=args.log_level, block_size=args.block_size,
             max_body_bytes=args.max_body_bytes, allowed_hosts=args.allowed_hosts, api_key=args.api_key,
+            shutdown_timeout=args.shutdown_timeout,
         )  # fmt: skip
         return 0
     engine_args, plugged = _engine_kwargs(args), contextlib.nullcontext()

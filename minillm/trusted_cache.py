@@ -26,13 +26,15 @@ background thread that loads it).
 from __future__ import annotations
 
 import atexit
+import contextlib
+import fcntl
 import functools
 import hashlib
 import hmac
 import os
 import secrets
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from minillm.assets import cache_dir
@@ -40,6 +42,7 @@ from minillm.config import environment
 
 SUFFIX = ".sha256"
 KEY_FILE = "trust.key"
+LOCK_FILE = "minillm-tree.lock"  # held by the process sweeping, building in and recording a tree
 RECORD_PREFIX = "hmac-sha256:"  # records written before keyed ones (plain SHA-256) no longer match
 NATIVE = (".so", ".pt2")  # what a loader would run
 
@@ -83,9 +86,9 @@ def private_dir(folder: Path) -> Path:
 
 
 def check_tree(root: Path) -> None:
-    """``check_private(root)``, then every folder beneath it: none another user could write to,
-    none owned by another, and no symbolic link that leads out of ``root``. Raises
-    ``UnsafeCacheError`` naming the first offender."""
+    """``check_private(root)``, then every folder beneath it: none owned by another user, none
+    that others could write to (one of ours is closed: ``chmod go-w``), and no symbolic link
+    that leads out of ``root``. Raises ``UnsafeCacheError`` naming the first offender."""
     root = Path(root)
     if not root.exists():
         return
@@ -111,10 +114,16 @@ def check_tree(root: Path) -> None:
                     f"remove it (or set MINILLM_CACHE to a folder of your own)"
                 )
             if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-                raise UnsafeCacheError(
-                    f"{path} is writable by other users (mode {stat.S_IMODE(info.st_mode):o}): anyone could put "
-                    f"code in it. Run `chmod -R go-w {root}` (or set MINILLM_CACHE to a private folder)"
-                )
+                # Ours, inside a private root: inductor makes its folders with the umask's mode (0775
+                # under a umask of 002). Closed now; whatever another user might have put in it
+                # before has no record keyed by this cache's secret, and is never loaded.
+                try:
+                    path.chmod(stat.S_IMODE(info.st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
+                except OSError as error:
+                    raise UnsafeCacheError(
+                        f"{path} is writable by other users (mode {stat.S_IMODE(info.st_mode):o}) and could not be "
+                        f"closed ({error}): run `chmod -R go-w {root}` (or set MINILLM_CACHE to a private folder)"
+                    ) from None
 
 
 def _key() -> bytes:
@@ -147,7 +156,7 @@ def _key() -> bytes:
 
 
 def digest(path: Path) -> str:
-    """The record of ``path``: an HMAC-SHA256 of its bytes under this cache's key."""
+    """An HMAC-SHA256 of ``path``'s bytes under this cache's key."""
     h = hmac.new(_key(), digestmod=hashlib.sha256)
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
@@ -155,12 +164,32 @@ def digest(path: Path) -> str:
     return RECORD_PREFIX + h.hexdigest()
 
 
+def _fingerprint(path: Path) -> str:
+    """What changes whenever the file does: its inode, size, and modification and change times
+    (the change time cannot be set back by a user: a rewrite, a ``touch -d``, a rename all move it)."""
+    info = os.stat(path)
+    return f"{info.st_ino}:{info.st_size}:{info.st_mtime_ns}:{info.st_ctime_ns}"
+
+
+def _seal(content: str, fingerprint: str) -> str:
+    """The key's signature over a record's two parts: a record is unforgeable as a whole."""
+    return hmac.new(_key(), f"{content} {fingerprint}".encode(), hashlib.sha256).hexdigest()
+
+
 def record(path: Path, as_: Path | None = None) -> None:
     """Write ``path``'s record beside it (atomically): it was built here, by this user. ``as_``:
-    the name the file is about to be renamed to (its record is written first)."""
+    the name the file is about to be renamed to (its record is written first).
+
+    A record holds the file's keyed hash and its stat fingerprint, both sealed by the key: a
+    file whose fingerprint is unchanged is verified without reading it again (the whole of
+    inductor's tree is checked before each compile: hundreds of megabytes), one whose
+    fingerprint moved is hashed in full."""
     path, name = Path(path), Path(as_ or path)
+    before = _fingerprint(path)
+    content = digest(path)
+    fingerprint = _fingerprint(path) if _fingerprint(path) == before else "changed"
     partial = name.with_name(f"{name.name}{SUFFIX}.{os.getpid()}.partial")
-    partial.write_text(digest(path) + "\n")
+    partial.write_text(f"{content} {fingerprint} {_seal(content, fingerprint)}\n")
     partial.replace(name.with_name(name.name + SUFFIX))
 
 
@@ -168,22 +197,36 @@ def verified(path: Path) -> bool:
     """Whether ``path`` is exactly the file recorded when it was built (``record``)."""
     path = Path(path)
     try:
-        recorded = path.with_name(path.name + SUFFIX).read_text().strip()
-    except OSError:
+        content, fingerprint, seal = path.with_name(path.name + SUFFIX).read_text().split()
+        if not hmac.compare_digest(seal, _seal(content, fingerprint)):
+            return False  # not a record this cache wrote
+        if fingerprint == _fingerprint(path):
+            return True  # untouched since it was recorded
+        return hmac.compare_digest(content, digest(path))
+    except UnsafeCacheError:
+        raise  # the key itself is unsafe: the user must hear of it
+    except (OSError, ValueError):  # no record, a malformed one, or the file gone meanwhile
         return False
-    return hmac.compare_digest(recorded, digest(path))
 
 
-def native_files(root: Path, suffixes: Iterable[str] = NATIVE) -> list[Path]:
-    """The libraries and packages under ``root`` (not through links)."""
+def native_files(root: Path, suffixes: Iterable[str] | None = NATIVE) -> list[Path]:
+    """The files under ``root`` (not through links) ending in one of ``suffixes`` — with None,
+    every file but records, locks and the key: all that a loader there might read."""
     root = Path(root)
     if not root.is_dir():
         return []
+    wanted = tuple(suffixes) if suffixes is not None else None
+
+    def counts(name: str) -> bool:
+        if wanted is not None:
+            return name.endswith(wanted)
+        return not (name.endswith((SUFFIX, ".lock", ".partial")) or name == KEY_FILE)
+
     return sorted(Path(folder) / name for folder, _, files in os.walk(root) for name in files
-                  if name.endswith(tuple(suffixes)) and not (Path(folder) / name).is_symlink())  # fmt: skip
+                  if counts(name) and not (Path(folder) / name).is_symlink())  # fmt: skip
 
 
-def sweep_unrecorded(root: Path, suffixes: Iterable[str] = NATIVE) -> list[Path]:
+def sweep_unrecorded(root: Path, suffixes: Iterable[str] | None = NATIVE) -> list[Path]:
     """Before anything under ``root`` may be loaded (by us, or by inductor, which loads whatever
     sits at the path it computes): check every folder (``check_tree``), and delete each library
     or package that is not the file recorded when it was built — the compiler builds it again.
@@ -195,7 +238,7 @@ def sweep_unrecorded(root: Path, suffixes: Iterable[str] = NATIVE) -> list[Path]
     return removed
 
 
-def record_unrecorded(root: Path, suffixes: Iterable[str] = NATIVE) -> list[Path]:
+def record_unrecorded(root: Path, suffixes: Iterable[str] | None = NATIVE) -> list[Path]:
     """After our own compile under ``root``: record every library or package it wrote (each one
     without a record; ``sweep_unrecorded`` removed any other before it ran). The paths recorded."""
     new = [path for path in native_files(root, suffixes) if not path.with_name(path.name + SUFFIX).exists()]
@@ -217,34 +260,76 @@ def inductor_cache() -> Path | None:
     return Path(folder) if folder else None
 
 
-def guard_inductor() -> list[Path]:
+@contextlib.contextmanager
+def holding(root: Path, wait: bool = True) -> Iterator[bool]:
+    """Inside the ``with``, this process alone sweeps, builds in and records ``root`` (a lock file
+    in it, ``LOCK_FILE``): one process's sweep must not delete what another has built but not yet
+    recorded. With ``wait`` False it yields False at once if another process holds it (True:
+    held)."""
+    root = private_dir(root)
+    with open(root / LOCK_FILE, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def guard_inductor(wait: bool = True) -> list[Path]:
     """Before inductor compiles or loads in this process: in the folder minillm chose for it
-    (``<cache>/inductor``), every folder checked and every unrecorded library deleted — inductor
-    builds again what it needs rather than load a file nobody recorded (its compiled kernels,
-    and the probe programs it loads to pick an instruction set). A folder the user chose
-    (``TORCHINDUCTOR_CACHE_DIR``) is checked folder by folder, but its files are the user's:
-    none is deleted. The paths deleted."""
+    (``<cache>/inductor``), every folder checked and every file nobody recorded deleted —
+    inductor builds again what it needs rather than load a library, a generated module or a
+    cached graph (a pickle: loading one runs code) that this cache did not write. A folder the
+    user chose (``TORCHINDUCTOR_CACHE_DIR``) is checked folder by folder, but its files are the
+    user's: none is deleted. With ``wait`` False and another process compiling there now (it
+    swept first, under the lock), only the folders are checked. The paths deleted."""
     folder = inductor_cache()
     if folder is None:
         return []
     if folder != cache_dir() / "inductor":
         check_tree(folder)
         return []
-    return sweep_unrecorded(private_dir(folder), (".so",))
+    with holding(folder, wait) as held:
+        if not held:
+            check_tree(folder)
+            return []
+        return sweep_unrecorded(folder, None)
 
 
-def record_inductor() -> list[Path]:
-    """After inductor compiled in this process (``guard_inductor`` ran first): record the
-    libraries it wrote in minillm's folder for it. The paths recorded."""
+def record_inductor(wait: bool = True) -> list[Path]:
+    """After inductor compiled in this process (``guard_inductor`` ran first): record the files
+    it wrote in minillm's folder for it. The paths recorded (none if ``wait`` is False and
+    another process holds the folder: the files stay unrecorded, and are built again later)."""
+    folder = inductor_cache()
+    if folder is None or folder != cache_dir() / "inductor" or not folder.is_dir():
+        return []
+    with holding(folder, wait) as held:
+        return record_unrecorded(folder, None) if held else []
+
+
+@contextlib.contextmanager
+def inductor_session() -> Iterator[None]:
+    """A compile in this process from start to end: inductor's folder guarded, held against
+    other processes' sweeps, and what the compile wrote recorded when it succeeds (the compile
+    worker: a minute or two)."""
     folder = inductor_cache()
     if folder is None or folder != cache_dir() / "inductor":
-        return []
-    return record_unrecorded(folder, (".so",))
+        guard_inductor()
+        yield
+        return
+    with holding(folder):
+        sweep_unrecorded(folder, None)
+        yield
+        record_unrecorded(folder, None)
 
 
 @functools.cache
 def record_inductor_at_exit() -> None:
     """``record_inductor`` when this process exits (once, however often it is asked): for
     ``torch.compile`` in the engine's own process, which compiles at its first calls. A process
-    killed first leaves its libraries unrecorded, and the next ``guard_inductor`` deletes them."""
-    atexit.register(record_inductor)
+    killed first leaves its files unrecorded, and the next ``guard_inductor`` deletes them."""
+    atexit.register(record_inductor, False)

@@ -75,17 +75,21 @@ def test_cache_report_and_clean(tmp_path):
     (tmp_path / "compiled" / f"job-{_dead_pid()}-a.pkl").write_bytes(b"x" * 10)
     running = tmp_path / "compiled" / f"tensors-{os.getpid()}-b.pt"
     running.write_bytes(b"x" * 10)
+    (tmp_path / "compiled" / "trust.key").write_bytes(b"k" * 32)
+    (tmp_path / "compiled" / "kernels" / "ab").mkdir(parents=True)
+    (tmp_path / "compiled" / "kernels" / "ab" / "kernel.so").write_bytes(b"x" * 100)
     (tmp_path / "inductor" / "ab").mkdir(parents=True)
     (tmp_path / "inductor" / "ab" / "k.so").write_bytes(b"x" * 500)
     (tmp_path / "smollm2-135m").mkdir()
     (tmp_path / "smollm2-135m" / "model.safetensors").write_bytes(b"x" * 2000)
     entries = {e.name: e for e in cache.report(tmp_path)}
     assert entries["smollm2-135m"].bytes == 2000 and entries["smollm2-135m"].what == "a converted model"
-    assert entries["compiled"].files == 4 and entries["inductor"].bytes == 500
+    assert entries["compiled"].files == 6 and entries["inductor"].bytes == 500
     assert entries["compiled/ (temporary)"].files == 2 and "1 of them stale" in entries["compiled/ (temporary)"].what
     assert "in all" in cache.format_report(list(entries.values()), tmp_path)
     cache.clean(tmp_path)
-    assert sorted(p.name for p in (tmp_path / "compiled").iterdir()) == [running.name]  # a running compile's file stays
+    # a running compile's file stays, and the key its records are keyed by; the kernel's library goes
+    assert sorted(p.name for p in (tmp_path / "compiled").iterdir()) == sorted([running.name, "trust.key"])
     assert not (tmp_path / "inductor").exists() and (tmp_path / "smollm2-135m" / "model.safetensors").exists()
     cache.clean(tmp_path, everything=True)
     assert list(tmp_path.iterdir()) == []
@@ -121,6 +125,9 @@ def test_killing_an_engine_mid_compile_ten_times_leaves_no_job_files(tiny_model,
         time.sleep(600)
     """)
     env = dict(os.environ, MINILLM_COMPILE_NICENESS="0")
+    left_by_a_killed_engine = [tmp_path / f"job-{_dead_pid()}-old.pkl", tmp_path / f"tensors-{_dead_pid()}-old.pt"]
+    for path in left_by_a_killed_engine:  # as an engine killed between writing them and its worker reading them leaves them
+        path.write_bytes(b"x" * 100)
     for _ in range(10):
         proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
         try:
@@ -131,7 +138,7 @@ def test_killing_an_engine_mid_compile_ten_times_leaves_no_job_files(tiny_model,
     deadline = time.monotonic() + 20  # the last worker notices its parent has gone within a second
     while temporary_files(tmp_path) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert temporary_files(tmp_path) == []
+    assert temporary_files(tmp_path) == [] and not any(p.exists() for p in left_by_a_killed_engine)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(("job-", "tensors-")) or ".partial" in p.name] == []
     packages = [p.name for p in tmp_path.glob("decode-*.pt2")]
     assert len(packages) == len(set(packages)) <= 1

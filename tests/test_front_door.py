@@ -397,8 +397,9 @@ def test_the_drain_deadline_ends_every_request_with_a_word(tiny_model):
             cut += 1
         else:
             assert answer.json()["usage"]["completion_tokens"] == 240
-    # 16 x 240 tokens one at a time outlast the drain (~2.4 s here, where ~6 requests finish a second)
-    assert cut >= 8 and any(a.status_code == 503 for a in answers) and any(len(lines) < 241 for lines in streams)
+    # 16 x 240 tokens one at a time outlast the drain (~2.4 s here, where ~6 requests finish a second):
+    # whatever the machine's speed, the last of each kind to queue is cut
+    assert cut >= 2 and any(a.status_code == 503 for a in answers) and any(len(lines) < 241 for lines in streams)
 
 
 @pytest.fixture(scope="module")

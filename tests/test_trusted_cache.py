@@ -185,10 +185,13 @@ def test_an_unrecorded_library_under_inductor_is_deleted_before_inductor_runs(pr
     ours = inductor / "xy" / "ckernel.so"
     ours.write_bytes(b"\x7fELF compiled here")
     trusted_cache.record(ours)
-    source = inductor / "xy" / "cxyprobe.cpp"  # not native code: left alone
+    source = inductor / "xy" / "cxyprobe.cpp"  # anything unrecorded: a generated module or a cached graph can run too
     source.write_text("int main() {}")
-    assert trusted_cache.guard_inductor() == [probe]
-    assert not probe.exists() and ours.exists() and source.exists()
+    lock = inductor / "locks" / "abc.lock"  # inductor's locks are left alone
+    trusted_cache.private_dir(lock.parent)
+    lock.write_text("")
+    assert trusted_cache.guard_inductor() == sorted([probe, source])
+    assert not probe.exists() and not source.exists() and ours.exists() and lock.exists()
     fresh = inductor / "zz" / "cnew.so"
     trusted_cache.private_dir(fresh.parent)
     fresh.write_bytes(b"\x7fELF compiled just now")
@@ -197,13 +200,29 @@ def test_an_unrecorded_library_under_inductor_is_deleted_before_inductor_runs(pr
 
 @pytest.mark.parametrize("mode", [0o777, 0o775, 0o722])
 def test_every_folder_under_inductor_is_checked_not_only_the_top(private_cache, mode):
+    """A folder of ours deep in the tree that others could write to (inductor makes them with the
+    umask's mode: 0775 under 002) is closed, and what sits in it unrecorded — a library with a
+    plain SHA-256 beside it, as planted in the field — is deleted, never loaded."""
+    import hashlib
+
     inductor = trusted_cache.private_dir(private_cache / "inductor")
     deep = trusted_cache.private_dir(inductor / "ab" / "cd")
-    (deep / "k.so").write_bytes(b"x")
+    planted = deep / "k.so"
+    planted.write_bytes(b"\x7fELF planted")
+    (deep / "k.so.sha256").write_text(hashlib.sha256(planted.read_bytes()).hexdigest() + "\n")
     deep.chmod(mode)
-    with pytest.raises(trusted_cache.UnsafeCacheError, match=f"{deep} is writable by other users"):
+    assert trusted_cache.guard_inductor() == [planted]
+    assert not planted.exists() and stat.S_IMODE(deep.stat().st_mode) == mode & ~0o022
+
+
+def test_a_folder_of_another_user_deep_in_the_tree_is_refused(private_cache):
+    if os.getuid() != 0:
+        pytest.skip("only root can give a folder to another user")
+    inductor = trusted_cache.private_dir(private_cache / "inductor")
+    deep = trusted_cache.private_dir(inductor / "ab")
+    os.chown(deep, 12345, -1)
+    with pytest.raises(trusted_cache.UnsafeCacheError, match="belongs to another user"):
         trusted_cache.guard_inductor()
-    assert (deep / "k.so").exists()  # refused, not deleted: not ours to judge
 
 
 def test_a_symlink_out_of_the_tree_is_refused(private_cache, tmp_path):
@@ -289,3 +308,19 @@ def test_the_kernels_library_with_its_record_deleted_is_rebuilt_never_loaded(tmp
     rebuilt = again.stdout.strip().splitlines()[-1]
     with open(rebuilt, "rb") as f:
         assert f.read() != planted
+
+
+def test_a_record_is_sealed_and_a_file_rewritten_with_its_old_times_is_hashed_again(private_cache, tmp_path):
+    built = tmp_path / "lib.so"
+    built.write_bytes(b"the code we compiled")
+    trusted_cache.record(built)
+    record = built.with_name("lib.so" + trusted_cache.SUFFIX)
+    content, fingerprint, seal = record.read_text().split()
+    assert trusted_cache.verified(built)
+    record.write_text(f"{content} 1:2:3:4 {seal}\n")  # a fingerprint of one's own: the seal no longer matches
+    assert not trusted_cache.verified(built)
+    trusted_cache.record(built)
+    times = built.stat()
+    built.write_bytes(b"someone else's code!")  # same length ...
+    os.utime(built, ns=(times.st_atime_ns, times.st_mtime_ns))  # ... and the old modification time
+    assert not trusted_cache.verified(built)  # the change time moved: hashed in full, and it differs

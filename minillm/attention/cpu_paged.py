@@ -51,10 +51,11 @@ def _library() -> ctypes.CDLL:
 
     source = "#include <torch/csrc/inductor/cpp_prefix.h>\n" + SOURCE.read_text()
     folder = trusted_cache.private_dir(kernels_dir())
-    trusted_cache.sweep_unrecorded(folder, (".so",))
-    with cache_dir_on_this_thread(codecache, folder):
-        library = _build(codecache.CppCodeCache, source)
-    trusted_cache.record_unrecorded(folder, (".so",))
+    with trusted_cache.holding(folder):  # another process's fresh library is not swept before it is recorded
+        trusted_cache.sweep_unrecorded(folder, (".so",))
+        with cache_dir_on_this_thread(codecache, folder):
+            library = _build(codecache.CppCodeCache, source)
+        trusted_cache.record_unrecorded(folder, (".so",))
     return library
 
 

@@ -22,8 +22,10 @@ replicas; ``/health`` is 200 while any replica serves (listing each), 503 when n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import signal
 from contextlib import asynccontextmanager
 
 import httpx
@@ -192,14 +194,35 @@ def build_router_app(
     return app
 
 
+class RouterServer(uvicorn.Server):
+    """The router's uvicorn server: on SIGTERM it passes the signal to every replica at once, so
+    each drains for its own ``--shutdown-timeout`` and ends what is left with an error event
+    naming the shutdown and ``[DONE]`` (or a 503) — which reach the clients through the router,
+    whose own drain waits ``REPLICA_MARGIN_S`` longer than theirs."""
+
+    REPLICA_MARGIN_S = 2.0
+
+    def __init__(self, config: uvicorn.Config, replicas: list[ServerProcess]):
+        super().__init__(config)
+        self.replicas = replicas
+
+    async def shutdown(self, sockets=None) -> None:
+        for replica in self.replicas:
+            if replica.proc is not None and replica.proc.poll() is None:
+                replica.proc.send_signal(signal.SIGTERM)
+        await super().shutdown(sockets)
+
+
 def serve_data_parallel(
     models: list[str], replicas: int, replica_args: list[str], policy: str = "prefix_aware",
     host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", block_size: int = 16,
     max_body_bytes: int = 2 << 20, allowed_hosts: list[str] | None = None, api_key: str | None = None,
+    shutdown_timeout: float = 10.0,
 ) -> None:  # fmt: skip
     """Start ``replicas`` servers of ``models`` (each ``minillm serve`` + ``replica_args`` on a
     free loopback port), then the router on ``host:port`` until interrupted; the replicas
-    stop with it."""
+    stop with it. ``shutdown_timeout``: the replicas' drain (``replica_args`` carries the same
+    flag to them), the router's a little longer (``RouterServer``)."""
     tokenizers = {served_name(m): Tokenizer(resolve_model(m)) for m in models}
     servers = [ServerProcess(models, replica_args, log_level="warning") for _ in range(replicas)]
 
@@ -213,6 +236,9 @@ def serve_data_parallel(
         urls = [s.url for s in servers]
         app = build_router_app(urls, tokenizers, policy, block_size, stop_replicas, max_body_bytes,
                                allowed_hosts or default_allowed_hosts(host), api_key)  # fmt: skip
-        uvicorn.run(app, host=host, port=port, log_level=log_level, http=with_header_timeout(10.0))
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=with_header_timeout(10.0),
+                                timeout_graceful_shutdown=shutdown_timeout + RouterServer.REPLICA_MARGIN_S)  # fmt: skip
+        with contextlib.suppress(KeyboardInterrupt):  # as uvicorn.run: Ctrl-C is a way to stop, not an error
+            RouterServer(config, servers).run()
     finally:  # a replica that failed to start, or Ctrl-C before the app ran
         stop_replicas()

@@ -92,7 +92,7 @@ class LLM:
     model = property(lambda self: self.engine.model)
     model_config = property(lambda self: self.engine.model_config)
     model_dir = property(lambda self: self.engine.model_dir)
-    tokenizer = property(lambda self: self.engine.tokenizer)
+    tokenizer = property(lambda self: self.replicas.tokenizer if self.replicas is not None else self.engine.tokenizer)
     device = property(lambda self: self.engine.device)
     dtype = property(lambda self: self.engine.dtype)
     max_model_len = property(lambda self: self.engine.max_model_len)

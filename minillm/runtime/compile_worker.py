@@ -176,9 +176,8 @@ def main(argv: list[str]) -> int:
     cache_inductor_templates()
     try:
         with one_compile_at_a_time(Path(next(iter(job.paths.values()))).parent):
-            trusted_cache.guard_inductor()  # no library inductor finds on disk runs unless we recorded it
-            build(job, tensors)
-            trusted_cache.record_inductor()
+            with trusted_cache.inductor_session():  # nothing inductor finds on disk runs unless we recorded it
+                build(job, tensors)
     except BaseException as error:  # reported to the engine, which keeps running eagerly
         traceback.print_exc(file=sys.stderr)
         emit("failed", error=f"{type(error).__name__}: {error}")

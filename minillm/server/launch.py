@@ -7,6 +7,7 @@ process; tests and notebooks use it to talk HTTP to the engine without a second 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 import signal
@@ -86,7 +87,11 @@ def serve(
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=keep_alive_timeout,
                             limit_concurrency=max_connections, timeout_graceful_shutdown=shutdown_timeout,
                             http=with_header_timeout(header_timeout))  # fmt: skip
-    DrainingServer(config, engines).run()
+    server = DrainingServer(config, engines)
+    with contextlib.suppress(KeyboardInterrupt):  # as uvicorn.run: Ctrl-C is a way to stop, not an error
+        server.run()
+    if not server.started:  # as uvicorn.run: a server that never started is a failed start
+        sys.exit(3)
 
 
 class DrainingServer(uvicorn.Server):

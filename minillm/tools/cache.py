@@ -5,8 +5,10 @@ again, at a cost: converted models (seconds), compiled decode packages (``compil
 or two each, and each holds a copy of its model's weights), inductor's compiler cache
 (``inductor/``), machine probes (``machine/``), offloaded weights (``offload/``). The report
 says how much each holds, so a learner whose disk fills up sees where it went; ``clean``
-removes the compiled code (packages, their records, inductor's cache) and the files of
-compiles whose processes were killed, and with ``everything`` the rest too.
+removes the compiled code (packages, the kernel's library, their records, inductor's cache)
+and the files of compiles whose processes were killed — never the cache's key
+(``trusted_cache.py``), which records still in use are keyed by — and with ``everything``
+the rest too.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from minillm import trusted_cache
 from minillm.assets import cache_dir
 from minillm.runtime.compile_files import is_stale, sweep_stale, temporary_files
 
@@ -78,12 +81,16 @@ def clean(root: Path | None = None, everything: bool = False) -> list[Path]:
     for path in sorted(root.iterdir()):
         if not everything and path.name not in COMPILED:
             continue
-        if path.name == "compiled" and not everything:  # all but a running compile's files and locks
+        if path.name == "compiled" and not everything:  # all but a running compile's files, locks and the key
             running = set(temporary_files(path))
             for child in path.iterdir():
-                if child.is_file() and child not in running and child.suffix != ".lock":
+                if child.is_dir() and not child.is_symlink():  # the kernel's library
+                    shutil.rmtree(child, ignore_errors=True)
+                elif child not in running and child.suffix != ".lock" and child.name != trusted_cache.KEY_FILE:
                     child.unlink(missing_ok=True)
-                    removed.append(child)
+                else:
+                    continue
+                removed.append(child)
             continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
