@@ -28,12 +28,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
-import functools
 import hashlib
 import hmac
 import os
 import secrets
 import stat
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -78,17 +78,57 @@ def check_private(folder: Path) -> None:
 
 
 def private_dir(folder: Path) -> Path:
-    """``folder``, created private (0700) if missing, and checked (``check_private``)."""
+    """``folder``, created private (0700) if missing — every missing level, not only the last
+    (``mkdir(parents=True)`` gives the others the umask's mode: 0775 under 002) — and checked
+    (``check_private``). A folder of ours strictly inside the cache folder that others could
+    write to (made by an older minillm, or by inductor, with the umask's mode) is closed first."""
     folder = Path(folder)
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    missing = []
+    for level in (folder, *folder.parents):
+        if level.exists():
+            break
+        missing.append(level)
+    for level in reversed(missing):
+        level.mkdir(mode=0o700, exist_ok=True)
+    if _in_cache(folder):
+        _close_if_ours(folder)
     check_private(folder)
     return folder
 
 
-def check_tree(root: Path) -> None:
+def _in_cache(folder: Path) -> bool:
+    root = cache_dir().resolve()
+    resolved = Path(folder).resolve()
+    return resolved != root and resolved.is_relative_to(root)
+
+
+def _close_if_ours(folder: Path) -> None:
+    """``chmod go-w`` a folder of ours: it sits in a private tree, and whatever another user might
+    have put in it before has no record keyed by this cache's secret, so it is never loaded."""
+    try:
+        info = folder.lstat()
+    except FileNotFoundError:
+        return
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    if stat.S_ISDIR(info.st_mode) and (uid is None or info.st_uid == uid) and info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        try:
+            folder.chmod(stat.S_IMODE(info.st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
+        except FileNotFoundError:
+            return
+        except OSError as error:
+            raise UnsafeCacheError(
+                f"{folder} is writable by other users (mode {stat.S_IMODE(info.st_mode):o}) and could not be closed "
+                f"({error}): run `chmod -R go-w {folder}` (or set MINILLM_CACHE to a private folder)"
+            ) from None
+
+
+def check_tree(root: Path, close: bool = True) -> None:
     """``check_private(root)``, then every folder beneath it: none owned by another user, none
-    that others could write to (one of ours is closed: ``chmod go-w``), and no symbolic link
-    that leads out of ``root``. Raises ``UnsafeCacheError`` naming the first offender."""
+    that others could write to, and no symbolic link that leads out of ``root``. A folder of
+    ours that others could write to is closed (``chmod go-w``: inductor makes its folders with
+    the umask's mode) — with ``close`` False (a folder the user chose) it is refused. Raises
+    ``UnsafeCacheError`` naming the first offender. Files and folders that vanish while it looks
+    (another process's temporary files) are passed over."""
     root = Path(root)
     if not root.exists():
         return
@@ -98,13 +138,14 @@ def check_tree(root: Path) -> None:
     for folder, subfolders, files in os.walk(root):  # does not follow links into other trees
         for name in subfolders + files:
             path = Path(folder) / name
-            info = path.lstat()
-            if stat.S_ISLNK(info.st_mode):
-                if not path.resolve().is_relative_to(top):
+            try:
+                info = path.lstat()
+                if stat.S_ISLNK(info.st_mode) and not path.resolve().is_relative_to(top):
                     raise UnsafeCacheError(
                         f"{path} is a symbolic link to {os.readlink(path)}, out of {root}: code loaded through it "
                         f"could be anyone's. Remove it (or set MINILLM_CACHE to a private folder)"
                     )
+            except FileNotFoundError:
                 continue
             if not stat.S_ISDIR(info.st_mode):
                 continue
@@ -114,16 +155,12 @@ def check_tree(root: Path) -> None:
                     f"remove it (or set MINILLM_CACHE to a folder of your own)"
                 )
             if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-                # Ours, inside a private root: inductor makes its folders with the umask's mode (0775
-                # under a umask of 002). Closed now; whatever another user might have put in it
-                # before has no record keyed by this cache's secret, and is never loaded.
-                try:
-                    path.chmod(stat.S_IMODE(info.st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
-                except OSError as error:
+                if not close:
                     raise UnsafeCacheError(
-                        f"{path} is writable by other users (mode {stat.S_IMODE(info.st_mode):o}) and could not be "
-                        f"closed ({error}): run `chmod -R go-w {root}` (or set MINILLM_CACHE to a private folder)"
-                    ) from None
+                        f"{path} is writable by other users (mode {stat.S_IMODE(info.st_mode):o}): anyone could put "
+                        f"code in it. Run `chmod -R go-w {root}`"
+                    )
+                _close_if_ours(path)
 
 
 def _key() -> bytes:
@@ -247,11 +284,20 @@ def record_unrecorded(root: Path, suffixes: Iterable[str] | None = NATIVE) -> li
     return new
 
 
+def record_of(path: Path) -> Path:
+    """Where ``path``'s record is kept."""
+    path = Path(path)
+    return path.with_name(path.name + SUFFIX)
+
+
 def forget(path: Path) -> None:
     """Delete ``path`` and its record."""
     path = Path(path)
     path.unlink(missing_ok=True)
     path.with_name(path.name + SUFFIX).unlink(missing_ok=True)
+
+
+INDUCTOR_FOLDERS = ("inductor", "inductor-worker")  # minillm's: the engine process's, the compile worker's
 
 
 def inductor_cache() -> Path | None:
@@ -260,12 +306,17 @@ def inductor_cache() -> Path | None:
     return Path(folder) if folder else None
 
 
+def _ours(folder: Path) -> bool:
+    """Whether ``folder`` is one of minillm's folders for inductor (not one the user chose)."""
+    return any(Path(folder).resolve() == (cache_dir() / name).resolve() for name in INDUCTOR_FOLDERS)
+
+
 @contextlib.contextmanager
 def holding(root: Path, wait: bool = True) -> Iterator[bool]:
-    """Inside the ``with``, this process alone sweeps, builds in and records ``root`` (a lock file
-    in it, ``LOCK_FILE``): one process's sweep must not delete what another has built but not yet
-    recorded. With ``wait`` False it yields False at once if another process holds it (True:
-    held)."""
+    """Inside the ``with``, this process alone sweeps, builds in and records ``root`` (an
+    exclusive lock on a file in it, ``LOCK_FILE``): one process's sweep must not delete what
+    another has built but not yet recorded. With ``wait`` False it yields False at once if
+    another process holds the tree (True: held)."""
     root = private_dir(root)
     with open(root / LOCK_FILE, "a") as handle:
         try:
@@ -279,57 +330,79 @@ def holding(root: Path, wait: bool = True) -> Iterator[bool]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def guard_inductor(wait: bool = True) -> list[Path]:
-    """Before inductor compiles or loads in this process: in the folder minillm chose for it
-    (``<cache>/inductor``), every folder checked and every file nobody recorded deleted —
-    inductor builds again what it needs rather than load a library, a generated module or a
-    cached graph (a pickle: loading one runs code) that this cache did not write. A folder the
-    user chose (``TORCHINDUCTOR_CACHE_DIR``) is checked folder by folder, but its files are the
-    user's: none is deleted. With ``wait`` False and another process compiling there now (it
-    swept first, under the lock), only the folders are checked. The paths deleted."""
-    folder = inductor_cache()
-    if folder is None:
-        return []
-    if folder != cache_dir() / "inductor":
-        check_tree(folder)
-        return []
-    with holding(folder, wait) as held:
-        if not held:
-            check_tree(folder)
-            return []
-        return sweep_unrecorded(folder, None)
+def _unrecorded_or_changed(root: Path) -> list[Path]:
+    """Every file in ``root`` (but records, locks, the key) that does not verify."""
+    return [path for path in native_files(root, None) if not verified(path)]
 
 
-def record_inductor(wait: bool = True) -> list[Path]:
-    """After inductor compiled in this process (``guard_inductor`` ran first): record the files
-    it wrote in minillm's folder for it. The paths recorded (none if ``wait`` is False and
-    another process holds the folder: the files stay unrecorded, and are built again later)."""
-    folder = inductor_cache()
-    if folder is None or folder != cache_dir() / "inductor" or not folder.is_dir():
-        return []
-    with holding(folder, wait) as held:
-        return record_unrecorded(folder, None) if held else []
+def _forget_orphan_records(root: Path) -> None:
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(SUFFIX) and not (Path(folder) / name[: -len(SUFFIX)]).exists():
+                (Path(folder) / name).unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
 def inductor_session() -> Iterator[None]:
-    """A compile in this process from start to end: inductor's folder guarded, held against
-    other processes' sweeps, and what the compile wrote recorded when it succeeds (the compile
-    worker: a minute or two)."""
+    """A compile in this process from start to end, with the tree to itself (the compile worker,
+    whose folder is its own, ``<cache>/inductor-worker``, and whose compiles run one at a time):
+    every folder checked, every file nobody recorded deleted first — inductor builds again what
+    it needs rather than load a library, a generated module or a cached graph (a pickle: loading
+    one runs code) that this cache did not write — and, when the compile succeeds, every file it
+    wrote or rewrote recorded. A folder the user chose is checked folder by folder, but its
+    files are the user's: none is deleted or recorded."""
     folder = inductor_cache()
-    if folder is None or folder != cache_dir() / "inductor":
-        guard_inductor()
+    if folder is None or not _ours(folder):
+        if folder is not None:
+            check_tree(folder, close=False)
         yield
         return
     with holding(folder):
         sweep_unrecorded(folder, None)
+        _forget_orphan_records(folder)
         yield
-        record_unrecorded(folder, None)
+        for path in _unrecorded_or_changed(folder):  # new, and rewritten in place (inductor's autotune cache)
+            record(path)
 
 
-@functools.cache
-def record_inductor_at_exit() -> None:
-    """``record_inductor`` when this process exits (once, however often it is asked): for
-    ``torch.compile`` in the engine's own process, which compiles at its first calls. A process
-    killed first leaves its files unrecorded, and the next ``guard_inductor`` deletes them."""
-    atexit.register(record_inductor, False)
+_SHARED: dict[Path, object] = {}  # tree -> the open lock file this process holds shared until it exits
+
+
+def guard_inductor() -> list[Path]:
+    """Before ``torch.compile`` runs in this process (it compiles lazily, at its first calls, so
+    it cannot hold a tree to itself): if no other process is compiling in minillm's folder for
+    inductor, sweep it as ``inductor_session`` does; either way keep a shared lock on it until
+    this process exits — no other process sweeps it meanwhile — and record at exit what was
+    written since. Once per process and folder (a second engine must not sweep the first's
+    unrecorded files). The paths deleted."""
+    folder = inductor_cache()
+    if folder is None or not _ours(folder):
+        if folder is not None:
+            check_tree(folder, close=False)
+        return []
+    folder = private_dir(folder)
+    if folder in _SHARED:
+        return []
+    handle = open(folder / LOCK_FILE, "a")  # noqa: SIM115 (held until exit, closed by the kernel then)
+    removed = []
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        removed = sweep_unrecorded(folder, None)
+        _forget_orphan_records(folder)
+    except BlockingIOError:
+        check_tree(folder)  # another process compiles here (it swept first): look, delete nothing
+    fcntl.flock(handle, fcntl.LOCK_SH)
+    _SHARED[folder] = handle
+    started = time.time()
+    atexit.register(_record_written_since, folder, started)
+    return removed
+
+
+def _record_written_since(folder: Path, since: float) -> None:
+    """At exit: record the files this process's compiles wrote (those written after its guard)."""
+    for path in native_files(folder, None):
+        try:
+            if path.stat().st_mtime >= since - 1 and not verified(path):
+                record(path)
+        except OSError:
+            continue

@@ -89,8 +89,19 @@ def test_cache_report_and_clean(tmp_path):
     assert "in all" in cache.format_report(list(entries.values()), tmp_path)
     cache.clean(tmp_path)
     # a running compile's file stays, and the key its records are keyed by; the kernel's library goes
-    assert sorted(p.name for p in (tmp_path / "compiled").iterdir()) == sorted([running.name, "trust.key"])
-    assert not (tmp_path / "inductor").exists() and (tmp_path / "smollm2-135m" / "model.safetensors").exists()
+    assert sorted(p.name for p in (tmp_path / "compiled").iterdir()) == sorted([running.name, "trust.key", "minillm-tree.lock"])
+    assert list((tmp_path / "inductor").iterdir()) == [tmp_path / "inductor" / "minillm-tree.lock"]  # emptied, lock kept
+    assert (tmp_path / "smollm2-135m" / "model.safetensors").exists()
+    (tmp_path / "inductor" / "cd").mkdir(parents=True)
+    (tmp_path / "inductor" / "cd" / "k.so").write_bytes(b"x")
+    from minillm import trusted_cache
+
+    with trusted_cache.holding(tmp_path / "inductor"):  # a compile running there now (another process's, in life)
+        import subprocess as sp
+
+        sp.run([sys.executable, "-c", f"from minillm.tools import cache; cache.clean(__import__('pathlib').Path({str(tmp_path)!r}))"],
+               check=True, env=dict(os.environ, MINILLM_CACHE=str(tmp_path)))  # fmt: skip
+        assert (tmp_path / "inductor" / "cd" / "k.so").exists()  # left as it is
     cache.clean(tmp_path, everything=True)
     assert list(tmp_path.iterdir()) == []
 
@@ -104,7 +115,7 @@ def test_the_cache_command_reports_and_cleans(tmp_path, monkeypatch, capsys):
     assert main(["cache"]) == 0
     assert "inductor" in capsys.readouterr().out
     assert main(["cache", "clean"]) == 0
-    assert "removed 1 entries" in capsys.readouterr().out and not (tmp_path / "inductor").exists()
+    assert "removed 1 entries" in capsys.readouterr().out and not (tmp_path / "inductor" / "k.so").exists()
 
 
 def test_killing_an_engine_mid_compile_ten_times_leaves_no_job_files(tiny_model, tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 
 import pytest
 import torch
@@ -190,12 +191,53 @@ def test_an_unrecorded_library_under_inductor_is_deleted_before_inductor_runs(pr
     lock = inductor / "locks" / "abc.lock"  # inductor's locks are left alone
     trusted_cache.private_dir(lock.parent)
     lock.write_text("")
-    assert trusted_cache.guard_inductor() == sorted([probe, source])
-    assert not probe.exists() and not source.exists() and ours.exists() and lock.exists()
-    fresh = inductor / "zz" / "cnew.so"
-    trusted_cache.private_dir(fresh.parent)
-    fresh.write_bytes(b"\x7fELF compiled just now")
-    assert trusted_cache.record_inductor() == [fresh] and trusted_cache.verified(fresh)
+    orphan = inductor / "xy" / ("gone.so" + trusted_cache.SUFFIX)
+    orphan.write_text("a record without its file\n")
+    autotune = inductor / "cache" / "system"
+    trusted_cache.private_dir(autotune.parent)
+    autotune.write_text("{}")
+    trusted_cache.record(autotune)
+    with trusted_cache.inductor_session():  # the compile worker's
+        assert not probe.exists() and not source.exists() and not orphan.exists()
+        assert ours.exists() and lock.exists() and autotune.exists()
+        fresh = trusted_cache.private_dir(inductor / "zz") / "cnew.so"
+        fresh.write_bytes(b"\x7fELF compiled just now")
+        autotune.with_name("tmp").write_text('{"gemm": 1}')
+        autotune.with_name("tmp").replace(autotune)  # inductor rewrites its autotune cache in place
+    assert trusted_cache.verified(fresh) and trusted_cache.verified(autotune)  # recorded: kept next time
+
+
+def test_an_in_process_compile_sweeps_once_and_records_at_exit(private_cache):
+    from minillm.trusted_cache import _record_written_since
+
+    inductor = trusted_cache.private_dir(private_cache / "inductor")
+    planted = trusted_cache.private_dir(inductor / "ab") / "x.so"
+    planted.write_bytes(b"\x7fELF planted")
+    assert trusted_cache.guard_inductor() == [planted]
+    written = inductor / "ab" / "y.so"  # the lazy compile's output, unrecorded until exit
+    written.write_bytes(b"\x7fELF compiled lazily")
+    assert trusted_cache.guard_inductor() == [] and written.exists()  # a second engine: no second sweep
+    _record_written_since(inductor, time.time() - 60)  # what atexit runs
+    assert trusted_cache.verified(written)
+
+
+def test_a_cold_cache_under_umask_002_is_private_all_the_way_down(tmp_path, monkeypatch):
+    cache = tmp_path / "fresh-cache"
+    monkeypatch.setenv("MINILLM_CACHE", str(cache))
+    old = os.umask(0o002)
+    try:
+        kernels = trusted_cache.private_dir(cache / "compiled" / "kernels")  # the kernel's thread comes first
+        assert stat.S_IMODE((cache / "compiled").stat().st_mode) == 0o700
+        lib = kernels / "k.so"
+        lib.write_bytes(b"x")
+        trusted_cache.record(lib)  # needs the key, in compiled/: private
+        assert trusted_cache.verified(lib)
+        (cache / "inductor").mkdir(mode=0o775)  # as inductor (or an older minillm) makes it
+        os.chmod(cache / "inductor", 0o775)
+        trusted_cache.private_dir(cache / "inductor")  # ours, inside the cache: closed, not refused
+        assert stat.S_IMODE((cache / "inductor").stat().st_mode) == 0o755
+    finally:
+        os.umask(old)
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o775, 0o722])
@@ -244,6 +286,9 @@ def test_a_folder_the_user_chose_for_inductor_is_checked_but_not_swept(private_c
     (chosen / "k.so").write_bytes(b"theirs")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(chosen))
     assert trusted_cache.guard_inductor() == [] and (chosen / "k.so").exists()
+    with trusted_cache.inductor_session():
+        pass
+    assert (chosen / "k.so").exists() and not (chosen / "k.so.sha256").exists()
     chosen.chmod(0o777)
     with pytest.raises(trusted_cache.UnsafeCacheError):
         trusted_cache.guard_inductor()

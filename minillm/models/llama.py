@@ -270,8 +270,7 @@ class LlamaForCausalLM(nn.Module):
         prepacked fp32 models, whose single-row linears are plain (traceable) matmuls while
         multi-row ones use oneDNN's packed kernels, faster than anything the compiler emits.
         """
-        trusted_cache.guard_inductor(wait=False)  # what inductor finds on disk runs only if recorded ...
-        trusted_cache.record_inductor_at_exit()  # ... and what it writes now is recorded at exit
+        trusted_cache.guard_inductor()  # what inductor finds on disk runs only if recorded; recorded at exit
         self._compiled_step = torch.compile(self._forward, dynamic=True)
         self._compiled_single_row_only = single_row_only
 

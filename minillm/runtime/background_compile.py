@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from minillm import trusted_cache
+from minillm.assets import cache_dir
 from minillm.config import EngineConfig, environment
 from minillm.layers.cpu_prepack import release_plain_weights
 from minillm.runtime.compile_files import owned_prefix, sweep_stale
@@ -127,6 +128,18 @@ def load_packages_on_disk(compiled: CompiledDecode, job: CompileJob) -> tuple[in
         compiled.swap_in()
         job.paths = {b: p for b, p in job.paths.items() if b not in loaded}
     return tuple(loaded)
+
+
+def worker_environment(threads: int) -> dict[str, str]:
+    """What the compile worker's environment adds to ours: its thread count, and inductor's cache
+    in a folder of its own (``<cache>/inductor-worker``) unless the user chose one — the worker
+    sweeps, fills and records its folder under a lock for a whole compile
+    (``trusted_cache.inductor_session``), while this process's own ``torch.compile`` uses
+    ``<cache>/inductor``, whose files it records only at exit."""
+    extra = {"OMP_NUM_THREADS": str(threads)}
+    if environment.source("TORCHINDUCTOR_CACHE_DIR") != "environment":
+        extra["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor-worker")
+    return extra
 
 
 class BackgroundBuild:
@@ -241,7 +254,7 @@ class BackgroundBuild:
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     text=True,
-                    env=environment.for_children(OMP_NUM_THREADS=str(job.threads)),
+                    env=environment.for_children(**worker_environment(job.threads)),
                 )
             threading.Thread(target=self._read_log, daemon=True, name="minillm-fast-path-log").start()
             self._follow(self._worker)

@@ -284,7 +284,8 @@ class CompiledDecode:
         start = time.perf_counter()
         graph = load_package(path)
         self.load_seconds[batch] = time.perf_counter() - start
-        os.utime(path)  # newest first when old packages are pruned
+        os.utime(trusted_cache.record_of(path))  # newest first when old packages are pruned (not the package:
+        # touching it would move the fingerprint its record holds, and the next load would hash it again)
         self.offer(batch, graph)
         return graph
 
@@ -359,6 +360,7 @@ class CompiledDecode:
                 )
             trusted_cache.record(partial, as_=path)  # its hash first: a loader never finds it unrecorded
             partial.replace(path)  # atomic: another process never loads half a package
+            trusted_cache.record(path)  # again, with the renamed file's fingerprint: a warm load need not re-hash it
         finally:
             partial.unlink(missing_ok=True)
         seconds = time.perf_counter() - start
@@ -558,10 +560,10 @@ def prune_packages(keep: int, folder: Path | None = None) -> None:
     folder = folder or packages_dir()
     if not folder.is_dir():
         return
-    packages = sorted(
-        (p for p in folder.glob("decode-*.pt2") if ".partial" not in p.name),
-        key=lambda p: p.stat().st_mtime,
-        reverse=True,
-    )
+    def last_used(package: Path) -> float:  # its record's time: a load touches that (CompiledDecode.load)
+        record = trusted_cache.record_of(package)
+        return (record if record.exists() else package).stat().st_mtime
+
+    packages = sorted((p for p in folder.glob("decode-*.pt2") if ".partial" not in p.name), key=last_used, reverse=True)
     for old in packages[keep:]:
         trusted_cache.forget(old)

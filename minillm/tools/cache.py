@@ -23,13 +23,14 @@ from minillm.runtime.compile_files import is_stale, sweep_stale, temporary_files
 
 #: What each top-level entry of the cache holds; anything else is a converted model.
 KNOWN = {
-    "compiled": "compiled decode packages and the C++ kernel's record",
-    "inductor": "PyTorch inductor's compiler cache",
+    "compiled": "compiled decode packages, the C++ kernel, their records",
+    "inductor": "PyTorch inductor's compiler cache (the engine's own compiles)",
+    "inductor-worker": "PyTorch inductor's compiler cache (the background compile worker's)",
     "machine": "this machine's measured choices",
     "offload": "weights offloaded to disk",
 }
 #: Removed by ``clean``: compiled code, which the engine builds again when it needs it.
-COMPILED = ("compiled", "inductor")
+COMPILED = ("compiled", "inductor", "inductor-worker")
 
 
 @dataclass
@@ -73,7 +74,9 @@ def report(root: Path | None = None) -> list[Entry]:
 
 def clean(root: Path | None = None, everything: bool = False) -> list[Path]:
     """Remove the compiled code (``COMPILED``) and stale compile files — with ``everything``,
-    every entry of the cache; the paths removed. A compile running now keeps its files."""
+    every entry of the cache; the paths removed. A compile running now keeps its files: a tree
+    another process holds (``trusted_cache.holding``) is passed over, and so are a running
+    compile's temporary files, the locks and the cache's key."""
     root = Path(root or cache_dir())
     if not root.is_dir():
         return []
@@ -81,22 +84,45 @@ def clean(root: Path | None = None, everything: bool = False) -> list[Path]:
     for path in sorted(root.iterdir()):
         if not everything and path.name not in COMPILED:
             continue
-        if path.name == "compiled" and not everything:  # all but a running compile's files, locks and the key
-            running = set(temporary_files(path))
-            for child in path.iterdir():
-                if child.is_dir() and not child.is_symlink():  # the kernel's library
-                    shutil.rmtree(child, ignore_errors=True)
-                elif child not in running and child.suffix != ".lock" and child.name != trusted_cache.KEY_FILE:
-                    child.unlink(missing_ok=True)
-                else:
+        if path.is_dir() and not path.is_symlink() and path.name in COMPILED:
+            if not everything:
+                removed += _empty(path, keep=set(temporary_files(path)))
+                continue
+            with trusted_cache.holding(path, wait=False) as held:
+                if not held:
+                    print(f"{path}: a compile is running there; left as it is")
                     continue
-                removed.append(child)
+                shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
             continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
         removed.append(path)
+    return removed
+
+
+def _empty(tree: Path, keep: set[Path]) -> list[Path]:
+    """Everything in ``tree`` but ``keep``, its lock files and the key, unless another process
+    holds it (then nothing, and it says so); the paths removed. Subfolders are trees of their
+    own (``compiled/kernels``)."""
+    removed: list[Path] = []
+    with trusted_cache.holding(tree, wait=False) as held:
+        if not held:
+            print(f"{tree}: a compile is running there; left as it is")
+            return removed
+        for child in sorted(tree.iterdir()):
+            if child in keep or child.suffix == ".lock" or child.name == trusted_cache.KEY_FILE:
+                continue
+            if child.is_dir() and not child.is_symlink():
+                if (child / trusted_cache.LOCK_FILE).exists():
+                    removed += _empty(child, keep)
+                    continue
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
+            removed.append(child)
     return removed
 
 
