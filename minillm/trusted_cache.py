@@ -91,7 +91,7 @@ def private_dir(folder: Path) -> Path:
     for level in reversed(missing):
         level.mkdir(mode=0o700, exist_ok=True)
     if _in_cache(folder):
-        _close_if_ours(folder)
+        _close_ifis_minillms_inductor_folder(folder)
     check_private(folder)
     return folder
 
@@ -102,7 +102,7 @@ def _in_cache(folder: Path) -> bool:
     return resolved != root and resolved.is_relative_to(root)
 
 
-def _close_if_ours(folder: Path) -> None:
+def _close_ifis_minillms_inductor_folder(folder: Path) -> None:
     """``chmod go-w`` a folder of ours: it sits in a private tree, and whatever another user might
     have put in it before has no record keyed by this cache's secret, so it is never loaded."""
     try:
@@ -160,7 +160,7 @@ def check_tree(root: Path, close: bool = True) -> None:
                         f"{path} is writable by other users (mode {stat.S_IMODE(info.st_mode):o}): anyone could put "
                         f"code in it. Run `chmod -R go-w {root}`"
                     )
-                _close_if_ours(path)
+                _close_ifis_minillms_inductor_folder(path)
 
 
 def _key() -> bytes:
@@ -306,7 +306,7 @@ def inductor_cache() -> Path | None:
     return Path(folder) if folder else None
 
 
-def _ours(folder: Path) -> bool:
+def is_minillms_inductor_folder(folder: Path) -> bool:
     """Whether ``folder`` is one of minillm's folders for inductor (not one the user chose)."""
     return any(Path(folder).resolve() == (cache_dir() / name).resolve() for name in INDUCTOR_FOLDERS)
 
@@ -352,7 +352,7 @@ def inductor_session() -> Iterator[None]:
     wrote or rewrote recorded. A folder the user chose is checked folder by folder, but its
     files are the user's: none is deleted or recorded."""
     folder = inductor_cache()
-    if folder is None or not _ours(folder):
+    if folder is None or not is_minillms_inductor_folder(folder):
         if folder is not None:
             check_tree(folder, close=False)
         yield
@@ -376,7 +376,7 @@ def guard_inductor() -> list[Path]:
     written since. Once per process and folder (a second engine must not sweep the first's
     unrecorded files). The paths deleted."""
     folder = inductor_cache()
-    if folder is None or not _ours(folder):
+    if folder is None or not is_minillms_inductor_folder(folder):
         if folder is not None:
             check_tree(folder, close=False)
         return []

@@ -169,3 +169,17 @@ def test_is_stale_needs_a_process_start_time(monkeypatch, tmp_path):
 def test_names_without_an_owner_are_never_swept(tmp_path, name):
     (tmp_path / name).write_bytes(b"x")
     assert sweep_stale(tmp_path) == [] and (tmp_path / name).exists()
+
+
+def test_the_compile_worker_gets_an_inductor_folder_of_its_own(tmp_path, monkeypatch):
+    """Never the engine process's (an in-process compile holds that one shared until it exits), even
+    when this process inherited minillm's folder from its parent; a folder the user chose is kept."""
+    from minillm.runtime.background_compile import worker_environment
+
+    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert worker_environment(2) == {"OMP_NUM_THREADS": "2", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-worker")}
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # inherited from an engine's process
+    assert worker_environment(1)["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor-worker")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert "TORCHINDUCTOR_CACHE_DIR" not in worker_environment(1)

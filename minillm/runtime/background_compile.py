@@ -137,7 +137,11 @@ def worker_environment(threads: int) -> dict[str, str]:
     (``trusted_cache.inductor_session``), while this process's own ``torch.compile`` uses
     ``<cache>/inductor``, whose files it records only at exit."""
     extra = {"OMP_NUM_THREADS": str(threads)}
-    if environment.source("TORCHINDUCTOR_CACHE_DIR") != "environment":
+    # By value, not by who set it: a process started by an engine's process inherits minillm's
+    # folder as "the environment", and a worker sharing it with an in-process compile (which holds
+    # it shared until it exits) would wait for ever for the tree to itself.
+    chosen = trusted_cache.inductor_cache()
+    if chosen is None or trusted_cache.is_minillms_inductor_folder(chosen):
         extra["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor-worker")
     return extra
 
