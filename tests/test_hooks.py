@@ -875,7 +875,7 @@ def test_response_cache_calls_go_through_the_hook(tiny_model, monkeypatch):
     from minillm.server import launch
 
     served = []
-    monkeypatch.setattr(launch.uvicorn, "run", lambda app, **kwargs: served.append(app))
+    monkeypatch.setattr(launch, "run_server", lambda app, engines, **options: served.append(app))
     calls = []
     with hooks.override(response_cache=recorder("response_cache", calls)):
         launch.serve([str(tiny_model)], response_cache=3, dtype="fp32", kv_cache_memory=4_000_000)

@@ -150,7 +150,7 @@ def test_serve_freezes_the_start_ups_heap_once_its_engines_are_built(monkeypatch
     monkeypatch.setattr(launch, "build_engines", lambda *a, **k: order.append("engines") or {})
     monkeypatch.setattr(launch, "build_app", lambda *a, **k: order.append("app") or object())
     monkeypatch.setattr(launch.heap, "freeze_startup_heap", lambda: order.append("freeze"))
-    monkeypatch.setattr(launch.uvicorn, "run", lambda *a, **k: order.append("serve"))
+    monkeypatch.setattr(launch, "run_server", lambda *a, **k: order.append("serve"))
     launch.serve(["tiny-shakespeare-1m"])
     assert order == ["engines", "app", "freeze", "serve"]
     try:  # the real function, in this process: everything alive is frozen, new garbage still goes

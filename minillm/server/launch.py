@@ -84,13 +84,19 @@ def serve(
     app = build_app(engines, cache, max_body_bytes=max_body_bytes, enable_docs=enable_docs, allowed_hosts=hosts,
                     api_key=api_key, body_timeout_s=body_timeout)  # fmt: skip
     heap.freeze_startup_heap()  # the start-up's objects live until exit: no collection walks them again
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=keep_alive_timeout,
-                            limit_concurrency=max_connections, timeout_graceful_shutdown=shutdown_timeout,
-                            http=with_header_timeout(header_timeout))  # fmt: skip
-    server = DrainingServer(config, engines)
-    with contextlib.suppress(KeyboardInterrupt):  # as uvicorn.run: Ctrl-C is a way to stop, not an error
+    run_server(app, engines, host=host, port=port, log_level=log_level, timeout_keep_alive=keep_alive_timeout,
+               limit_concurrency=max_connections, timeout_graceful_shutdown=shutdown_timeout,
+               http=with_header_timeout(header_timeout))  # fmt: skip
+
+
+def run_server(app, engines: dict[str, AsyncEngine], **options) -> None:
+    """What ``uvicorn.run(app, **options)`` does — Ctrl-C a way to stop, a server that never
+    started a failed start (exit 3) — with a ``DrainingServer``, whose drain ends what it cuts
+    with a word to the client."""
+    server = DrainingServer(uvicorn.Config(app, **options), engines)
+    with contextlib.suppress(KeyboardInterrupt):
         server.run()
-    if not server.started:  # as uvicorn.run: a server that never started is a failed start
+    if not server.started:
         sys.exit(3)
 
 
