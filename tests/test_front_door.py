@@ -265,58 +265,6 @@ def test_a_client_leaving_mid_body_is_one_info_line(impatient, caplog):
     assert httpx.post(impatient.url + "/v1/completions", json=BODY, timeout=60).status_code == 200
 
 
-def test_sigterm_drains_running_requests_then_exits(tiny_model, tmp_path):
-    """`minillm serve` with a request in flight: SIGTERM stops accepting, lets it finish (within
-    --shutdown-timeout) and exits."""
-    import signal
-    import socket
-    import subprocess
-    import sys
-    import threading
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "minillm", "serve", str(tiny_model), "--port", str(port), "--dtype", "fp32",
-         "--block-size", "4", "--shutdown-timeout", "20", "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={k: v for k, v in os.environ.items() if k != "MINILLM_COMPILE"},
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-2000:]
-            time.sleep(0.3)
-        name = os.path.basename(str(tiny_model))
-        started, lines = threading.Event(), []
-
-        def long_stream():
-            body = {"model": name, "prompt": "hello", "max_tokens": 240, "ignore_eos": True, "temperature": 0,
-                    "stream": True}  # fmt: skip
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        lines.append(line)
-                        started.set()
-
-        t = threading.Thread(target=long_stream)
-        t.start()
-        assert started.wait(60)
-        proc.send_signal(signal.SIGTERM)  # mid-stream
-        t.join(60)
-        assert proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises SIGTERM once it has shut down cleanly
-        assert lines[-1] == "data: [DONE]" and len(lines) == 240 + 1  # every token, then the end
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
 def _serve_subprocess(tiny_model, *flags):
     """`minillm serve` of the tiny model on a free port, in its own process, once healthy."""
     import socket
@@ -343,6 +291,38 @@ def _serve_subprocess(tiny_model, *flags):
             proc.kill()
             pytest.fail(proc.stdout.read().decode()[-2000:])
         time.sleep(0.3)
+
+
+def test_sigterm_drains_running_requests_then_exits(tiny_model, tmp_path):
+    """`minillm serve` with a request in flight: SIGTERM stops accepting, lets it finish (within
+    --shutdown-timeout) and exits."""
+    import signal
+    import threading
+
+    proc, url = _serve_subprocess(tiny_model, "--shutdown-timeout", "20")
+    try:
+        name = os.path.basename(str(tiny_model))
+        started, lines = threading.Event(), []
+
+        def long_stream():
+            body = {"model": name, "prompt": "hello", "max_tokens": 240, "ignore_eos": True, "temperature": 0,
+                    "stream": True}  # fmt: skip
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line)
+                        started.set()
+
+        t = threading.Thread(target=long_stream)
+        t.start()
+        assert started.wait(60)
+        proc.send_signal(signal.SIGTERM)  # mid-stream
+        t.join(60)
+        assert proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises SIGTERM once it has shut down cleanly
+        assert lines[-1] == "data: [DONE]" and len(lines) == 240 + 1  # every token, then the end
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_the_drain_deadline_ends_every_request_with_a_word(tiny_model):

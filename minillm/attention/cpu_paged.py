@@ -64,18 +64,10 @@ def kernels_dir() -> Path:
     return cache_dir() / "compiled" / "kernels"
 
 
-@contextlib.contextmanager
 def cache_dir_on_this_thread(module, folder: Path):
     """Inside the ``with``, ``module.cache_dir()`` answers ``folder`` on this thread — inductor's
     own answer on every other (a compiled package loading on another thread keeps its cache)."""
-    caller = threading.get_ident()
-    with _PICK_LOCK:
-        inductors = module.cache_dir
-        module.cache_dir = lambda: str(folder) if threading.get_ident() == caller else inductors()
-        try:
-            yield
-        finally:
-            module.cache_dir = inductors
+    return _answer_on_this_thread(module, "cache_dir", str(folder))
 
 
 _PICK_LOCK = threading.RLock()  # re-entrant: a build inside a load on one thread must not wait on itself
@@ -110,19 +102,26 @@ def _build(cpp_code_cache, source: str):
     return cpp_code_cache.load(source)  # inductor's own probes decide
 
 
-@contextlib.contextmanager
 def isa_on_this_thread(module, isa):
     """Inside the ``with``, ``module.pick_vec_isa()`` answers ``isa`` on this thread, and inductor's
     own (probing) answer on every other; restored on the way out. One at a time (a lock): the kernel
     build here and a compiled package's load (``compiled_decode.load_package``) both use it."""
+    return _answer_on_this_thread(module, "pick_vec_isa", isa)
+
+
+@contextlib.contextmanager
+def _answer_on_this_thread(module, name: str, answer):
+    """Inside the ``with``, ``module.<name>()`` returns ``answer`` on this thread and calls the
+    original on every other; restored on the way out. One at a time (``_PICK_LOCK``, read inside
+    it: another thread's stand-in is never taken for inductor's own)."""
     caller = threading.get_ident()
-    with _PICK_LOCK:  # read inside the lock: another thread's stand-in is never taken for inductor's own
-        probing = module.pick_vec_isa
-        module.pick_vec_isa = lambda: isa if threading.get_ident() == caller else probing()
+    with _PICK_LOCK:
+        original = getattr(module, name)
+        setattr(module, name, lambda: answer if threading.get_ident() == caller else original())
         try:
             yield
         finally:
-            module.pick_vec_isa = probing
+            setattr(module, name, original)
 
 
 def _rejects_flags(error: Exception, isa) -> bool:
