@@ -36,9 +36,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 KERNEL = """
 import time; start = time.perf_counter()
+from minillm import native_build
 from minillm.attention import cpu_paged
 if {before}:
-    cpu_paged._isa_from_cpu_flags = lambda cpu_vec_isa: None
+    native_build._isa_from_cpu_flags = lambda cpu_vec_isa: None
 assert cpu_paged.kernel_unavailable_reason() is None, cpu_paged.kernel_unavailable_reason()
 print(time.perf_counter() - start)
 """
@@ -48,7 +49,7 @@ import time; start = time.perf_counter()
 from minillm.attention import cpu_paged
 from minillm.engine import builder
 if {before}:
-    cpu_paged._isa_from_cpu_flags = lambda cpu_vec_isa: None
+    native_build._isa_from_cpu_flags = lambda cpu_vec_isa: None
     builder.start_building = lambda: None
 from minillm import LLM, SamplingParams
 llm = LLM({model!r})

@@ -113,7 +113,7 @@ def test_no_import_cycles_in_the_package():
 FLOORS = [
     {"errors", "machine", "outputs", "hooks"},
     {"config", "tokenizer", "sampling", "assets", "metrics", "triton_setup"},
-    {"sequence", "inputs", "layers", "kv_head_pooling", "trusted_cache"},
+    {"sequence", "inputs", "layers", "kv_head_pooling", "trusted_cache", "native_build"},
     {"kvcache"},
     {"attention"},
     {"quantization"},

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from minillm import LLM, SamplingParams
+from minillm import LLM, SamplingParams, native_build
 from minillm.attention import cpu_paged
 from minillm.attention.cpu_paged import paged_decode_attention
 from minillm.attention.torch_ref import attention
@@ -328,7 +328,7 @@ def test_the_kernel_takes_its_instruction_set_from_the_cpu_without_probe_builds(
     monkeypatch.setattr(codecache, "pick_vec_isa", lambda: "probed")  # what inductor's own pick answers
     probing = codecache.pick_vec_isa
     loads = LoadsWhileAnotherThreadAsks()
-    assert cpu_paged._build(loads, "source") == "library"
+    assert native_build._build(loads, "source") == "library"
     assert [str(isa) for isa in loads.isas] == [expected]
     assert other_thread == ["probed"]  # another thread's compile still gets inductor's pick
     assert codecache.pick_vec_isa is probing
@@ -344,7 +344,7 @@ def test_a_build_that_fails_with_the_named_set_is_retried_the_probing_way(monkey
     probed = object()
     monkeypatch.setattr(codecache, "pick_vec_isa", lambda: probed)
     loads = _Loads(fail_first="g++: error: unrecognized command-line option '{flag}'")
-    assert cpu_paged._build(loads, "source") == "library"
+    assert native_build._build(loads, "source") == "library"
     assert len(loads.isas) == 2 and loads.isas[0] is not probed and loads.isas[1] is probed
 
 
@@ -357,7 +357,7 @@ def test_any_other_build_failure_is_raised_not_rebuilt(monkeypatch):
         pytest.skip("no AVX2: nothing is named")
     loads = _Loads(fail_first="kernel.cpp:3: fatal error: omp.h: No such file or directory")
     with pytest.raises(RuntimeError, match="omp.h"):
-        cpu_paged._build(loads, "source")
+        native_build._build(loads, "source")
     assert len(loads.isas) == 1
 
 

@@ -50,6 +50,9 @@ OPTIONS: dict[str, EnvOption] = {
                   "<MINILLM_CACHE>/inductor unless given, so a compile is paid once per machine"),
         EnvOption("TRITON_INTERPRET", None, "1: Triton kernels run in its interpreter; set when Triton is first "
                   "needed on a machine without CUDA (minillm/triton_setup.py)"),
+        EnvOption("MINILLM_CPU_BF16_ROWS", "auto", "compiled graphs of several bf16 rows multiply through minillm's "
+                  "AVX-512 BF16 kernel (layers/cpu_bf16_rows.py): auto (a CPU with AVX-512 BF16 and no AMX), "
+                  "1 (any CPU with AVX-512 BF16), 0 (never)"),
         EnvOption("ATEN_CPU_CAPABILITY", None, "PyTorch's CPU instruction-set override; the C++ decode kernel then "
                   "leaves the choice to inductor too"),
         EnvOption("ONEDNN_PRIMITIVE_CACHE_CAPACITY", None, "oneDNN's kernel cache; a server bounds it (256) "

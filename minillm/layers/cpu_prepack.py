@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from minillm.layers.cpu_bf16_rows import traced_linear
+
 
 def prepack_available(dtype: torch.dtype) -> bool:
     """True when this PyTorch build can prepack and run a linear layer of ``dtype`` on CPU."""
@@ -65,7 +67,7 @@ class CPUPrepackMethod:
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling() and layer.plain_weight is not None:
-            return F.linear(x, layer.plain_weight, layer.bias)  # folded in and packed by the compiler
+            return traced_linear(x, layer.plain_weight, layer.bias)  # folded in and packed by the compiler
         if layer.single_row_weight is not None and x.numel() == layer.in_features:
             row = x.reshape(1, layer.in_features)
             if layer.bias is None:

@@ -25,6 +25,11 @@ does) decoded one row slower with AMX and faster without it, hence the CPU-depen
 Over an 8-bit pool, which the kernel does not read, graphs still attend over the window, and
 batches are padded: by default a 1-row and an 8-row graph there.
 
+On a CPU with AVX-512 BF16 and no AMX (AMD Zen 4 and later), the free-row graphs of a bf16
+model also multiply through our own kernel (``layers/cpu_bf16_rows.py``, an operator in the
+graph): the compiler's GEMMs for a few rows there compute in fp32 or call oneDNN's small-M path,
+and a step of 8 rows cost 2.6× one row; with the kernel, 1.5× (``benchmarks/bench_bf16_rows.py``).
+
 Speculative decoding's verify steps run here too: a verify chunk (a sequence's last token and
 its k proposals, logits wanted at each) becomes k + 1 decode rows of that sequence, each at its
 own position with its own context length (``fast_path.token_rows``), so speculation stacks on
@@ -73,13 +78,15 @@ import torch
 import minillm.hooks as hooks
 from minillm import trusted_cache
 from minillm.assets import cache_dir
-from minillm.attention.cpu_paged import POOL_DTYPES, isa_on_this_thread  # also registers the kernel's operator
+from minillm.attention.cpu_paged import POOL_DTYPES  # also registers the kernel's operator
 from minillm.attention.layout import KVPool, StepLayout
 from minillm.kvcache import addressing
 from minillm.kvcache.paged import PagedKVCache
+from minillm.layers import cpu_bf16_rows
 from minillm.layers.exact_top import refine_top_logits
 from minillm.machine import machine_description
 from minillm.models.llama import LlamaForCausalLM
+from minillm.native_build import isa_on_this_thread
 from minillm.runtime.block_table_rows import BlockTableRows
 from minillm.runtime.fast_path import pad_decode_rows, pad_table_rows, runs_as_rows, token_rows
 from minillm.runtime.runner import ChunkInput, long_tensor
@@ -217,6 +224,13 @@ class CompiledDecode:
         lowest = max((b for b in self.batch_sizes if b < batch), default=0) + 1
         return f"{lowest}-{batch}-row"
 
+    def rows_kernel_here(self, batch: int) -> bool:
+        """Whether the graph for ``batch`` multiplies its rows through our bf16 kernel
+        (``layers/cpu_bf16_rows.py``): a free-row graph of a bf16 model (its pool's dtype; the
+        attention may compute in fp32) on a CPU with AVX-512 BF16 and no AMX. Decided from the CPU alone, so that the package's name is known before the
+        kernel is built (a compiler that cannot build it: ``_compile`` traces the plain GEMMs)."""
+        return self.free_rows(batch) and self.cache.dtype == torch.bfloat16 and cpu_bf16_rows.cpu_supports()
+
     def swap_in(self) -> None:
         """Start using the graphs offered since the last call (and say, once, if the background
         build failed: decode then stays eager)."""
@@ -281,6 +295,8 @@ class CompiledDecode:
         trusted_cache.check_tree(path.parent)  # every folder in it: the kernel's is one
         if not trusted_cache.verified(path):
             raise ValueError("it is not the file recorded when it was built (replaced, truncated, or older)")
+        if self.rows_kernel_here(batch):
+            cpu_bf16_rows.unavailable_reason()  # build (or find) the kernel's library before the graph calls it
         start = time.perf_counter()
         graph = load_package(path)
         self.load_seconds[batch] = time.perf_counter() - start
@@ -315,6 +331,7 @@ class CompiledDecode:
             "compute_dtype": str(self.compute_dtype),
             "batch": batch,
             "attention": "in place" if self.free_rows(batch) else "window",
+            "bf16 rows kernel": self.rows_kernel_here(batch),
             "cpu": [machine["cpu"], machine["cpu_flags"]],
             # The generated loops are parallelised for this many (not for a count the thread
             # governor lowered for a moment: thread_governor.py).
@@ -348,10 +365,11 @@ class CompiledDecode:
         else:
             shapes = (None, None, None, {1: width}, None, None, pools)
         module = self.in_place_module if free else self.module
+        rows_kernel = self.rows_kernel_here(batch) and cpu_bf16_rows.wanted(self.cache.dtype)
         trusted_cache.private_dir(path.parent)
         partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
         try:
-            with torch.no_grad(), warnings.catch_warnings():
+            with torch.no_grad(), warnings.catch_warnings(), cpu_bf16_rows.in_traced_graph(rows_kernel):
                 # torch's own code trips its own deprecation warning while autotuning: not for the user.
                 warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
                 program = torch.export.export(module, inputs, dynamic_shapes=shapes, strict=False)

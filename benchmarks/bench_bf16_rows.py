@@ -1,0 +1,130 @@
+"""Our few-row bf16 GEMM (``minillm/layers/cpu_bf16_rows.py``) against what it replaces, in one run.
+
+    python benchmarks/bench_bf16_rows.py                 # SmolLM2-135M's shapes and engine, 2 threads
+    python benchmarks/bench_bf16_rows.py --skip-engines  # the matrix products only (a minute)
+
+Two parts, each printed next to its baseline:
+
+1. **The matrix products of one decode step** of SmolLM2-135M (30 layers of q/k/v 576→960,
+   o 576→576, gate/up 576→3072, down 1536→576, distinct random weights so that they stream from
+   memory as a model's do, and the 576→49152 head), for M = 1 … 256 rows: our operator on
+   packed weights against oneDNN's bf16 linear on its own prepacked weights (what the eager
+   engine and the compiler's ATen choice call). Median of ``--repeats`` passes.
+2. **The compiled engine**: ``bench_decode_step.measure`` (64-token prompts, 64 new tokens,
+   median TPOT) at batch 1, 2, 4, 8, 12, 16 for the default engine with
+   ``MINILLM_CPU_BF16_ROWS=0`` (the compiler's own GEMMs) and with it as shipped (``auto``; the
+   kernel on a CPU with AVX-512 BF16 and no AMX). Batch 1 runs in the 1-row graph, which the
+   kernel does not touch: it is the control. Each setting compiles its own packages the first time.
+
+Prints both tables and the CPU (model and flags); writes JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+from bench_decode_step import measure
+
+from minillm import LLM
+from minillm.layers import cpu_bf16_rows
+from minillm.machine import machine_description, machine_tag
+
+RESULTS = Path(__file__).parent / "results"
+LAYER_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out) per SmolLM2-135M layer
+LAYERS, HEAD = 30, (576, 49152)
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return 1000 * statistics.median(samples)
+
+
+def products(rows: list[int], repeats: int) -> list[dict]:
+    torch.manual_seed(0)
+    weights = [[torch.randn(n, k).to(torch.bfloat16) for k, n in LAYER_SHAPES] for _ in range(LAYERS)]
+    weights.append([torch.randn(HEAD[1], HEAD[0]).to(torch.bfloat16)])
+    ours = [[cpu_bf16_rows.pack(w) for w in layer] for layer in weights]
+    onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in layer] for layer in weights]
+    out = []
+    for m in rows:
+        inputs = {k: torch.randn(m, k).to(torch.bfloat16) for k in {576, 1536}}
+
+        def run_ours():
+            for layer in ours:
+                for packed in layer:
+                    torch.ops.minillm.linear_bf16_rows(inputs[packed.shape[1] * 2], packed)
+
+        def run_onednn():
+            for layer, plain in zip(onednn, weights):
+                for packed, w in zip(layer, plain):
+                    torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], packed, None, "none", [], "")
+
+        row = {"rows": m, "ours_ms": median_ms(run_ours, repeats), "onednn_ms": median_ms(run_onednn, repeats)}
+        print(f"  M = {m:3d}: ours {row['ours_ms']:7.2f} ms   oneDNN {row['onednn_ms']:7.2f} ms   "
+              f"{row['onednn_ms'] / row['ours_ms']:.2f}x", flush=True)  # fmt: skip
+        out.append(row)
+    return out
+
+
+def engines(model: str, batches: list[int], repeats: int) -> list[dict]:
+    out = []
+    for setting in ("0", "auto"):
+        os.environ["MINILLM_CPU_BF16_ROWS"] = setting  # read when the graphs are named and compiled (worker too)
+        llm = LLM(model, dtype="bf16", enable_prefix_caching=False)
+        status = llm.wait_for_fast_path(timeout=900)
+        print(f"MINILLM_CPU_BF16_ROWS={setting}: {status}", flush=True)
+        for row in measure(llm, batches, repeats):
+            out.append({"setting": setting, **row})
+            print(f"  batch {row['batch']:2d}: TPOT {row['tpot_ms']:6.2f} ms", flush=True)
+        llm.close()
+    os.environ.pop("MINILLM_CPU_BF16_ROWS")
+    return out
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 11, 16, 32, 64, 256])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8, 12, 16])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-engines", action="store_true")
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    machine = machine_description(torch.device("cpu"))
+    print(f"bench_bf16_rows, {date.today()}: {machine['cpu']}, {args.threads} threads; flags "
+          f"{' '.join(machine['cpu_flags'])}; kernel: {cpu_bf16_rows.unavailable_reason() or 'available'}, "
+          f"used by default here: {cpu_bf16_rows.cpu_supports()}")  # fmt: skip
+    if cpu_bf16_rows.unavailable_reason() is not None:
+        return {}
+    print("One decode step's matrix products (SmolLM2-135M shapes, bf16):")
+    result = {"benchmark": "bf16_rows", "machine": machine, "args": vars(args), "products": products(args.rows, args.repeats)}
+    if not args.skip_engines:
+        print("The compiled engine (TPOT, 64-token prompts, 64 new tokens):")
+        result["engines"] = engines(args.model, args.batches, args.repeats)
+        tpot = {(r["setting"], r["batch"]): r["tpot_ms"] for r in result["engines"]}
+        print("\n| batch | compiler's GEMMs (=0) ms | our kernel (auto) ms | speed-up |\n|---:|---:|---:|---:|")
+        for b in args.batches:
+            print(f"| {b} | {tpot[('0', b)]:.2f} | {tpot[('auto', b)]:.2f} | {tpot[('0', b)] / tpot[('auto', b)]:.2f}x |")
+    out = Path(args.out) / f"bf16-rows-{date.today()}-{machine_tag(machine)}-{args.threads}t.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Our C++ kernels, compiled with PyTorch's own toolchain and loaded only when this cache built them.
+
+Two kernels ship as C++ source (``attention/cpu_paged_decode.cpp``, ``layers/cpu_bf16_rows.cpp``).
+Each is compiled at first use with inductor's C++ toolchain — the one ``torch.compile`` uses on
+CPU: same compiler flags, OpenMP runtime and SIMD headers — and kept in
+``<cache>/compiled/kernels/`` with its record (``trusted_cache.py``), so later starts load it in
+milliseconds. This module is that road, shared: ``load_library(source)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+from minillm import trusted_cache
+from minillm.assets import cache_dir
+from minillm.config import environment
+
+
+def load_library(source_file: Path) -> ctypes.CDLL:
+    """Compile (or find on disk) and load the library built from ``source_file`` (each call looks
+    again: callers keep what it returns) — only a library recorded when this
+    cache built it (``minillm/trusted_cache.py``: loading a library runs its code).
+
+    Inductor loads whatever file sits at the path it computes for a source, so the kernel is
+    built in a folder of its own, ``<cache>/compiled/kernels/`` (inductor's cache folder is
+    pointed there for this build, on this thread only), where every library must carry a
+    record: before inductor looks, every folder is checked and every unrecorded library is
+    deleted — built again, never loaded — and after it built one, the new library is recorded."""
+    # deferred: torch._inductor takes 1.3 s to import; only a first build of the kernel needs it
+    from torch._inductor import codecache
+
+    source = "#include <torch/csrc/inductor/cpp_prefix.h>\n" + Path(source_file).read_text()
+    folder = trusted_cache.private_dir(kernels_dir())
+    with trusted_cache.holding(folder):  # another process's fresh library is not swept before it is recorded
+        trusted_cache.sweep_unrecorded(folder, (".so",))
+        with cache_dir_on_this_thread(codecache, folder):
+            library = _build(codecache.CppCodeCache, source)
+        trusted_cache.record_unrecorded(folder, (".so",))
+    return library
+
+
+
+
+def kernels_dir() -> Path:
+    """Where the kernel's library is built and kept (and nothing else)."""
+    return cache_dir() / "compiled" / "kernels"
+
+
+def cache_dir_on_this_thread(module, folder: Path):
+    """Inside the ``with``, ``module.cache_dir()`` answers ``folder`` on this thread — inductor's
+    own answer on every other (a compiled package loading on another thread keeps its cache)."""
+    return _answer_on_this_thread(module, "cache_dir", str(folder))
+
+
+_PICK_LOCK = threading.RLock()  # re-entrant: a build inside a load on one thread must not wait on itself
+
+
+def _build(cpp_code_cache, source: str):
+    """``CppCodeCache.load(source)`` with the SIMD instruction set named by the CPU itself.
+
+    Inductor picks its instruction set by compiling and loading a probe program for each one the
+    CPU reports (AMX, AVX-512 VNNI, AVX-512, AVX2, with their bf16/fp16 variants): about 10
+    builds, 19 of the 36 s a learner's first ``LLM(...)`` took on a cold cache (Intel Xeon with
+    AMX, 2 cores; ``benchmarks/bench_cold_kernel.py``). This kernel needs only the vector width,
+    so on x86 it takes AVX-512 or AVX2 as PyTorch's own CPU detection reports them (no builds),
+    for this one library and on this thread only: inductor's ``pick_vec_isa`` answers every
+    other thread as before. A compiler that rejects those flags gets a build the probing way;
+    any other failure is the build's own (raised)."""
+    try:
+        # deferred: torch._inductor takes 1.3 s to import; only a first build needs it
+        from torch._inductor import codecache, cpu_vec_isa
+
+        isa = _isa_from_cpu_flags(cpu_vec_isa)
+    except (ImportError, AttributeError):  # another PyTorch's private names: its own pick
+        return cpp_code_cache.load(source)
+    if isa is None:
+        return cpp_code_cache.load(source)
+    with isa_on_this_thread(codecache, isa):
+        try:
+            return cpp_code_cache.load(source)
+        except Exception as error:
+            if not _rejects_flags(error, isa):
+                raise
+    return cpp_code_cache.load(source)  # inductor's own probes decide
+
+
+def isa_on_this_thread(module, isa):
+    """Inside the ``with``, ``module.pick_vec_isa()`` answers ``isa`` on this thread, and inductor's
+    own (probing) answer on every other; restored on the way out. One at a time (a lock): the kernel
+    build here and a compiled package's load (``compiled_decode.load_package``) both use it."""
+    return _answer_on_this_thread(module, "pick_vec_isa", isa)
+
+
+@contextlib.contextmanager
+def _answer_on_this_thread(module, name: str, answer):
+    """Inside the ``with``, ``module.<name>()`` returns ``answer`` on this thread and calls the
+    original on every other; restored on the way out. One at a time (``_PICK_LOCK``, read inside
+    it: another thread's stand-in is never taken for inductor's own)."""
+    caller = threading.get_ident()
+    with _PICK_LOCK:
+        original = getattr(module, name)
+        setattr(module, name, lambda: answer if threading.get_ident() == caller else original())
+        try:
+            yield
+        finally:
+            setattr(module, name, original)
+
+
+def _rejects_flags(error: Exception, isa) -> bool:
+    """Whether a failed build's message names one of ``isa``'s compiler flags (an old compiler)."""
+    said = str(error)
+    return any(flag in said for flag in isa.build_arch_flags().split())
+
+
+def _isa_from_cpu_flags(cpu_vec_isa):
+    """Inductor's AVX-512 or AVX2 description when this x86 CPU has it (no probe builds), else
+    None (other architectures, or ``ATEN_CPU_CAPABILITY`` set: inductor's own rules apply)."""
+    if platform.machine() not in ("x86_64", "AMD64") or environment.get("ATEN_CPU_CAPABILITY"):
+        return None
+    if torch.cpu._is_avx512_supported():
+        return cpu_vec_isa.VecAVX512()
+    if torch.cpu._is_avx2_supported():
+        return cpu_vec_isa.VecAVX2()
+    return None

@@ -1,0 +1,164 @@
+"""Our bf16 GEMM for a few rows (``minillm/layers/cpu_bf16_rows.py``): the packed layout, the
+kernel against an fp32 product rounded once, its operator's checks, when a traced graph uses
+it, and a compiled engine whose free-row graph multiplies through it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minillm import LLM, SamplingParams
+from minillm.layers import cpu_bf16_rows
+from minillm.runtime import compiled_decode
+
+needs_kernel = pytest.mark.skipif(
+    cpu_bf16_rows.unavailable_reason() is not None, reason=f"{cpu_bf16_rows.unavailable_reason()}"
+)
+
+
+def test_the_packed_layout_puts_each_column_blocks_input_pairs_side_by_side():
+    """``packed[j, p, c, t]`` is ``W[16 j + c, 2 p + t]``: one 64-byte load per block of 16
+    columns and pair of inputs, what VDPBF16PS multiplies."""
+    n, k = 48, 6
+    w = torch.arange(n * k, dtype=torch.float32).view(n, k).to(torch.bfloat16)
+    packed = cpu_bf16_rows.pack(w)
+    assert packed.shape == (3, 3, 16, 2) and packed.is_contiguous()
+    for j, p, c, t in [(0, 0, 0, 0), (0, 0, 0, 1), (1, 2, 5, 1), (2, 1, 15, 0)]:
+        assert packed[j, p, c, t] == w[16 * j + c, 2 * p + t]
+    assert cpu_bf16_rows.packs(w)
+    assert not cpu_bf16_rows.packs(w[:40])  # 40 columns: not whole blocks of 16
+    assert not cpu_bf16_rows.packs(w[:, :5])  # an odd number of inputs
+    assert not cpu_bf16_rows.packs(w.float())
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 11, 12, 13, 25, 40])
+@pytest.mark.parametrize("n, k", [(16, 2), (48, 6), (112, 34), (960, 576), (576, 1536)])
+def test_the_kernel_is_an_fp32_product_rounded_once(rows, n, k):
+    """Every row count (1-12 in one pass over the weights, more in passes of 12), whole pairs of
+    column blocks and a lone last block (112 = 3 pairs + 1), against the product in fp32: each
+    output within bf16's rounding of the exact sum, plus fp32 summation-order slack."""
+    torch.manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    w = torch.randn(n, k).to(torch.bfloat16)
+    exact = x.float() @ w.float().T
+    got = torch.ops.minillm.linear_bf16_rows(x, cpu_bf16_rows.pack(w))
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n) and got.is_contiguous()
+    slack = 2**-8 * exact.abs() + 1e-5 * (x.float().abs() @ w.float().abs().T)
+    assert ((got.float() - exact).abs() <= slack).all(), float(((got.float() - exact).abs() - slack).max())
+
+
+@needs_kernel
+def test_no_rows_give_no_rows_and_a_view_is_read_as_its_values():
+    w = torch.randn(32, 8).to(torch.bfloat16)
+    packed = cpu_bf16_rows.pack(w)
+    assert torch.ops.minillm.linear_bf16_rows(torch.empty(0, 8, dtype=torch.bfloat16), packed).shape == (0, 32)
+    wide = torch.randn(3, 16).to(torch.bfloat16)
+    x = wide[:, ::2]  # not contiguous
+    expected = torch.ops.minillm.linear_bf16_rows(x.contiguous(), packed)
+    assert torch.equal(torch.ops.minillm.linear_bf16_rows(x, packed), expected)
+
+
+@needs_kernel
+def test_the_operator_passes_pytorchs_operator_checks():
+    """What a compiled graph calls: its fake (what the tracer sees) agrees with the kernel on
+    shape, dtype and strides, and it traces (``torch.library.opcheck``)."""
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    packed = cpu_bf16_rows.pack(torch.randn(96, 64).to(torch.bfloat16))
+    torch.library.opcheck(torch.ops.minillm.linear_bf16_rows.default, (x, packed))
+
+
+def test_what_would_make_the_kernel_read_out_of_bounds_is_refused_by_name():
+    """It reads raw pointers: every argument it could misread is checked first, with a
+    ValueError naming the operator — on any CPU, before the kernel is needed."""
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    packed = cpu_bf16_rows.pack(torch.randn(32, 64).to(torch.bfloat16))
+    bad = {
+        "fp32 rows": (x.float(), packed),
+        "another input width": (x[:, :62], packed),
+        "a 3-D input": (x[None], packed),
+        "an unpacked weight": (x, torch.randn(32, 64).to(torch.bfloat16)),
+        "a non-contiguous packed weight": (x, packed.transpose(0, 1)),
+        "fp32 packed weight": (x, packed.float()),
+    }
+    for case, args in bad.items():
+        with pytest.raises(ValueError, match="minillm::linear_bf16_rows"):
+            torch.ops.minillm.linear_bf16_rows(*args)
+            pytest.fail(f"{case}: accepted")
+
+
+def _exported_ops(enabled: bool, out_features: int = 32) -> set[str]:
+    linear = torch.nn.Linear(64, out_features, bias=True).to(torch.bfloat16)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = linear
+
+        def forward(self, x):
+            return cpu_bf16_rows.traced_linear(x, self.linear.weight, self.linear.bias)
+
+    with cpu_bf16_rows.in_traced_graph(enabled):
+        program = torch.export.export(Model(), (torch.randn(1, 3, 64).to(torch.bfloat16),), strict=False)
+    return {str(node.target) for node in program.graph.nodes if node.op == "call_function"}
+
+
+def test_only_a_graph_traced_for_it_calls_the_kernel():
+    """Inside ``in_traced_graph`` a packable bf16 layer becomes the operator on its weight packed
+    in the graph (plain tensor operations, which freezing folds into a constant); outside it, or
+    for a weight that does not fit the layout, ``F.linear`` as before. Tracing needs only the
+    operator's fake, so this holds on any CPU."""
+    assert "minillm.linear_bf16_rows.default" in _exported_ops(True)
+    assert "minillm.linear_bf16_rows.default" not in _exported_ops(False)
+    assert "minillm.linear_bf16_rows.default" not in _exported_ops(True, out_features=40)
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    w, b = torch.randn(40, 64).to(torch.bfloat16), torch.randn(40).to(torch.bfloat16)
+    with cpu_bf16_rows.in_traced_graph():
+        assert torch.equal(cpu_bf16_rows.traced_linear(x, w, b), F.linear(x, w, b))  # 40 columns: F.linear
+    assert torch.equal(cpu_bf16_rows.traced_linear(x, w[:32], b[:32]), F.linear(x, w[:32], b[:32]))
+
+
+def test_which_cpus_use_it_and_the_switch(monkeypatch):
+    """By default a CPU with AVX-512 BF16 and no AMX; ``MINILLM_CPU_BF16_ROWS=1`` any with AVX-512
+    BF16, ``0`` none; anything else is refused by name."""
+    for caps, auto in (({"avx512_bf16": True, "amx_bf16": False}, True), ({"avx512_bf16": True, "amx_bf16": True}, False),
+                       ({"avx512_bf16": False}, False)):  # fmt: skip
+        monkeypatch.setattr(cpu_bf16_rows, "_capabilities", lambda caps=caps: caps)
+        for choice, expected in (("auto", auto), ("1", caps["avx512_bf16"]), ("0", False)):
+            monkeypatch.setenv("MINILLM_CPU_BF16_ROWS", choice)
+            assert cpu_bf16_rows.cpu_supports() is expected, (caps, choice)
+    monkeypatch.setenv("MINILLM_CPU_BF16_ROWS", "yes")
+    with pytest.raises(ValueError, match="MINILLM_CPU_BF16_ROWS='yes'"):
+        cpu_bf16_rows.cpu_supports()
+
+
+@needs_kernel
+def test_a_compiled_engine_multiplies_its_free_rows_through_the_kernel(tiny_model, tmp_path, monkeypatch):
+    """A bf16 engine whose 1-4-row graph was compiled with the kernel (``MINILLM_CPU_BF16_ROWS=1``,
+    so that a CPU with AMX tests it too; the compile worker inherits it): the graph calls the
+    operator, and its greedy tokens and top log-probabilities agree with the same graph compiled
+    without it (``0``) within bf16's rounding."""
+    monkeypatch.setattr(compiled_decode, "packages_dir", lambda: tmp_path)
+    prompts = ["To be, or not to be", "Caches keep keys and values", "the slings and arrows"]
+    params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3)
+    results = {}
+    for choice in ("1", "0"):
+        monkeypatch.setenv("MINILLM_CPU_BF16_ROWS", choice)
+        llm = LLM(tiny_model, dtype="bf16", compile=True, compile_batch_sizes=(4,), enable_prefix_caching=False)
+        status = llm.wait_for_fast_path(timeout=600)
+        assert status.state == "ready", status
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            outs = llm.generate(prompts, params)
+        calls = sum(e.count for e in prof.key_averages() if e.key == "minillm::linear_bf16_rows")
+        results[choice] = (outs, calls)
+        llm.close()
+    (with_kernel, calls), (without, none) = results["1"], results["0"]
+    assert calls > 0 and none == 0, (calls, none)
+    for a, b in zip(with_kernel, without):
+        top_a = [[lp for _, lp in step.top] for step in a.logprobs]
+        top_b = [[lp for _, lp in step.top] for step in b.logprobs]
+        first_difference = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
+        for x, y in zip(top_a[:first_difference], top_b[:first_difference]):
+            assert max(abs(p - q) for p, q in zip(x, y)) < 0.1
+        assert first_difference >= 3, (a.token_ids, b.token_ids)  # a near-tie may flip late, not at once
