@@ -46,6 +46,7 @@ print(time.perf_counter() - start)
 
 FIRST_ANSWER = """
 import time; start = time.perf_counter()
+from minillm import native_build
 from minillm.attention import cpu_paged
 from minillm.engine import builder
 if {before}:

@@ -27,7 +27,7 @@ def load_library(source_file: Path) -> ctypes.CDLL:
     again: callers keep what it returns) — only a library recorded when this
     cache built it (``minillm/trusted_cache.py``: loading a library runs its code).
 
-    Inductor loads whatever file sits at the path it computes for a source, so the kernel is
+    Inductor loads whatever file sits at the path it computes for a source, so our kernels are
     built in a folder of its own, ``<cache>/compiled/kernels/`` (inductor's cache folder is
     pointed there for this build, on this thread only), where every library must carry a
     record: before inductor looks, every folder is checked and every unrecorded library is
@@ -48,7 +48,7 @@ def load_library(source_file: Path) -> ctypes.CDLL:
 
 
 def kernels_dir() -> Path:
-    """Where the kernel's library is built and kept (and nothing else)."""
+    """Where our kernels' libraries are built and kept (and nothing else)."""
     return cache_dir() / "compiled" / "kernels"
 
 
@@ -67,9 +67,9 @@ def _build(cpp_code_cache, source: str):
     Inductor picks its instruction set by compiling and loading a probe program for each one the
     CPU reports (AMX, AVX-512 VNNI, AVX-512, AVX2, with their bf16/fp16 variants): about 10
     builds, 19 of the 36 s a learner's first ``LLM(...)`` took on a cold cache (Intel Xeon with
-    AMX, 2 cores; ``benchmarks/bench_cold_kernel.py``). This kernel needs only the vector width,
-    so on x86 it takes AVX-512 or AVX2 as PyTorch's own CPU detection reports them (no builds),
-    for this one library and on this thread only: inductor's ``pick_vec_isa`` answers every
+    AMX, 2 cores; ``benchmarks/bench_cold_kernel.py``). Our kernels need only the vector width
+    (the bf16 one names its own instructions per function), so on x86 this takes AVX-512 or AVX2
+    as PyTorch's own CPU detection reports them (no builds), for our libraries and on this thread only: inductor's ``pick_vec_isa`` answers every
     other thread as before. A compiler that rejects those flags gets a build the probing way;
     any other failure is the build's own (raised)."""
     try:
@@ -92,7 +92,7 @@ def _build(cpp_code_cache, source: str):
 
 def isa_on_this_thread(module, isa):
     """Inside the ``with``, ``module.pick_vec_isa()`` answers ``isa`` on this thread, and inductor's
-    own (probing) answer on every other; restored on the way out. One at a time (a lock): the kernel
+    own (probing) answer on every other; restored on the way out. One at a time (a lock): a kernel
     build here and a compiled package's load (``compiled_decode.load_package``) both use it."""
     return _answer_on_this_thread(module, "pick_vec_isa", isa)
 

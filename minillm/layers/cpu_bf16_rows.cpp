@@ -19,6 +19,7 @@
 
 #include <immintrin.h>
 #include <cstdint>
+#include <cstring>
 
 #define MINILLM_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
@@ -34,7 +35,9 @@ MINILLM_BF16_TARGET static inline void rows_tile(const uint16_t* x, const uint16
     __m512bh b[NT];
     for (int t = 0; t < NT; t++) b[t] = (__m512bh)_mm512_loadu_si512(w + t * block_stride + k * 16);
     for (int m = 0; m < MB; m++) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + m * K + k));
+      int32_t pair;  // x[m][k], x[m][k+1] as one 32-bit value (memcpy: any alignment, no aliasing)
+      std::memcpy(&pair, x + m * K + k, sizeof(pair));
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
       for (int t = 0; t < NT; t++) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], a, b[t]);
     }
   }

@@ -15,8 +15,8 @@ It is an operator, ``minillm::linear_bf16_rows``, so that a compiled graph calls
 compiled decode step's free-row graph is traced (``runtime/compiled_decode.py``), the linear
 layers' ``traced_linear`` emits the operator on the weight packed in the graph — a chain of
 view/permute/copy of a constant, which freezing folds into the packed constant itself. Eager
-steps, the one-row graph and CPUs with AMX (whose tile GEMMs the compiler already uses) are not
-touched.
+steps, the one-row graph, layers with a bias and, by default, CPUs with AMX (whose tile GEMMs
+the compiler already uses; ``MINILLM_CPU_BF16_ROWS``) are not touched.
 """
 
 from __future__ import annotations
@@ -74,11 +74,6 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def wanted(dtype: torch.dtype) -> bool:
-    """Whether a compiled graph of several rows in ``dtype`` should multiply through the kernel."""
-    return dtype == torch.bfloat16 and cpu_supports() and unavailable_reason() is None
-
-
 @functools.cache
 def _kernel():
     kernel = load_library(SOURCE).linear_bf16_rows
@@ -98,7 +93,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     output columns and pair of inputs, the columns' two weights side by side. Plain tensor
     operations, so that inside a graph with freezing they fold into a constant."""
     n, k = weight.shape
-    return weight.view(n // COLUMN_BLOCK, COLUMN_BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return weight.reshape(n // COLUMN_BLOCK, COLUMN_BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 def linear_bf16_rows(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -121,10 +116,13 @@ def linear_bf16_rows(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
             f"{tuple(packed.shape)} {packed.dtype}: expected bf16 CPU x[M, K] and a contiguous "
             f"packed[N/16, K/2, 16, 2] (cpu_bf16_rows.pack)"
         )
+    reason = unavailable_reason()  # cached: a CPU without the instructions must not run them
+    if reason is not None:
+        raise RuntimeError(f"minillm::linear_bf16_rows cannot run here: {reason}")
     x = x.contiguous()
     m, k = x.shape
     n = packed.shape[0] * COLUMN_BLOCK
-    out = torch.empty((m, n), dtype=torch.bfloat16)
+    out = torch.empty((m, n), dtype=torch.bfloat16, device="cpu")
     if m:
         _kernel()(x.data_ptr(), packed.data_ptr(), out.data_ptr(), m, k, n)
     return out
@@ -155,9 +153,9 @@ def in_traced_graph(enabled: bool = True):
 
 def traced_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear`` as a traced graph should compute it: through the kernel inside
-    ``in_traced_graph`` where the weight fits its layout, else ``F.linear``."""
-    if not getattr(_TRACING, "on", False) or not packs(weight) or x.dtype != torch.bfloat16:
+    ``in_traced_graph`` where the weight fits its layout, else ``F.linear`` — and for a layer with
+    a bias (Qwen2's q/k/v), which ``F.linear`` adds before its one rounding to bf16."""
+    if not getattr(_TRACING, "on", False) or bias is not None or not packs(weight) or x.dtype != torch.bfloat16:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
-    y = torch.ops.minillm.linear_bf16_rows(rows, pack(weight)).view(*x.shape[:-1], weight.shape[0])
-    return y if bias is None else y + bias
+    return torch.ops.minillm.linear_bf16_rows(rows, pack(weight)).view(*x.shape[:-1], weight.shape[0])

@@ -190,6 +190,8 @@ class CompiledDecode:
         self.compile_seconds: dict[int, float] = {}  # batch size -> seconds it took to compile (not load)
         self.load_seconds: dict[int, float] = {}  # batch size -> seconds to load its package
         self.build = None  # the BackgroundBuild getting the graphs ready behind a running engine
+        # Read once: the packages' names and what they hold must not follow a later change of the variable.
+        self.rows_kernel_cpu = cpu_bf16_rows.cpu_supports()
         self.last_hidden: torch.Tensor | None = None  # the last run's rows' hidden states
 
     returns_hidden = True  # each run also leaves its rows' last hidden states (``last_hidden``)
@@ -227,9 +229,19 @@ class CompiledDecode:
     def rows_kernel_here(self, batch: int) -> bool:
         """Whether the graph for ``batch`` multiplies its rows through our bf16 kernel
         (``layers/cpu_bf16_rows.py``): a free-row graph of a bf16 model (its pool's dtype; the
-        attention may compute in fp32) on a CPU with AVX-512 BF16 and no AMX. Decided from the CPU alone, so that the package's name is known before the
-        kernel is built (a compiler that cannot build it: ``_compile`` traces the plain GEMMs)."""
-        return self.free_rows(batch) and self.cache.dtype == torch.bfloat16 and cpu_bf16_rows.cpu_supports()
+        attention may compute in fp32) on a CPU with AVX-512 BF16 and no AMX
+        (``MINILLM_CPU_BF16_ROWS``). Decided from the CPU alone, so that a package's name is known
+        without building the kernel on the engine's thread; a package so named always holds the
+        kernel — where it cannot be built, compiling and loading it fail, with the reason, and the
+        engine decodes eagerly."""
+        return self.free_rows(batch) and self.cache.dtype == torch.bfloat16 and self.rows_kernel_cpu
+
+    def _check_rows_kernel(self, batch: int) -> None:
+        """``RuntimeError`` when the graph for ``batch`` calls the kernel and it cannot run here."""
+        reason = cpu_bf16_rows.unavailable_reason() if self.rows_kernel_here(batch) else None
+        if reason is not None:
+            raise RuntimeError(f"the bf16 rows kernel cannot run here ({reason}); MINILLM_CPU_BF16_ROWS=0 "
+                               "compiles the decode step without it")  # fmt: skip
 
     def swap_in(self) -> None:
         """Start using the graphs offered since the last call (and say, once, if the background
@@ -278,6 +290,7 @@ class CompiledDecode:
         compiled again). A folder other users could write to raises ``UnsafeCacheError``."""
         if not path.is_file():
             return False
+        self._check_rows_kernel(batch)  # raised, not "compile it again": the package is fine, this process is not
         try:
             self.load(batch, path)
             return True
@@ -292,11 +305,10 @@ class CompiledDecode:
         """Load one package — only from a private folder, and only if it is the file recorded
         when it was built (``trusted_cache.py``) — and offer its graph (swapped in at the next
         step boundary)."""
+        self._check_rows_kernel(batch)  # builds (or finds) the kernel's library before the graph calls it
         trusted_cache.check_tree(path.parent)  # every folder in it: the kernel's is one
         if not trusted_cache.verified(path):
             raise ValueError("it is not the file recorded when it was built (replaced, truncated, or older)")
-        if self.rows_kernel_here(batch):
-            cpu_bf16_rows.unavailable_reason()  # build (or find) the kernel's library before the graph calls it
         start = time.perf_counter()
         graph = load_package(path)
         self.load_seconds[batch] = time.perf_counter() - start
@@ -365,11 +377,11 @@ class CompiledDecode:
         else:
             shapes = (None, None, None, {1: width}, None, None, pools)
         module = self.in_place_module if free else self.module
-        rows_kernel = self.rows_kernel_here(batch) and cpu_bf16_rows.wanted(self.cache.dtype)
+        self._check_rows_kernel(batch)
         trusted_cache.private_dir(path.parent)
         partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
         try:
-            with torch.no_grad(), warnings.catch_warnings(), cpu_bf16_rows.in_traced_graph(rows_kernel):
+            with torch.no_grad(), warnings.catch_warnings(), cpu_bf16_rows.in_traced_graph(self.rows_kernel_here(batch)):
                 # torch's own code trips its own deprecation warning while autotuning: not for the user.
                 warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
                 program = torch.export.export(module, inputs, dynamic_shapes=shapes, strict=False)
@@ -565,7 +577,7 @@ def source_digest() -> str:
     if _SOURCE_DIGEST is None:
         h = hashlib.blake2b(digest_size=16)
         root = Path(__file__).resolve().parent.parent
-        for path in sorted(root.rglob("*.py")):
+        for path in sorted([*root.rglob("*.py"), *root.rglob("*.cpp")]):  # a kernel's layout is in its .cpp
             h.update(str(path.relative_to(root)).encode())
             h.update(path.read_bytes())
         _SOURCE_DIGEST = h.hexdigest()
