@@ -3,8 +3,10 @@
     python benchmarks/bench_bf16_rows.py                 # SmolLM2-135M's shapes and engine, 2 threads
     python benchmarks/bench_bf16_rows.py --skip-engines  # the matrix products only (a minute)
 
-Two parts, each printed next to its baseline:
+Three parts, each printed next to its baseline:
 
+0. **The operator's own cost**: a call on a tiny product through the dispatcher and its Python
+   wrapper, against the kernel through ``ctypes`` alone.
 1. **The matrix products of one decode step** of SmolLM2-135M (30 layers of q/k/v 576→960,
    o 576→576, gate/up 576→3072, down 1536→576, distinct random weights so that they stream from
    memory as a model's do, and the 576→49152 head), for M = 1 … 256 rows: our operator on
@@ -25,12 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from datetime import date
 from pathlib import Path
 
 import torch
 from bench_decode_step import measure
+from timing import median_ms
 
 from minillm import LLM
 from minillm.config import environment
@@ -42,14 +44,27 @@ LAYER_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out) p
 LAYERS, HEAD = 30, (576, 49152)
 
 
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return 1000 * statistics.median(samples)
+def call_cost(calls: int = 5000) -> dict:
+    """One call of the operator on a tiny product (2 rows, 64 → 32), through PyTorch's dispatcher
+    and its Python wrapper, against the same kernel called through ``ctypes`` alone: what each of
+    a graph's ~121 calls a step pays before any arithmetic."""
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    packed = cpu_bf16_rows.pack(torch.randn(32, 64).to(torch.bfloat16))
+    out = torch.empty(2, 32, dtype=torch.bfloat16)
+    kernel = cpu_bf16_rows._kernel()
+
+    def through_the_operator():
+        for _ in range(calls):
+            torch.ops.minillm.linear_bf16_rows(x, packed)
+
+    def ctypes_only():
+        for _ in range(calls):
+            kernel(x.data_ptr(), packed.data_ptr(), out.data_ptr(), 2, 64, 32)
+
+    row = {"operator_us": 1000 * median_ms(through_the_operator, 5) / calls, "ctypes_us": 1000 * median_ms(ctypes_only, 5) / calls}
+    print(f"  a call on a tiny product: the operator {row['operator_us']:.1f} us, the kernel through ctypes alone "
+          f"{row['ctypes_us']:.1f} us", flush=True)  # fmt: skip
+    return row
 
 
 def products(rows: list[int], repeats: int) -> list[dict]:
@@ -118,8 +133,10 @@ def main(argv=None) -> dict:
           f"used by default here: {cpu_bf16_rows.cpu_supports()}")  # fmt: skip
     if cpu_bf16_rows.unavailable_reason() is not None:
         return {}
+    print("The operator's own cost:")
+    result = {"benchmark": "bf16_rows", "machine": machine, "args": vars(args), "call": call_cost()}
     print("One decode step's matrix products (SmolLM2-135M shapes, bf16):")
-    result = {"benchmark": "bf16_rows", "machine": machine, "args": vars(args), "products": products(args.rows, args.repeats)}
+    result["products"] = products(args.rows, args.repeats)
     if not args.skip_engines:
         print("The compiled engine (TPOT, 64-token prompts, 64 new tokens):")
         result["engines"] = engines(args.model, args.batches, args.repeats, args.rounds)

@@ -7,10 +7,13 @@ weights once and multiply them by every row. On a CPU without AMX the compiled s
 did that badly: inductor's generated kernels convert bf16 to fp32 lane by lane and spend one
 fused multiply-add per weight per row, and oneDNN's small-M path reads the weights at about half
 the bandwidth. Measured on an AMD EPYC (Zen 4, 2 cores; ``benchmarks/bench_bf16_rows.py``), the
-compiled step of SmolLM2-135M took 8.5 ms for one row and 17-30 ms for 2-12 rows.
+compiled step of SmolLM2-135M took 10.2 ms for one row and 18.1, 16.9, 22.0 ms for 2, 4, 8 rows;
+with the kernel 12.9, 14.0, 18.4 ms. With more rows the multiplications themselves take the
+time (one step's products: 11.0 ms for 2 rows, 15.3 for 11, 48.2 for 64, level with oneDNN's
+there), and the gain shrinks.
 
 ``cpu_bf16_rows.cpp`` multiplies with VDPBF16PS (32 bf16 products summed into 16 fp32 lanes per
-instruction) over a weight packed once for it, so the row count costs little until ~8 rows.
+instruction) over a weight packed once for it, so the first few rows cost little more than one.
 It is an operator, ``minillm::linear_bf16_rows``, so that a compiled graph calls it: while the
 compiled decode step's free-row graph is traced (``runtime/compiled_decode.py``), the linear
 layers' ``traced_linear`` emits the operator on the weight packed in the graph — a chain of
