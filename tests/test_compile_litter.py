@@ -177,7 +177,9 @@ def test_the_compile_worker_gets_an_inductor_folder_of_its_own(tmp_path, monkeyp
 
     monkeypatch.setenv("MINILLM_CACHE", str(tmp_path))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    assert worker_environment(2) == {"OMP_NUM_THREADS": "2", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-worker")}
+    assert worker_environment(2) == {"OMP_NUM_THREADS": "2", "MINILLM_CPU_BF16_ROWS": "0",
+                                     "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-worker")}  # fmt: skip
+    assert worker_environment(2, rows_kernel=True)["MINILLM_CPU_BF16_ROWS"] == "1"  # as the engine named its graphs
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # inherited from an engine's process
     assert worker_environment(1)["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor-worker")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))

@@ -119,8 +119,6 @@ def test_only_a_graph_traced_for_it_calls_the_kernel():
     with cpu_bf16_rows.in_traced_graph():
         assert torch.equal(cpu_bf16_rows.traced_linear(x, w, None), F.linear(x, w))  # 40 columns: F.linear
         assert torch.equal(cpu_bf16_rows.traced_linear(x, w[:32], b[:32]), F.linear(x, w[:32], b[:32]))  # a bias
-    # A bias is added in fp32 before F.linear's one rounding: such a layer is left to F.linear.
-    assert "minillm.linear_bf16_rows.default" in _exported_ops(True, bias=False)
 
 
 def test_which_cpus_use_it_and_the_switch(monkeypatch):
@@ -200,5 +198,25 @@ def test_a_graph_named_for_the_kernel_is_neither_compiled_nor_loaded_where_it_ca
     for attempt in (lambda: on._compile(4, tmp_path / "decode-b4.pt2", False), lambda: on.load(4, tmp_path / "x.pt2")):
         with pytest.raises(RuntimeError, match="no compiler for AVX-512 BF16.*MINILLM_CPU_BF16_ROWS=0"):
             attempt()
-    assert not (tmp_path / "decode-b4.pt2").exists()
+    package = tmp_path / "decode-b4-on-disk.pt2"
+    package.write_bytes(b"a package built where the kernel ran")
+    with pytest.raises(RuntimeError, match="no compiler for AVX-512 BF16"):
+        on.try_load(4, package)
+    assert package.exists()  # kept: the package is fine, this process cannot run it
     off._check_rows_kernel(4)  # a plain graph does not need it
+    monkeypatch.setattr(cpu_bf16_rows, "required", lambda: True)  # MINILLM_CPU_BF16_ROWS=1: asked for, so an error
+    assert on.drop_rows_kernel_if_unbuildable() is False and on.rows_kernel_here(4)
+    monkeypatch.setattr(cpu_bf16_rows, "required", lambda: False)  # auto: compiled without it, under other names
+    before = on.digest(weights, 4)
+    assert on.drop_rows_kernel_if_unbuildable() is True and not on.rows_kernel_here(4)
+    assert on.digest(weights, 4) != before and on.digest(weights, 4) == off.digest(weights, 4)
+
+
+def test_the_operator_refuses_to_run_where_the_kernel_cannot(monkeypatch):
+    """A CPU without AVX-512 BF16 would die on the first instruction: the operator raises instead,
+    naming itself and the reason (on any CPU: the check comes before the kernel is touched)."""
+    monkeypatch.setattr(cpu_bf16_rows, "unavailable_reason", lambda: "this CPU has no AVX-512 BF16")
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    packed = cpu_bf16_rows.pack(torch.randn(32, 64).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="minillm::linear_bf16_rows cannot run here: this CPU has no AVX-512 BF16"):
+        torch.ops.minillm.linear_bf16_rows(x, packed)

@@ -5,8 +5,8 @@ does that near the memory's bandwidth. A step of a few rows — a speculative ve
 last token and its k guesses, up to ~11 rows for a tree), or a batch of 8 — must read the same
 weights once and multiply them by every row. On a CPU without AMX the compiled step's GEMMs
 did that badly: inductor's generated kernels convert bf16 to fp32 lane by lane and spend one
-fused multiply-add per weight per row, and oneDNN's small-M path reads the weights at about half
-the bandwidth. Measured on an AMD EPYC (Zen 4, 2 cores; ``benchmarks/bench_bf16_rows.py``), the
+fused multiply-add per weight per row, and oneDNN's small-M path took 16.6 ms for one step's
+products at 2 rows, where this kernel takes 11.0. Measured on an AMD EPYC (Zen 4, 2 cores; ``benchmarks/bench_bf16_rows.py``), the
 compiled step of SmolLM2-135M took 10.2 ms for one row and 18.1, 16.9, 22.0 ms for 2, 4, 8 rows;
 with the kernel 12.9, 14.0, 18.4 ms. With more rows the multiplications themselves take the
 time (one step's products: 11.0 ms for 2 rows, 15.3 for 11, 48.2 for 64, level with oneDNN's
@@ -61,6 +61,12 @@ def cpu_supports() -> bool:
     if choice == "0" or not caps.get("avx512_bf16", False):
         return False
     return choice == "1" or not caps.get("amx_bf16", False)
+
+
+def required() -> bool:
+    """``MINILLM_CPU_BF16_ROWS=1``: the kernel was asked for, so a failure to build it is an error;
+    under ``auto`` the graphs are compiled without it instead."""
+    return environment.get("MINILLM_CPU_BF16_ROWS") == "1"
 
 
 @functools.cache

@@ -130,13 +130,14 @@ def load_packages_on_disk(compiled: CompiledDecode, job: CompileJob) -> tuple[in
     return tuple(loaded)
 
 
-def worker_environment(threads: int) -> dict[str, str]:
-    """What the compile worker's environment adds to ours: its thread count, and inductor's cache
+def worker_environment(threads: int, rows_kernel: bool = False) -> dict[str, str]:
+    """What the compile worker's environment adds to ours: its thread count, whether its graphs
+    call the bf16 rows kernel (as this engine named them: decided once, here), and inductor's cache
     in a folder of its own (``<cache>/inductor-worker``) unless the user chose one — the worker
     sweeps, fills and records its folder under a lock for a whole compile
     (``trusted_cache.inductor_session``), while this process's own ``torch.compile`` uses
     ``<cache>/inductor``, whose files it records only at exit."""
-    extra = {"OMP_NUM_THREADS": str(threads)}
+    extra = {"OMP_NUM_THREADS": str(threads), "MINILLM_CPU_BF16_ROWS": "1" if rows_kernel else "0"}
     # By value, not by who set it: a process started by an engine's process inherits minillm's
     # folder as "the environment", and a worker sharing it with an in-process compile (which holds
     # it shared until it exits) would wait for ever for the tree to itself.
@@ -220,6 +221,9 @@ class BackgroundBuild:
 
     def _run(self) -> None:
         try:
+            if self.compiled.drop_rows_kernel_if_unbuildable():  # renames the packages: without the kernel
+                named = self.compiled.package_paths()
+                self.job.paths = {b: str(named[b]) for b in self.job.paths}
             missing = {}
             for batch, path in self.job.paths.items():
                 self._set("building", f"loading the compiled {self.compiled.describe(batch)} step")
@@ -258,7 +262,7 @@ class BackgroundBuild:
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     text=True,
-                    env=environment.for_children(**worker_environment(job.threads)),
+                    env=environment.for_children(**worker_environment(job.threads, self.compiled.rows_kernel_cpu)),
                 )
             threading.Thread(target=self._read_log, daemon=True, name="minillm-fast-path-log").start()
             self._follow(self._worker)

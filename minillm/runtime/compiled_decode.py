@@ -29,8 +29,8 @@ On a CPU with AVX-512 BF16 and no AMX (AMD Zen 4 and later), the free-row graphs
 model also multiply through our own kernel (``layers/cpu_bf16_rows.py``, an operator in the
 graph): the compiler's GEMMs for a few rows there compute in fp32 or call oneDNN's small-M path.
 SmolLM2-135M on an AMD EPYC (Zen 4, 2 threads), median TPOT of 3 alternating rounds: 2 rows 18.1
-→ 12.9 ms, 4 rows 16.9 → 14.0, 8 rows 22.0 → 18.4, 16 rows 34.1 → 33.3 (1.40×, 1.17×, 1.19×,
-1.21× by the rounds' ratios; ``benchmarks/bench_bf16_rows.py``, ``results/bf16-rows-2026-12-07-*``).
+→ 12.9 ms, 4 rows 16.9 → 14.0, 8 rows 22.0 → 18.4 (1.40×, 1.17×, 1.19× by the rounds' ratios);
+16 rows 34.1 → 33.3, rounds 1.02-1.24× (``benchmarks/bench_bf16_rows.py``, ``results/bf16-rows-2026-12-07-*``).
 
 Speculative decoding's verify steps run here too: a verify chunk (a sequence's last token and
 its k proposals, logits wanted at each) becomes k + 1 decode rows of that sequence, each at its
@@ -238,6 +238,16 @@ class CompiledDecode:
         engine decodes eagerly."""
         return self.free_rows(batch) and self.cache.dtype == torch.bfloat16 and self.rows_kernel_cpu
 
+    def drop_rows_kernel_if_unbuildable(self) -> bool:
+        """Under ``MINILLM_CPU_BF16_ROWS=auto``, where the kernel cannot be built here (a compiler
+        without AVX-512 BF16's intrinsics, say), name and compile the graphs without it; called
+        on the build's thread (the first call builds the kernel: seconds of ``g++`` on a cold
+        cache), not the engine's. True when it dropped it (the package names change)."""
+        if self.rows_kernel_cpu and not cpu_bf16_rows.required() and cpu_bf16_rows.unavailable_reason() is not None:
+            self.rows_kernel_cpu = False
+            return True
+        return False
+
     def _check_rows_kernel(self, batch: int) -> None:
         """``RuntimeError`` when the graph for ``batch`` calls the kernel and it cannot run here."""
         reason = cpu_bf16_rows.unavailable_reason() if self.rows_kernel_here(batch) else None
@@ -280,6 +290,7 @@ class CompiledDecode:
         the model from (engines built by ``LLMEngine`` build in the background instead,
         ``background_compile.py``)."""
         self.check_hooks()
+        self.drop_rows_kernel_if_unbuildable()
         for batch, path in self.package_paths().items():
             if not self.try_load(batch, path):
                 self.compile_seconds[batch] = self.compile_package(batch, path, progress)
@@ -289,7 +300,9 @@ class CompiledDecode:
 
     def try_load(self, batch: int, path: Path) -> bool:
         """Load ``path`` if it is on disk; a truncated, replaced or foreign file is deleted (to be
-        compiled again). A folder other users could write to raises ``UnsafeCacheError``."""
+        compiled again). A folder other users could write to raises ``UnsafeCacheError``; a
+        package that calls the bf16 rows kernel where it cannot run raises ``RuntimeError`` (the
+        file is kept: it is this process that cannot run it)."""
         if not path.is_file():
             return False
         self._check_rows_kernel(batch)  # raised, not "compile it again": the package is fine, this process is not
