@@ -138,26 +138,24 @@ def test_which_cpus_use_it_and_the_switch(monkeypatch):
 @needs_kernel
 def test_a_compiled_engine_multiplies_its_free_rows_through_the_kernel(tiny_model, tmp_path, monkeypatch):
     """A bf16 engine whose 1-4-row graph was compiled with the kernel (``MINILLM_CPU_BF16_ROWS=1``,
-    so that a CPU with AMX tests it too; the compile worker inherits it): the graph calls the
-    operator, and its greedy tokens and top log-probabilities agree with the same graph compiled
-    without it (``0``) within bf16's rounding."""
+    so that a CPU with AMX tests it too; the compile worker is handed the engine's decision):
+    the graph calls the operator, and its greedy tokens and top log-probabilities agree with
+    the eager engine's within bf16's rounding (a token may differ only where the eager engine's
+    two best were within it). One compile: the suite's time is the course's too."""
     monkeypatch.setattr(compiled_decode, "packages_dir", lambda: tmp_path)
     prompts = ["To be, or not to be", "Caches keep keys and values", "the slings and arrows"]
     params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3)
-    results = {}
-    for choice in ("1", "0"):
-        monkeypatch.setenv("MINILLM_CPU_BF16_ROWS", choice)
-        llm = LLM(tiny_model, dtype="bf16", compile=True, compile_batch_sizes=(4,), enable_prefix_caching=False)
-        status = llm.wait_for_fast_path(timeout=600)
-        assert status.state == "ready", status
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            outs = llm.generate(prompts, params)
-        calls = sum(e.count for e in prof.key_averages() if e.key == "minillm::linear_bf16_rows")
-        results[choice] = (outs, calls)
-        llm.close()
-    (with_kernel, calls), (without, none) = results["1"], results["0"]
-    assert calls > 0 and none == 0, (calls, none)
-    for a, b in zip(with_kernel, without):
+    monkeypatch.setenv("MINILLM_CPU_BF16_ROWS", "1")
+    compiled = LLM(tiny_model, dtype="bf16", compile=True, compile_batch_sizes=(4,), enable_prefix_caching=False)
+    status = compiled.wait_for_fast_path(timeout=600)
+    assert status.state == "ready", status
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with_kernel = compiled.generate(prompts, params)
+    compiled.close()
+    assert sum(e.count for e in prof.key_averages() if e.key == "minillm::linear_bf16_rows") > 0
+    eager = LLM(tiny_model, dtype="bf16", compile=False, enable_prefix_caching=False)
+    plain = eager.generate(prompts, params)
+    for a, b in zip(with_kernel, plain):
         top_a = [[lp for _, lp in step.top] for step in a.logprobs]
         top_b = [[lp for _, lp in step.top] for step in b.logprobs]
         first_difference = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
