@@ -325,6 +325,15 @@ def test_sigterm_drains_running_requests_then_exits(tiny_model, tmp_path):
             proc.kill()
 
 
+def _requests_inside(url: str) -> int:
+    """Requests running or waiting in the served engine, read from ``/metrics``."""
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+               if line.startswith(("minillm_num_requests_running{", "minillm_num_requests_waiting{")))  # fmt: skip
+
+
 def test_the_drain_deadline_ends_every_request_with_a_word(tiny_model):
     """SIGTERM with --shutdown-timeout 1 while 16 requests need longer than that (one runs at a
     time): each stream the deadline cuts ends with an error event naming the shutdown and then
@@ -356,6 +365,12 @@ def test_the_drain_deadline_ends_every_request_with_a_word(tiny_model):
         for t in threads:
             t.start()
         assert started.wait(60)
+        # Every request inside the engine before the signal: one still on its way in when the server
+        # stops accepting gets a closed connection (uvicorn's, before any minillm code sees it) — on
+        # a slow machine the sleep alone left one on its way (CI run103, 2026-12-07).
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _requests_inside(url) < 16:
+            time.sleep(0.05)
         time.sleep(0.2)  # the others queued behind it
         proc.send_signal(signal.SIGTERM)
         for t in threads:

@@ -234,8 +234,9 @@ class CompiledDecode:
         attention may compute in fp32) on a CPU with AVX-512 BF16 and no AMX
         (``MINILLM_CPU_BF16_ROWS``). Decided from the CPU alone, so that a package's name is known
         without building the kernel on the engine's thread; a package so named always holds the
-        kernel — where it cannot be built, compiling and loading it fail, with the reason, and the
-        engine decodes eagerly."""
+        kernel. Under ``auto`` a kernel that cannot be built is dropped before anything compiles
+        (``drop_rows_kernel_if_unbuildable``); under ``1`` compiling and loading such a package
+        fail, with the reason, and the engine decodes eagerly."""
         return self.free_rows(batch) and self.cache.dtype == torch.bfloat16 and self.rows_kernel_cpu
 
     def drop_rows_kernel_if_unbuildable(self) -> bool:
