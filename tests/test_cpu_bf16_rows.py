@@ -33,11 +33,12 @@ def test_the_packed_layout_puts_each_column_blocks_input_pairs_side_by_side():
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 11, 12, 13, 25, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 7, 8, 9, 11, 12, 13, 25, 40])
 @pytest.mark.parametrize("n, k", [(16, 2), (48, 6), (112, 34), (960, 576), (576, 1536)])
 def test_the_kernel_is_an_fp32_product_rounded_once(rows, n, k):
-    """Every row count (1-12 in one pass over the weights, more in passes of 12), whole pairs of
-    column blocks and a lone last block (112 = 3 pairs + 1), against the product in fp32: each
+    """Every tile the kernel picks by row count (4 column blocks a task up to 6 rows, 3 up to 8,
+    2 beyond, in passes of 12 rows), whole tasks and the blocks left over (112 = 7 blocks: 4 + 3,
+    6 + 1, 3 × 2 + 1), against the product in fp32: each
     output within bf16's rounding of the exact sum, plus fp32 summation-order slack."""
     torch.manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k).to(torch.bfloat16)
