@@ -469,11 +469,21 @@ def test_default_graphs_one_for_every_batch_but_over_an_8_bit_pool(tiny_model):
         assert compiled_decode.default_batch_sizes(int8) == (1, 8)
 
 
-def test_the_kernel_operator_passes_pytorchs_operator_checks():
+@pytest.mark.parametrize("call", ["operator", "python"])
+def test_the_kernel_operator_passes_pytorchs_operator_checks(call):
     """``minillm::paged_decode``, the kernel as the operator a compiled graph calls: its fake
     (what the tracer sees) must agree with the kernel on shape, dtype and strides — for a
     non-contiguous ``q`` too, the model's view (a fake that copied its strides made compiled
-    batches decode wrong tokens) — and it must be traceable (``torch.library.opcheck``)."""
+    batches decode wrong tokens) — and it must be traceable (``torch.library.opcheck``). The
+    same for its C++ kernel (what the dispatcher runs once the library built with it is loaded,
+    ``operator_in_cpp``) and its Python function (the fallback), which agree bit for bit."""
+    from minillm import native_build
+    from minillm.attention import cpu_paged
+
+    assert cpu_paged.operator_in_cpp(), native_build._operators_library()[1]
+    registered = torch._C._dispatch_dump("minillm::paged_decode")
+    assert ".cpp" in registered.split("CPU: registered at")[1].splitlines()[0]
+    op = torch.ops.minillm.paged_decode if call == "operator" else cpu_paged.paged_decode_op
     torch.manual_seed(0)
     bs, kv, h, d = 4, 2, 4, 16
     pool_k, pool_v = torch.randn(10 * bs, kv, d, dtype=torch.bfloat16), torch.randn(10 * bs, kv, d, dtype=torch.bfloat16)
@@ -484,8 +494,9 @@ def test_the_kernel_operator_passes_pytorchs_operator_checks():
     for window, visible in ((0, seen), (3, torch.full((3,), -1))):
         args = (q, pool_k, pool_v, tables, lens, visible, bs, d**-0.5, window)
         torch.library.opcheck(torch.ops.minillm.paged_decode.default, args)
-        out = torch.ops.minillm.paged_decode(*args)
+        out = op(*args)
         assert out.is_contiguous() and out.dtype == q.dtype and out.shape == q.shape
+        assert torch.equal(out, torch.ops.minillm.paged_decode(*args) if call == "python" else cpu_paged.paged_decode_op(*args))
     # It reads raw pointers, so what would make it read out of bounds is refused by name.
     bad = {
         "int32 tables": (q, pool_k, pool_v, tables.int(), lens, seen, bs, 1.0, 0),
@@ -498,7 +509,7 @@ def test_the_kernel_operator_passes_pytorchs_operator_checks():
     }
     for case, args in bad.items():
         with pytest.raises(ValueError, match="minillm::paged_decode"):
-            torch.ops.minillm.paged_decode(*args)
+            op(*args)
             pytest.fail(f"{case}: accepted")
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minillm import LLM, SamplingParams
+from minillm import LLM, SamplingParams, native_build
 from minillm.layers import cpu_bf16_rows
 from minillm.runtime import compiled_decode
 
@@ -70,9 +70,22 @@ def test_the_operator_passes_pytorchs_operator_checks():
     torch.library.opcheck(torch.ops.minillm.linear_bf16_rows.default, (x, packed))
 
 
-def test_what_would_make_the_kernel_read_out_of_bounds_is_refused_by_name():
+def _through_the_operator(*args):
+    """As a compiled graph calls it: its C++ kernel, registered first where it can run."""
+    cpu_bf16_rows.operator_in_cpp()
+    return torch.ops.minillm.linear_bf16_rows(*args)
+
+
+# The operator as a compiled graph calls it, and its Python function (the fallback, and what runs
+# before the C++ kernel is registered).
+CALLS = {"operator": _through_the_operator, "python": cpu_bf16_rows.linear_bf16_rows}
+
+
+@pytest.mark.parametrize("call", CALLS)
+def test_what_would_make_the_kernel_read_out_of_bounds_is_refused_by_name(call):
     """It reads raw pointers: every argument it could misread is checked first, with a
-    ValueError naming the operator — on any CPU, before the kernel is needed."""
+    ValueError naming the operator — on any CPU, before the kernel is needed; by the C++ kernel
+    and by the Python function alike."""
     x = torch.randn(3, 64).to(torch.bfloat16)
     packed = cpu_bf16_rows.pack(torch.randn(32, 64).to(torch.bfloat16))
     bad = {
@@ -86,8 +99,24 @@ def test_what_would_make_the_kernel_read_out_of_bounds_is_refused_by_name():
     }
     for case, args in bad.items():
         with pytest.raises(ValueError, match="minillm::linear_bf16_rows"):
-            torch.ops.minillm.linear_bf16_rows(*args)
+            CALLS[call](*args)
             pytest.fail(f"{case}: accepted")
+
+
+@needs_kernel
+def test_the_operator_runs_its_cpp_kernel_and_agrees_with_the_python_function():
+    """Once the library is loaded, PyTorch's dispatcher holds a C++ kernel for the CPU (registered
+    by the library; the Python function is registered for every device, the fallback) — the call
+    a compiled graph makes ~121 times a step no longer goes through Python. Both give the same
+    bits, for a view too."""
+    assert cpu_bf16_rows.operator_in_cpp(), native_build._operators_library()[1]
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("minillm::linear_bf16_rows", "CPU")
+    registered = torch._C._dispatch_dump("minillm::linear_bf16_rows")
+    assert "CPU: registered at" in registered and ".cpp" in registered.split("CPU: registered at")[1].splitlines()[0]
+    packed = cpu_bf16_rows.pack(torch.randn(96, 64).to(torch.bfloat16))
+    for rows in (1, 5, 13):
+        x = torch.randn(rows, 128).to(torch.bfloat16)[:, ::2]  # not contiguous
+        assert torch.equal(torch.ops.minillm.linear_bf16_rows(x, packed), cpu_bf16_rows.linear_bf16_rows(x, packed))
 
 
 def _exported_ops(enabled: bool, out_features: int = 32, bias: bool = False) -> set[str]:
@@ -212,10 +241,13 @@ def test_a_graph_named_for_the_kernel_is_neither_compiled_nor_loaded_where_it_ca
 
 
 def test_the_operator_refuses_to_run_where_the_kernel_cannot(monkeypatch):
-    """A CPU without AVX-512 BF16 would die on the first instruction: the operator raises instead,
-    naming itself and the reason (on any CPU: the check comes before the kernel is touched)."""
+    """A CPU without AVX-512 BF16 would die on the first instruction: the operator's Python
+    function raises instead, naming itself and the reason (on any CPU: the check comes before the
+    kernel is touched). Its C++ kernel asks the CPU itself (``__builtin_cpu_supports``), and is
+    only loaded where ``unavailable_reason`` found the instructions."""
     monkeypatch.setattr(cpu_bf16_rows, "unavailable_reason", lambda: "this CPU has no AVX-512 BF16")
     x = torch.randn(2, 64).to(torch.bfloat16)
     packed = cpu_bf16_rows.pack(torch.randn(32, 64).to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="minillm::linear_bf16_rows cannot run here: this CPU has no AVX-512 BF16"):
-        torch.ops.minillm.linear_bf16_rows(x, packed)
+        cpu_bf16_rows.linear_bf16_rows(x, packed)
+    assert not cpu_bf16_rows.operator_in_cpp()

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from minillm.config import environment
-from minillm.native_build import load_library
+from minillm.native_build import load_library, register_operator
 
 SOURCE = Path(__file__).with_name("cpu_bf16_rows.cpp")
 COLUMN_BLOCK = 16  # output columns per packed block (one AVX-512 register of fp32 sums)
@@ -91,6 +91,13 @@ def _kernel():
     return kernel
 
 
+def operator_in_cpp() -> bool:
+    """Register the operator's C++ kernel where the kernel can run (building what it needs, once
+    per cache); whether ``minillm::linear_bf16_rows`` runs it here — else the Python function
+    below. Called before a compiled graph that multiplies through the operator runs."""
+    return unavailable_reason() is None and register_operator("linear_bf16_rows", [_kernel()]) is None
+
+
 def packs(weight: torch.Tensor) -> bool:
     """Whether ``weight[N, K]`` fits the packed layout: bf16, K even, N a multiple of 16."""
     n, k = weight.shape
@@ -108,7 +115,12 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def linear_bf16_rows(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """``x[M, K] · Wᵀ`` for ``packed = pack(W)``: ``[M, N]`` bf16, fp32 sums rounded once. The
     kernel reads raw pointers, so shapes and dtypes are checked here (no tensor operations: it
-    runs once per linear layer per step)."""
+    runs once per linear layer per step).
+
+    The operator's Python kernel, registered for every device (``CompositeExplicitAutograd``): once
+    its C++ kernel for the CPU is registered (``operator_in_cpp``; the same checks, in
+    ``minillm/native_operators.cpp``), PyTorch's dispatcher prefers that one, and this function
+    runs only where it could not be built, or when called by name."""
     if (
         x.dim() != 2
         or packed.dim() != 4
@@ -137,7 +149,7 @@ def linear_bf16_rows(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return out
 
 
-OPERATOR.impl("linear_bf16_rows", linear_bf16_rows, "CPU")
+OPERATOR.impl("linear_bf16_rows", linear_bf16_rows, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("minillm::linear_bf16_rows")

@@ -80,7 +80,8 @@ import torch
 import minillm.hooks as hooks
 from minillm import trusted_cache
 from minillm.assets import cache_dir
-from minillm.attention.cpu_paged import POOL_DTYPES  # also registers the kernel's operator
+from minillm.attention import cpu_paged
+from minillm.attention.cpu_paged import POOL_DTYPES  # also declares the kernel's operator
 from minillm.attention.layout import KVPool, StepLayout
 from minillm.kvcache import addressing
 from minillm.kvcache.paged import PagedKVCache
@@ -322,6 +323,10 @@ class CompiledDecode:
         when it was built (``trusted_cache.py``) — and offer its graph (swapped in at the next
         step boundary)."""
         self._check_rows_kernel(batch)  # builds (or finds) the kernel's library before the graph calls it
+        if self.free_rows(batch):  # the operators it calls run their C++ kernels (where they build), not Python
+            cpu_paged.operator_in_cpp()
+            if self.rows_kernel_here(batch):
+                cpu_bf16_rows.operator_in_cpp()
         trusted_cache.check_tree(path.parent)  # every folder in it: the kernel's is one
         if not trusted_cache.verified(path):
             raise ValueError("it is not the file recorded when it was built (replaced, truncated, or older)")
