@@ -5,13 +5,15 @@
 
 Three parts, each printed next to its baseline:
 
-0. **The operator's own cost**: a call on a tiny product through the dispatcher and its Python
-   wrapper, against the kernel through ``ctypes`` alone.
+0. **The operator's own cost**: a call on a tiny product through the dispatcher to its C++ kernel
+   (as shipped, ``minillm/native_operators.cpp``) and to its Python function (the fallback, and
+   how it ran before), against the kernel through ``ctypes`` alone.
 1. **The matrix products of one decode step** of SmolLM2-135M (30 layers of q/k/v 576→960,
    o 576→576, gate/up 576→3072, down 1536→576, distinct random weights so that they stream from
    memory as a model's do, and the 576→49152 head), for M = 1 … 256 rows: our operator on
    packed weights against oneDNN's bf16 linear on its own prepacked weights (what the eager
    engine and the compiler's ATen choice call). Median of ``--repeats`` passes.
+   Then one pass of the EAGLE head's six products (SmolLM2's head) at 1-16 rows, the same two ways.
 2. **The compiled engine**: ``bench_decode_step.measure`` (64-token prompts, 64 new tokens,
    median TPOT) at batch 1, 2, 4, 8, 12, 16 for the default engine with
    ``MINILLM_CPU_BF16_ROWS=0`` (the compiler's own GEMMs) and with it as shipped (``auto``; the
@@ -46,24 +48,34 @@ LAYERS, HEAD = 30, (576, 49152)
 
 def call_cost(calls: int = 5000) -> dict:
     """One call of the operator on a tiny product (2 rows, 64 → 32), through PyTorch's dispatcher
-    and its Python wrapper, against the same kernel called through ``ctypes`` alone: what each of
-    a graph's ~121 calls a step pays before any arithmetic."""
+    to its C++ kernel and to its Python function, against the same kernel called through
+    ``ctypes`` alone: what each of a graph's ~121 calls a step pays before any arithmetic."""
     x = torch.randn(2, 64).to(torch.bfloat16)
     packed = cpu_bf16_rows.pack(torch.randn(32, 64).to(torch.bfloat16))
     out = torch.empty(2, 32, dtype=torch.bfloat16)
     kernel = cpu_bf16_rows._kernel()
+    in_cpp = cpu_bf16_rows.operator_in_cpp()
+    python_op = torch.library.Library("minillm_bench", "FRAGMENT")
+    python_op.define("linear_bf16_rows_py(Tensor x, Tensor packed) -> Tensor")
+    python_op.impl("linear_bf16_rows_py", cpu_bf16_rows.linear_bf16_rows, "CPU")
 
     def through_the_operator():
         for _ in range(calls):
             torch.ops.minillm.linear_bf16_rows(x, packed)
 
+    def through_its_python_function():
+        for _ in range(calls):
+            torch.ops.minillm_bench.linear_bf16_rows_py(x, packed)
+
     def ctypes_only():
         for _ in range(calls):
             kernel(x.data_ptr(), packed.data_ptr(), out.data_ptr(), 2, 64, 32)
 
-    row = {"operator_us": 1000 * median_ms(through_the_operator, 5) / calls, "ctypes_us": 1000 * median_ms(ctypes_only, 5) / calls}
-    print(f"  a call on a tiny product: the operator {row['operator_us']:.1f} us, the kernel through ctypes alone "
-          f"{row['ctypes_us']:.1f} us", flush=True)  # fmt: skip
+    row = {"operator_in_cpp": in_cpp, "operator_us": 1000 * median_ms(through_the_operator, 5) / calls,
+           "python_function_us": 1000 * median_ms(through_its_python_function, 5) / calls,
+           "ctypes_us": 1000 * median_ms(ctypes_only, 5) / calls}  # fmt: skip
+    print(f"  a call on a tiny product: the operator {row['operator_us']:.1f} us ({'C++ kernel' if in_cpp else 'Python: its C++ kernel did not build'}), "
+          f"its Python function {row['python_function_us']:.1f} us, the kernel through ctypes alone {row['ctypes_us']:.1f} us", flush=True)  # fmt: skip
     return row
 
 
@@ -89,6 +101,38 @@ def products(rows: list[int], repeats: int) -> list[dict]:
 
         row = {"rows": m, "ours_ms": median_ms(run_ours, repeats), "onednn_ms": median_ms(run_onednn, repeats)}
         print(f"  M = {m:3d}: ours {row['ours_ms']:7.2f} ms   oneDNN {row['onednn_ms']:7.2f} ms   "
+              f"{row['onednn_ms'] / row['ours_ms']:.2f}x", flush=True)  # fmt: skip
+        out.append(row)
+    return out
+
+
+EAGLE_HEAD = {"fc": (1152, 576), "qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576),
+              "head": (576, 4096)}  # (in, out): SmolLM2's EAGLE head (data/smollm2-eagle), q/k/v and gate/up fused
+
+
+def head_products(rows: list[int], repeats: int) -> list[dict]:
+    """One pass of the EAGLE head's six products (``speculative/eagle.py``, ``_mm``) at the few
+    rows a proposal runs: our operator on its packed weights against oneDNN's prepacked linear,
+    which it used before (its 13 MB of weights stay in the CPU's cache between passes, as
+    between a step's proposals)."""
+    torch.manual_seed(0)
+    weights = {name: torch.randn(n, k).to(torch.bfloat16) for name, (k, n) in EAGLE_HEAD.items()}
+    ours = {name: cpu_bf16_rows.pack(w) for name, w in weights.items()}
+    onednn = {name: torch.ops.mkldnn._reorder_linear_weight(w, 1) for name, w in weights.items()}
+    out = []
+    for m in rows:
+        inputs = {name: torch.randn(m, w.shape[1]).to(torch.bfloat16) for name, w in weights.items()}
+
+        def run_ours(inputs=inputs):
+            for name, packed in ours.items():
+                torch.ops.minillm.linear_bf16_rows(inputs[name], packed)
+
+        def run_onednn(inputs=inputs):
+            for name, packed in onednn.items():
+                torch.ops.mkldnn._linear_pointwise(inputs[name], packed, None, "none", [], "")
+
+        row = {"rows": m, "ours_ms": median_ms(run_ours, repeats), "onednn_ms": median_ms(run_onednn, repeats)}
+        print(f"  M = {m:3d}: ours {row['ours_ms']:6.3f} ms   oneDNN {row['onednn_ms']:6.3f} ms   "
               f"{row['onednn_ms'] / row['ours_ms']:.2f}x", flush=True)  # fmt: skip
         out.append(row)
     return out
@@ -137,6 +181,8 @@ def main(argv=None) -> dict:
     result = {"benchmark": "bf16_rows", "machine": machine, "args": vars(args), "call": call_cost()}
     print("One decode step's matrix products (SmolLM2-135M shapes, bf16):")
     result["products"] = products(args.rows, args.repeats)
+    print("One pass of the EAGLE head's products (SmolLM2's head, bf16):")
+    result["eagle_head"] = head_products([1, 2, 4, 8, 16], 51)
     if not args.skip_engines:
         print("The compiled engine (TPOT, 64-token prompts, 64 new tokens):")
         result["engines"] = engines(args.model, args.batches, args.repeats, args.rounds)

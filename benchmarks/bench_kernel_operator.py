@@ -8,9 +8,12 @@ in one run, one layer's call at batch 1 (padded to 2 rows, as the compiled step 
 SmolLM2's head layout (9 query heads over 3 KV heads of 64, bf16 pool), context 128:
 
 - ``kernel only``: the ``ctypes`` call with its inputs already prepared (the floor);
-- ``minillm::paged_decode``: the operator as registered (``torch.library.Library``);
+- ``minillm::paged_decode``: the operator as shipped — its C++ kernel registered with the
+  dispatcher (``minillm/native_operators.cpp``, ``cpu_paged.operator_in_cpp``);
+- ``its Python function through the dispatcher``: ``paged_decode_op`` registered the plain way
+  (``torch.library.Library``; what the operator ran before its C++ kernel, and its fallback);
 - ``same, as torch.library.custom_op``: the same function registered the convenient way
-  (the baseline: how the operator was registered before);
+  (how the operator was registered before that);
 - ``paged_decode_attention``: the checked Python entry the eager engine calls.
 
 Prints microseconds per call (median of rounds) and what the difference means per token;
@@ -60,16 +63,22 @@ def main(argv=None) -> None:
     visible = torch.full((rows,), -1)  # plain causal rows
     call = (q, k_pool, v_pool, tables, lens, visible, block, dim**-0.5, 0)
 
+    in_cpp = cpu_paged.operator_in_cpp()
     baseline = torch.library.custom_op("minillm_bench::paged_decode", mutates_args=())(cpu_paged.paged_decode_op)
     baseline.register_fake(lambda q, *rest: q.new_empty(q.shape))
+    python_op = torch.library.Library("minillm_bench", "FRAGMENT")
+    python_op.define("paged_decode_py(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor context_lens, "
+                     "Tensor visible, int block_size, float scale, int window) -> Tensor")  # fmt: skip
+    python_op.impl("paged_decode_py", cpu_paged.paged_decode_op, "CPU")
     q32, out = q.float().contiguous(), torch.empty(rows, heads, dim)
     kernel = cpu_paged._typed_kernel("bfloat16")
     raw = (q32.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), lens.data_ptr(),
            visible.data_ptr(), out.data_ptr(), rows, heads, kv_heads, dim, 8, block, 0, dim**-0.5)  # fmt: skip
     cases = {
         "kernel only (ctypes, inputs prepared)": lambda: kernel(*raw),
-        "minillm::paged_decode (torch.library.Library)": lambda: torch.ops.minillm.paged_decode(*call),
-        "same, as torch.library.custom_op (before)": lambda: torch.ops.minillm_bench.paged_decode(*call),
+        f"minillm::paged_decode ({'C++ kernel' if in_cpp else 'its C++ kernel did not build: Python'}, as shipped)": lambda: torch.ops.minillm.paged_decode(*call),
+        "its Python function through the dispatcher (torch.library.Library; the fallback)": lambda: torch.ops.minillm_bench.paged_decode_py(*call),
+        "same, as torch.library.custom_op (before that)": lambda: torch.ops.minillm_bench.paged_decode(*call),
         "paged_decode_attention (checked, eager engine)": lambda: cpu_paged.paged_decode_attention(*call[:5], block, dim**-0.5, 0),
     }
     reference = torch.ops.minillm.paged_decode(*call)

@@ -286,13 +286,51 @@ def test_a_bf16_head_on_cpu_runs_prepacked_with_the_plain_arithmetic(head_dir):
     past_k = torch.randn(7, kv, d, generator=gen).to(torch.bfloat16)
     past_v = torch.randn(7, kv, d, generator=gen).to(torch.bfloat16)
     with torch.inference_mode():
-        packed = [*head(feats, tokens, positions, past_k, past_v)]
-        packed.append(head.logits(packed[0]))
-        head.packed = {}
-        plain = [*head(feats, tokens, positions, past_k, past_v)]
-        plain.append(head.logits(plain[0]))
-    for a, b in zip(packed, plain):
-        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+        paths = {}
+        for path in ("few-row kernel", "oneDNN", "plain"):
+            if path == "oneDNN":
+                head.rows_packed = {}
+            if path == "plain":
+                head.packed = {}
+            out = [*head(feats, tokens, positions, past_k, past_v)]
+            paths[path] = [*out, head.logits(out[0])]
+    for path in ("few-row kernel", "oneDNN"):
+        for a, b in zip(paths[path], paths["plain"]):
+            torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2, msg=path)
+
+
+def test_a_bf16_head_multiplies_few_rows_through_the_bf16_kernel_where_the_compiled_step_does(head_dir, monkeypatch):
+    """Where our few-row bf16 kernel serves the compiled step (a CPU with AVX-512 BF16; here
+    forced on with ``MINILLM_CPU_BF16_ROWS=1``), the head's six matrices are packed for it too and
+    its proposals' products of up to ``FEW_ROWS`` rows run through it (a profiler counts the
+    calls) — once the kernel is built, never building it on the caller's thread; more rows (a
+    long prompt's catch-up) go to oneDNN; ``=0`` packs nothing for it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from minillm.layers import cpu_bf16_rows
+    from minillm.layers.cpu_prepack import prepack_available
+
+    if cpu_bf16_rows.unavailable_reason() is not None or not prepack_available(torch.bfloat16):
+        pytest.skip(f"the kernel cannot run here: {cpu_bf16_rows.unavailable_reason()}")
+    target = load_model(resolve_model(TARGET), torch.bfloat16)
+    monkeypatch.setenv("MINILLM_CPU_BF16_ROWS", "0")
+    assert load_eagle_head(head_dir, target).rows_packed == {}
+    monkeypatch.setenv("MINILLM_CPU_BF16_ROWS", "1")
+    head = load_eagle_head(head_dir, target)
+    assert set(head.rows_packed) == {"fc", "qkv", "o", "gate_up", "down", "head"}
+    h = target.config.hidden_size
+
+    def kernel_calls(rows: int) -> int:
+        feats = torch.randn(rows, h).to(torch.bfloat16)
+        tokens, positions = torch.arange(rows) + 4, torch.arange(rows)
+        with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            head.logits(head(feats, tokens, positions)[0])
+        return sum(e.count for e in prof.key_averages() if e.key == "minillm::linear_bf16_rows")
+
+    assert kernel_calls(3) == 6 and kernel_calls(cpu_bf16_rows.FEW_ROWS) == 6
+    assert kernel_calls(cpu_bf16_rows.FEW_ROWS + 1) == 0
+    monkeypatch.setattr(cpu_bf16_rows, "ready", lambda: False)  # not built yet: oneDNN, no waiting
+    assert kernel_calls(3) == 0
 
 
 def test_a_batch_of_training_windows_is_each_window_alone(head_dir):

@@ -83,6 +83,17 @@ def unavailable_reason() -> str | None:
     return None
 
 
+FEW_ROWS = 16  # an eager caller's products go through the kernel up to this many rows (level with oneDNN by ~64)
+
+
+def ready() -> bool:
+    """Whether the kernel is built and can run here — without building it: an eager caller on an
+    engine's thread (the EAGLE head's proposals) must not wait seconds for ``g++`` on a cold
+    cache. True once ``unavailable_reason`` has answered None (the compiled step's build asks it
+    on its own thread, at every start)."""
+    return unavailable_reason.cache_info().currsize > 0 and unavailable_reason() is None
+
+
 @functools.cache
 def _kernel():
     kernel = load_library(SOURCE).linear_bf16_rows

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from minillm.layers import cpu_bf16_rows
 from minillm.layers.cpu_prepack import prepack_available
 from minillm.models.rope import apply_rope
 from minillm.sampling import filtered_logits
@@ -84,6 +85,7 @@ class EagleHead(nn.Module):
         self.register_buffer("vocab_ids", vocab_ids.to(torch.long), persistent=False)
         self.head_weight = head_rows(target, self.vocab_ids)  # [draft_vocab, hidden]
         self.packed: dict[str, torch.Tensor] = {}  # oneDNN-prepacked weights (prepack_for_cpu)
+        self.rows_packed: dict[str, torch.Tensor] = {}  # the same, packed for our few-row bf16 kernel
 
     def prepack_for_cpu(self) -> bool:
         """Inference on CPU: hold every matrix in oneDNN's prepacked layout, as the target's own
@@ -91,6 +93,12 @@ class EagleHead(nn.Module):
         each. A proposal runs the head on one or two rows at a time, where PyTorch's plain bf16
         matmul streams weights far below the machine's bandwidth: a run-ahead step took 0.97 ms
         packed against 1.39 ms plain (``benchmarks/eval_eagle_head.py``, Intel Xeon, 2 threads).
+
+        Where the compiled step multiplies its few rows through our bf16 kernel
+        (``layers/cpu_bf16_rows.py``: a CPU with AVX-512 BF16 and no AMX), the matrices are also
+        packed for it (13 MB more for SmolLM2's head), and calls of up to ``FEW_ROWS`` rows use it
+        once it is built: the head's six products took 0.33-0.51 ms a pass at 1-8 rows against
+        oneDNN's 0.55-0.90 ms (AMD EPYC Zen 4, 2 threads; ``benchmarks/bench_bf16_rows.py``).
         Returns whether it packed."""
         dtype = self.fc.weight.dtype
         if self.fc.weight.device.type != "cpu" or dtype == torch.float32 or not prepack_available(dtype):
@@ -104,9 +112,14 @@ class EagleHead(nn.Module):
             "head": self.head_weight,
         }
         self.packed = {k: torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 1) for k, w in mats.items()}
+        if dtype == torch.bfloat16 and cpu_bf16_rows.cpu_supports():
+            self.rows_packed = {k: cpu_bf16_rows.pack(w.detach().contiguous()) for k, w in mats.items() if cpu_bf16_rows.packs(w)}
         return True
 
     def _mm(self, name: str, x: torch.Tensor, plain: torch.Tensor) -> torch.Tensor:
+        rows = self.rows_packed.get(name)
+        if rows is not None and x.dim() == 2 and x.shape[0] <= cpu_bf16_rows.FEW_ROWS and cpu_bf16_rows.ready():
+            return torch.ops.minillm.linear_bf16_rows(x, rows)
         packed = self.packed.get(name)
         if packed is None:
             return x @ plain.T
