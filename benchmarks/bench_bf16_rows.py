@@ -36,7 +36,7 @@ import torch
 from bench_decode_step import measure
 from timing import median_ms
 
-from minillm import LLM
+from minillm import LLM, native_build
 from minillm.config import environment
 from minillm.layers import cpu_bf16_rows
 from minillm.machine import machine_description, machine_tag
@@ -54,6 +54,7 @@ def call_cost(calls: int = 5000) -> dict:
     packed = cpu_bf16_rows.pack(torch.randn(32, 64).to(torch.bfloat16))
     out = torch.empty(2, 32, dtype=torch.bfloat16)
     kernel = cpu_bf16_rows._kernel()
+    native_build.build_operators()
     in_cpp = cpu_bf16_rows.operator_in_cpp()
     python_op = torch.library.Library("minillm_bench", "FRAGMENT")
     python_op.define("linear_bf16_rows_py(Tensor x, Tensor packed) -> Tensor")

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from minillm import native_build
 from minillm.attention import cpu_paged
 from minillm.machine import machine_description, machine_tag
 
@@ -63,6 +64,7 @@ def main(argv=None) -> None:
     visible = torch.full((rows,), -1)  # plain causal rows
     call = (q, k_pool, v_pool, tables, lens, visible, block, dim**-0.5, 0)
 
+    native_build.build_operators()
     in_cpp = cpu_paged.operator_in_cpp()
     baseline = torch.library.custom_op("minillm_bench::paged_decode", mutates_args=())(cpu_paged.paged_decode_op)
     baseline.register_fake(lambda q, *rest: q.new_empty(q.shape))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import platform
 import threading
 from pathlib import Path
@@ -52,37 +51,58 @@ def load_library(source_file: Path, prelude: bool = True) -> ctypes.CDLL:
 
 
 OPERATORS_SOURCE = Path(__file__).with_name("native_operators.cpp")
-_OPERATORS_LOCK = threading.Lock()
+_OPERATORS_BUILD_LOCK = threading.Lock()
+_OPERATORS_REGISTER_LOCK = threading.Lock()
+_operators: tuple[ctypes.CDLL | None, str | None] | None = None  # (library, why not): once built or failed
+
+
+def build_operators() -> str | None:
+    """Build (or find in the cache) and load the library of our operators' C++ kernels
+    (``native_operators.cpp``) — seconds of ``g++`` against PyTorch's headers on a cold cache
+    (``benchmarks/bench_cold_kernel.py``), so called where waiting costs nobody: the compiled
+    step's background build, before it loads its graphs. None when loaded, else why not (once per
+    process: a failed build is not retried). A library of its own so that neither kernel's build
+    waits for those headers (an eager engine's first answer waits for the attention kernel's)."""
+    global _operators
+    with _OPERATORS_BUILD_LOCK:
+        if _operators is None:
+            try:
+                _operators = load_library(OPERATORS_SOURCE, prelude=False), None
+            except Exception as error:  # any build failure: the operators' Python functions serve
+                said = " / ".join(line.strip() for line in str(error).splitlines() if line.strip())
+                _operators = None, f"{type(error).__name__}: {said[-600:]}"
+        return _operators[1]
+
+
+def operators_failure() -> str | None:
+    """Why the operators' library did not build in this process (None: built, or not tried yet)."""
+    return None if _operators is None else _operators[1]
 
 
 def register_operator(name: str, kernels: list) -> str | None:
-    """Register the C++ kernel of our operator ``minillm::<name>`` for the CPU (in
-    ``native_operators.cpp``), handing it ``kernels`` — ``ctypes`` functions of our kernels' own
-    libraries, which it calls. None when it is registered (now or before), else why not: the
-    operator then runs its Python function (registered for every device), slower by a trip into
-    Python a call (~7-20 µs; 151 calls a compiled step of SmolLM2-135M), with the same results.
+    """Register the C++ kernel of our operator ``minillm::<name>`` for the CPU, handing it
+    ``kernels`` — ``ctypes`` functions of our kernels' own libraries, which it calls. Never builds
+    (``build_operators`` does) and never waits for a build. None when it is registered (now or
+    before), else why not: the operator then runs its Python function (registered for every
+    device) — the same results, a trip into Python a call slower (~7 µs a product and ~20 µs an
+    attention call on a 2-core AMD EPYC; 151 calls a compiled step of SmolLM2-135M).
 
-    Built once per cache (PyTorch's headers: ~10 s cold, on the background build's thread), a
-    library of its own so that neither kernel's build waits for those headers."""
-    with _OPERATORS_LOCK:
-        library, reason = _operators_library()
-        if library is None:
-            return reason
+    PyTorch's dispatcher is not meant to change while a call of the same operator runs on another
+    thread: the compiled step registers between two steps, on the engine's own thread
+    (``CompiledDecode.swap_in``), where its graphs and the EAGLE head make their calls."""
+    built = _operators
+    if built is None:
+        return "the operators' library is not built yet (native_build.build_operators)"
+    library, reason = built
+    if library is None:
+        return reason
+    with _OPERATORS_REGISTER_LOCK:
         register = getattr(library, f"minillm_register_{name}")
         register.argtypes = [ctypes.c_void_p] * len(kernels)
         register.restype = ctypes.c_int
         if register(*(ctypes.cast(kernel, ctypes.c_void_p).value for kernel in kernels)) < 0:
             return f"registering minillm::{name}'s C++ kernel failed"
         return None
-
-
-@functools.cache
-def _operators_library() -> tuple[ctypes.CDLL | None, str | None]:
-    try:
-        return load_library(OPERATORS_SOURCE, prelude=False), None
-    except Exception as error:  # any build failure: the operators' Python functions serve
-        said = " / ".join(line.strip() for line in str(error).splitlines() if line.strip())
-        return None, f"{type(error).__name__}: {said[-600:]}"
 
 
 def kernels_dir() -> Path:

@@ -74,6 +74,10 @@ at::Tensor linear_bf16_rows(const at::Tensor& x, const at::Tensor& packed) {
                     "minillm::linear_bf16_rows: x ", x.sizes(), " ", x.scalar_type(), " on ", x.device(), ", packed ",
                     packed.sizes(), " ", packed.scalar_type(),
                     ": expected bf16 CPU x[M, K] and a contiguous packed[N/16, K/2, 16, 2] (cpu_bf16_rows.pack)");
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  static const bool can_run = __builtin_cpu_supports("avx512bf16");  // else it would die on the first instruction
+  TORCH_CHECK(can_run, "minillm::linear_bf16_rows cannot run here: this CPU has no AVX-512 BF16");
+#endif
   const at::Tensor rows = x.contiguous();
   const int64_t m = rows.size(0), k = rows.size(1), n = packed.size(0) * 16;
   at::Tensor out = at::empty({m, n}, rows.options());

@@ -4,6 +4,8 @@ it, and a compiled engine whose free-row graph multiplies through it."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,7 +35,7 @@ def test_the_packed_layout_puts_each_column_blocks_input_pairs_side_by_side():
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 6, 7, 8, 9, 11, 12, 13, 25, 40])
+@pytest.mark.parametrize("rows", [*range(1, 14), 25, 40])
 @pytest.mark.parametrize("n, k", [(16, 2), (48, 6), (112, 34), (960, 576), (576, 1536)])
 def test_the_kernel_is_an_fp32_product_rounded_once(rows, n, k):
     """Every tile the kernel picks by row count (4 column blocks a task up to 6 rows, 3 up to 8,
@@ -71,8 +73,9 @@ def test_the_operator_passes_pytorchs_operator_checks():
 
 
 def _through_the_operator(*args):
-    """As a compiled graph calls it: its C++ kernel, registered first where it can run."""
-    cpu_bf16_rows.operator_in_cpp()
+    """As a compiled graph calls it: its C++ kernel, registered first (where it can run)."""
+    if native_build.build_operators() is not None or not cpu_bf16_rows.operator_in_cpp():
+        pytest.skip(f"its C++ kernel cannot run here: {native_build.operators_failure() or cpu_bf16_rows.unavailable_reason()}")
     return torch.ops.minillm.linear_bf16_rows(*args)
 
 
@@ -109,7 +112,8 @@ def test_the_operator_runs_its_cpp_kernel_and_agrees_with_the_python_function():
     by the library; the Python function is registered for every device, the fallback) — the call
     a compiled graph makes ~121 times a step no longer goes through Python. Both give the same
     bits, for a view too."""
-    assert cpu_bf16_rows.operator_in_cpp(), native_build._operators_library()[1]
+    assert native_build.build_operators() is None, native_build.operators_failure()
+    assert cpu_bf16_rows.operator_in_cpp()
     assert torch._C._dispatch_has_kernel_for_dispatch_key("minillm::linear_bf16_rows", "CPU")
     registered = torch._C._dispatch_dump("minillm::linear_bf16_rows")
     assert "CPU: registered at" in registered and ".cpp" in registered.split("CPU: registered at")[1].splitlines()[0]
@@ -243,11 +247,41 @@ def test_a_graph_named_for_the_kernel_is_neither_compiled_nor_loaded_where_it_ca
 def test_the_operator_refuses_to_run_where_the_kernel_cannot(monkeypatch):
     """A CPU without AVX-512 BF16 would die on the first instruction: the operator's Python
     function raises instead, naming itself and the reason (on any CPU: the check comes before the
-    kernel is touched). Its C++ kernel asks the CPU itself (``__builtin_cpu_supports``), and is
-    only loaded where ``unavailable_reason`` found the instructions."""
+    kernel is touched). Its C++ kernel asks the CPU itself (``__builtin_cpu_supports``, not
+    testable on a CPU that has them), and is registered only where ``unavailable_reason`` found
+    the instructions and a build."""
     monkeypatch.setattr(cpu_bf16_rows, "unavailable_reason", lambda: "this CPU has no AVX-512 BF16")
     x = torch.randn(2, 64).to(torch.bfloat16)
     packed = cpu_bf16_rows.pack(torch.randn(32, 64).to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="minillm::linear_bf16_rows cannot run here: this CPU has no AVX-512 BF16"):
         cpu_bf16_rows.linear_bf16_rows(x, packed)
     assert not cpu_bf16_rows.operator_in_cpp()
+
+
+def test_without_the_operators_library_the_python_functions_serve_and_the_engine_says_so_once(tiny_model, monkeypatch):
+    """A build of ``native_operators.cpp`` that failed (no PyTorch headers, an old compiler) leaves
+    both operators on their Python functions: registering says why, and a compiled step warns
+    once (at the step boundary where it would have registered), then stops asking. Before the
+    library is built, registering never builds it (a running engine must not wait for ``g++``)."""
+    from minillm.attention import cpu_paged
+    from minillm.config import ModelConfig
+    from minillm.kvcache.paged import PagedKVCache
+    from minillm.models.loader import load_model
+
+    cpu_paged.kernel_unavailable_reason()  # the kernels themselves built as usual, first
+    monkeypatch.setattr(native_build, "_operators", None)  # not built in this process yet
+    monkeypatch.setattr(native_build, "load_library", lambda *a, **k: pytest.fail("registering built a library"))
+    assert native_build.register_operator("paged_decode", []).startswith("the operators' library is not built yet")
+    assert not cpu_paged.operator_in_cpp() and not cpu_bf16_rows.operator_in_cpp()
+    monkeypatch.setattr(native_build, "_operators", (None, "RuntimeError: no headers here"))
+    assert native_build.register_operator("linear_bf16_rows", []) == "RuntimeError: no headers here"
+    assert not cpu_paged.operator_in_cpp()
+    model, config = load_model(tiny_model, torch.bfloat16), ModelConfig.from_folder(tiny_model)
+    cache = PagedKVCache(config, 4, 4, torch.bfloat16, torch.device("cpu"))
+    compiled = compiled_decode.CompiledDecode(model, cache, None, torch.float32, (1, 4))
+    compiled.offer(4, object())  # a free-row graph, as a build would offer it
+    with pytest.warns(UserWarning, match="operators' C\\+\\+ kernels did not build .*no headers here"):
+        compiled.swap_in()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compiled.swap_in()  # said once

@@ -269,16 +269,21 @@ def test_smollm2_eagle_in_fp32_reproduces_the_target_alone():
     assert out.metrics.spec_accepted > 0 and out.metrics.forward_passes_per_token < 1
 
 
-def test_a_bf16_head_on_cpu_runs_prepacked_with_the_plain_arithmetic(head_dir):
+def test_a_bf16_head_on_cpu_runs_prepacked_with_the_plain_arithmetic(head_dir, monkeypatch):
     """On CPU a bf16 head holds its matrices prepacked for oneDNN (one or two rows a call, where
-    plain bf16 matmuls are slow); its features, keys, values and scores equal the plain path's."""
+    plain bf16 matmuls are slow), and where it can run, packed for our few-row bf16 kernel too;
+    its features, keys, values and scores equal the plain path's either way."""
+    from minillm.layers import cpu_bf16_rows
     from minillm.layers.cpu_prepack import prepack_available
 
     if not prepack_available(torch.bfloat16):
         pytest.skip("this PyTorch build cannot prepack bf16 linear layers")
+    kernel = cpu_bf16_rows.unavailable_reason() is None  # asked first: the head uses the kernel once it is built
+    monkeypatch.setenv("MINILLM_CPU_BF16_ROWS", "1")
     target = load_model(resolve_model(TARGET), torch.bfloat16)
     head = load_eagle_head(head_dir, target)
     assert set(head.packed) == {"fc", "qkv", "o", "gate_up", "down", "head"}
+    assert set(head.rows_packed) == (set(head.packed) if kernel else set())
     gen = torch.Generator().manual_seed(3)
     h, kv, d = target.config.hidden_size, target.config.num_kv_heads, target.config.head_dim
     feats = torch.randn(3, h, generator=gen).to(torch.bfloat16)

@@ -41,10 +41,11 @@ def _library() -> ctypes.CDLL:
 
 
 def operator_in_cpp() -> bool:
-    """Register the operator's C++ kernel (``minillm/native_operators.cpp``, built once per cache)
-    where the kernel builds; whether ``minillm::paged_decode`` runs it here — else the Python
-    function ``paged_decode_op``. Called before a compiled graph that attends through the
-    operator runs (on the background build's thread: an eager engine never waits for it)."""
+    """Register the operator's C++ kernel (``minillm/native_operators.cpp``) once its library is
+    built (``native_build.build_operators``, on the compiled step's background build: this never
+    builds it) and the kernel is; whether ``minillm::paged_decode`` runs it here — else the Python
+    function ``paged_decode_op``. Called by the compiled step between two steps
+    (``CompiledDecode.swap_in``)."""
     if kernel_unavailable_reason() is not None:
         return False
     return register_operator("paged_decode", [_typed_kernel(name) for name in ("float32", "bfloat16", "float16")]) is None
@@ -231,7 +232,8 @@ def paged_decode_op(
     function runs only where it could not be built, or when called by name."""
     batch, heads, dim = q.shape
     if (
-        k_pool.dtype not in POOL_DTYPES
+        any(t.device.type != "cpu" for t in (q, k_pool, v_pool, block_tables, context_lens, visible))
+        or k_pool.dtype not in POOL_DTYPES
         or v_pool.dtype != k_pool.dtype
         or v_pool.shape != k_pool.shape
         or not (k_pool.is_contiguous() and v_pool.is_contiguous())
@@ -249,7 +251,7 @@ def paged_decode_op(
             f"minillm::paged_decode: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)} {k_pool.dtype}, v_pool "
             f"{tuple(v_pool.shape)} {v_pool.dtype}, block_tables {tuple(block_tables.shape)} {block_tables.dtype}, "
             f"context_lens {tuple(context_lens.shape)} {context_lens.dtype}, visible {tuple(visible.shape)} "
-            f"{visible.dtype}: contiguous pools of one of "
+            f"{visible.dtype} (devices: {q.device}, {k_pool.device}, {block_tables.device}): contiguous CPU pools of one of "
             f"{list(POOL_DTYPES)} and contiguous int64 tables, one row per query, are needed"
         )
     q32 = q.float().contiguous()

@@ -21,8 +21,9 @@
 //
 // With 7 or more rows the products take about as long as reading the weights, and the hardware
 // prefetcher alone left the two waiting on each other: the weights are prefetched PF bytes ahead
-// of their use (measured on an AMD EPYC Zen 4, 2 cores: one step's products at 11 rows 15.2 →
-// 13.3 ms; at 1-6 rows it gained nothing, so they do without).
+// of their use (at 1-6 rows it gained nothing in trials, so they do without). The two changes
+// together, on an AMD EPYC Zen 4 with 2 cores: one step's products of SmolLM2-135M 1.02-1.16×
+// faster at 1-16 rows, 14.9 → 13.0 ms at 11 (benchmarks/probe_bf16_tiles.py).
 
 #include <immintrin.h>
 #include <cstdint>
@@ -81,14 +82,18 @@ static void column_blocks(const uint16_t* x, const uint16_t* packed, uint16_t* o
     tile_of<NT, PF>(M - m0 < R ? M - m0 : R, x + m0 * K, packed, out + m0 * N, K, N, n0);
 }
 
-// The M rows' products over every column block from the first, NT blocks per task, then the
-// blocks left over one by one (N need not be a multiple of 16 × NT).
+// The M rows' products over every column block: NT blocks per task, and the blocks left over
+// (N need not be a multiple of 16 × NT) one per task, in the same parallel loop.
 template <int NT, int PF>
 static void all_blocks(const uint16_t* x, const uint16_t* packed, uint16_t* out, int64_t M, int64_t K, int64_t N) {
-  const int64_t blocks = N / 16, tasks = blocks / NT;
+  const int64_t blocks = N / 16, full = blocks / NT, tasks = full + blocks % NT;
 #pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < tasks; p++) column_blocks<NT, PF>(x, packed, out, M, K, N, p * 16 * NT);
-  for (int64_t b = tasks * NT; b < blocks; b++) column_blocks<1, PF>(x, packed, out, M, K, N, b * 16);
+  for (int64_t p = 0; p < tasks; p++) {
+    if (p < full)
+      column_blocks<NT, PF>(x, packed, out, M, K, N, p * 16 * NT);
+    else
+      column_blocks<1, PF>(x, packed, out, M, K, N, (full * NT + p - full) * 16);
+  }
 }
 
 // x[M, K], packed[N/16][K/2][16][2], out[M, N]: bf16 as raw 16-bit values, contiguous. K even,

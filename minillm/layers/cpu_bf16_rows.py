@@ -73,16 +73,20 @@ def required() -> bool:
 def unavailable_reason() -> str | None:
     """None when the kernel can run here (any x86 CPU with AVX-512 BF16, AMX or not); else why
     not (the CPU, or a compiler without the AVX-512 BF16 intrinsics). Asked once per process."""
+    reason = None
     if not _capabilities().get("avx512_bf16", False):
-        return "this CPU has no AVX-512 BF16"
-    try:
-        _kernel()
-    except Exception as error:  # any build failure: the compiler's own GEMMs are used
-        said = " / ".join(line.strip() for line in str(error).splitlines() if line.strip())
-        return f"{type(error).__name__}: {said[-600:]}"
-    return None
+        reason = "this CPU has no AVX-512 BF16"
+    else:
+        try:
+            _kernel()
+        except Exception as error:  # any build failure: the compiler's own GEMMs are used
+            said = " / ".join(line.strip() for line in str(error).splitlines() if line.strip())
+            reason = f"{type(error).__name__}: {said[-600:]}"
+    _ASKED.set()
+    return reason
 
 
+_ASKED = threading.Event()  # unavailable_reason has answered: asking again costs nothing
 FEW_ROWS = 16  # an eager caller's products go through the kernel up to this many rows (level with oneDNN by ~64)
 
 
@@ -91,7 +95,7 @@ def ready() -> bool:
     engine's thread (the EAGLE head's proposals) must not wait seconds for ``g++`` on a cold
     cache. True once ``unavailable_reason`` has answered None (the compiled step's build asks it
     on its own thread, at every start)."""
-    return unavailable_reason.cache_info().currsize > 0 and unavailable_reason() is None
+    return _ASKED.is_set() and unavailable_reason() is None
 
 
 @functools.cache
@@ -103,10 +107,12 @@ def _kernel():
 
 
 def operator_in_cpp() -> bool:
-    """Register the operator's C++ kernel where the kernel can run (building what it needs, once
-    per cache); whether ``minillm::linear_bf16_rows`` runs it here — else the Python function
-    below. Called before a compiled graph that multiplies through the operator runs."""
-    return unavailable_reason() is None and register_operator("linear_bf16_rows", [_kernel()]) is None
+    """Register the operator's C++ kernel (``minillm/native_operators.cpp``) where the kernel is
+    built and can run (``ready``) and the operators' library is built
+    (``native_build.build_operators``): this builds neither. Whether ``minillm::linear_bf16_rows``
+    runs it here — else the Python function below. Called by the compiled step between two steps
+    (``CompiledDecode.swap_in``)."""
+    return ready() and register_operator("linear_bf16_rows", [_kernel()]) is None
 
 
 def packs(weight: torch.Tensor) -> bool:

@@ -224,6 +224,8 @@ class BackgroundBuild:
             if self.compiled.drop_rows_kernel_if_unbuildable():  # renames the packages: without the kernel
                 named = self.compiled.package_paths()
                 self.job.paths = {b: str(named[b]) for b in self.job.paths}
+            self._set("building", "building our operators' C++ kernels")
+            self.compiled.build_operators()  # registered by the engine at a step boundary (swap_in)
             missing = {}
             for batch, path in self.job.paths.items():
                 self._set("building", f"loading the compiled {self.compiled.describe(batch)} step")

@@ -78,7 +78,7 @@ from pathlib import Path
 import torch
 
 import minillm.hooks as hooks
-from minillm import trusted_cache
+from minillm import native_build, trusted_cache
 from minillm.assets import cache_dir
 from minillm.attention import cpu_paged
 from minillm.attention.cpu_paged import POOL_DTYPES  # also declares the kernel's operator
@@ -193,6 +193,7 @@ class CompiledDecode:
         self.compile_seconds: dict[int, float] = {}  # batch size -> seconds it took to compile (not load)
         self.load_seconds: dict[int, float] = {}  # batch size -> seconds to load its package
         self.build = None  # the BackgroundBuild getting the graphs ready behind a running engine
+        self._operators_registered = False  # the C++ kernels of the operators our graphs call (swap_in)
         # Read once: the packages' names and what they hold must not follow a later change of the variable.
         self.rows_kernel_cpu = cpu_bf16_rows.cpu_supports()
         self.last_hidden: torch.Tensor | None = None  # the last run's rows' hidden states
@@ -267,6 +268,30 @@ class CompiledDecode:
             with self._offer_lock:
                 self.graphs.update(self._offered)
                 self._offered.clear()
+        if self.graphs and not self._operators_registered:
+            self._register_operators()
+
+    def build_operators(self) -> None:
+        """Build the library of our operators' C++ kernels when a graph here calls them (one with a
+        free row count): seconds on a cold cache, so on the build's thread
+        (``BackgroundBuild``) or in ``prepare``, never on a running engine's."""
+        if any(self.free_rows(b) for b in self.batch_sizes):
+            native_build.build_operators()
+
+    def _register_operators(self) -> None:
+        """Once the operators' library is built, register the C++ kernels of the operators the
+        loaded graphs call — here, on the engine's thread between two steps, where none of this
+        engine's calls of them is running (the dispatcher is not meant to change under a call).
+        Until then their Python functions serve. A failed build is said once, here."""
+        free = [b for b in self.graphs if self.free_rows(b)]
+        if free and native_build.operators_failure() is None and not cpu_paged.operator_in_cpp():
+            return  # not built yet: asked again at the next step
+        if free and any(self.rows_kernel_here(b) for b in free):
+            cpu_bf16_rows.operator_in_cpp()
+        if native_build.operators_failure() is not None:
+            warnings.warn(f"minillm: our operators' C++ kernels did not build ({native_build.operators_failure()}); "
+                          "the compiled step calls their Python functions (about 1 ms a step slower)", stacklevel=4)  # fmt: skip
+        self._operators_registered = True
 
     def offer(self, batch: int, graph) -> None:
         """Hand over a loaded graph from another thread (``background_compile.py``); the next
@@ -293,6 +318,7 @@ class CompiledDecode:
         ``background_compile.py``)."""
         self.check_hooks()
         self.drop_rows_kernel_if_unbuildable()
+        self.build_operators()
         for batch, path in self.package_paths().items():
             if not self.try_load(batch, path):
                 self.compile_seconds[batch] = self.compile_package(batch, path, progress)
@@ -323,10 +349,6 @@ class CompiledDecode:
         when it was built (``trusted_cache.py``) — and offer its graph (swapped in at the next
         step boundary)."""
         self._check_rows_kernel(batch)  # builds (or finds) the kernel's library before the graph calls it
-        if self.free_rows(batch):  # the operators it calls run their C++ kernels (where they build), not Python
-            cpu_paged.operator_in_cpp()
-            if self.rows_kernel_here(batch):
-                cpu_bf16_rows.operator_in_cpp()
         trusted_cache.check_tree(path.parent)  # every folder in it: the kernel's is one
         if not trusted_cache.verified(path):
             raise ValueError("it is not the file recorded when it was built (replaced, truncated, or older)")
