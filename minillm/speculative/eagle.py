@@ -97,8 +97,8 @@ class EagleHead(nn.Module):
         Where the compiled step multiplies its few rows through our bf16 kernel
         (``layers/cpu_bf16_rows.py``: a CPU with AVX-512 BF16 and no AMX), the matrices are also
         packed for it (13 MB more for SmolLM2's head), and calls of up to ``FEW_ROWS`` rows use it
-        once it is built: the head's six products took 0.33-0.51 ms a pass at 1-8 rows against
-        oneDNN's 0.55-0.90 ms (AMD EPYC Zen 4, 2 threads; ``benchmarks/bench_bf16_rows.py``).
+        once it is built: the head's six products took 0.14-0.32 ms a pass at 1-8 rows against
+        oneDNN's 0.35-0.62 ms (AMD EPYC Zen 4, 2 threads; ``benchmarks/bench_bf16_rows.py``).
         Returns whether it packed."""
         dtype = self.fc.weight.dtype
         if self.fc.weight.device.type != "cpu" or dtype == torch.float32 or not prepack_available(dtype):
