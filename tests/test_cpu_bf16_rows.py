@@ -279,7 +279,12 @@ def test_without_the_operators_library_the_python_functions_serve_and_the_engine
     model, config = load_model(tiny_model, torch.bfloat16), ModelConfig.from_folder(tiny_model)
     cache = PagedKVCache(config, 4, 4, torch.bfloat16, torch.device("cpu"))
     compiled = compiled_decode.CompiledDecode(model, cache, None, torch.float32, (1, 4))
-    compiled.offer(4, object())  # a free-row graph, as a build would offer it
+    compiled.offer(1, object())  # the 1-row graph first, as a cold build offers them: it calls neither
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compiled.swap_in()
+    assert not compiled._operators_registered  # asked again when a graph that calls them arrives
+    compiled.offer(4, object())  # a free-row graph
     with pytest.warns(UserWarning, match="operators' C\\+\\+ kernels did not build .*no headers here"):
         compiled.swap_in()
     with warnings.catch_warnings():

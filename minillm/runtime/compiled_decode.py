@@ -284,13 +284,16 @@ class CompiledDecode:
         engine's calls of them is running (the dispatcher is not meant to change under a call).
         Until then their Python functions serve. A failed build is said once, here."""
         free = [b for b in self.graphs if self.free_rows(b)]
-        if free and native_build.operators_failure() is None and not cpu_paged.operator_in_cpp():
+        if not free:
+            return  # nothing here calls them yet (the 1-row graph attends over a window): asked again later
+        failure = native_build.operators_failure()
+        if failure is None and not cpu_paged.operator_in_cpp():
             return  # not built yet: asked again at the next step
-        if free and any(self.rows_kernel_here(b) for b in free):
+        if any(self.rows_kernel_here(b) for b in free):
             cpu_bf16_rows.operator_in_cpp()
-        if native_build.operators_failure() is not None:
-            warnings.warn(f"minillm: our operators' C++ kernels did not build ({native_build.operators_failure()}); "
-                          "the compiled step calls their Python functions (about 1 ms a step slower)", stacklevel=4)  # fmt: skip
+        if failure is not None:
+            warnings.warn(f"minillm: our operators' C++ kernels did not build ({failure}); the compiled step "
+                          "calls their Python functions (about 1 ms a step slower)", stacklevel=4)  # fmt: skip
         self._operators_registered = True
 
     def offer(self, batch: int, graph) -> None:
