@@ -33,7 +33,9 @@ using LinearRows = void (*)(const uint16_t*, const uint16_t*, uint16_t*, int64_t
 PagedDecode paged_decode_kernels[3] = {};  // for float32, bfloat16, float16 pools
 LinearRows linear_rows_kernel = nullptr;
 std::mutex registering;
-std::vector<std::unique_ptr<torch::Library>> registrations;  // held for the process: a registration lives as long
+// Held for the process and never destroyed: a registration lives as long as its Library object,
+// and at exit nothing must deregister from a dispatcher that may already be gone.
+auto* const registrations = new std::vector<std::unique_ptr<torch::Library>>();
 
 // q[B, H, D] (any float dtype) against the paged pools: the checks of cpu_paged.paged_decode_op.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
@@ -96,7 +98,7 @@ int register_once(const char* name, bool& done, Fn kernel) {
     auto library = std::make_unique<torch::Library>(torch::Library::IMPL, "minillm", c10::DispatchKey::CPU, __FILE__,
                                                     __LINE__);
     library->impl(name, kernel);
-    registrations.push_back(std::move(library));
+    registrations->push_back(std::move(library));
     done = true;
     return 1;
   } catch (const std::exception&) {
