@@ -22,13 +22,14 @@ from minillm.assets import cache_dir
 from minillm.config import environment
 
 
-def load_library(source_file: Path, prelude: bool = True) -> ctypes.CDLL:
+def load_library(source_file: Path, prelude: bool = True, folder: Path | None = None) -> ctypes.CDLL:
     """Compile (or find on disk) and load the library built from ``source_file`` (each call looks
     again: callers keep what it returns) — only a library recorded when this
     cache built it (``minillm/trusted_cache.py``: loading a library runs its code).
 
     ``prelude``: the source is compiled after inductor's ``cpp_prefix.h`` (its SIMD types, which
-    our kernels use); ``native_operators.cpp`` includes the headers it needs itself.
+    our kernels use); ``native_operators.cpp`` includes the headers it needs itself. ``folder``:
+    where (default ``kernels_dir()``); a build holds its folder's lock throughout.
 
     Inductor loads whatever file sits at the path it computes for a source, so our kernels are
     built in a folder of its own, ``<cache>/compiled/kernels/`` (inductor's cache folder is
@@ -39,7 +40,7 @@ def load_library(source_file: Path, prelude: bool = True) -> ctypes.CDLL:
     from torch._inductor import codecache
 
     source = ("#include <torch/csrc/inductor/cpp_prefix.h>\n" if prelude else "") + Path(source_file).read_text()
-    folder = trusted_cache.private_dir(kernels_dir())
+    folder = trusted_cache.private_dir(folder or kernels_dir())
     with trusted_cache.holding(folder):  # another process's fresh library is not swept before it is recorded
         trusted_cache.sweep_unrecorded(folder, (".so",))
         with cache_dir_on_this_thread(codecache, folder):
@@ -58,16 +59,20 @@ _operators: tuple[ctypes.CDLL | None, str | None] | None = None  # (library, why
 
 def build_operators() -> str | None:
     """Build (or find in the cache) and load the library of our operators' C++ kernels
-    (``native_operators.cpp``) — seconds of ``g++`` against PyTorch's headers on a cold cache
-    (``benchmarks/bench_cold_kernel.py``), so called where waiting costs nobody: the compiled
-    step's background build, before it loads its graphs. None when loaded, else why not (once per
-    process: a failed build is not retried). A library of its own so that neither kernel's build
-    waits for those headers (an eager engine's first answer waits for the attention kernel's)."""
+    (``native_operators.cpp``) — ~10 s of ``g++`` against PyTorch's headers on a cold cache,
+    milliseconds after — before the first graph that calls them is loaded
+    (``CompiledDecode.prepare_operators``): on the background build's thread, or on the
+    constructor's when it loads packages already on disk (which the process that compiled them
+    built the library for). None when loaded, else why not (once per process: a failed build is
+    not retried). A library of its own so that neither kernel's build waits for those headers
+    (an eager engine's first answer waits for the attention kernel's)."""
     global _operators
     with _OPERATORS_BUILD_LOCK:
         if _operators is None:
             try:
-                _operators = load_library(OPERATORS_SOURCE, prelude=False), None
+                # A folder of its own: its slower build must not hold the kernels' folder's lock,
+                # which every process loading a kernel takes, built or not.
+                _operators = load_library(OPERATORS_SOURCE, prelude=False, folder=kernels_dir().parent / "operators"), None
             except Exception as error:  # any build failure: the operators' Python functions serve
                 said = " / ".join(line.strip() for line in str(error).splitlines() if line.strip())
                 _operators = None, f"{type(error).__name__}: {said[-600:]}"
@@ -88,8 +93,10 @@ def register_operator(name: str, kernels: list) -> str | None:
     attention call on a 2-core AMD EPYC; 151 calls a compiled step of SmolLM2-135M).
 
     PyTorch's dispatcher is not meant to change while a call of the same operator runs on another
-    thread: the compiled step registers between two steps, on the engine's own thread
-    (``CompiledDecode.swap_in``), where its graphs and the EAGLE head make their calls."""
+    thread, so it is registered once per process, before the first graph that calls it is loaded
+    (``CompiledDecode.prepare_operators``; a second engine's call finds it registered and changes
+    nothing), and nothing else calls it through the dispatcher on CPU meanwhile (eager steps call
+    the kernels through ``ctypes``; the EAGLE head calls the Python function by name)."""
     built = _operators
     if built is None:
         return "the operators' library is not built yet (native_build.build_operators)"

@@ -258,35 +258,56 @@ def test_the_operator_refuses_to_run_where_the_kernel_cannot(monkeypatch):
     assert not cpu_bf16_rows.operator_in_cpp()
 
 
-def test_without_the_operators_library_the_python_functions_serve_and_the_engine_says_so_once(tiny_model, monkeypatch):
-    """A build of ``native_operators.cpp`` that failed (no PyTorch headers, an old compiler) leaves
-    both operators on their Python functions: registering says why, and a compiled step warns
-    once (at the step boundary where it would have registered), then stops asking. Before the
-    library is built, registering never builds it (a running engine must not wait for ``g++``)."""
-    from minillm.attention import cpu_paged
+def _tiny_bf16_compiled(tiny_model, batch_sizes):
     from minillm.config import ModelConfig
     from minillm.kvcache.paged import PagedKVCache
     from minillm.models.loader import load_model
 
-    cpu_paged.kernel_unavailable_reason()  # the kernels themselves built as usual, first
-    monkeypatch.setattr(native_build, "_operators", None)  # not built in this process yet
-    monkeypatch.setattr(native_build, "load_library", lambda *a, **k: pytest.fail("registering built a library"))
-    assert native_build.register_operator("paged_decode", []).startswith("the operators' library is not built yet")
-    assert not cpu_paged.operator_in_cpp() and not cpu_bf16_rows.operator_in_cpp()
-    monkeypatch.setattr(native_build, "_operators", (None, "RuntimeError: no headers here"))
-    assert native_build.register_operator("linear_bf16_rows", []) == "RuntimeError: no headers here"
-    assert not cpu_paged.operator_in_cpp()
     model, config = load_model(tiny_model, torch.bfloat16), ModelConfig.from_folder(tiny_model)
     cache = PagedKVCache(config, 4, 4, torch.bfloat16, torch.device("cpu"))
-    compiled = compiled_decode.CompiledDecode(model, cache, None, torch.float32, (1, 4))
-    compiled.offer(1, object())  # the 1-row graph first, as a cold build offers them: it calls neither
+    return compiled_decode.CompiledDecode(model, cache, None, torch.float32, batch_sizes)
+
+
+def test_a_compiled_step_registers_the_operators_cpp_kernels_before_its_graphs_load(tiny_model, monkeypatch):
+    """``prepare_operators`` (run by the background build before it loads a graph, by ``prepare``,
+    and before packages on disk are loaded) builds the operators' library and registers the C++
+    kernels of the operators its free-row graph calls — the attention operator always, the bf16
+    one where its graphs multiply through it — without a word; a set of graphs that calls neither
+    (the 1-row graph alone) builds and registers nothing."""
+    from minillm.attention import cpu_paged
+
+    if cpu_paged.kernel_unavailable_reason() is not None:
+        pytest.skip(f"the attention kernel did not build here: {cpu_paged.kernel_unavailable_reason()}")
+    monkeypatch.setenv("MINILLM_CPU_BF16_ROWS", "1" if cpu_bf16_rows.unavailable_reason() is None else "0")
+    only_one_row = _tiny_bf16_compiled(tiny_model, (1,))
+    built = []
+    with monkeypatch.context() as m:
+        m.setattr(native_build, "build_operators", lambda: built.append(1))
+        only_one_row.prepare_operators()
+    assert built == [] and not only_one_row._operators_registered
+    compiled = _tiny_bf16_compiled(tiny_model, (1, 4))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        compiled.swap_in()
-    assert not compiled._operators_registered  # asked again when a graph that calls them arrives
-    compiled.offer(4, object())  # a free-row graph
-    with pytest.warns(UserWarning, match="operators' C\\+\\+ kernels did not build .*no headers here"):
-        compiled.swap_in()
+        compiled.prepare_operators()
+    assert compiled._operators_registered and native_build.operators_failure() is None
+    names = ["paged_decode"] + (["linear_bf16_rows"] if compiled.rows_kernel_here(4) else [])
+    for name in names:
+        cpu = torch._C._dispatch_dump(f"minillm::{name}").split("CPU: registered at")[1].splitlines()[0]
+        assert "/operators/" in cpu and ".cpp" in cpu, (name, cpu)  # built from native_operators.cpp
+
+
+def test_without_the_operators_library_the_python_functions_serve_and_the_engine_says_so_once(tiny_model, monkeypatch):
+    """A build of ``native_operators.cpp`` that failed (an old compiler, say) leaves both operators
+    on their Python functions: registering says why, and a compiled step warns once."""
+    from minillm.attention import cpu_paged
+
+    monkeypatch.setattr(native_build, "_operators", (None, "RuntimeError: no headers here"))
+    monkeypatch.setattr(native_build, "build_operators", lambda: "RuntimeError: no headers here")
+    assert native_build.register_operator("linear_bf16_rows", []) == "RuntimeError: no headers here"
+    assert not cpu_paged.operator_in_cpp() and not cpu_bf16_rows.operator_in_cpp()
+    compiled = _tiny_bf16_compiled(tiny_model, (1, 4))
+    with pytest.warns(UserWarning, match="operators' C\\+\\+ kernels are not in use .*no headers here"):
+        compiled.prepare_operators()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        compiled.swap_in()  # said once
+        compiled.prepare_operators()  # said once

@@ -41,11 +41,10 @@ def _library() -> ctypes.CDLL:
 
 
 def operator_in_cpp() -> bool:
-    """Register the operator's C++ kernel (``minillm/native_operators.cpp``) once its library is
-    built (``native_build.build_operators``, on the compiled step's background build: this never
-    builds it) and the kernel is; whether ``minillm::paged_decode`` runs it here — else the Python
-    function ``paged_decode_op``. Called by the compiled step between two steps
-    (``CompiledDecode.swap_in``)."""
+    """Register the operator's C++ kernel (``minillm/native_operators.cpp``) where its library is
+    built (``native_build.build_operators``: this does not build it) and the kernel is; whether
+    ``minillm::paged_decode`` runs it here — else the Python function ``paged_decode_op``. Called
+    before the first graph that calls it is loaded (``CompiledDecode.prepare_operators``)."""
     if kernel_unavailable_reason() is not None:
         return False
     return register_operator("paged_decode", [_typed_kernel(name) for name in ("float32", "bfloat16", "float16")]) is None

@@ -82,11 +82,11 @@ def unavailable_reason() -> str | None:
         except Exception as error:  # any build failure: the compiler's own GEMMs are used
             said = " / ".join(line.strip() for line in str(error).splitlines() if line.strip())
             reason = f"{type(error).__name__}: {said[-600:]}"
-    _ASKED.set()
+    _ANSWERED.append(reason)  # read by ready(), which must not ask (and build) itself
     return reason
 
 
-_ASKED = threading.Event()  # unavailable_reason has answered: asking again costs nothing
+_ANSWERED: list[str | None] = []  # unavailable_reason's answer, once given
 FEW_ROWS = 16  # an eager caller's products go through the kernel up to this many rows (level with oneDNN by ~64)
 
 
@@ -95,7 +95,7 @@ def ready() -> bool:
     engine's thread (the EAGLE head's proposals) must not wait seconds for ``g++`` on a cold
     cache. True once ``unavailable_reason`` has answered None (the compiled step's build asks it
     on its own thread, at every start)."""
-    return _ASKED.is_set() and unavailable_reason() is None
+    return bool(_ANSWERED) and _ANSWERED[0] is None and unavailable_reason() is None
 
 
 @functools.cache
@@ -110,8 +110,8 @@ def operator_in_cpp() -> bool:
     """Register the operator's C++ kernel (``minillm/native_operators.cpp``) where the kernel is
     built and can run (``ready``) and the operators' library is built
     (``native_build.build_operators``): this builds neither. Whether ``minillm::linear_bf16_rows``
-    runs it here — else the Python function below. Called by the compiled step between two steps
-    (``CompiledDecode.swap_in``)."""
+    runs it here — else the Python function below. Called before the first graph that calls it is
+    loaded (``CompiledDecode.prepare_operators``)."""
     return ready() and register_operator("linear_bf16_rows", [_kernel()]) is None
 
 

@@ -114,6 +114,8 @@ def load_packages_on_disk(compiled: CompiledDecode, job: CompileJob) -> tuple[in
     reports it as before."""
     for folder in {Path(p).parent for p in job.paths.values()}:
         sweep_stale(folder)  # files of compiles whose processes were killed (compile_files.py)
+    if any(Path(p).is_file() for p in job.paths.values()):
+        compiled.prepare_operators()  # their library is on disk too (the compiling process built it first): ms
     loaded = []
     for batch, where in sorted(job.paths.items()):
         path = Path(where)
@@ -225,7 +227,7 @@ class BackgroundBuild:
                 named = self.compiled.package_paths()
                 self.job.paths = {b: str(named[b]) for b in self.job.paths}
             self._set("building", "building our operators' C++ kernels")
-            self.compiled.build_operators()  # registered by the engine at a step boundary (swap_in)
+            self.compiled.prepare_operators()  # before any graph that calls them is loaded
             missing = {}
             for batch, path in self.job.paths.items():
                 self._set("building", f"loading the compiled {self.compiled.describe(batch)} step")

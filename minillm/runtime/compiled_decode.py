@@ -193,7 +193,7 @@ class CompiledDecode:
         self.compile_seconds: dict[int, float] = {}  # batch size -> seconds it took to compile (not load)
         self.load_seconds: dict[int, float] = {}  # batch size -> seconds to load its package
         self.build = None  # the BackgroundBuild getting the graphs ready behind a running engine
-        self._operators_registered = False  # the C++ kernels of the operators our graphs call (swap_in)
+        self._operators_registered = False  # the C++ kernels of the operators our graphs call (prepare_operators)
         # Read once: the packages' names and what they hold must not follow a later change of the variable.
         self.rows_kernel_cpu = cpu_bf16_rows.cpu_supports()
         self.last_hidden: torch.Tensor | None = None  # the last run's rows' hidden states
@@ -268,33 +268,27 @@ class CompiledDecode:
             with self._offer_lock:
                 self.graphs.update(self._offered)
                 self._offered.clear()
-        if self.graphs and not self._operators_registered:
-            self._register_operators()
 
-    def build_operators(self) -> None:
-        """Build the library of our operators' C++ kernels when a graph here calls them (one with a
-        free row count): seconds on a cold cache, so on the build's thread
-        (``BackgroundBuild``) or in ``prepare``, never on a running engine's."""
-        if any(self.free_rows(b) for b in self.batch_sizes):
-            native_build.build_operators()
-
-    def _register_operators(self) -> None:
-        """Once the operators' library is built, register the C++ kernels of the operators the
-        loaded graphs call — here, on the engine's thread between two steps, where none of this
-        engine's calls of them is running (the dispatcher is not meant to change under a call).
-        Until then their Python functions serve. A failed build is said once, here."""
-        free = [b for b in self.graphs if self.free_rows(b)]
-        if not free:
-            return  # nothing here calls them yet (the 1-row graph attends over a window): asked again later
-        failure = native_build.operators_failure()
-        if failure is None and not cpu_paged.operator_in_cpp():
-            return  # not built yet: asked again at the next step
-        if any(self.rows_kernel_here(b) for b in free):
-            cpu_bf16_rows.operator_in_cpp()
-        if failure is not None:
-            warnings.warn(f"minillm: our operators' C++ kernels did not build ({failure}); the compiled step "
-                          "calls their Python functions (about 1 ms a step slower)", stacklevel=4)  # fmt: skip
+    def prepare_operators(self) -> None:
+        """Build (once per cache) and register (once per process) the C++ kernels of the operators
+        a graph here calls — one with a free row count: ``minillm::paged_decode``, and
+        ``minillm::linear_bf16_rows`` where it multiplies through our kernel — before such a graph
+        is loaded, so that no graph is running while the dispatcher changes. Called by the
+        background build first, by ``prepare``, and before packages on disk are loaded
+        (``load_packages_on_disk``). Where the library or a registration fails, the operators'
+        Python functions serve (about 1 ms a step slower), said once."""
+        free = [b for b in self.batch_sizes if self.free_rows(b)]
+        if not free or self._operators_registered:
+            return
         self._operators_registered = True
+        failure = native_build.build_operators()
+        if failure is None and not cpu_paged.operator_in_cpp():
+            failure = f"registering minillm::paged_decode failed ({cpu_paged.kernel_unavailable_reason()})"
+        if failure is None and any(self.rows_kernel_here(b) for b in free) and not cpu_bf16_rows.operator_in_cpp():
+            failure = "registering minillm::linear_bf16_rows failed"
+        if failure is not None:
+            warnings.warn(f"minillm: our operators' C++ kernels are not in use ({failure}); the compiled step "
+                          "calls their Python functions (about 1 ms a step slower)", stacklevel=2)  # fmt: skip
 
     def offer(self, batch: int, graph) -> None:
         """Hand over a loaded graph from another thread (``background_compile.py``); the next
@@ -321,7 +315,7 @@ class CompiledDecode:
         ``background_compile.py``)."""
         self.check_hooks()
         self.drop_rows_kernel_if_unbuildable()
-        self.build_operators()
+        self.prepare_operators()
         for batch, path in self.package_paths().items():
             if not self.try_load(batch, path):
                 self.compile_seconds[batch] = self.compile_package(batch, path, progress)

@@ -119,7 +119,7 @@ class EagleHead(nn.Module):
     def _mm(self, name: str, x: torch.Tensor, plain: torch.Tensor) -> torch.Tensor:
         rows = self.rows_packed.get(name)
         if rows is not None and x.dim() == 2 and x.shape[0] <= cpu_bf16_rows.FEW_ROWS and cpu_bf16_rows.ready():
-            return torch.ops.minillm.linear_bf16_rows(x, rows)
+            return cpu_bf16_rows.linear_bf16_rows(x, rows)  # by name: not through a dispatcher entry that may be changing
         packed = self.packed.get(name)
         if packed is None:
             return x @ plain.T
