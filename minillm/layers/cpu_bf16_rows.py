@@ -107,12 +107,12 @@ def _kernel():
 
 
 def operator_in_cpp() -> bool:
-    """Register the operator's C++ kernel (``minillm/native_operators.cpp``) where the kernel is
-    built and can run (``ready``) and the operators' library is built
-    (``native_build.build_operators``): this builds neither. Whether ``minillm::linear_bf16_rows``
-    runs it here — else the Python function below. Called before the first graph that calls it is
-    loaded (``CompiledDecode.prepare_operators``)."""
-    return ready() and register_operator("linear_bf16_rows", [_kernel()]) is None
+    """Register the operator's C++ kernel (``minillm/native_operators.cpp``) where the kernel can
+    run (building the kernel if no one has: the graphs that call the operator need it anyway) and
+    the operators' library is built (``native_build.build_operators``: not built here). Whether
+    ``minillm::linear_bf16_rows`` runs it here — else the Python function below. Called before the
+    first graph that calls it is loaded (``CompiledDecode.prepare_operators``)."""
+    return unavailable_reason() is None and register_operator("linear_bf16_rows", [_kernel()]) is None
 
 
 def packs(weight: torch.Tensor) -> bool:
