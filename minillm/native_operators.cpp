@@ -1,7 +1,8 @@
 // The CPU kernels of our two PyTorch operators, minillm::paged_decode and minillm::linear_bf16_rows,
-// in C++. Compiled at first use by minillm/native_build.py (register_operator), which hands each
-// operator its kernel — a function of our kernels' own libraries (attention/cpu_paged_decode.cpp,
-// layers/cpu_bf16_rows.cpp) — and registers it with PyTorch's dispatcher.
+// in C++. Compiled at first use by minillm/native_build.py (build_operators); register_operator
+// then hands each operator its kernel — a function of our kernels' own libraries
+// (attention/cpu_paged_decode.cpp, layers/cpu_bf16_rows.cpp) — and registers it with PyTorch's
+// dispatcher, once per process, before the first compiled graph that calls it is loaded.
 //
 // Why: a compiled decode graph with a free row count calls these ~151 times a step (30 attention
 // calls, 121 matrix products for SmolLM2-135M). Their Python functions (registered for every
