@@ -10,7 +10,10 @@ expanded node, ``depth`` levels, the ``k`` most likely nodes verified per pass, 
 prompt lookup's guess grafted on as a branch of up to 4 more) with the governor on and off, and
 without the grafted branch. ``--engines`` picks others (``ENGINES``). Workloads: held-out chats (the EAGLE recipe's evaluation prompts, whole
 topics no training chat mentions) and grounded requests (copy a passage, then explain it; 4, or
-``--batch`` of them).
+``--batch`` of them); with ``--copy`` also edits whose answer is the given text again (fix a
+passage's spelling, comment a function). For each workload the default engine's own answers
+give prompt lookup's *ceiling*: the tokens a verify step would make if its guesses cost nothing
+(``copy_ceiling``) — SmolLM2-135M, asked to copy a paragraph and explain it, mostly explains.
 
 The default engine stays loaded; each other engine in turn is built, settled, and timed in
 ``--runs`` rounds that alternate with the default engine's runs, so that a slower spell of the
@@ -47,10 +50,15 @@ def tree(topk: int, depth: int, k: int, adaptive: bool = True, branch: bool = Tr
 ENGINES = {
     "default": None,
     "ngram k4": {"method": "ngram", "num_speculative_tokens": 4},
+    "ngram k8": {"method": "ngram", "num_speculative_tokens": 8},
+    "ngram k4 fixed": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+    "ngram k4 min2": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2},
+    "ngram k8 min2": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2},
     "eagle chain k4": {**HEAD, "num_speculative_tokens": 4},
     "eagle chain k4 fixed": {**HEAD, "num_speculative_tokens": 4, "adaptive": False},
     "eagle tree 4x2 k6": tree(4, 2, 6),
     "eagle tree 4x2 k6 fixed": tree(4, 2, 6, adaptive=False),
+    "eagle tree 4x2 k6 min2": tree(4, 2, 6) | {"prompt_lookup_min": 2},
     "eagle tree 4x2 k6 fixed, no branch": tree(4, 2, 6, adaptive=False, branch=False),
     "eagle tree 3x3 k6": tree(3, 3, 6),
     "eagle tree 3x3 k6 fixed": tree(3, 3, 6, adaptive=False),
@@ -64,7 +72,35 @@ DEFAULT_ENGINES = ["default", "ngram k4", "eagle chain k4", "eagle tree 4x2 k6",
                    "eagle tree 4x2 k6 fixed, no branch", "eagle tree 3x3 k6", "eagle tree 3x3 k6 fixed, no branch"]  # fmt: skip
 
 
-def workloads(num_chats: int, num_grounded: int = 4) -> dict[str, list]:
+def copy_ceiling(prompt_ids: list[int], token_ids: list[int], k: int) -> float:
+    """Tokens per verify step that prompt lookup (``propose_ngram``, up to ``k`` guesses) would
+    make on exactly these tokens: its guesses checked against the answer itself, one target
+    token added per step. What the text allows the proposer, before any cost — no engine of
+    prompt lookup at ``k`` can beat this ratio of steps to the default engine's."""
+    from minillm.speculative.ngram import propose_ngram
+
+    steps, i = 0, 0
+    while i < len(token_ids):
+        guess = propose_ngram(prompt_ids + token_ids[:i], k)
+        accepted = 0
+        while accepted < len(guess) and i + accepted < len(token_ids) and guess[accepted] == token_ids[i + accepted]:
+            accepted += 1
+        i += accepted + 1
+        steps += 1
+    return len(token_ids) / steps if steps else 0.0
+
+
+def with_typos(text: str, every: int = 9) -> str:
+    """``text`` with every ``every``-th word of 4+ letters misspelt (two letters swapped)."""
+    words = text.split(" ")
+    for i in range(every - 1, len(words), every):
+        w = words[i]
+        if len(w) >= 4 and w.isalpha():
+            words[i] = w[0] + w[2] + w[1] + w[3:]
+    return " ".join(words)
+
+
+def workloads(num_chats: int, num_grounded: int = 4, copy: bool = False) -> dict[str, list]:
     spec = importlib.util.spec_from_file_location("train_eagle_smollm2", RECIPE)
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
@@ -74,10 +110,21 @@ def workloads(num_chats: int, num_grounded: int = 4) -> dict[str, list]:
     chats = held[:: max(1, len(held) // num_chats)][:num_chats]  # spread over the evaluation prompts and topics
     passages = [t.strip() for t in (topics[k] for k in sorted(topics)) if 500 <= len(t.strip()) <= 1600][:num_grounded]
     grounded = [f"Copy the first paragraph of the following text, then explain it in one sentence.\n\n{p}" for p in passages]
-    return {
+    loads = {
         "chat (held out)": [[{"role": "user", "content": c}] for c in chats],
         "grounded": [[{"role": "user", "content": g}] for g in grounded],
     }
+    if copy:  # requests whose answer is the given text again, edited: where prompt lookup is made for
+        import inspect
+        import textwrap
+
+        typos = [f"Fix the spelling and return the whole corrected text.\n\n{with_typos(p)}" for p in passages]
+        functions = (textwrap.dedent, textwrap.indent, inspect.cleandoc, inspect.getmodulename)
+        code = [f"Add a comment above each line of this code and return the whole code.\n\n```python\n"
+                f"{inspect.getsource(f)}```" for f in functions]  # fmt: skip
+        edits = [e for pair in zip(typos, code) for e in pair][:num_grounded]  # a spelling fix, a function, ...
+        loads["edit (copies)"] = [[{"role": "user", "content": e}] for e in edits]
+    return loads
 
 
 def run_once(llm, prompts, max_tokens: int, batch: int = 1):
@@ -97,6 +144,7 @@ def main(argv=None) -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--batch", type=int, default=1, help="requests generated together (the governor's batch size)")
     parser.add_argument("--engines", nargs="+", default=DEFAULT_ENGINES, choices=list(ENGINES))
+    parser.add_argument("--copy", action="store_true", help="also requests that copy their prompt (edit a given text)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
 
@@ -105,7 +153,7 @@ def main(argv=None) -> None:
     from minillm.viz.spec import machine_words
 
     names = ["default"] + [n for n in args.engines if n != "default"]
-    loads = workloads(args.chats, max(4, args.batch))
+    loads = workloads(args.chats, max(4, args.batch), copy=args.copy)
     machine = machine_description(torch.device("cpu"))
     lines: list[str] = []
 
@@ -173,6 +221,14 @@ def main(argv=None) -> None:
                 "same_tokens": f"{same}/{len(ids)}", "step_ms": step_ms, "propose_ms": propose_ms,
                 "target_pass_ms": model_ms,
             }  # fmt: skip
+            if name == "default":  # what the text allows prompt lookup, on the default engine's own answers
+                row[workload]["ngram_ceiling"] = {
+                    k: sum(len(o.token_ids) for o in outs)
+                    / sum(len(o.token_ids) / copy_ceiling(o.prompt_token_ids, o.token_ids, k) for o in outs if o.token_ids)
+                    for k in (4, 8)
+                }  # fmt: skip
+                say(f"{workload:>16} prompt lookup's ceiling on these answers: "
+                    + ", ".join(f"{c:.2f} tokens a step at k={k}" for k, c in row[workload]["ngram_ceiling"].items()))
             say(f"{workload:>16} {name:>34} {rate:7.1f} tok/s {speedup:6.2f}x  accepted/verify "
                 f"{row[workload]['accepted_per_verify']:.2f}  passes/token {row[workload]['passes_per_token']:.2f}  "
                 f"step {step_ms:5.1f} ms = propose {propose_ms:4.1f} + target {model_ms:4.1f} + rest  "

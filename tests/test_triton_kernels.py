@@ -19,16 +19,22 @@ from minillm.attention.torch_ref import attention, causal_mask
 if not triton_available():
     pytest.skip("triton is not installed", allow_module_level=True)
 
-from minillm.attention.triton_kernels import flash_attention, paged_decode, write_kv  # noqa: E402
+from minillm.attention.triton_kernels import (  # noqa: E402
+    FlashConfig,
+    flash_attention,
+    flash_config,
+    paged_decode,
+    write_kv,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FP32_TOL = 2e-3 if DEVICE.type == "cuda" else 1e-5
 
 
-def reference(q, k, v, causal: bool) -> torch.Tensor:
+def reference(q, k, v, causal: bool, window: int | None = None) -> torch.Tensor:
     """``q[T, H, D]`` (the last T of S positions) against ``k, v[S, KV, D]``, in fp32."""
     t, s = q.shape[0], k.shape[0]
-    mask = causal_mask(torch.arange(s - t, s, device=q.device)[None], s) if causal else None
+    mask = causal_mask(torch.arange(s - t, s, device=q.device)[None], s, window) if causal else None
     out = attention(
         q.float().transpose(0, 1)[None],
         k.float().transpose(0, 1)[None],
@@ -80,6 +86,52 @@ def test_flash_attention_packed(heads, kv_heads, dim, lengths, causal):
     for i in range(len(lengths)):
         expected = reference(qs[i], ks[i], vs[i], causal)
         torch.testing.assert_close(out[cu_q[i] : cu_q[i + 1]], expected, atol=FP32_TOL, rtol=FP32_TOL)
+
+
+VARIANTS = [  # every step of FlashConfig on and off, and tiles of unequal sides
+    FlashConfig(block_m=16, block_n=16),
+    FlashConfig(block_m=32, block_n=16, exp2=False),
+    FlashConfig(block_m=16, block_n=32, skip_interior_masks=False),
+    FlashConfig(block_m=16, block_n=16, exp2=False, skip_interior_masks=False, input_dtype_dots=False),
+]
+
+
+@pytest.mark.parametrize("config", VARIANTS, ids=["all", "exp", "masked", "none"])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(6, 2, 48), (9, 3, 64), (4, 1, 128)])
+@pytest.mark.parametrize("window", [None, 24])
+def test_flash_attention_every_variant_is_exact(config, heads, kv_heads, dim, window):
+    """Odd lengths that leave whole key tiles inside a query tile's view (run without masks when
+    ``skip_interior_masks``) next to diagonal and window-edge tiles (with them); GQA 3:1 and 4:1;
+    head dims 48 (padded to 64 in registers), 64 and 128; packed and paged keys."""
+    gen = torch.Generator().manual_seed(5)
+    lengths = [(70, 70), (5, 40), (19, 83)]
+    qs = [torch.randn(t, heads, dim, generator=gen).to(DEVICE) for t, _ in lengths]
+    ks = [torch.randn(s, kv_heads, dim, generator=gen).to(DEVICE) for _, s in lengths]
+    vs = [torch.randn(s, kv_heads, dim, generator=gen).to(DEVICE) for _, s in lengths]
+    cu_q = torch.tensor([0] + torch.tensor([t for t, _ in lengths]).cumsum(0).tolist(), device=DEVICE)
+    cu_k = torch.tensor([0] + torch.tensor([s for _, s in lengths]).cumsum(0).tolist(), device=DEVICE)
+    seqlens = torch.tensor([s for _, s in lengths], device=DEVICE)
+    k_pool, v_pool, tables = scatter_into_pool(ks, vs, 8, 40, gen)
+    packed = flash_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), cu_q, seqlens, 70, dim**-0.5,
+                             cu_seqlens_k=cu_k, window=window, config=config)  # fmt: skip
+    paged = flash_attention(torch.cat(qs), k_pool, v_pool, cu_q, seqlens, 70, dim**-0.5, block_tables=tables,
+                            block_size=8, window=window, config=config)  # fmt: skip
+    for i in range(len(lengths)):
+        expected = reference(qs[i], ks[i], vs[i], True, window)
+        torch.testing.assert_close(packed[cu_q[i] : cu_q[i + 1]], expected, atol=FP32_TOL, rtol=FP32_TOL)
+        torch.testing.assert_close(paged[cu_q[i] : cu_q[i + 1]], expected, atol=FP32_TOL, rtol=FP32_TOL)
+
+
+def test_flash_config_picks_tiles_per_head_dim():
+    """The interpreter keeps the tests' 32 × 32 tiles; a GPU gets the tutorial's shapes, fewer
+    queries for fp32 and head dims past 128, more warps for 128."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert flash_config(64, torch.bfloat16, cpu) == FlashConfig()
+    if DEVICE.type == "cuda":
+        small, large = flash_config(64, torch.bfloat16, gpu), flash_config(128, torch.bfloat16, gpu)
+        assert (small.block_m, small.block_n, small.num_warps, small.num_stages) == (128, 64, 4, 3)
+        assert (large.block_m, large.num_warps) == (128, 8)
+        assert flash_config(64, torch.float32, gpu).block_m == 64 == flash_config(256, torch.bfloat16, gpu).block_m
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "lengths"), CASES)

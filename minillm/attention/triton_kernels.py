@@ -34,12 +34,17 @@ the interpreter, whose float → fp8 cast drops the carry when rounding crosses 
 
 On a machine without CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``,
 set by ``minillm/triton_setup.py`` before triton is imported): slow, but the same code, which is how the course
-runs them on a laptop. The interpreter computes bfloat16 arithmetic wrongly, so every load is
-upcast to fp32 first; on a GPU that costs nothing (bf16 → fp32 is exact, and ``tf32`` dot
-products of upcast bf16 values are exact too).
+runs them on a laptop. The interpreter computes bfloat16 arithmetic wrongly, so there every load is
+upcast to fp32 first (bf16 → fp32 is exact). On a GPU that upcast is not free: fp32 operands
+take twice the registers and run the tensor cores at their tf32 rate, half the bf16 one — one
+of the reasons the first H200 run measured ``flash_attention`` at 0.09-0.13× SDPA
+(``benchmarks/results/gpu-2026-12-04/``). So on a GPU the prefill kernel multiplies bf16/fp16
+inputs as they are, with fp32 sums (``FlashConfig``, which lists the other steps it takes).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -129,15 +134,116 @@ def _dequantize(raw, scale, KV_QUANT: tl.constexpr):
     return values * scale[:, None]
 
 
+@dataclass(frozen=True)
+class FlashConfig:
+    """How ``flash_attention`` runs: its tiles, and the steps that make it fast — each a switch,
+    so ``benchmarks/bench_gpu.py`` can measure what each one is worth (chapter 06's ladder).
+
+    - ``block_m`` × ``block_n``: queries a program owns × keys per step. Bigger tiles re-read K/V
+      fewer times (once per ``block_m`` queries) and give the tensor cores matrix products big
+      enough to fill them, up to what the registers hold.
+    - ``num_warps``, ``num_stages``: threads per program, and how many K/V tiles Triton loads
+      ahead while the current one is computed (software pipelining of the loop's loads).
+    - ``input_dtype_dots``: multiply in the inputs' bf16/fp16 with fp32 sums (FlashAttention-2's
+      way) instead of upcasting to fp32 first: half the register and shared-memory bytes, and the
+      tensor cores' bf16 rate (twice their tf32 rate). Off under Triton's interpreter, whose
+      bf16 arithmetic is wrong, and for an 8-bit pool (its values are dequantized in fp32).
+    - ``skip_interior_masks``: only the key tiles on the causal diagonal (or a window's edge, or
+      the last partial tile) need the mask; every tile wholly inside runs a second copy of the
+      loop body without it (Triton's fused-attention tutorial: its ``STAGE`` argument).
+    - ``exp2``: ``exp(x) = exp2(x · log2 e)``, with ``log2 e`` folded into the softmax scale, so
+      each score costs one multiply and the GPU's native ``exp2`` instead of a scaled ``exp``.
+    """
+
+    block_m: int = 32
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+    input_dtype_dots: bool = True
+    skip_interior_masks: bool = True
+    exp2: bool = True
+
+
+def flash_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> FlashConfig:
+    """Tiles per head dimension and dtype. On a GPU, Triton's fused-attention tutorial's shapes:
+    128 queries × 64 keys, 3 stages, 4 warps up to head dim 64 and 8 to 128; half the queries
+    for fp32 inputs (their registers are twice as wide) and beyond 128. Under the interpreter
+    (no GPU) 32 × 32 tiles: the same arithmetic, and what the tests were sized for."""
+    if device.type != "cuda" or INTERPRETED:
+        return FlashConfig()
+    if dtype == torch.float32 or head_dim > 128:
+        return FlashConfig(block_m=64, block_n=32 if head_dim > 64 else 64, num_warps=4, num_stages=2)
+    return FlashConfig(block_m=128, block_n=64, num_warps=4 if head_dim <= 64 else 8, num_stages=3)
+
+
+@triton.jit
+def _flash_tiles(
+    acc, l_i, m_i, q, K, V, K_scale, V_scale, block_tables,
+    lo, hi, seq, kv_head, k_start, end, q_pos, m_valid, offs_d, d_valid,
+    stride_kn, stride_kh, stride_vn, stride_vh, stride_bt, stride_sn, stride_sh,
+    qk_scale, page_size, window,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr,
+    PRECISION: tl.constexpr, KV_QUANT: tl.constexpr, DOT_DTYPE: tl.constexpr, EXP2: tl.constexpr,
+):  # fmt: skip
+    """The online softmax over key tiles ``lo, lo + BLOCK_N, ... < hi``. ``MASKED`` False: every
+    key of every tile is visible to every query (the caller chose the tiles), so no mask is built
+    and no load is guarded."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < end
+        if PAGED:  # key position -> block (through the table) -> slot in the pool
+            if MASKED:
+                block = tl.load(block_tables + seq * stride_bt + offs_n // page_size, mask=n_valid, other=0)
+            else:
+                block = tl.load(block_tables + seq * stride_bt + offs_n // page_size)
+            rows = block * page_size + offs_n % page_size
+        else:
+            rows = k_start + offs_n
+        if MASKED:
+            kv_mask = n_valid[:, None] & d_valid[None, :]
+        else:
+            kv_mask = d_valid[None, :]
+        k = tl.load(K + rows[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + rows[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_QUANT != 0:  # an 8-bit pool: one byte per value loaded, dequantized here in registers
+            scale_rows = rows * stride_sn + kv_head * stride_sh
+            k = _dequantize(k, tl.load(K_scale + scale_rows, mask=n_valid, other=0.0), KV_QUANT)
+            v = _dequantize(v, tl.load(V_scale + scale_rows, mask=n_valid, other=0.0), KV_QUANT)
+        # Scores in fp32 sums from DOT_DTYPE operands; in log2 units when EXP2 (qk_scale holds log2 e).
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if MASKED:
+            allowed = n_valid[None, :] & m_valid[:, None] & (offs_n[None, :] > q_pos[:, None] - window)
+            if CAUSAL:
+                allowed = allowed & (offs_n[None, :] <= q_pos[:, None])
+            s = tl.where(allowed, s, float("-inf"))
+        # The online softmax update: new running max, rescale the old sum and accumulator.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED:
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        else:
+            m_safe = m_new  # every row sees this whole tile: its maximum is finite
+        if EXP2:
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+        else:
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
 @triton.jit
 def _flash_attention_kernel(
     Q, K, V, Out, K_scale, V_scale,
     cu_seqlens_q, cu_seqlens_k, seqlens_k, block_tables,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_bt,
     stride_sn, stride_sh,
-    scale, group, head_dim, page_size, window,
+    qk_scale, group, head_dim, page_size, window,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     CAUSAL: tl.constexpr, PAGED: tl.constexpr, PRECISION: tl.constexpr, KV_QUANT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, EXP2: tl.constexpr, SKIP_INTERIOR_MASKS: tl.constexpr,
 ):  # fmt: skip
     tile, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(cu_seqlens_q + seq)
@@ -154,53 +260,57 @@ def _flash_attention_kernel(
         Q + (q_start + offs_m)[:, None] * stride_qn + head * stride_qh + offs_d[None, :],
         mask=m_valid[:, None] & d_valid[None, :],
         other=0.0,
-    ).to(tl.float32)
+    ).to(DOT_DTYPE)
     q_pos = k_len - q_len + offs_m  # the queries are the last q_len of the sequence's k_len positions
+    first = k_len - q_len + tile * BLOCK_M  # this tile's first and last query positions
+    last = k_len - q_len + tl.minimum((tile + 1) * BLOCK_M, q_len) - 1
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     end = k_len
     if CAUSAL:  # keys after this tile's last query are never needed
-        end = tl.minimum(k_len, k_len - q_len + (tile + 1) * BLOCK_M)
+        end = last + 1
     # With a sliding window, keys before the first query's window are never needed either.
-    lo = tl.maximum(0, k_len - q_len + tile * BLOCK_M - window + 1) // BLOCK_N * BLOCK_N
+    lo = tl.maximum(0, first - window + 1) // BLOCK_N * BLOCK_N
+    k_start = 0
     if not PAGED:
         k_start = tl.load(cu_seqlens_k + seq)
-    for start_n in range(lo, end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < end
-        if PAGED:  # key position -> block (through the table) -> slot in the pool
-            block = tl.load(block_tables + seq * stride_bt + offs_n // page_size, mask=n_valid, other=0)
-            rows = block * page_size + offs_n % page_size
-        else:
-            rows = k_start + offs_n
-        kv_mask = n_valid[:, None] & d_valid[None, :]
-        k = tl.load(K + rows[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + rows[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        if KV_QUANT != 0:  # an 8-bit pool: one byte per value loaded, dequantized here in registers
-            scale_rows = rows * stride_sn + kv_head * stride_sh
-            k = _dequantize(k, tl.load(K_scale + scale_rows, mask=n_valid, other=0.0), KV_QUANT)
-            v = _dequantize(v, tl.load(V_scale + scale_rows, mask=n_valid, other=0.0), KV_QUANT)
-        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
-        allowed = n_valid[None, :] & m_valid[:, None] & (offs_n[None, :] > q_pos[:, None] - window)
+    # Key tiles [inner_lo, inner_hi) are visible to every query of the tile: all at or before the
+    # first query (causal) or the last key, and inside the last query's window.
+    inner_lo, inner_hi = lo, lo
+    if SKIP_INTERIOR_MASKS:
+        visible_to_all = k_len
         if CAUSAL:
-            allowed = allowed & (offs_n[None, :] <= q_pos[:, None])
-        s = tl.where(allowed, s, float("-inf"))
-        # The online softmax update: new running max, rescale the old sum and accumulator.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
-        m_i = m_new
+            visible_to_all = first + 1
+        inner_lo = tl.minimum(tl.maximum(lo, (last - window + 1 + BLOCK_N - 1) // BLOCK_N * BLOCK_N), end)
+        inner_hi = tl.minimum(tl.maximum(inner_lo, visible_to_all // BLOCK_N * BLOCK_N), end)
+    acc, l_i, m_i = _flash_tiles(
+        acc, l_i, m_i, q, K, V, K_scale, V_scale, block_tables, lo, inner_lo, seq, kv_head, k_start, end, q_pos,
+        m_valid, offs_d, d_valid, stride_kn, stride_kh, stride_vn, stride_vh, stride_bt, stride_sn, stride_sh,
+        qk_scale, page_size, window, BLOCK_N, True, CAUSAL, PAGED, PRECISION, KV_QUANT, DOT_DTYPE, EXP2,
+    )  # fmt: skip
+    if SKIP_INTERIOR_MASKS:
+        acc, l_i, m_i = _flash_tiles(
+            acc, l_i, m_i, q, K, V, K_scale, V_scale, block_tables, inner_lo, inner_hi, seq, kv_head, k_start, end,
+            q_pos, m_valid, offs_d, d_valid, stride_kn, stride_kh, stride_vn, stride_vh, stride_bt, stride_sn,
+            stride_sh, qk_scale, page_size, window, BLOCK_N, False, CAUSAL, PAGED, PRECISION, KV_QUANT, DOT_DTYPE,
+            EXP2,
+        )  # fmt: skip
+    acc, l_i, m_i = _flash_tiles(
+        acc, l_i, m_i, q, K, V, K_scale, V_scale, block_tables, inner_hi, end, seq, kv_head, k_start, end, q_pos,
+        m_valid, offs_d, d_valid, stride_kn, stride_kh, stride_vn, stride_vh, stride_bt, stride_sn, stride_sh,
+        qk_scale, page_size, window, BLOCK_N, True, CAUSAL, PAGED, PRECISION, KV_QUANT, DOT_DTYPE, EXP2,
+    )  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         Out + (q_start + offs_m)[:, None] * stride_on + head * stride_oh + offs_d[None, :],
         out.to(Out.dtype.element_ty),
         mask=m_valid[:, None] & d_valid[None, :],
     )
+
+
+LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
 
 
 def flash_attention(
@@ -215,12 +325,13 @@ def flash_attention(
     cu_seqlens_k: torch.Tensor | None = None,
     block_tables: torch.Tensor | None = None,
     block_size: int = 16,
-    block_m: int = 32,
-    block_n: int = 32,
+    block_m: int | None = None,
+    block_n: int | None = None,
     window: int | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
     kv_cache_dtype: KVCacheDtype | str = "auto",
+    config: FlashConfig | None = None,
 ) -> torch.Tensor:
     """Attention for packed variable-length sequences. ``q[N, H, D]`` holds every sequence's
     queries back to back (``cu_seqlens_q[S+1]`` marks where each starts). Keys come either
@@ -229,7 +340,9 @@ def flash_attention(
     ``seqlens_k[i]`` keys; its queries are the last ones of those positions (a prefill that
     continues a cached prefix). ``window``: sliding-window attention, each query sees its last
     ``window`` keys. An 8-bit pool (``kv_cache_dtype="int8"`` or ``"fp8"``) passes its scales,
-    ``k_scales, v_scales[num_slots, KV]``. Returns ``[N, H, D]`` in ``q``'s dtype."""
+    ``k_scales, v_scales[num_slots, KV]``. ``config``: tiles and switches (``flash_config``
+    picks them per head dimension when omitted; ``block_m`` / ``block_n`` override its tiles).
+    Returns ``[N, H, D]`` in ``q``'s dtype."""
     paged = block_tables is not None
     if not paged and cu_seqlens_k is None:
         raise ValueError("flash_attention needs cu_seqlens_k (packed keys) or block_tables (paged keys)")
@@ -238,10 +351,13 @@ def flash_attention(
         raise ValueError("8-bit K/V are read from the paged pool: pass block_tables")
     n, heads, dim = q.shape
     group = heads // k.shape[1]
+    config = config or flash_config(dim, q.dtype, q.device)
+    block_m, block_n = block_m or config.block_m, block_n or config.block_n
     out = torch.empty_like(q)
     num_seqs = cu_seqlens_q.numel() - 1
     if n == 0 or num_seqs == 0:
         return out
+    low = config.input_dtype_dots and q.dtype in (torch.bfloat16, torch.float16) and not kv_quant and not INTERPRETED
     grid = (triton.cdiv(max_seqlen_q, block_m), num_seqs, heads)
     dummy = cu_seqlens_q  # an unused pointer argument still needs a tensor
     _flash_attention_kernel[grid](
@@ -250,9 +366,12 @@ def flash_attention(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0) if paged else 0,
         k_scales.stride(0) if kv_quant else 0, k_scales.stride(1) if kv_quant else 0,
-        scale, group, dim, block_size, NO_WINDOW if window is None else window,
+        scale * LOG2E if config.exp2 else scale, group, dim, block_size, NO_WINDOW if window is None else window,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=max(16, triton.next_power_of_2(dim)),
         CAUSAL=causal, PAGED=paged, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=kv_quant,
+        DOT_DTYPE=(tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16) if low else tl.float32,
+        EXP2=config.exp2, SKIP_INTERIOR_MASKS=config.skip_interior_masks,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
 
