@@ -170,7 +170,8 @@ def bench_decode(batches, contexts, peak_gbs: float, heads=32, kv_heads=8, dim=1
             save()
             print(
                 f"decode b{b:>3} ctx {ctx:>6}: triton default {row['triton']['ms']:.3f} ms "
-                f"({row['triton']['pct_peak_bandwidth']:.0f}% of peak), tuned {row['tuned']['ms']:.3f} ms "
+                f"({row['triton']['pct_peak_bandwidth']:.0f}% of peak; broadcast "
+                f"{row['triton broadcast']['pct_peak_bandwidth']:.0f}%), tuned {row['tuned']['ms']:.3f} ms "
                 f"({row['tuned']['pct_peak_bandwidth']:.0f}%, {row['tuned_choice']}), reference {row['reference']['ms']:.3f} ms",
                 flush=True,
             )
@@ -200,6 +201,12 @@ def _decode_row(b: int, ctx: int, peak_gbs: float, heads: int, kv_heads: int, di
     def ours():
         return paged_decode(q, k_pool, v_pool, tables, lens, dim**-0.5, block_size, ctx)
 
+    def broadcast():  # the kernel before it used the tensor cores (the 2026-12-04 run's "triton")
+        from minillm.attention.decode_tuning import DecodeConfig
+
+        config = DecodeConfig(tensor_cores=False)
+        return paged_decode(q, k_pool, v_pool, tables, lens, dim**-0.5, block_size, ctx, config=config)
+
     # The engine's choice (minillm/attention/decode_tuning.py): every setting in the search space
     # and gather + SDPA, timed once, the fastest kept.
     from minillm.attention.decode_tuning import (
@@ -225,7 +232,7 @@ def _decode_row(b: int, ctx: int, peak_gbs: float, heads: int, kv_heads: int, di
     tuned_error = (tuned().float() - reference()[:, :, 0].float()).abs().max().item()
     row = {"batch": b, "context": ctx, "max_abs_error_vs_reference": error, "tuned_max_abs_error": tuned_error,
            "tuned_choice": str(best), "space_ms": {str(c): 1000 * t for c, t in choice.timings["bench"].items()}}  # fmt: skip
-    for name, fn in (("triton", ours), ("tuned", tuned), ("reference", reference)):
+    for name, fn in (("triton", ours), ("triton broadcast", broadcast), ("tuned", tuned), ("reference", reference)):
         t = cuda_time(fn)
         gbs = kv_bytes / t / 1e9
         row[name] = {"ms": 1000 * t, "gbs": gbs, "pct_peak_bandwidth": 100 * gbs / peak_gbs}

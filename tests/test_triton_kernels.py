@@ -14,6 +14,7 @@ import torch
 
 from minillm import LLM, SamplingParams
 from minillm.attention import triton_available
+from minillm.attention.decode_tuning import DecodeConfig
 from minillm.attention.torch_ref import attention, causal_mask
 
 if not triton_available():
@@ -153,9 +154,12 @@ def test_flash_attention_paged_prefix(heads, kv_heads, dim, lengths):
         )
 
 
+@pytest.mark.parametrize("tensor_cores", [True, False], ids=["dot", "broadcast"])
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 64), (6, 2, 64), (8, 1, 128)])
-def test_paged_decode(heads, kv_heads, dim, splits):
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 64), (6, 2, 64), (9, 3, 48), (8, 1, 128)])
+def test_paged_decode(heads, kv_heads, dim, splits, tensor_cores):
+    """Both ways of multiplying a query group (one matrix product on the group padded to 16
+    rows, or fp32 broadcasts), GQA 1:1 to 8:1, head dims 48 (padded to 64), 64 and 128."""
     gen = torch.Generator().manual_seed(2)
     contexts = [1, 17, 50]
     ks = [torch.randn(s, kv_heads, dim, generator=gen).to(DEVICE) for s in contexts]
@@ -164,7 +168,7 @@ def test_paged_decode(heads, kv_heads, dim, splits):
     q = torch.randn(len(contexts), heads, dim, generator=gen).to(DEVICE)
     out = paged_decode(
         q, k_pool, v_pool, tables, torch.tensor(contexts, device=DEVICE), dim**-0.5, 8, max(contexts),
-        num_splits=splits, block_n=16,
+        num_splits=splits, block_n=16, config=DecodeConfig(tensor_cores=tensor_cores),
     )  # fmt: skip
     for i in range(len(contexts)):
         torch.testing.assert_close(

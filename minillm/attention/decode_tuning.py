@@ -44,9 +44,15 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 3  # software pipelining of the loads (Triton's default)
     programs_per_sm: int = 2  # split-K target: enough context splits to give each SM this many programs
+    # The query group's scores and weighted values as matrix products (``tl.dot``, the group padded
+    # to 16 rows, bf16/fp16 operands on a GPU) rather than fp32 broadcast multiply-adds, whose
+    # [group, BLOCK_N, head_dim] products filled the registers: the first H200 run's kernel read
+    # 12% of the copy bandwidth at 64 × 4k (benchmarks/results/gpu-2026-12-04/).
+    tensor_cores: bool = True
 
     def __str__(self) -> str:
-        return f"BLOCK_N={self.block_n} warps={self.num_warps} stages={self.num_stages} programs/SM={self.programs_per_sm}"
+        dot = "" if self.tensor_cores else " broadcast"
+        return f"BLOCK_N={self.block_n} warps={self.num_warps} stages={self.num_stages} programs/SM={self.programs_per_sm}{dot}"
 
 
 GATHER_SDPA = "gather+sdpa"  # the other candidate: gather the blocks into a padded batch, then SDPA

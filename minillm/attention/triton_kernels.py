@@ -12,7 +12,8 @@ paged pool through block tables — and never build the ``[T, S]`` score matrix 
   repeating it.
 - ``paged_decode`` (decode): one query token per sequence; each program handles one KV head
   and the whole group of query heads that share it, so every K/V block is read once for the
-  group. Long contexts are split over several programs (split-K, "flash-decoding") whose
+  group — and multiplies them as one small matrix product (the group padded to the tensor
+  cores' 16 rows; ``DecodeConfig.tensor_cores``), not as fp32 broadcasts in registers. Long contexts are split over several programs (split-K, "flash-decoding") whose
   partial softmax states are merged afterwards, so a small batch still fills the GPU.
 - ``write_kv``: the new tokens' K and V into the pool through the slot mapping, one program
   per token.
@@ -384,6 +385,7 @@ def _paged_decode_kernel(
     stride_ms, stride_mh, stride_os, stride_oh, stride_osplit,
     scale, group, head_dim, page_size, split_len, window,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr,
+    DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(context_lens + seq)
@@ -415,15 +417,20 @@ def _paged_decode_kernel(
             scale_rows = rows * stride_sn + kv_head * stride_sh
             k = _dequantize(k, tl.load(K_scale + scale_rows, mask=n_valid, other=0.0), KV_QUANT)
             v = _dequantize(v, tl.load(V_scale + scale_rows, mask=n_valid, other=0.0), KV_QUANT)
-        # One query per head: a broadcast multiply-add instead of a (too small) matrix product.
-        s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2) * scale  # [GROUP, BLOCK_N]
+        if DOT:  # the group's queries (padded to 16 rows) as one matrix product on the tensor cores
+            s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * scale
+        else:  # a broadcast multiply-add in fp32 registers: [GROUP, BLOCK_N, HEAD_DIM] products at once
+            s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2) * scale  # [GROUP, BLOCK_N]
         s = tl.where(n_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+        if DOT:
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
         m_i = m_new
     # Partial results of this split: running max, sum, and the unnormalised weighted values.
     tl.store(M_part + seq * stride_ms + heads * stride_mh + split, m_i, mask=g_valid)
@@ -481,6 +488,10 @@ def paged_decode(
     m_part = torch.empty((b, heads, num_splits), dtype=torch.float32, device=q.device)
     l_part = torch.empty_like(m_part)
     o_part = torch.empty((b, heads, num_splits, dim), dtype=torch.float32, device=q.device)
+    # Tensor cores take at least 16 rows: the group's queries padded to 16 (the padded rows load
+    # zeros and are never stored), and keys in steps of at least 16.
+    dot = config.tensor_cores and block_n >= 16
+    low = dot and q.dtype in (torch.bfloat16, torch.float16) and not kv_quant and not INTERPRETED
     _paged_decode_kernel[(b, kv_heads, num_splits)](
         q, k_pool, v_pool, k_scales if kv_quant else m_part, v_scales if kv_quant else m_part, m_part, l_part, o_part,
         context_lens, block_tables,
@@ -488,8 +499,11 @@ def paged_decode(
         block_tables.stride(0), k_scales.stride(0) if kv_quant else 0, k_scales.stride(1) if kv_quant else 0,
         m_part.stride(0), m_part.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         scale, group, dim, block_size, split_len, NO_WINDOW if window is None else window,
-        GROUP=max(2, triton.next_power_of_2(group)), BLOCK_N=block_n, HEAD_DIM=max(16, triton.next_power_of_2(dim)),
-        KV_QUANT=kv_quant, num_warps=config.num_warps, num_stages=config.num_stages,
+        GROUP=max(16 if dot else 2, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        HEAD_DIM=max(16, triton.next_power_of_2(dim)), KV_QUANT=kv_quant, DOT=dot,
+        DOT_DTYPE=(tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16) if low else tl.float32,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return merge_splits(m_part, l_part, o_part, q.dtype)
 
