@@ -25,6 +25,7 @@ from minillm.attention.triton_kernels import (  # noqa: E402
     flash_attention,
     flash_config,
     paged_decode,
+    rope_write_kv,
     write_kv,
 )
 
@@ -201,6 +202,61 @@ def test_write_kv_through_slot_mapping():
     write_kv(k, v, k_pool, v_pool, slots)
     assert torch.equal(k_pool[slots], k) and torch.equal(v_pool[slots], v)
     assert k_pool.abs().sum(dim=(1, 2)).nonzero().flatten().sort().values.tolist() == sorted(slots.tolist())
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 48), (8, 1, 128)])
+def test_rope_write_kv_is_rope_then_the_write(heads, kv_heads, dim, kv_cache_dtype):
+    """One kernel for apply_rope on q and K and write_kv of K and V: the same q, the same pool
+    bytes (and scales, for an 8-bit pool) as the two steps apart."""
+    from minillm.models.rope import apply_rope
+
+    gen = torch.Generator().manual_seed(6)
+    n, slots_total = 5, 24
+    qkv = torch.randn(n, heads + 2 * kv_heads, dim, generator=gen).to(DEVICE)
+    angles = torch.rand(n, dim // 2, generator=gen).to(DEVICE) * 6.0
+    cos = torch.cat([angles.cos(), angles.cos()], -1)
+    signed_sin = torch.cat([-angles.sin(), angles.sin()], -1)
+    slots = torch.tensor([7, 3, 20, 16, 0], device=DEVICE)
+    pool_dtype = torch.int8 if kv_cache_dtype == "int8" else torch.float32
+    pools = [torch.zeros(slots_total, kv_heads, dim, dtype=pool_dtype, device=DEVICE) for _ in range(4)]
+    scales = [torch.zeros(slots_total, kv_heads, device=DEVICE) for _ in range(4)] if kv_cache_dtype == "int8" else None
+    quant = lambda i: {} if scales is None else dict(k_scales=scales[i], v_scales=scales[i + 1], kv_cache_dtype="int8")  # noqa: E731
+    rotated = apply_rope(qkv[None, :, : heads + kv_heads], cos[None, :, None], signed_sin[None, :, None])[0]
+    write_kv(rotated[:, heads:], qkv[:, heads + kv_heads :], pools[0], pools[1], slots, **quant(0))
+    q = rope_write_kv(qkv, cos, signed_sin, heads, kv_heads, pools[2], pools[3], slots, **quant(2))
+    torch.testing.assert_close(q, rotated[:, :heads], atol=1e-6, rtol=1e-6)
+    if kv_cache_dtype == "int8":  # a last-bit difference in a rotated value may move its rounding by one step
+        assert (pools[0].int() - pools[2].int()).abs().max() <= 1 and torch.equal(pools[1], pools[3])
+        torch.testing.assert_close(scales[2], scales[0], atol=1e-7, rtol=1e-6)
+        assert torch.equal(scales[1], scales[3])
+    else:
+        torch.testing.assert_close(pools[2], pools[0], atol=1e-6, rtol=1e-6)
+        assert torch.equal(pools[3], pools[1])
+    with pytest.raises(ValueError, match="qkv has 15 heads, not heads"):
+        rope_write_kv(qkv[:, :15] if heads + 2 * kv_heads > 15 else torch.zeros(n, 15, dim, device=DEVICE), cos,
+                      signed_sin, heads + 1, kv_heads, pools[2], pools[3], slots)  # fmt: skip
+
+
+def test_a_course_rope_is_used_by_the_triton_step(tiny_model):
+    """The Triton step fuses RoPE with its K/V write only while apply_rope is the package's own:
+    a learner's RoPE plugged in by a check runs, and the tokens stay the same."""
+    from minillm import hooks
+    from minillm.models.rope import apply_rope
+
+    calls = []
+
+    def learners_rope(x, cos, sin):
+        calls.append(x.shape)
+        return apply_rope(x, cos, sin)
+
+    llm = LLM(tiny_model, attention_backend="triton", dtype="fp32", block_size=4, device=DEVICE.type)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    fused = llm.generate([[5, 17, 42, 8]], params)[0].token_ids
+    assert not calls
+    with hooks.override(apply_rope=learners_rope):
+        plugged = llm.generate([[5, 17, 42, 8]], params)[0].token_ids
+    assert calls and plugged == fused
 
 
 def test_triton_backend_reproduces_torch_backend_end_to_end(tiny_model):

@@ -16,7 +16,8 @@ paged pool through block tables — and never build the ``[T, S]`` score matrix 
   cores' 16 rows; ``DecodeConfig.tensor_cores``), not as fp32 broadcasts in registers. Long contexts are split over several programs (split-K, "flash-decoding") whose
   partial softmax states are merged afterwards, so a small batch still fills the GPU.
 - ``write_kv``: the new tokens' K and V into the pool through the slot mapping, one program
-  per token.
+  per token; ``rope_write_kv`` does the same from the fused q/k/v projection's output and
+  applies RoPE to q and K on the way (the engine's Triton step calls this one).
 
 **An 8-bit pool** (``kv_cache_dtype="int8"`` or ``"fp8"``, ``kvcache/quantization.py``): ``write_kv``
 quantizes each new token's K and V per head as it stores them (the scale ``max|x| / 127``, or
@@ -588,6 +589,93 @@ def _write_kv_kernel(
         v_q, v_scale = _quantize(v, KV_QUANT)
         tl.store(V_pool + slot * stride_pv + offs, v_q.to(V_pool.dtype.element_ty), mask=valid)
         tl.store(V_scale + scale_offs, v_scale, mask=h_valid)
+
+
+@triton.jit
+def _rope_write_kv_kernel(
+    QKV, Cos, Sin, Q_out, K_pool, V_pool, K_scale, V_scale, slots,
+    stride_t, stride_h, stride_ct, stride_st, stride_qt, stride_qh, stride_pk, stride_pv, stride_sn, stride_sh,
+    heads, kv_heads, head_dim,
+    ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0)
+    offs_h = tl.arange(0, ROWS)  # this token's q heads, then its K heads, then its V heads
+    offs_d = tl.arange(0, HEAD_DIM)
+    d_valid = offs_d < head_dim
+    is_q = offs_h < heads
+    is_k = (offs_h >= heads) & (offs_h < heads + kv_heads)
+    is_v = (offs_h >= heads + kv_heads) & (offs_h < heads + 2 * kv_heads)
+    row = QKV + token * stride_t + offs_h[:, None] * stride_h
+    valid = (offs_h < heads + 2 * kv_heads)[:, None] & d_valid[None, :]
+    x = tl.load(row + offs_d[None, :], mask=valid, other=0.0).to(tl.float32)
+    # RoPE as apply_rope computes it: x·cos + roll(x, D/2)·signed_sin, the roll a second load.
+    rolled = tl.load(row + ((offs_d + head_dim // 2) % head_dim)[None, :], mask=valid, other=0.0).to(tl.float32)
+    cos = tl.load(Cos + token * stride_ct + offs_d, mask=d_valid, other=0.0).to(tl.float32)
+    sin = tl.load(Sin + token * stride_st + offs_d, mask=d_valid, other=0.0).to(tl.float32)
+    rotated = x * cos[None, :] + rolled * sin[None, :]
+    tl.store(Q_out + token * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+             rotated.to(Q_out.dtype.element_ty), mask=is_q[:, None] & d_valid[None, :])  # fmt: skip
+    slot = tl.load(slots + token)
+    k_rows = tl.where(is_k, offs_h - heads, 0)
+    v_rows = tl.where(is_v, offs_h - heads - kv_heads, 0)
+    k_mask = is_k[:, None] & d_valid[None, :]
+    v_mask = is_v[:, None] & d_valid[None, :]
+    k_at = K_pool + slot * stride_pk + k_rows[:, None] * head_dim + offs_d[None, :]
+    v_at = V_pool + slot * stride_pv + v_rows[:, None] * head_dim + offs_d[None, :]
+    if KV_QUANT == 0:
+        tl.store(k_at, rotated.to(K_pool.dtype.element_ty), mask=k_mask)
+        tl.store(v_at, x.to(V_pool.dtype.element_ty), mask=v_mask)
+    else:  # an 8-bit pool: each K and V head quantized on its way in, as write_kv does
+        k_q, k_scale = _quantize(rotated, KV_QUANT)
+        tl.store(k_at, k_q.to(K_pool.dtype.element_ty), mask=k_mask)
+        tl.store(K_scale + slot * stride_sn + k_rows * stride_sh, k_scale, mask=is_k)
+        v_q, v_scale = _quantize(x, KV_QUANT)
+        tl.store(v_at, v_q.to(V_pool.dtype.element_ty), mask=v_mask)
+        tl.store(V_scale + slot * stride_sn + v_rows * stride_sh, v_scale, mask=is_v)
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+    kv_cache_dtype: KVCacheDtype | str = "auto",
+) -> torch.Tensor:
+    """RoPE and the K/V write in one kernel: ``qkv[N, heads + 2·kv_heads, D]`` (the fused
+    projection's output, q heads then K then V) with ``cos, signed_sin[N, D]`` (``RotaryEmbedding``'s
+    tables at each token's position). Rotates q and K as ``apply_rope`` does, stores K and V at
+    pool rows ``slots[N]`` as ``write_kv`` does (quantized for an 8-bit pool), and returns the
+    rotated ``q[N, heads, D]``. One launch where a decode step's layer otherwise makes four (two
+    element-wise ops and a roll for RoPE, then the write) — the GPU step is bound by launches.
+    Each token's heads are one program: ``next_power_of_2(heads + 2·kv_heads) × D`` values."""
+    kv_quant = _kv_quant(kv_cache_dtype, k_scales, v_scales)
+    n, rows, dim = qkv.shape
+    if rows != heads + 2 * kv_heads:
+        raise ValueError(f"rope_write_kv: qkv has {rows} heads, not heads + 2·kv_heads = {heads + 2 * kv_heads}")
+    if dim % 2:
+        raise ValueError(f"rope_write_kv: head dim {dim} must be even (RoPE rotates pairs)")
+    if k_pool.stride(1) != dim or k_pool.stride(2) != 1 or v_pool.stride(1) != dim or v_pool.stride(2) != 1:
+        raise ValueError("rope_write_kv: the pools must be [num_slots, kv_heads, D] with contiguous rows")
+    q = torch.empty((n, heads, dim), dtype=qkv.dtype, device=qkv.device)
+    if n == 0:
+        return q
+    if qkv.stride(2) != 1:
+        qkv = qkv.contiguous()
+    cos, signed_sin = cos.contiguous(), signed_sin.contiguous()  # views of the tables' rows: no copy
+    _rope_write_kv_kernel[(n,)](
+        qkv, cos, signed_sin, q, k_pool, v_pool, k_scales if kv_quant else k_pool, v_scales if kv_quant else v_pool,
+        slots, qkv.stride(0), qkv.stride(1), cos.stride(0), signed_sin.stride(0), q.stride(0), q.stride(1),
+        k_pool.stride(0), v_pool.stride(0), k_scales.stride(0) if kv_quant else 0, k_scales.stride(1) if kv_quant else 0,
+        heads, kv_heads, dim,
+        ROWS=triton.next_power_of_2(rows), HEAD_DIM=max(16, triton.next_power_of_2(dim)), KV_QUANT=kv_quant,
+    )  # fmt: skip
+    return q
 
 
 def write_kv(

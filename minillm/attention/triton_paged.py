@@ -45,21 +45,45 @@ class TritonPagedStep:
             self.prefill_max_tokens = max(prefill_lens)
             self.prefill_query_lens, self.prefill_context_list = list(prefill_lens), list(layout.context_lens[nd:])
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """``q[1, N, H, D]``, ``k, v[1, N, KV, D]`` → ``[1, N, H, D]``."""
-        from minillm.attention.triton_kernels import write_kv  # deferred: triton: imported only when a Triton step runs
-
-        q, k, v = q[0], k[0], v[0]
-        layout, pool = self.layout, self.layout.pool
-        k_pool, v_pool = pool.k_slots[layer], pool.v_slots[layer]
-        quant = {}  # an 8-bit pool: its scales and how to read its bytes
+    def _pool(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """This layer's K and V pools, and for an 8-bit pool its scales and how to read its bytes."""
+        pool = self.layout.pool
+        quant = {}
         if pool.k_scales is not None:
             quant = dict(
                 k_scales=pool.k_scales[layer], v_scales=pool.v_scales[layer], kv_cache_dtype=pool.kv_cache_dtype
             )
-        write_kv(k, v, k_pool, v_pool, layout.slot_mapping, **quant)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        return pool.k_slots[layer], pool.v_slots[layer], quant
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """``q[1, N, H, D]``, ``k, v[1, N, KV, D]`` → ``[1, N, H, D]``."""
+        from minillm.attention.triton_kernels import write_kv  # deferred: triton: imported only when a Triton step runs
+
+        k_pool, v_pool, quant = self._pool(layer)
+        write_kv(k[0], v[0], k_pool, v_pool, self.layout.slot_mapping, **quant)
+        return self._attend_pool(q[0], k_pool, v_pool, scale, quant)
+
+    def attend_rotary(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                      heads: int, kv_heads: int, scale: float) -> torch.Tensor:  # fmt: skip
+        """``attend`` from the fused projection's output ``qkv[1, N, heads + 2·kv_heads, D]``, before
+        RoPE: one kernel rotates q and K and writes K and V (``rope_write_kv``) where the model
+        would otherwise launch RoPE's three ops and this step the write. ``cos, signed_sin[1, N,
+        1, D]`` as ``RotaryEmbedding.lookup`` gives them. The model calls this only while
+        ``apply_rope`` is the package's own (a course check that plugs in its own RoPE is seen)."""
+        from minillm.attention.triton_kernels import rope_write_kv  # deferred: triton
+
+        k_pool, v_pool, quant = self._pool(layer)
+        q = rope_write_kv(qkv[0], cos[0, :, 0], signed_sin[0, :, 0], heads, kv_heads, k_pool, v_pool,
+                          self.layout.slot_mapping, **quant)  # fmt: skip
+        return self._attend_pool(q, k_pool, v_pool, scale, quant)
+
+    def _attend_pool(self, q: torch.Tensor, k_pool, v_pool, scale: float, quant: dict) -> torch.Tensor:
+        """``q[N, H, D]`` against the pool, this step's K/V already in it → ``[1, N, H, D]``."""
+        layout = self.layout
         nd = layout.num_decodes
+        if not self.num_prefills:  # a pure decode step: the kernel's output is the step's (no copy into place)
+            return self._decode(q, k_pool, v_pool, scale, quant)[None]
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if nd:
             out[:nd] = self._decode(q[:nd], k_pool, v_pool, scale, quant)
         if self.num_prefills:

@@ -79,8 +79,12 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         h, kv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(b, t, h + 2 * kv, self.head_dim)
-        qk = hooks.apply_rope(qkv[:, :, : h + kv], cos, sin)  # q and k heads rotated in one go
-        out = step.attend(self.layer_index, qk[:, :, :h], qk[:, :, h:], qkv[:, :, h + kv :], self.scale)
+        rotary = getattr(step, "attend_rotary", None)  # a step that fuses RoPE with its K/V write
+        if rotary is not None and hooks.current("apply_rope") is hooks.default("apply_rope"):
+            out = rotary(self.layer_index, qkv, cos, sin, h, kv, self.scale)
+        else:
+            qk = hooks.apply_rope(qkv[:, :, : h + kv], cos, sin)  # q and k heads rotated in one go
+            out = step.attend(self.layer_index, qk[:, :, :h], qk[:, :, h:], qkv[:, :, h + kv :], self.scale)
         return self.o_proj(out.reshape(b, t, self.q_size))  # row parallel: the layer all-reduces
 
 
