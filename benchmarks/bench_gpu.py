@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -509,11 +510,18 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"gpu-{result['date'][:10]}-{torch.cuda.get_device_name().replace(' ', '_')}.json"
     if path.exists():  # another call of this script today (gpu_checks.sh runs its sections apart): keep its parts
-        earlier = json.loads(path.read_text())
-        result = {k: v for k, v in earlier.items() if k in SECTIONS or k.endswith("_error")} | result
+        try:
+            earlier = json.loads(path.read_text())
+        except json.JSONDecodeError as err:  # a file cut off mid-write by an older version: start afresh
+            print(f"ignoring {path}: {err}", file=sys.stderr)
+            earlier = {}
+        kept = {k: v for k, v in earlier.items() if k.split("_args")[0].split("_error")[0] in SECTIONS}
+        result = kept | result
 
-    def save() -> None:
-        path.write_text(json.dumps(result, indent=2))
+    def save() -> None:  # whole or not at all: a time limit may kill the process mid-write
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(result, indent=2))
+        os.replace(tmp, path)
 
     def quant(rows: list) -> list:
         for shapes in args.quant_shapes:
@@ -541,9 +549,11 @@ def main(argv=None) -> int:
         # row is written to the JSON as it finishes (a section cut off by a time limit keeps the
         # rows it had), and a failure is written down rather than raised.
         result[name] = []
-        result.pop(f"{name}_error", None)
+        result[f"{name}_args"] = vars(args)  # each section with the arguments it ran with
+        result[f"{name}_error"] = "incomplete: cut off before the section finished"  # until it does
         try:
             sections[name](result[name])
+            result.pop(f"{name}_error")
         except Exception as exc:  # noqa: BLE001
             import traceback
 

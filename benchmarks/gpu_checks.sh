@@ -13,7 +13,11 @@
 # skip. Each section has its own time limit and log, so one failure costs only its own figures.
 set -u
 QUICK=0
-[ "${1:-}" = "--quick" ] && QUICK=1
+case "${1:-}" in
+    --quick) QUICK=1 ;;
+    "") ;;
+    *) echo "usage: OUT=... MODEL_SHAPE=... bash benchmarks/gpu_checks.sh [--quick]" >&2; exit 2 ;;
+esac
 OUT=${OUT:?set OUT to the folder for logs and JSON}
 MODEL_SHAPE=${MODEL_SHAPE:?set MODEL_SHAPE to the SmolLM2 config + tokenizer folder}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -31,15 +35,15 @@ section() {  # name, seconds, command...
     tail -n 25 "$OUT/$name.log"
 }
 
-{
-    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
-    $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'cuda', torch.version.cuda)"
-    lscpu | grep -E "Model name|^CPU\(s\)"
+{  # 10 s at most, counted in the call's budget
+    timeout 3 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
+    timeout 6 $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'cuda', torch.version.cuda)"
+    timeout 1 lscpu | grep -E "Model name|^CPU\(s\)"
 } >"$OUT/env.log" 2>&1
 cat "$OUT/env.log"
 
 MODEL=/tmp/smollm2-135m-random
-section random_weights $([ "$QUICK" = 1 ] && echo 25 || echo 45) $PY - "$MODEL_SHAPE" "$MODEL" <<'EOF'
+section random_weights $([ "$QUICK" = 1 ] && echo 20 || echo 45) $PY - "$MODEL_SHAPE" "$MODEL" <<'EOF'
 import shutil, sys
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -58,14 +62,14 @@ EOF
 # writes its JSON after every row, and its two calls here share one file.
 if [ "$QUICK" = 1 ]; then
     # 1. The kernel tests compiled for the GPU (prefill, paged decode, split merge).
-    section pytest_triton_cuda 35 $PY -m pytest -q -rfE -p no:cacheprovider --timeout 30 tests/test_triton_kernels.py \
-        -k "not end_to_end"
+    section pytest_triton_cuda 45 $PY -m pytest -q -rfE -p no:cacheprovider --timeout 40 tests/test_triton_kernels.py \
+        -k "gpu or rope_write_kv"
     # 2. Prefill against SDPA at 2k and 16k with the kernel's steps at 16k; paged decode at 64 × 4k; int4 at Llama-3-8B.
-    section bench_kernels 65 $PY benchmarks/bench_gpu.py --model "$MODEL" --repeats 2 \
+    section bench_kernels 60 $PY benchmarks/bench_gpu.py --model "$MODEL" --repeats 2 \
         --sections prefill flash_steps decode quant_linears --prefill-lengths 2048 16384 --flash-step-lengths 16384 \
         --decode-batches 64 --decode-contexts 4096 --quant-rows 1 --quant-shapes llama3-8b --out "$OUT"
     # 3. Kernels per batch-1 token, and batch-1 tokens/s with CUDA graphs.
-    section profile_step 35 $PY benchmarks/profile_gpu_step.py --model "$MODEL" --tokens 16 --out "$OUT"
+    section profile_step 30 $PY benchmarks/profile_gpu_step.py --model "$MODEL" --tokens 16 --out "$OUT"
     section bench_e2e 35 $PY benchmarks/bench_gpu.py --model "$MODEL" --sections end_to_end --e2e-batches 1 \
         --new-tokens 64 --repeats 2 --out "$OUT"
 else

@@ -24,15 +24,21 @@ def section_limits(quick: bool) -> dict[str, int]:
     text = SCRIPT.read_text()
     head, branches = text.split('if [ "$QUICK" = 1 ]; then', 1)
     quick_part, full_part = branches.split("\nelse\n", 1)
-    limits = {"random_weights": 25 if quick else 45}
-    assert '$([ "$QUICK" = 1 ] && echo 25 || echo 45)' in head
+    limits = {"random_weights": 20 if quick else 45}
+    assert '$([ "$QUICK" = 1 ] && echo 20 || echo 45)' in head
+    env = re.findall(r"^\s*timeout (\d+) ", head.split("{  # 10 s at most")[1].split("}")[0], re.M)
+    limits["env"] = sum(map(int, env))
+    assert limits["env"] <= 10
     for name, limit in re.findall(r"^\s*section (\w+) (\d+) ", quick_part if quick else full_part, re.M):
         limits[name] = int(limit)
     return limits
 
 
-def test_the_script_parses():
+def test_the_script_parses_and_refuses_what_it_does_not_know(tmp_path):
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+    done = subprocess.run(["bash", str(SCRIPT), "--quik"], env={"OUT": str(tmp_path), "MODEL_SHAPE": str(tmp_path),
+                          "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 2 and "usage" in done.stderr and not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize(("quick", "budget"), [(True, 200), (False, 600)])

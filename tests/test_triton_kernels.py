@@ -238,25 +238,34 @@ def test_rope_write_kv_is_rope_then_the_write(heads, kv_heads, dim, kv_cache_dty
                       signed_sin, heads + 1, kv_heads, pools[2], pools[3], slots)  # fmt: skip
 
 
-def test_a_course_rope_is_used_by_the_triton_step(tiny_model):
+def test_a_course_rope_is_used_by_the_triton_step(tiny_model, monkeypatch):
     """The Triton step fuses RoPE with its K/V write only while apply_rope is the package's own:
-    a learner's RoPE plugged in by a check runs, and the tokens stay the same."""
+    a learner's RoPE plugged in by a check runs instead of the fused kernel, and the tokens stay
+    the same."""
     from minillm import hooks
+    from minillm.attention import triton_kernels
     from minillm.models.rope import apply_rope
 
-    calls = []
+    fused_calls, learner_calls = [], []
+    fused_kernel = triton_kernels.rope_write_kv
+
+    def counted_fused(*args, **kwargs):
+        fused_calls.append(1)
+        return fused_kernel(*args, **kwargs)
 
     def learners_rope(x, cos, sin):
-        calls.append(x.shape)
+        learner_calls.append(x.shape)
         return apply_rope(x, cos, sin)
 
+    monkeypatch.setattr(triton_kernels, "rope_write_kv", counted_fused)
     llm = LLM(tiny_model, attention_backend="triton", dtype="fp32", block_size=4, device=DEVICE.type)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     fused = llm.generate([[5, 17, 42, 8]], params)[0].token_ids
-    assert not calls
+    assert fused_calls and not learner_calls
+    fused_calls.clear()
     with hooks.override(apply_rope=learners_rope):
         plugged = llm.generate([[5, 17, 42, 8]], params)[0].token_ids
-    assert calls and plugged == fused
+    assert learner_calls and not fused_calls and plugged == fused
 
 
 def test_triton_backend_reproduces_torch_backend_end_to_end(tiny_model):
@@ -275,6 +284,27 @@ def test_triton_backend_reproduces_torch_backend_end_to_end(tiny_model):
 def test_triton_backend_needs_the_paged_engine(tiny_model):
     with pytest.raises(ValueError, match="attention_backend='triton' needs mode='paged'"):
         LLM(tiny_model, mode="contiguous", attention_backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("window", [None, 300])
+def test_flash_attention_as_shipped_on_a_gpu(window):
+    """The GPU's own tiles and bf16 dot products (``flash_config``, no overrides): a prefix that
+    continues a cache, a window, paged keys; bf16 tolerance after the reference's rounding."""
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, dim = 32, 8, 128
+    lengths = [(1000, 1000), (300, 2048), (7, 129)]
+    qs = [torch.randn(t, heads, dim, generator=gen).to(DEVICE, torch.bfloat16) for t, _ in lengths]
+    ks = [torch.randn(s, kv_heads, dim, generator=gen).to(DEVICE, torch.bfloat16) for _, s in lengths]
+    vs = [torch.randn(s, kv_heads, dim, generator=gen).to(DEVICE, torch.bfloat16) for _, s in lengths]
+    k_pool, v_pool, tables = scatter_into_pool(ks, vs, 16, 400, gen)
+    cu_q = torch.tensor([0] + torch.tensor([t for t, _ in lengths]).cumsum(0).tolist(), device=DEVICE)
+    out = flash_attention(torch.cat(qs), k_pool, v_pool, cu_q, torch.tensor([s for _, s in lengths], device=DEVICE),
+                          1000, dim**-0.5, block_tables=tables, block_size=16, window=window)  # fmt: skip
+    for i in range(len(lengths)):
+        expected = reference(qs[i], ks[i], vs[i], True, window).to(torch.bfloat16).float()
+        torch.testing.assert_close(out[cu_q[i] : cu_q[i + 1]].float(), expected, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

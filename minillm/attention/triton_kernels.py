@@ -370,7 +370,10 @@ def flash_attention(
         k_scales.stride(0) if kv_quant else 0, k_scales.stride(1) if kv_quant else 0,
         scale * LOG2E if config.exp2 else scale, group, dim, block_size, NO_WINDOW if window is None else window,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=max(16, triton.next_power_of_2(dim)),
-        CAUSAL=causal, PAGED=paged, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=kv_quant,
+        # fp32 products of upcast bf16 q and K are exact in tf32 (8 significant bits fit in 11); an
+        # 8-bit pool's dequantized values are not, so they multiply in true fp32 ("ieee").
+        CAUSAL=causal, PAGED=paged, KV_QUANT=kv_quant,
+        PRECISION="ieee" if q.dtype == torch.float32 or kv_quant else "tf32",
         DOT_DTYPE=(tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16) if low else tl.float32,
         EXP2=config.exp2, SKIP_INTERIOR_MASKS=config.skip_interior_masks,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -491,8 +494,9 @@ def paged_decode(
     o_part = torch.empty((b, heads, num_splits, dim), dtype=torch.float32, device=q.device)
     # Tensor cores take at least 16 rows: the group's queries padded to 16 (the padded rows load
     # zeros and are never stored), and keys in steps of at least 16.
-    dot = config.tensor_cores and block_n >= 16
-    low = dot and q.dtype in (torch.bfloat16, torch.float16) and not kv_quant and not INTERPRETED
+    # An 8-bit pool keeps the broadcast path: its dequantized values stay in exact fp32 arithmetic.
+    dot = config.tensor_cores and block_n >= 16 and not kv_quant
+    low = dot and q.dtype in (torch.bfloat16, torch.float16) and not INTERPRETED
     _paged_decode_kernel[(b, kv_heads, num_splits)](
         q, k_pool, v_pool, k_scales if kv_quant else m_part, v_scales if kv_quant else m_part, m_part, l_part, o_part,
         context_lens, block_tables,
@@ -503,7 +507,7 @@ def paged_decode(
         GROUP=max(16 if dot else 2, triton.next_power_of_2(group)), BLOCK_N=block_n,
         HEAD_DIM=max(16, triton.next_power_of_2(dim)), KV_QUANT=kv_quant, DOT=dot,
         DOT_DTYPE=(tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16) if low else tl.float32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="tf32" if low else "ieee",  # fp32 operands multiply in fp32 (bf16 ones ignore it)
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return merge_splits(m_part, l_part, o_part, q.dtype)

@@ -18,6 +18,7 @@ import itertools
 
 import torch
 
+import minillm.hooks as hooks
 from minillm.attention import decode_tuning, prefill_tuning
 from minillm.attention.decode_tuning import GATHER_SDPA, SEARCH_SPACE, gather_sdpa_decode, shape_bucket
 from minillm.attention.layout import StepLayout
@@ -71,7 +72,11 @@ class TritonPagedStep:
         1, D]`` as ``RotaryEmbedding.lookup`` gives them. The model calls this only while
         ``apply_rope`` is the package's own (a course check that plugs in its own RoPE is seen)."""
         from minillm.attention.triton_kernels import rope_write_kv  # deferred: triton
+        from minillm.triton_setup import INTERPRETED  # deferred: triton
 
+        if INTERPRETED and qkv.dtype != torch.float32:  # the interpreter rounds fp32 → bf16 wrongly: RoPE apart
+            qk = hooks.apply_rope(qkv[:, :, : heads + kv_heads], cos, signed_sin)
+            return self.attend(layer, qk[:, :, :heads], qk[:, :, heads:], qkv[:, :, heads + kv_heads :], scale)
         k_pool, v_pool, quant = self._pool(layer)
         q = rope_write_kv(qkv[0], cos[0, :, 0], signed_sin[0, :, 0], heads, kv_heads, k_pool, v_pool,
                           self.layout.slot_mapping, **quant)  # fmt: skip

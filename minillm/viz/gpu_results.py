@@ -49,10 +49,18 @@ def committed_gpu_run(folder: str | Path = RESULTS_DIR) -> dict | None:
     }
 
 
-def label(run: dict) -> str:
-    """Where a committed figure comes from, in words."""
-    return (f"{run['card']}, committed run of {run['date']} ({run['source']}; random weights of SmolLM2-135M's "
-            f"shapes, bf16) — not this machine")  # fmt: skip
+WHAT_RAN = {  # what each kind of figure measured in the committed run
+    "prefill": "random bf16 tensors, 32 query heads sharing 8 K/V heads of 128 (Llama-3-8B's attention)",
+    "steps": "random bf16 tensors, 32 query heads sharing 8 K/V heads, head dims 64 and 128",
+    "decode": "random bf16 tensors, 32 query heads sharing 8 K/V heads of 128 (Llama-3-8B's attention)",
+    "step": "random bf16 weights of SmolLM2-135M's shapes",
+    "kv": "random bf16 weights of SmolLM2-135M's shapes",
+}
+
+
+def label(run: dict, kind: str = "step") -> str:
+    """Where a committed figure of ``kind`` comes from, in words."""
+    return f"{run['card']}, committed run of {run['date']} ({run['source']}; {WHAT_RAN[kind]}) — not this machine"
 
 
 def prefill_table(run: dict) -> list[dict]:
@@ -183,7 +191,7 @@ def gpu_figures(kind: str, folder: str | Path = RESULTS_DIR) -> tuple[str, list[
         return "no GPU here and no committed GPU run in benchmarks/results/ (run benchmarks/gpu_checks.sh on one)", []
     table = {"prefill": prefill_table, "steps": steps_table, "decode": decode_table, "step": step_table,
              "kv": kv_table}[kind](run)  # fmt: skip
-    return label(run), table
+    return label(run, kind), table
 
 
 def print_gpu_figures(kind: str, folder: str | Path = RESULTS_DIR) -> None:
