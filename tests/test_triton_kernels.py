@@ -47,6 +47,16 @@ def reference(q, k, v, causal: bool, window: int | None = None) -> torch.Tensor:
     return out[0].transpose(0, 1)
 
 
+def random_sequences(lengths, heads, kv_heads, dim, gen, dtype=torch.float32):
+    """Per sequence ``(new tokens, total keys)``: queries ``[t, H, D]``, keys and values ``[s, KV, D]``,
+    and ``cu_seqlens`` of the queries packed back to back."""
+    qs = [torch.randn(t, heads, dim, generator=gen).to(DEVICE, dtype) for t, _ in lengths]
+    ks = [torch.randn(s, kv_heads, dim, generator=gen).to(DEVICE, dtype) for _, s in lengths]
+    vs = [torch.randn(s, kv_heads, dim, generator=gen).to(DEVICE, dtype) for _, s in lengths]
+    cu_q = torch.tensor([0] + torch.tensor([t for t, _ in lengths]).cumsum(0).tolist(), device=DEVICE)
+    return qs, ks, vs, cu_q
+
+
 def scatter_into_pool(seqs_k, seqs_v, block_size, num_blocks, gen):
     """Write each sequence's K/V into randomly chosen, non-contiguous blocks of a pool."""
     kv_heads, dim = seqs_k[0].shape[1:]
@@ -107,10 +117,7 @@ def test_flash_attention_every_variant_is_exact(config, heads, kv_heads, dim, wi
     head dims 48 (padded to 64 in registers), 64 and 128; packed and paged keys."""
     gen = torch.Generator().manual_seed(5)
     lengths = [(70, 70), (5, 40), (19, 83)]
-    qs = [torch.randn(t, heads, dim, generator=gen).to(DEVICE) for t, _ in lengths]
-    ks = [torch.randn(s, kv_heads, dim, generator=gen).to(DEVICE) for _, s in lengths]
-    vs = [torch.randn(s, kv_heads, dim, generator=gen).to(DEVICE) for _, s in lengths]
-    cu_q = torch.tensor([0] + torch.tensor([t for t, _ in lengths]).cumsum(0).tolist(), device=DEVICE)
+    qs, ks, vs, cu_q = random_sequences(lengths, heads, kv_heads, dim, gen)
     cu_k = torch.tensor([0] + torch.tensor([s for _, s in lengths]).cumsum(0).tolist(), device=DEVICE)
     seqlens = torch.tensor([s for _, s in lengths], device=DEVICE)
     k_pool, v_pool, tables = scatter_into_pool(ks, vs, 8, 40, gen)
@@ -295,11 +302,8 @@ def test_flash_attention_as_shipped_on_a_gpu(window):
     gen = torch.Generator().manual_seed(7)
     heads, kv_heads, dim = 32, 8, 128
     lengths = [(1000, 1000), (300, 2048), (7, 129)]
-    qs = [torch.randn(t, heads, dim, generator=gen).to(DEVICE, torch.bfloat16) for t, _ in lengths]
-    ks = [torch.randn(s, kv_heads, dim, generator=gen).to(DEVICE, torch.bfloat16) for _, s in lengths]
-    vs = [torch.randn(s, kv_heads, dim, generator=gen).to(DEVICE, torch.bfloat16) for _, s in lengths]
+    qs, ks, vs, cu_q = random_sequences(lengths, heads, kv_heads, dim, gen, torch.bfloat16)
     k_pool, v_pool, tables = scatter_into_pool(ks, vs, 16, 400, gen)
-    cu_q = torch.tensor([0] + torch.tensor([t for t, _ in lengths]).cumsum(0).tolist(), device=DEVICE)
     out = flash_attention(torch.cat(qs), k_pool, v_pool, cu_q, torch.tensor([s for _, s in lengths], device=DEVICE),
                           1000, dim**-0.5, block_tables=tables, block_size=16, window=window)  # fmt: skip
     for i in range(len(lengths)):
@@ -313,11 +317,8 @@ def test_kernels_on_real_shapes_gpu():
     gen = torch.Generator().manual_seed(4)
     heads, kv_heads, dim = 32, 8, 128
     lengths = [(1024, 1024), (300, 2048), (1, 777)]
-    qs = [torch.randn(t, heads, dim, generator=gen).to(DEVICE, torch.bfloat16) for t, _ in lengths]
-    ks = [torch.randn(s, kv_heads, dim, generator=gen).to(DEVICE, torch.bfloat16) for _, s in lengths]
-    vs = [torch.randn(s, kv_heads, dim, generator=gen).to(DEVICE, torch.bfloat16) for _, s in lengths]
+    qs, ks, vs, cu_q = random_sequences(lengths, heads, kv_heads, dim, gen, torch.bfloat16)
     k_pool, v_pool, tables = scatter_into_pool(ks, vs, 16, 400, gen)
-    cu_q = torch.tensor([0] + torch.tensor([t for t, _ in lengths]).cumsum(0).tolist(), device=DEVICE)
     out = flash_attention(
         torch.cat(qs), k_pool, v_pool, cu_q, torch.tensor([s for _, s in lengths], device=DEVICE), 1024, dim**-0.5,
         block_tables=tables, block_size=16, block_m=64, block_n=64,

@@ -12,7 +12,6 @@ of SmolLM2-135M's shapes: speed depends on the shapes, not the values.
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
 import torch
@@ -114,26 +113,11 @@ def kv_table(run: dict) -> list[dict]:
             if key in targets]  # fmt: skip
 
 
-def cuda_ms(fn, repeats: int = 10) -> float:
-    """Median milliseconds of ``fn()`` on the GPU, timed with CUDA events after warming up."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def measure_prefill(lengths=(2048, 8192), heads: int = 32, kv_heads: int = 8, dim: int = 128) -> list[dict]:
     """``prefill_table``'s columns, measured on this machine's GPU."""
     import torch.nn.functional as F
 
+    from minillm.attention.decode_tuning import cuda_timer
     from minillm.attention.triton_kernels import flash_attention
 
     rows = []
@@ -142,8 +126,8 @@ def measure_prefill(lengths=(2048, 8192), heads: int = 32, kv_heads: int = 8, di
         k, v = (torch.randn(n, kv_heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         cu, lens = torch.tensor([0, n], device="cuda", dtype=torch.int32), torch.tensor([n], device="cuda", dtype=torch.int32)
         qb, kb, vb = (t.transpose(0, 1)[None] for t in (q, k, v))
-        ours = cuda_ms(lambda: flash_attention(q, k, v, cu, lens, n, dim**-0.5, True, cu))  # noqa: B023
-        sdpa = cuda_ms(lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True))  # noqa: B023
+        ours = 1000 * cuda_timer(lambda: flash_attention(q, k, v, cu, lens, n, dim**-0.5, True, cu))  # noqa: B023
+        sdpa = 1000 * cuda_timer(lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True))  # noqa: B023
         flops = 2 * n * n * heads * dim  # causal: half of 4·n²·h·d
         rows.append({"tokens": n, "ours_ms": ours, "ours_tflops": flops / ours / 1e9, "sdpa_ms": sdpa,
                      "sdpa_tflops": flops / sdpa / 1e9, "ours_vs_sdpa": sdpa / ours})  # fmt: skip
@@ -153,7 +137,7 @@ def measure_prefill(lengths=(2048, 8192), heads: int = 32, kv_heads: int = 8, di
 def measure_decode(batches=(1, 64), context: int = 4096, heads: int = 32, kv_heads: int = 8, dim: int = 128,
                    block_size: int = 16) -> list[dict]:  # fmt: skip
     """``decode_table``'s columns (our kernel as shipped and gather + SDPA), on this machine's GPU."""
-    from minillm.attention.decode_tuning import gather_sdpa_decode
+    from minillm.attention.decode_tuning import cuda_timer, gather_sdpa_decode
     from minillm.attention.triton_kernels import paged_decode
     from minillm.viz.roofline import measure_machine
 
@@ -166,8 +150,8 @@ def measure_decode(batches=(1, 64), context: int = 4096, heads: int = 32, kv_hea
         tables = torch.randperm(blocks, device="cuda").view(b, -1)
         lens = torch.full((b,), context, device="cuda", dtype=torch.int32)
         q = torch.randn(b, heads, dim, device="cuda", dtype=torch.bfloat16)
-        ours = cuda_ms(lambda: paged_decode(q, k_pool, v_pool, tables, lens, dim**-0.5, block_size, context))  # noqa: B023
-        ref = cuda_ms(lambda: gather_sdpa_decode(q, k_pool, v_pool, tables, lens, dim**-0.5, block_size))  # noqa: B023
+        ours = 1000 * cuda_timer(lambda: paged_decode(q, k_pool, v_pool, tables, lens, dim**-0.5, block_size, context))  # noqa: B023
+        ref = 1000 * cuda_timer(lambda: gather_sdpa_decode(q, k_pool, v_pool, tables, lens, dim**-0.5, block_size))  # noqa: B023
         gbs = 2 * b * context * kv_heads * dim * 2 / ours / 1e6
         rows.append({"batch": b, "context": context, "ours_ms": ours, "ours_pct_bandwidth": 100 * gbs / peak,
                      "tuned_ms": None, "tuned_choice": None, "gather_sdpa_ms": ref})  # fmt: skip
