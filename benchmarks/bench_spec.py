@@ -238,7 +238,8 @@ def main(argv=None) -> int:
     loads = workloads(plain.tokenizer)
     engines = {"plain": plain}
     engines["ngram"] = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False,
-                           speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4})  # fmt: skip
+                           speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                                               "prompt_lookup_scaled": False})  # the sweep's k: k guesses, not a cap  # fmt: skip
     engines["draft"] = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False,
                            speculative_config={"method": "draft", "model": args.draft, "num_speculative_tokens": 4})  # fmt: skip
     if args.eagle:

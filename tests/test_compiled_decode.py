@@ -164,7 +164,10 @@ def test_speculation_verifies_on_the_compiled_step(engines, tiny_model):
     small (preemption), and with prefix caching — across accepted runs and rollbacks."""
     compiled, eager = engines
     memory = compiled.engine_config.kv_cache_memory
-    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "adaptive": False}  # always k: the governor (test_governor.py) is not this test's subject
+    # always k (3 guesses whenever anything matches): neither the governor (test_governor.py) nor the
+    # guesses' length (test_speculative.py) is this test's subject; the graph's 4-row bound is
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "adaptive": False,
+             "prompt_lookup_scaled": False}
     spec = ready(LLM(tiny_model, kv_cache_memory=memory, speculative_config=ngram, **COMPILED, **ENGINE))
     assert spec.engine.graphs.compile_seconds == {}  # the same package serves the speculating engine
     verify_rows: list[int] = []  # the tokens of every verify chunk the compiled step ran

@@ -25,7 +25,8 @@ PROMPTS = [
     "To be, or not to be, that is the question: whether",
     "café, naïve, 東京",
 ]
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}  # always k: counted below
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False,
+         "prompt_lookup_scaled": False}  # always k: counted below
 
 
 def tokens(llm, params=GREEDY, prompts=PROMPTS) -> list[list[int]]:

@@ -12,6 +12,7 @@ import torch
 
 from minillm import LLM, SamplingParams
 from minillm.speculative import accept_greedy, accept_sampled, propose_ngram, residual_distribution
+from minillm.speculative.ngram import match_length, reach
 
 TARGET, DRAFT = "tiny-shakespeare-8m", "tiny-shakespeare-1m"
 # A fixed k (no governor): these tests check the verify mechanics and count what k proposals did;
@@ -100,6 +101,60 @@ def test_prompt_lookup_copies_what_followed_the_latest_match():
     assert propose_ngram([7, 8, 9], 3) == []  # no earlier occurrence: nothing proposed
     assert propose_ngram([4, 1, 2, 8, 2], 2, max_n=3, min_n=1) == [8, 2]  # falls back to the 1-gram "2"
     assert propose_ngram([4, 1, 2, 8, 2], 2, max_n=3, min_n=2) == []
+
+
+def test_match_length_finds_the_match_propose_ngram_copies_from():
+    import random
+
+    def brute(tokens, max_n, min_n):  # propose_ngram's own search, saying n
+        for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+            if any(tokens[s : s + n] == tokens[-n:] for s in range(len(tokens) - n)):
+                return n
+        return 0
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        tokens = [rng.randrange(rng.randint(1, 5)) for _ in range(rng.randint(0, 24))]
+        max_n = rng.randint(1, 6)
+        min_n = rng.randint(1, max_n)
+        n = match_length(tokens, max_n, min_n)
+        assert n == brute(tokens, max_n, min_n), (tokens, max_n, min_n)
+        assert bool(n) == bool(propose_ngram(tokens, 2, max_n, min_n))
+    assert match_length([1, 2, 3, 4, 9, 1, 2, 3, 4], 4) == 4
+    assert match_length([1, 2, 3, 4, 9, 1, 2, 3, 4], 3) == 3  # never past prompt_lookup_max
+    assert match_length([1, 2, 3, 9, 7, 2, 3], 4) == 2
+    assert match_length([1, 2, 3, 9, 7, 2, 3], 4, min_n=3) == 0
+    assert match_length([5], 4) == match_length([], 4) == 0
+
+
+def test_the_guess_reaches_as_far_as_the_match_vouches_for():
+    assert [reach(n, 8) for n in range(6)] == [0, 1, 2, 4, 8, 8]
+    assert [reach(n, 3) for n in range(5)] == [0, 1, 2, 3, 3]  # never past k
+    assert reach(5, 16) == 16
+
+
+@pytest.mark.parametrize("scaled", [True, False])
+def test_prompt_lookup_guesses_by_the_match_unless_told_not_to(scaled, reference):
+    import minillm.hooks as hooks
+
+    calls = []
+    inner = hooks.current("propose_ngram")
+
+    def record(tokens, k, max_n, min_n):
+        calls.append((list(tokens), k))
+        return inner(tokens, k, max_n, min_n)
+
+    llm = LLM(TARGET, dtype="fp32", speculative_config={**NGRAM, "prompt_lookup_scaled": scaled})
+    with hooks.override(propose_ngram=record):
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert [o.token_ids for o in outs] == reference[24]  # exact either way
+    lengths = [match_length(tokens, 3) for tokens, _ in calls]
+    if scaled:  # called only with a match, asking no further than it vouches for (k is 3; fewer near the end)
+        assert all(n > 0 and 1 <= k <= reach(n, 3) for n, (_, k) in zip(lengths, calls))
+        assert {k for n, (_, k) in zip(lengths, calls) if n == 1} == {1}
+        assert 3 in {k for _, k in calls}  # long matches still get all k
+    else:  # always k, with or without a match (vLLM's ngram)
+        assert 3 in {k for n, (_, k) in zip(lengths, calls) if n == 1}
 
 
 # ---- the engine: identical greedy output ------------------------------------------------------------
@@ -249,6 +304,10 @@ def test_abort_frees_both_pools():
         ({"method": "ngram", "num_speculative_tokens": 2, "model": DRAFT}, r"unknown key\(s\) \['model'\]"),
         ({"method": "draft", "num_speculative_tokens": 2}, "needs model=NAME_OR_PATH"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "above"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_scaled": "yes"},
+         "prompt_lookup_scaled='yes' must be true or false"),
+        ({"method": "draft", "model": DRAFT, "num_speculative_tokens": 2, "prompt_lookup_scaled": True},
+         r"unknown key\(s\) \['prompt_lookup_scaled'\]"),
         ({"method": "draft", "model": "no-such-model", "num_speculative_tokens": 2}, "no-such-model"),
         ("ngram", "must be a dict"),
         (

@@ -74,6 +74,9 @@ class SpeculativeConfig:
     quantization: str | None = None  # the draft's weights ("draft"): e.g. "int8" — its LM head dominates a small draft
     prompt_lookup_max: int = 4  # the longest n-gram matched ("ngram")
     prompt_lookup_min: int = 1  # the shortest
+    # Guess up to 1, 2, 4, 8 tokens after a match of 1, 2, 3, 4 (capped at k), as far as the
+    # match vouches for (speculative/ngram.py, ``reach``); False: always k (vLLM's ngram).
+    prompt_lookup_scaled: bool = True
     # Measure per batch size whether proposing (and how many, up to k) pays, and propose only
     # that many (speculative/governor.py); False: always k.
     adaptive: bool = True
@@ -92,7 +95,8 @@ class SpeculativeConfig:
         "draft": {"method", "model", "num_speculative_tokens", "quantization", "adaptive"},
         "eagle": {"method", "model", "num_speculative_tokens", "adaptive", "topk", "depth", "ngram_branch",
                   "prompt_lookup_max", "prompt_lookup_min"},
-        "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "adaptive"},
+        "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "prompt_lookup_scaled",
+                  "adaptive"},
     }
 
     @classmethod
@@ -114,10 +118,11 @@ class SpeculativeConfig:
         if raw["num_speculative_tokens"] > 16:
             raise ValueError(f"speculative_config num_speculative_tokens={raw['num_speculative_tokens']} is above 16")
         config = cls(method, raw["num_speculative_tokens"])
-        if "adaptive" in raw:
-            if not isinstance(raw["adaptive"], bool):
-                raise ValueError(f"speculative_config adaptive={raw['adaptive']!r} must be true or false")
-            config.adaptive = raw["adaptive"]
+        for key in ("adaptive", "prompt_lookup_scaled"):
+            if key in raw:
+                if not isinstance(raw[key], bool):
+                    raise ValueError(f"speculative_config {key}={raw[key]!r} must be true or false")
+                setattr(config, key, raw[key])
         for key in ("topk", "depth"):
             if key in raw:
                 check_int(f"speculative_config {key}", raw[key], 1)

@@ -6,9 +6,21 @@ the same n-gram earlier. Find the most recent earlier occurrence of the last ``n
 (longest ``n`` first, from ``prompt_lookup_max`` down to ``prompt_lookup_min``) and propose the
 ``k`` tokens that followed it (Saxena, 2023, *Prompt Lookup Decoding*; vLLM's ``ngram`` method).
 Nothing is proposed when nothing matches, and the step is a plain decode.
+
+How far to guess (``prompt_lookup_scaled``, on by default): a match of one token is weak
+evidence — after "the" almost anything may follow — and a match of four is strong: the text is
+being copied. So the engine proposes up to 1, 2, 4, 8 tokens after a match of 1, 2, 3, 4 tokens
+(``reach``, capped at ``k``), not always ``k``. Replayed on SmolLM2-135M's own answers
+(``benchmarks/probe_ngram_policy.py``, 2026-12-07), the doubling made 1.41 tokens a verify step
+on held-out chats with 0.89 proposals a step (always 4: 1.45 with 1.69; always 8: 1.48 with
+2.74), and 3.08 on requests that copy their prompt with 3.33 proposals (always 8: 3.20 with 6.81;
+always 4: 2.61 with 3.63): nearly the longest guesses' tokens at half their verify rows, which
+cost little with AMX and more without (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 import minillm.hooks as hooks
 
@@ -24,3 +36,31 @@ def propose_ngram(tokens: list[int], k: int, max_n: int = 4, min_n: int = 1) -> 
             if tokens[start] == first and tokens[start : start + n] == suffix:
                 return tokens[start + n : start + n + k]
     return []
+
+
+def match_length(tokens: list[int], max_n: int = 4, min_n: int = 1) -> int:
+    """The ``n`` of the n-gram ``propose_ngram`` would match (0: none): the longest suffix of
+    ``tokens``, ``min_n`` to ``max_n`` long, that also occurs earlier with a token after it.
+
+    Vectorized: every earlier position of the last token, narrowed one token further back at a
+    time — so a step with no match (about half of a chat's) costs one comparison over the text,
+    not ``propose_ngram``'s Python scan of it once per ``n``."""
+    length = len(tokens)
+    top = min(max_n, length - 1)
+    if top < min_n or top < 1:
+        return 0
+    text = np.asarray(tokens)
+    ends = np.flatnonzero(text[: length - 1] == text[-1])  # where an earlier occurrence could end
+    n = 0
+    while len(ends) and n < top:
+        n += 1
+        if n == top:
+            break
+        ends = ends[ends >= n]
+        ends = ends[text[ends - n] == text[length - 1 - n]]  # one token further back still agrees
+    return n if n >= min_n else 0
+
+
+def reach(n: int, k: int) -> int:
+    """How many tokens to guess after a match of ``n`` tokens: 1, 2, 4, 8, ... — up to ``k``."""
+    return min(k, 1 << (n - 1)) if n > 0 else 0

@@ -32,7 +32,7 @@ from minillm.sampling import argmax_rows, filtered_logits
 from minillm.sequence import Sequence
 from minillm.speculative import (
     acceptance,  # noqa: F401  (registers hooks accept_greedy and accept_sampled)
-    ngram,  # noqa: F401  (registers hook propose_ngram)
+    ngram,  # registers hook propose_ngram; match_length, reach
 )
 from minillm.speculative.governor import SpeculationGovernor
 from minillm.speculative.tree import accept_tree_sampled, graft_chain, verified_tree
@@ -139,7 +139,19 @@ class Speculator:
                 by_id[rid].draft_tokens, self._draft_dists[rid] = tokens, dists
             return
         for seq, k in zip(seqs, ks):
-            seq.draft_tokens = hooks.propose_ngram(seq.token_ids, k, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+            seq.draft_tokens = self.look_up(seq, k)
+
+    def look_up(self, seq: Sequence, k: int) -> list[int]:
+        """Prompt lookup's guess for ``seq``, up to ``k`` tokens — as many as the match's length
+        vouches for (``ngram.reach``) unless ``prompt_lookup_scaled`` is off. Through hook
+        ``propose_ngram`` (chapter 08), which finds the same match again; a step with no match
+        never calls it."""
+        cfg = self.config
+        if cfg.prompt_lookup_scaled:
+            k = ngram.reach(ngram.match_length(seq.token_ids, cfg.prompt_lookup_max, cfg.prompt_lookup_min), k)
+            if not k:
+                return []
+        return hooks.propose_ngram(seq.token_ids, k, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
 
     def step_done(self, chunks, tokens: int, seconds: float) -> None:
         """The step that ran ``chunks`` emitted ``tokens`` in ``seconds`` (from proposing on): a

@@ -524,7 +524,8 @@ def check_accept_sampled(accept_sampled, model: str = TARGET) -> str:
 
     params = SamplingParams(max_tokens=STEPS, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
     runs = {}
-    for method, spec in (("draft", draft_spec()), ("ngram", {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})):
+    for method, spec in (("draft", draft_spec()), ("ngram", {"method": "ngram", "num_speculative_tokens": 3,
+                                                                 "adaptive": False, "prompt_lookup_scaled": False})):
         llm = spec_engine(spec)
         with hooks.override(accept_sampled=learner):
             runs[method] = [llm.generate(PROMPTS, params) for _ in range(2)]

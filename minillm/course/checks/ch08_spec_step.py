@@ -289,9 +289,11 @@ def _in_the_engine(propose_ngram) -> str:
     from minillm import LLM, SamplingParams
     from minillm.course.plugs import ngram_proposer
 
-    # always k = 4: the two runs are compared proposal for proposal (no governor, whose choices follow timing)
+    # always k = 4: the two runs are compared proposal for proposal (no governor, whose choices follow
+    # timing), and the learner's proposer is asked for k on every step, as vLLM's ngram asks (the
+    # engine's default guesses less after a short match: fewer, smaller calls to check)
     llm = LLM(MODEL, dtype="fp32", attention_backend="torch", speculative_config={"method": "ngram",
-              "num_speculative_tokens": 4, "adaptive": False})  # fmt: skip
+              "num_speculative_tokens": 4, "adaptive": False, "prompt_lookup_scaled": False})  # fmt: skip
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     prompts = [REPEATING, PLAIN]
     expected = llm.generate(prompts, params)
