@@ -14,7 +14,7 @@ being copied. So the engine proposes up to 1, 2, 4, 8 tokens after a match of 1,
 (``benchmarks/probe_ngram_policy.py``, 2026-12-07), the doubling made 1.41 tokens a verify step
 on held-out chats with 0.89 proposals a step (always 4: 1.45 with 1.69; always 8: 1.48 with
 2.74), and 3.08 on requests that copy their prompt with 3.33 proposals (always 8: 3.20 with 6.81;
-always 4: 2.61 with 3.63): nearly the longest guesses' tokens at half their verify rows, which
+always 4: 2.61 with 3.63): nearly the longest guesses' tokens at a third to a half of their verify rows, which
 cost little with AMX and more without (``docs/benchmarks.md``).
 """
 
