@@ -28,7 +28,7 @@ from minillm.viz.spec import trace_speculation
 
 RECIPES = Path(__file__).resolve().parents[1] / "data" / "recipes"
 PROPOSERS = {
-    "ngram": {"method": "ngram", "prompt_lookup_max": 4},
+    "ngram": {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_scaled": False},  # k proposals a step
     "draft": {"method": "draft", "model": "smollm2-draft"},
     "eagle": {"method": "eagle", "model": "smollm2-eagle"},
 }

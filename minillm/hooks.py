@@ -516,7 +516,9 @@ propose_ngram = _declare(
     "minillm/speculative/speculator.py",
     """The n-gram proposer (speculative_config={"method": "ngram"}): up to k tokens that followed
     the most recent earlier occurrence of the sequence's last n tokens, the longest n from max_n
-    down to min_n first. Every proposal the engine verifies under prompt lookup comes from it.""",
+    down to min_n first. Every proposal the engine verifies under prompt lookup comes from it. With
+    prompt_lookup_scaled (the default) the engine calls it only on steps where something matches,
+    with k = min(k, 2^(n-1)) for an n-token match (ngram.reach).""",
 )
 response_cache = _declare(
     "response_cache",

@@ -323,9 +323,9 @@ def test_configure_sets_k_and_starts_the_measurements_afresh():
     engine = LLMEngine(TARGET, dtype="fp32", compile=False, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     speculator = engine.speculator
     speculator.configure(2, adaptive=False)
-    assert speculator.governor is None and engine.resolved.speculation == "ngram, k=2 always"
+    assert speculator.governor is None and engine.resolved.speculation == "ngram (up to 2^(n-1) guesses after an n-token match), k=2 always"
     speculator.configure(4, adaptive=True)
-    assert speculator.governor.candidates == [0, 1, 2, 4] and engine.resolved.speculation == "ngram, k=4 adaptive"
+    assert speculator.governor.candidates == [0, 1, 2, 4] and engine.resolved.speculation == "ngram (up to 2^(n-1) guesses after an n-token match), k=4 adaptive"
     for bad in (0, 17, 2.0, True):
         with pytest.raises(ValueError, match="k="):
             speculator.configure(bad, adaptive=True)
@@ -336,7 +336,7 @@ def test_the_engines_warm_up_is_not_evidence():
     """The warm-up request at construction runs on the wall clock, with one-time costs: a replay
     on a simulated clock must not depend on it (nor on how busy the machine was then)."""
     engine = LLMEngine(TARGET, dtype="fp32", compile=False, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    assert engine.speculator.governor.sizes == {} and engine.resolved.speculation == "ngram, k=3 adaptive"
+    assert engine.speculator.governor.sizes == {} and engine.resolved.speculation == "ngram (up to 2^(n-1) guesses after an n-token match), k=3 adaptive"
     engine.close()
 
 

@@ -22,7 +22,8 @@ SAMPLED = dict(temperature=1.0, max_tokens=12, ignore_eos=True)
 TARGET = "tiny-shakespeare-8m"  # a trained model, so prompt lookup gets proposals accepted
 # always k: the tests below count proposals and compare runs verify step for verify step (the governor,
 # whose choices follow timing, is tested in test_governor.py)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "adaptive": False}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "adaptive": False,
+         "prompt_lookup_scaled": False}
 DRAFT = {"method": "draft", "model": "tiny-shakespeare-1m", "num_speculative_tokens": 4, "adaptive": False}
 HAMLET = "HAMLET.\nTo be, or not to be, that is the question. To be, or not"
 

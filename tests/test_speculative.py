@@ -15,9 +15,11 @@ from minillm.speculative import accept_greedy, accept_sampled, propose_ngram, re
 from minillm.speculative.ngram import match_length, reach
 
 TARGET, DRAFT = "tiny-shakespeare-8m", "tiny-shakespeare-1m"
-# A fixed k (no governor): these tests check the verify mechanics and count what k proposals did;
-# the default, adaptive engine is tested in test_governor.py and by the exactness test below.
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "adaptive": False}
+# A fixed k (no governor, k guesses whenever anything matches): these tests check the verify
+# mechanics and count what k proposals did; the default, adaptive engine is tested in
+# test_governor.py and by the exactness test below, guesses by the match's length further down.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "adaptive": False,
+         "prompt_lookup_scaled": False}
 DRAFT_CFG = {"method": "draft", "model": DRAFT, "num_speculative_tokens": 4, "adaptive": False}
 PROMPTS = [
     "KING.\nNow is the winter",
@@ -154,7 +156,7 @@ def test_prompt_lookup_guesses_by_the_match_unless_told_not_to(scaled, reference
         assert {k for n, (_, k) in zip(lengths, calls) if n == 1} == {1}
         assert 3 in {k for _, k in calls}  # long matches still get all k
     else:  # always k, with or without a match (vLLM's ngram)
-        assert 3 in {k for n, (_, k) in zip(lengths, calls) if n == 1}
+        assert 0 in lengths and 3 in {k for n, (_, k) in zip(lengths, calls) if n == 1}
 
 
 # ---- the engine: identical greedy output ------------------------------------------------------------

@@ -75,7 +75,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # the longest n-gram matched ("ngram")
     prompt_lookup_min: int = 1  # the shortest
     # Guess up to 1, 2, 4, 8 tokens after a match of 1, 2, 3, 4 (capped at k), as far as the
-    # match vouches for (speculative/ngram.py, ``reach``); False: always k (vLLM's ngram).
+    # match vouches for (speculative/ngram.py, ``reach``) — so prompt_lookup_max also caps the
+    # guess, at 2^(max - 1); False: k whenever anything matches (vLLM's ngram).
     prompt_lookup_scaled: bool = True
     # Measure per batch size whether proposing (and how many, up to k) pays, and propose only
     # that many (speculative/governor.py); False: always k.

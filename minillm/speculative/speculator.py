@@ -76,6 +76,8 @@ class Speculator:
     def describe(self) -> str:
         """The method and what decides ``k``, in words (``LLMEngine.resolved.speculation``)."""
         what = self.config.method + (f" {self.config.model}" if self.config.model else "")
+        if self.config.method == "ngram" and self.config.prompt_lookup_scaled:
+            what += " (up to 2^(n-1) guesses after an n-token match)"
         if self.config.topk > 1:
             what += f", trees of up to k nodes (top-{self.config.topk}, depth {self.config.depth})"
             if self.config.ngram_branch:
@@ -146,12 +148,12 @@ class Speculator:
         vouches for (``ngram.reach``) unless ``prompt_lookup_scaled`` is off. Through hook
         ``propose_ngram`` (chapter 08), which finds the same match again; a step with no match
         never calls it."""
-        cfg = self.config
+        cfg, tokens = self.config, seq.token_ids  # (a property that joins prompt and output: read once)
         if cfg.prompt_lookup_scaled:
-            k = ngram.reach(ngram.match_length(seq.token_ids, cfg.prompt_lookup_max, cfg.prompt_lookup_min), k)
+            k = ngram.reach(ngram.match_length(tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min), k)
             if not k:
                 return []
-        return hooks.propose_ngram(seq.token_ids, k, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+        return hooks.propose_ngram(tokens, k, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
 
     def step_done(self, chunks, tokens: int, seconds: float) -> None:
         """The step that ran ``chunks`` emitted ``tokens`` in ``seconds`` (from proposing on): a
