@@ -89,7 +89,9 @@ def test_a_replica_killed_mid_load_is_routed_around(tiny_model):
         children = psutil.Process(server.proc.pid).children()
         replicas = {c.pid for c in children if "serve" in " ".join(c.cmdline())}
         assert len(replicas) == 2
-        body = {"model": "llama_gqa", "max_tokens": 190, "ignore_eos": True, "temperature": 0, "stream": True}  # 59 + 190 fit 256
+        # n 4: four sequences a stream, so that the streams outlast the kill on a fast machine (CI run113, Intel Xeon:
+        # one sequence each had all finished before it)
+        body = {"model": "llama_gqa", "max_tokens": 190, "ignore_eos": True, "temperature": 0, "stream": True, "n": 4}  # 59 + 190 fit 256
 
         async def stream(prompt, started):
             events = []
