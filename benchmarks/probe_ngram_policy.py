@@ -35,20 +35,15 @@ from pathlib import Path
 
 import torch
 
-from minillm.speculative.ngram import reach
+from minillm.speculative.ngram import match_length, propose_ngram, reach
 
 BENCH = Path(__file__).with_name("bench_eagle_tree.py")
 
 
-def match(tokens: list[int], max_n: int = 4, min_n: int = 1) -> tuple[int, list[int]]:
-    """``propose_ngram``'s search, also saying how long the matched suffix was (0: none)."""
-    length = len(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = tokens[length - n :]
-        for start in range(length - n - 1, -1, -1):
-            if tokens[start : start + n] == suffix:
-                return n, tokens[start + n :]
-    return 0, []
+def match(tokens: list[int], max_n: int = 4) -> tuple[int, list[int]]:
+    """The matched n-gram's length and everything that followed it (the package's own search)."""
+    n = match_length(tokens, max_n)
+    return n, (propose_ngram(tokens, len(tokens), n, n) if n else [])
 
 
 def replay(prompt: list[int], answer: list[int], policy: str, k: int) -> tuple[int, int]:
