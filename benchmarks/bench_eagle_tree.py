@@ -57,6 +57,8 @@ ENGINES = {
     "ngram k8 unscaled": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_scaled": False},
     "ngram k8 fixed, unscaled": {"method": "ngram", "num_speculative_tokens": 8, "adaptive": False,
                                  "prompt_lookup_scaled": False},
+    "ngram k4 one table": {"method": "ngram", "num_speculative_tokens": 4},  # see one_table()
+    "ngram k8 one table": {"method": "ngram", "num_speculative_tokens": 8},
     "ngram k4 min1": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
     "ngram k4 min2": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2},
     "ngram k8 min2": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2},
@@ -135,6 +137,27 @@ def workloads(num_chats: int, num_grounded: int = 4, copy: bool = False) -> dict
     return loads
 
 
+def one_table(llm) -> None:
+    """Make ``llm``'s prompt-lookup governor measure as it did before it told copying from free
+    text (stop 77): one measurement per batch size whatever the text, a step in which nothing
+    matched counted too — by telling it every step's text is of one kind. The speculator reads
+    ``ngram.kind_of_text`` while it proposes; this engine's calls see the one kind, others the
+    real one (the benchmark runs one engine at a time)."""
+    from minillm.speculative import ngram
+
+    speculator = llm.engine.speculator
+    propose, kind = speculator.propose, ngram.kind_of_text
+
+    def propose_one_kind(running, waiting=0):
+        ngram.kind_of_text = lambda matches, batch: "any text"
+        try:
+            return propose(running, waiting)
+        finally:
+            ngram.kind_of_text = kind
+
+    speculator.propose = propose_one_kind
+
+
 def run_once(llm, prompts, max_tokens: int, batch: int = 1):
     from minillm import SamplingParams
 
@@ -174,6 +197,8 @@ def main(argv=None) -> None:
     results: dict = {"machine": machine, "max_tokens": args.max_tokens, "runs": args.runs, "batch": args.batch, "engines": {}}
     def settled(name: str):
         llm = LLM("smollm2-135m", speculative_config=ENGINES[name])
+        if name.endswith(" one table"):
+            one_table(llm)
         llm.wait_for_fast_path()
         for prompts in loads.values():
             run_once(llm, prompts, args.max_tokens, args.batch)  # settle: shapes seen once, the governor's first measurements

@@ -34,7 +34,7 @@ def run(llm, chats, batch: int):
     step_done = speculator.step_done
 
     def recording(chunks, tokens, seconds):
-        size, k = getattr(speculator, "_step", (None, 0))
+        size, k = getattr(speculator, "_step", (None, 0))[:2]
         pure = all(c.draft_tokens or c.is_decode for c in chunks)
         steps.append((size, k, tokens, seconds, pure, sum(c.num_tokens for c in chunks)))
         return step_done(chunks, tokens, seconds)
@@ -66,7 +66,7 @@ def main() -> None:
         llm = LLM("smollm2-135m", speculative_config=bench.ENGINES[name])
         llm.wait_for_fast_path()
         if args.plain and getattr(llm.engine.speculator, "governor", None) is not None:
-            llm.engine.speculator.governor.choose = lambda batch: 0
+            llm.engine.speculator.governor.choose = lambda batch, text=None: 0
         for _ in range(2):
             run(llm, chats, args.batch)
         engines[name] = llm

@@ -7,6 +7,7 @@ sampled request's tokens."""
 
 from __future__ import annotations
 
+import collections
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +18,7 @@ from minillm.assets import resolve_model
 from minillm.config import ModelConfig, SpeculativeConfig
 from minillm.kvcache.addressing import kv_bytes_per_token
 from minillm.speculative.governor import SpeculationGovernor
+from minillm.speculative.ngram import kind_of_text, match_length
 
 TARGET = "tiny-shakespeare-8m"
 PROMPTS = ["ROMEO:\nBut soft, what light", "KING HENRY:\nOnce more unto the breach", "HAMLET:\nTo be, or not",
@@ -85,13 +87,13 @@ def test_one_lucky_step_does_not_crown_a_slower_candidate():
         gov.record(1, 2, 10, 0.1)  # 100 tok/s
     gov.record(1, 2, 30, 0.1)  # one step at 300 tok/s
     assert gov.best(1) == 6
-    rates = [gov.sizes[1][k].tokens_per_second for k in (2, 6)]
+    rates = [gov.sizes[(1, None)][k].tokens_per_second for k in (2, 6)]
     assert 100 < rates[0] < 111 and rates[1] == pytest.approx(120)
     fresh = SpeculationGovernor(2)
     fresh.choose(1)
     fresh.record(1, 2, 10, 0.1)
     fresh.record(1, 2, 30, 0.1)
-    assert fresh.sizes[1][2].tokens_per_second == pytest.approx(200)  # two steps: their plain mean
+    assert fresh.sizes[(1, None)][2].tokens_per_second == pytest.approx(200)  # two steps: their plain mean
 
 
 def test_the_rate_is_tokens_over_time_not_a_mean_of_step_rates():
@@ -101,7 +103,7 @@ def test_the_rate_is_tokens_over_time_not_a_mean_of_step_rates():
     gov.choose(1)
     gov.record(1, 2, 10, 0.1)
     gov.record(1, 2, 10, 0.3)
-    assert gov.sizes[1][2].tokens_per_second == pytest.approx(50)
+    assert gov.sizes[(1, None)][2].tokens_per_second == pytest.approx(50)
 
 
 def test_a_try_that_makes_more_tokens_at_the_same_rate_costs_more_and_waits_longer():
@@ -114,7 +116,7 @@ def test_a_try_that_makes_more_tokens_at_the_same_rate_costs_more_and_waits_long
         for _ in range(30):
             gov.record(8, 0, 8, 0.01)  # plain: 800 tok/s
         gov.record(8, 4, tokens, tokens / 480)  # one try of k=4: 480 tok/s, whatever it emits
-        sizes = gov.sizes[8]
+        sizes = gov.sizes[(8, None)]
         gaps.append(gov._gap(sizes, 0, 4))
     lost = 8 / 480 / 0.01 - 1  # 8 tokens, a plain step's: 1/0.6 - 1 of its step-times lost
     assert gaps[0] == pytest.approx(lost * 3 / SpeculationGovernor.EXPLORE_BUDGET)
@@ -143,7 +145,7 @@ def test_a_costly_candidate_found_slower_again_and_again_is_tried_less_often_unt
     assert set(gaps[4:]) == {gov.BACKOFF * base}
     speed[1] = 300.0  # proposals now pay: found at the next try, and kept
     gaps_of_tries(gov, speed, 200)
-    assert gov.best(8) == 1 and gov.sizes[8][1].misses == 0
+    assert gov.best(8) == 1 and gov.sizes[(8, None)][1].misses == 0
     cheap = gaps_of_tries(SpeculationGovernor(1), {0: 100.0, 1: 60.0})  # a try loses 0.4 step-times
     assert set(cheap) == {(1 - 0.6) / SpeculationGovernor.EXPLORE_BUDGET}
 
@@ -154,6 +156,62 @@ def test_describe_names_each_batch_size_and_its_choice():
         k = gov.choose(8)
         gov.record(8, k, 100 if k == 0 else 50, 1.0)
     assert gov.describe().startswith("k=4 adaptive; 8+ running: plain (100.0 tok/s, k=4 50.0)")
+
+
+def test_each_kind_of_text_is_measured_apart():
+    """Prompt lookup tells copying from free text before it proposes (``ngram.kind_of_text``):
+    what proposing pays on one must not decide for the other, however the two alternate."""
+    gov = SpeculationGovernor(8)
+    speed = {"copying": {0: 100.0, 1: 140.0, 2: 180.0, 4: 230.0, 8: 260.0},
+             "free text": {0: 100.0, 1: 95.0, 2: 85.0, 4: 70.0, 8: 50.0}}  # fmt: skip
+    for step in range(600):
+        text = "copying" if (step // 50) % 2 else "free text"  # blocks of 50 steps each
+        k = gov.choose(1, text)
+        gov.record(1, k, int(speed[text][k]), 1.0, text)
+    assert gov.best(1, "copying") == 8 and gov.best(1, "free text") == 0 and gov.best(1) is None
+    said = gov.describe()
+    assert "; 1 running, copying: k=8 (260.0 tok/s, plain 100.0)" in said, said
+    assert "; 1 running, free text: plain (100.0 tok/s, k=8 50.0)" in said, said
+    # a new batch size starts from the nearest one measured on the same kind of text
+    assert gov.choose(2, "copying") == 8 and gov.choose(2, "free text") == 0
+    assert gov.choose(2) == 8  # nothing measured without a kind: the configured k
+
+
+def test_the_kind_of_text_is_told_by_the_matches():
+    assert kind_of_text([], 1) is None and kind_of_text([0, 0], 2) is None  # nothing to propose
+    assert kind_of_text([1], 1) == "free text" and kind_of_text([2, 0], 2) == "free text"
+    assert kind_of_text([3], 1) == "copying" and kind_of_text([4, 4, 1, 0], 4) == "copying"  # half of them
+    assert kind_of_text([4, 1, 1, 0], 4) == "free text"
+    assert kind_of_text([4, 4], 5) == "free text"  # three of five may not speculate (a penalty): no match
+
+
+def test_prompt_lookup_tells_the_governor_the_kind_of_text_and_a_step_without_a_match_is_no_evidence():
+    engine = LLMEngine(TARGET, dtype="fp32", compile=False,
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 4})  # fmt: skip
+    speculator, kinds = engine.speculator, collections.Counter()
+    propose = speculator.propose
+
+    def checked(running, waiting=0):
+        decoding = [s for s in running if s.is_decoding]
+        expected = kind_of_text([match_length(s.token_ids) for s in decoding], len(decoding))
+        decided = dict(speculator.governor.decisions)
+        propose(running, waiting)
+        batch, _, text = speculator._step
+        assert text == expected
+        if expected is None:  # no proposals, no decision, nothing recorded after the step
+            assert batch == 0 and speculator.governor.decisions == decided
+            assert not any(s.draft_tokens for s in running)
+        kinds[expected] += bool(decoding)
+
+    speculator.propose = checked
+    for prompt in PROMPTS[:3]:
+        engine.add_request(prompt, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    said = engine.resolved.speculation
+    engine.close()
+    assert kinds[None] and kinds["free text"] and kinds["copying"], kinds  # each happened
+    assert "running, copying: " in said and "running, free text: " in said, said
 
 
 @pytest.mark.parametrize("bad", [1, "yes", None])
@@ -196,7 +254,7 @@ def test_when_proposals_cannot_pay_it_turns_them_off_says_so_and_is_not_slower()
     adaptive, said, adaptive_s, proposed = run(lambda tokens: 1e-3 * tokens, GREEDY)
     fixed, said_fixed, fixed_s, _ = run(lambda tokens: 1e-3 * tokens, GREEDY,
                                         {"adaptive": False, "prompt_lookup_scaled": False})  # 3 guesses a step, always
-    assert "8+ running: plain" in said, said
+    assert "8+ running, free text: plain" in said, said
     assert said_fixed == "ngram, k=3 always"
     assert fixed_s > 1.3 * plain_s  # what always proposing 3 costs here
     assert adaptive_s < 1.1 * plain_s, (adaptive_s, plain_s)  # the first sweep and re-measuring, no more
@@ -208,7 +266,7 @@ def test_when_proposals_are_nearly_free_it_keeps_them():
     weight_bound = lambda tokens: 10e-3  # noqa: E731  (a pass costs the same whatever it holds)
     plain, _, plain_s, _ = run(weight_bound, GREEDY, speculate=False)
     adaptive, said, adaptive_s, _ = run(weight_bound, GREEDY)
-    assert "8+ running: k=" in said and "8+ running: plain" not in said, said
+    assert "8+ running, free text: k=" in said and "8+ running, free text: plain" not in said, said
     assert adaptive_s < plain_s
     assert [o.token_ids for o in adaptive] == [o.token_ids for o in plain]
 
@@ -225,7 +283,7 @@ def test_a_step_counts_every_token_while_requests_wait_and_the_furthest_behind_w
         engine.add_request(prompt, SamplingParams(max_tokens=24 + 12 * (i % 2), ignore_eos=True))
     governor, recorded = engine.speculator.governor, []
     record = governor.record
-    governor.record = lambda batch, k, tokens, seconds: recorded.append(tokens) or record(batch, k, tokens, seconds)
+    governor.record = lambda batch, k, tokens, seconds, text: recorded.append(tokens) or record(batch, k, tokens, seconds, text)
     seen = {"waiting": 0, "furthest behind differs": 0, "a queue, but no place to give": 0, "ties moved unevenly": 0}
     while engine.has_unfinished_requests():
         queued = len(engine.scheduler.waiting) if policy == "continuous" else 0
@@ -263,10 +321,10 @@ def test_a_sequence_that_stops_is_credited_with_its_tokens_not_its_unused_budget
     engine = LLMEngine(TARGET, dtype="fp32", compile=False,
                        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})  # fmt: skip
     speculator, recorded = engine.speculator, []
-    speculator.governor.record = lambda batch, k, tokens, seconds: recorded.append(tokens)
+    speculator.governor.record = lambda batch, k, tokens, seconds, text: recorded.append(tokens)
     behind = SimpleNamespace(output_token_ids=[1] * 10, max_output=64)  # 54 tokens left
     ahead = SimpleNamespace(output_token_ids=[1] * 20, max_output=64)  # 44 left
-    speculator._step, speculator._left = (2, 3), [(behind, 54, 10), (ahead, 44, 20)]
+    speculator._step, speculator._left = (2, 3, "free text"), [(behind, 54, 10), (ahead, 44, 20)]
     behind.output_token_ids.append(2)  # one token, then EOS: it finished
     ahead.output_token_ids += [2, 3]  # a proposal accepted
     chunks = [SimpleNamespace(seq=behind, draft_tokens=[], is_decode=True),
@@ -291,7 +349,7 @@ def test_a_step_that_preempts_the_furthest_behind_is_weighed_by_those_it_ran():
         recorded, preempted_with_none_waiting = [], 0
         if speculative_config:
             record = engine.speculator.governor.record
-            engine.speculator.governor.record = lambda b, k, t, s: recorded.append(t) or record(b, k, t, s)
+            engine.speculator.governor.record = lambda b, k, t, s, text: recorded.append(t) or record(b, k, t, s, text)
         for prompt in PROMPTS[:4]:
             engine.add_request(prompt + " " + prompt, params)
         outputs = {}

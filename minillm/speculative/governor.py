@@ -16,6 +16,14 @@ rather than predicting it:
   tokens swing with how many proposals it happened to accept (at batch 1 with an EAGLE tree,
   by ±50 tok/s around 120): a moving average of weight 0.25 from the first step let one lucky
   step crown a worse candidate for a while.
+- Where the proposer can tell what kind of text a step decodes before it proposes, each kind is
+  measured apart: prompt lookup tells text being copied (most sequences' last 3 tokens or more
+  occur earlier) from free text (``ngram.kind_of_text``), and a step where nothing matches at
+  all proposes nothing and is no evidence. Copying pays for many guesses and free text for few
+  or none; measured together, the choice learnt on one was carried into the other — k = 1 or 2
+  on copies after chat, and proposals at batch 8 on chat after copies (``bench_eagle_tree.py
+  --copy``, docs/benchmarks.md, stop 76). A draft model or EAGLE head tells nothing before
+  proposing: one measurement per batch size.
 - A step uses the best candidate so far. A batch size seen for the first time starts with what
   the nearest batch size measured best (the configured ``k`` when none has: the engine behaves
   as it always did until there is evidence), then tries every other candidate once.
@@ -90,24 +98,27 @@ class SpeculationGovernor:
     def __init__(self, k: int):
         self.k = k
         self.candidates = sorted({0, k} | {2**i for i in range(5) if 2**i < k})
-        self.sizes: dict[int, dict[int, Candidate]] = {}  # batch size class -> candidate k -> what it made
-        self.decisions: dict[int, int] = {}  # batch size class -> steps decided
+        # (batch size class, what the text says) -> candidate k -> what it made; and steps decided
+        self.sizes: dict[tuple[int, str | None], dict[int, Candidate]] = {}
+        self.decisions: dict[tuple[int, str | None], int] = {}
 
     @staticmethod
     def size_class(batch: int) -> int:
         """The largest power of two not above ``batch``: 1, 2, 4, 8, ..."""
         return 1 << (max(batch, 1).bit_length() - 1)
 
-    def choose(self, batch: int) -> int:
-        """How many tokens to propose per sequence in a step of ``batch`` decoding sequences."""
-        size = self.size_class(batch)
-        if size not in self.sizes:
-            self.sizes[size] = {c: Candidate() for c in self.candidates}
-        candidates = self.sizes[size]
-        n = self.decisions[size] = self.decisions.get(size, 0) + 1
+    def choose(self, batch: int, text: str | None = None) -> int:
+        """How many tokens to propose per sequence in a step of ``batch`` decoding sequences;
+        ``text``: what the proposer can tell of the text before proposing (prompt lookup:
+        ``"copying"`` or ``"free text"``), measured apart — None where it cannot tell."""
+        key = (self.size_class(batch), text)
+        if key not in self.sizes:
+            self.sizes[key] = {c: Candidate() for c in self.candidates}
+        candidates = self.sizes[key]
+        n = self.decisions[key] = self.decisions.get(key, 0) + 1
         measured = {c: s.tokens_per_second for c, s in candidates.items() if s.tokens_per_second is not None}
         if not measured:
-            pick = self._nearest_best(size)
+            pick = self._nearest_best(key)
         else:
             best = pick = max(measured, key=measured.get)
             due = [c for c, cand in candidates.items()
@@ -129,44 +140,52 @@ class SpeculationGovernor:
         backoff = min(2 ** max(cand.misses - 1, 0), self.BACKOFF)  # 1, 2, 4, 4, ... after 1, 2, 3, 4, ... misses
         return max(self.MIN_GAP, backoff * extra * (len(self.candidates) - 1) / self.EXPLORE_BUDGET)
 
-    def _nearest_best(self, size: int) -> int:
-        """A new batch size's first guess: the best of the nearest one measured (else k)."""
-        known = [s for s in self.sizes if s != size and self.best(s) is not None]
+    def _nearest_best(self, key: tuple[int, str | None]) -> int:
+        """A new batch size's first guess: the best of the nearest one measured on the same
+        kind of text (else k)."""
+        size, text = key
+        known = [s for s, t in self.sizes if t == text and s != size and self._best(self.sizes[(s, t)]) is not None]
         if not known:
             return self.k
         nearest = min(known, key=lambda s: (abs(s.bit_length() - size.bit_length()), s))
-        return self.best(nearest)
+        return self._best(self.sizes[(nearest, text)])
 
-    def record(self, batch: int, k: int, tokens: int, seconds: float) -> None:
-        """A pure decode step of ``batch`` sequences, run with ``k`` proposals each, emitted
-        ``tokens`` in ``seconds`` (proposing, the target's pass, verifying and appending)."""
-        candidate = self.sizes.get(self.size_class(batch), {}).get(k)
+    def record(self, batch: int, k: int, tokens: int, seconds: float, text: str | None = None) -> None:
+        """A pure decode step of ``batch`` sequences, run with ``k`` proposals each on ``text``
+        (as ``choose`` was told), emitted ``tokens`` in ``seconds`` (proposing, the target's
+        pass, verifying and appending)."""
+        candidates = self.sizes.get((self.size_class(batch), text), {})
+        candidate = candidates.get(k)
         if candidate is None or seconds <= 0 or tokens <= 0:  # a pure decode step emits a token per sequence
             return
         weight = max(self.SMOOTHING, 1 / (candidate.steps + 1))  # 1 for the first step: its own
         candidate.tokens += weight * (tokens - candidate.tokens)
         candidate.seconds += weight * (seconds - candidate.seconds)
         candidate.steps += 1
-        best = self.sizes[self.size_class(batch)][self.best(batch)]
+        best = candidates[self._best(candidates)]
         lost = (seconds - tokens / best.tokens_per_second) / best.seconds  # this step, in the best's step-times
         candidate.misses = candidate.misses + 1 if lost >= self.COSTLY_TRY and best is not candidate else 0
 
-    def best(self, batch: int) -> int | None:
-        """The candidate a step of ``batch`` sequences would use now (None: none measured)."""
-        measured = {c: s.tokens_per_second for c, s in self.sizes.get(self.size_class(batch), {}).items()
-                    if s.tokens_per_second is not None}  # fmt: skip
+    def best(self, batch: int, text: str | None = None) -> int | None:
+        """The candidate a step of ``batch`` sequences on ``text`` would use now (None: none measured)."""
+        return self._best(self.sizes.get((self.size_class(batch), text), {}))
+
+    @staticmethod
+    def _best(candidates: dict[int, Candidate]) -> int | None:
+        measured = {c: s.tokens_per_second for c, s in candidates.items() if s.tokens_per_second is not None}
         return max(measured, key=measured.get) if measured else None
 
     def describe(self) -> str:
-        """What it decided, per batch size measured, e.g. ``k=4 adaptive; 1 running: k=4 (31.0
-        tok/s, plain 24.1); 8+ running: plain (118.0 tok/s, k=4 72.3)``."""
+        """What it decided, per batch size (and kind of text) measured, e.g. ``k=4 adaptive; 1
+        running: k=4 (31.0 tok/s, plain 24.1); 8+ running: plain (118.0 tok/s, k=4 72.3)``, or
+        ``…; 1 running, copying: k=8 (…); 1 running, free text: k=1 (…)``."""
         parts = [f"k={self.k} adaptive"]
-        for size in sorted(self.sizes):
-            candidates = self.sizes[size]
-            best = self.best(size)
+        for size, text in sorted(self.sizes, key=lambda key: (key[0], key[1] or "")):
+            candidates = self.sizes[(size, text)]
+            best = self._best(candidates)
             if best is None:
                 continue
-            label = f"{size} running" if size == 1 else f"{size}+ running"
+            label = (f"{size} running" if size == 1 else f"{size}+ running") + (f", {text}" if text else "")
             rate = candidates[best].tokens_per_second
             other = self.k if best == 0 else 0
             alt = candidates[other].tokens_per_second

@@ -64,3 +64,22 @@ def match_length(tokens: list[int], max_n: int = 4, min_n: int = 1) -> int:
 def reach(n: int, k: int) -> int:
     """How many tokens to guess after a match of ``n`` tokens: 1, 2, 4, 8, ... — up to ``k``."""
     return min(k, 1 << (n - 1)) if n > 0 else 0
+
+
+COPYING = 3  # a match this long (4 guesses' reach) says the text is being copied
+
+
+def kind_of_text(matches: list[int], batch: int) -> str | None:
+    """What prompt lookup can tell of a step's text before it proposes, from the match lengths
+    of the sequences that may speculate among ``batch`` decoding ones: ``"copying"`` when at
+    least half of them match ``COPYING`` tokens or more, ``"free text"`` when any matches at
+    all, None when none does (nothing to propose).
+
+    Why the governor (governor.py) measures the two apart: how much proposing pays depends on
+    the text more than on anything else — on requests that copy their prompt, guessing 8
+    tokens made 3.2 tokens a verify step against 1.5 on chat (``probe_ngram_policy.py``) — and a
+    single measurement per batch size, learnt on one kind of text, was carried into the other:
+    k = 1 or 2 on copies after chat, and proposals on chat after copies."""
+    if not any(matches):
+        return None
+    return "copying" if 2 * sum(n >= COPYING for n in matches) >= batch else "free text"

@@ -50,7 +50,7 @@ class Speculator:
         self.wants_hidden = bool(getattr(draft, "wants_hidden", False))
         # How many to propose, measured per batch size (governor.py); None: always k.
         self.governor = SpeculationGovernor(self.k) if config.adaptive else None
-        self._step = (0, self.k)  # this step's decoding sequences, and the k the governor chose
+        self._step = (0, self.k, None)  # this step's decoding sequences, the k the governor chose, the text's kind
         self._left: list[tuple[Sequence, int, int]] | None = None  # step_done's measure while draining
         self.resolved = None  # the engine's Resolved, whose `speculation` says what was decided
         # Whether the engine's runner can verify a tree this step (the engine sets it); trees are
@@ -64,7 +64,7 @@ class Speculator:
             raise ValueError(f"k={k!r}: the tokens proposed per step must be an int from 1 to 16")
         self.k = k
         self.governor = SpeculationGovernor(k) if adaptive else None
-        self._step = (0, k)
+        self._step = (0, k, None)
         if self.resolved is not None:
             self.resolved.speculation = self.describe()
 
@@ -110,8 +110,16 @@ class Speculator:
         it counts)."""
         decoding = [seq for seq in running if seq.is_decoding]
         batch = len(decoding)
-        step_k = self.governor.choose(batch) if self.governor is not None and batch else self.k
-        self._step = (batch, step_k)
+        matches, text = {}, None
+        if self.config.method == "ngram":  # what prompt lookup can tell before proposing
+            cfg = self.config
+            matches = {id(seq): ngram.match_length(seq.token_ids, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+                       for seq in decoding if self.eligible(seq)}  # fmt: skip
+            text = ngram.kind_of_text(list(matches.values()), batch)
+            if text is None:  # nothing matches: nothing to propose, and no evidence for any k
+                batch = 0
+        step_k = self.governor.choose(batch, text) if self.governor is not None and batch else self.k
+        self._step = (batch, step_k, text)
         self._left = None
         if self.governor is not None and batch > 1 and not waiting:
             self._left = [(seq, seq.max_output - len(seq.output_token_ids), len(seq.output_token_ids)) for seq in decoding]
@@ -141,16 +149,18 @@ class Speculator:
                 by_id[rid].draft_tokens, self._draft_dists[rid] = tokens, dists
             return
         for seq, k in zip(seqs, ks):
-            seq.draft_tokens = self.look_up(seq, k)
+            seq.draft_tokens = self.look_up(seq, k, matches.get(id(seq)))
 
-    def look_up(self, seq: Sequence, k: int) -> list[int]:
+    def look_up(self, seq: Sequence, k: int, n: int | None = None) -> list[int]:
         """Prompt lookup's guess for ``seq``, up to ``k`` tokens — as many as the match's length
-        vouches for (``ngram.reach``) unless ``prompt_lookup_scaled`` is off. Through hook
-        ``propose_ngram`` (chapter 08), which finds the same match again; a step with no match
-        never calls it."""
+        ``n`` (found here when not given) vouches for (``ngram.reach``) unless
+        ``prompt_lookup_scaled`` is off. Through hook ``propose_ngram`` (chapter 08), which finds
+        the same match again; a step with no match never calls it."""
         cfg, tokens = self.config, seq.token_ids  # (a property that joins prompt and output: read once)
         if cfg.prompt_lookup_scaled:
-            k = ngram.reach(ngram.match_length(tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min), k)
+            if n is None:
+                n = ngram.match_length(tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+            k = ngram.reach(n, k)
             if not k:
                 return []
         return hooks.propose_ngram(tokens, k, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
@@ -181,7 +191,7 @@ class Speculator:
         progress, which this measure takes. With the mean, prompt lookup decoded 16 chats 8 at a
         time at 0.974x the default engine (9 of 10 rounds slower; tries at 8 sequences were a
         fifth of those steps), ``bench_eagle_tree.py --batch 8 --runs 10``, Intel Xeon, 2026-12-07."""
-        batch, step_k = self._step
+        batch, step_k, text = self._step
         if self.governor is None or not batch or not all(c.draft_tokens or c.is_decode for c in chunks):
             return
         ran = {id(c.seq) for c in chunks} if self._left else set()
@@ -189,7 +199,7 @@ class Speculator:
         if before:  # how much nearer the last of them to finish is: the batch's remaining steps
             left_after = [left - (len(seq.output_token_ids) - n) for seq, left, n in before]  # by tokens emitted
             tokens = batch * (max(left for _, left, _ in before) - max(left_after))
-        self.governor.record(batch, step_k, tokens, seconds)
+        self.governor.record(batch, step_k, tokens, seconds, text)
         if self.resolved is not None:
             self.resolved.speculation = self.describe()
 
