@@ -137,6 +137,17 @@ def workloads(num_chats: int, num_grounded: int = 4, copy: bool = False) -> dict
     return loads
 
 
+def build(name: str):
+    """SmolLM2-135M as it ships with engine ``name``'s ``speculative_config`` (``ENGINES``) —
+    a "one table" engine with its governor made to measure as before (``one_table``)."""
+    from minillm import LLM
+
+    llm = LLM("smollm2-135m", speculative_config=ENGINES[name])
+    if name.endswith(" one table"):
+        one_table(llm)
+    return llm
+
+
 def one_table(llm) -> None:
     """Make ``llm``'s prompt-lookup governor measure as it did before it told copying from free
     text (stop 77): one measurement per batch size whatever the text, a step in which nothing
@@ -179,7 +190,6 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
 
-    from minillm import LLM
     from minillm.machine import machine_description
     from minillm.viz.spec import machine_words
 
@@ -196,9 +206,7 @@ def main(argv=None) -> None:
     say(f"cpu flags: {' '.join(f for f in machine.get('cpu_flags', []) if 'amx' in f or 'avx512' in f)}")
     results: dict = {"machine": machine, "max_tokens": args.max_tokens, "runs": args.runs, "batch": args.batch, "engines": {}}
     def settled(name: str):
-        llm = LLM("smollm2-135m", speculative_config=ENGINES[name])
-        if name.endswith(" one table"):
-            one_table(llm)
+        llm = build(name)
         llm.wait_for_fast_path()
         for prompts in loads.values():
             run_once(llm, prompts, args.max_tokens, args.batch)  # settle: shapes seen once, the governor's first measurements

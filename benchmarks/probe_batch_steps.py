@@ -8,8 +8,10 @@ untimed runs, then decodes the EAGLE recipe's held-out chats ``--batch`` at a ti
 ``--rounds`` times, the engines taking turns. Per run: tokens per second, the time in steps
 with a prefill chunk, in pure decode steps and outside any step; and per batch size class (1,
 2-3, 4-7, 8-15 decoding sequences) and number of proposals the governor chose: steps, time,
-ms a step, tokens a step and rows a step (a verify row per proposal). The default engine has no
-governor: its steps all show as size 1, k=0. ``--grounded``: before each timed chat run, an
+ms a step, tokens a step and rows a step (a verify row per proposal) — for prompt lookup also by
+the kind of text the governor was told (copying, free text; "no match": a step in which no
+sequence matched, which proposes nothing and is timed apart, shown as size 1). The default engine
+has no governor: its steps all show as size 1, k=0. ``--grounded``: before each timed chat run, an
 untimed run of ``--batch`` grounded requests (as ``bench_eagle_tree.py`` alternates its two
 workloads), so the governor comes to chat from text where proposals pay. ``--plain``: every
 governor made to choose 0 proposals — what the speculative engine's machinery costs when it
@@ -25,8 +27,6 @@ import time
 
 import bench_eagle_tree as bench
 
-from minillm import LLM
-
 
 def run(llm, chats, batch: int):
     """One timed run: seconds, tokens, and per step (batch, k, tokens, seconds, pure decode, rows)."""
@@ -34,9 +34,11 @@ def run(llm, chats, batch: int):
     step_done = speculator.step_done
 
     def recording(chunks, tokens, seconds):
-        size, k = getattr(speculator, "_step", (None, 0))[:2]
+        size, k, text = getattr(speculator, "_step", (None, 0, None))
+        if size == 0:  # prompt lookup found no match in any sequence: nothing proposed, no governor
+            k, text = 0, "no match"
         pure = all(c.draft_tokens or c.is_decode for c in chunks)
-        steps.append((size, k, tokens, seconds, pure, sum(c.num_tokens for c in chunks)))
+        steps.append((size, k, tokens, seconds, pure, sum(c.num_tokens for c in chunks), text))
         return step_done(chunks, tokens, seconds)
 
     speculator.step_done = recording
@@ -63,7 +65,7 @@ def main() -> None:
     chats, grounded = loads["chat (held out)"], loads["grounded"]
     engines = {}
     for name in args.engines:
-        llm = LLM("smollm2-135m", speculative_config=bench.ENGINES[name])
+        llm = bench.build(name)
         llm.wait_for_fast_path()
         if args.plain and getattr(llm.engine.speculator, "governor", None) is not None:
             llm.engine.speculator.governor.choose = lambda batch, text=None: 0
@@ -83,11 +85,11 @@ def main() -> None:
                   f"with a prefill {prefill * 1e3:6.0f} ms; pure decode {sum(s[3] for s in decode) * 1e3:6.0f} ms; "
                   f"outside steps {(elapsed - sum(s[3] for s in steps)) * 1e3:5.0f} ms")  # fmt: skip
             by = collections.defaultdict(lambda: [0, 0.0, 0, 0])
-            for size, k, emitted, seconds, _, rows in decode:
-                row = by[(1 << (max(size or 1, 1).bit_length() - 1), k)]
+            for size, k, emitted, seconds, _, rows, text in decode:
+                row = by[(1 << (max(size or 1, 1).bit_length() - 1), k, text or "")]
                 row[0], row[1], row[2], row[3] = row[0] + 1, row[1] + seconds, row[2] + emitted, row[3] + rows
-            for (size, k), (n, seconds, emitted, rows) in sorted(by.items()):
-                print(f"      size {size} k={k}: {n:4d} steps {seconds * 1e3:7.1f} ms {seconds / n * 1e3:6.2f} ms/step "
+            for (size, k, text), (n, seconds, emitted, rows) in sorted(by.items()):
+                print(f"      size {size} k={k} {text:>9}: {n:4d} steps {seconds * 1e3:7.1f} ms {seconds / n * 1e3:6.2f} ms/step "
                       f"{emitted / n:5.2f} tok/step {rows / n:5.1f} rows/step")  # fmt: skip
     for name, llm in engines.items():
         print(f"{name}: {llm.resolved.speculation}")

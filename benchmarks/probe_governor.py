@@ -46,9 +46,9 @@ def record_steps(num_chats: int, runs: int) -> tuple[list[tuple[int, int, float]
     llm.wait_for_fast_path()
     steps, record = [], SpeculationGovernor.record
 
-    def recording(self, batch, k, tokens, seconds):
+    def recording(self, batch, k, tokens, seconds, text=None):
         steps.append((k, tokens, seconds))
-        record(self, batch, k, tokens, seconds)
+        record(self, batch, k, tokens, seconds, text)
 
     SpeculationGovernor.record = recording  # the engine's governor may be rebuilt (a clock change): patch the class
     try:
@@ -68,8 +68,8 @@ class Stop69(SpeculationGovernor):
     def first_weight(self, steps: int) -> float:
         return max(0.05, 1 / (steps + 1))
 
-    def record(self, batch, k, tokens, seconds):
-        candidate = self.sizes.get(self.size_class(batch), {}).get(k)
+    def record(self, batch, k, tokens, seconds, text=None):
+        candidate = self.sizes.get((self.size_class(batch), text), {}).get(k)
         if candidate is None or seconds <= 0:
             return
         rate = tokens / seconds  # kept as `tokens` over 1 s, so that `tokens_per_second` is the rate

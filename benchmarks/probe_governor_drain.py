@@ -44,13 +44,13 @@ def main() -> None:
     def every_token(self, running, waiting=0):
         return propose(self, running, max(waiting, 1))  # as if a request waited: every token counts
 
-    def plain_above_1(self, batch):
-        k = choose(self, batch)
+    def plain_above_1(self, batch, text=None):
+        k = choose(self, batch, text)
         return k if batch <= 1 else 0
 
     variants = {"as shipped": {}, "every token": {"propose": every_token}, "plain at 2+": {"choose": plain_above_1}}
     engines = {"default": LLM("smollm2-135m")} | {
-        name: LLM("smollm2-135m", speculative_config=bench.ENGINES[args.engine]) for name in variants
+        name: bench.build(args.engine) for name in variants
     }
     for llm in engines.values():
         llm.wait_for_fast_path()

@@ -20,9 +20,7 @@ from pathlib import Path
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_eagle_tree import ENGINES, run_once, workloads  # noqa: E402
-
-from minillm import LLM  # noqa: E402
+from bench_eagle_tree import build, run_once, workloads  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -30,7 +28,7 @@ def main(argv=None) -> None:
     name = args[0] if args else "eagle tree 4x2 k6 fixed"
     workload = {"chat": "chat (held out)", "grounded": "grounded"}.get(args[1] if len(args) > 1 else "chat")
     loads = workloads(12, 4)
-    llm = LLM("smollm2-135m", speculative_config=ENGINES[name])
+    llm = build(name)
     llm.wait_for_fast_path()
     for prompts in loads.values():
         run_once(llm, prompts, 64)

@@ -12,7 +12,7 @@ import torch
 
 from minillm import LLM, SamplingParams
 from minillm.speculative import accept_greedy, accept_sampled, propose_ngram, residual_distribution
-from minillm.speculative.ngram import match_length, reach
+from minillm.speculative.ngram import TokenArrays, match_length, reach
 
 TARGET, DRAFT = "tiny-shakespeare-8m", "tiny-shakespeare-1m"
 # A fixed k (no governor, k guesses whenever anything matches): these tests check the verify
@@ -127,6 +127,32 @@ def test_match_length_finds_the_match_propose_ngram_copies_from():
     assert match_length([1, 2, 3, 9, 7, 2, 3], 4) == 2
     assert match_length([1, 2, 3, 9, 7, 2, 3], 4, min_n=3) == 0
     assert match_length([5], 4) == match_length([], 4) == 0
+
+
+def test_token_arrays_follow_each_requests_tokens_as_they_grow():
+    from types import SimpleNamespace
+
+    arrays = TokenArrays()
+    seq = SimpleNamespace(request_id="a", prompt_token_ids=[5, 6, 7], output_token_ids=[])
+    assert arrays.of(seq).tolist() == [5, 6, 7]
+    for t in range(200):  # one token a step, past the first array's size: it grows
+        seq.output_token_ids.append(t)
+        assert arrays.of(seq).tolist() == [5, 6, 7, *range(t + 1)]
+    seq.output_token_ids += [1, 2, 3]  # a verify step's several tokens at once
+    assert arrays.of(seq).tolist()[-4:] == [199, 1, 2, 3]
+    other = SimpleNamespace(request_id="a", prompt_token_ids=[9], output_token_ids=[4])  # a new object, same id
+    assert arrays.of(other).tolist() == [9, 4] and arrays.of(seq).tolist()[:4] == [5, 6, 7, 0]
+    assert len(arrays) == 1
+    arrays.release("a")
+    arrays.release("a")  # twice: harmless
+    assert len(arrays) == 0
+
+
+def test_prompt_lookup_keeps_no_array_for_a_finished_request():
+    llm = LLM(TARGET, dtype="fp32", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert sum(o.metrics.spec_proposed for o in outs) > 0
+    assert len(llm.engine.speculator._texts) == 0  # each released with its request
 
 
 def test_the_guess_reaches_as_far_as_the_match_vouches_for():

@@ -46,11 +46,14 @@ class Speculator:
         self.max_model_len = max_model_len
         self.draft = draft
         self._draft_dists: dict[Hashable, torch.Tensor | None] = {}
+        self._texts = ngram.TokenArrays()  # prompt lookup's view of each request's tokens
         # A feature-level draft (EAGLE) reads the target's hidden states after every step.
         self.wants_hidden = bool(getattr(draft, "wants_hidden", False))
-        # How many to propose, measured per batch size (governor.py); None: always k.
+        # How many to propose, measured per batch size and (prompt lookup) kind of text (governor.py); None: always k.
         self.governor = SpeculationGovernor(self.k) if config.adaptive else None
-        self._step = (0, self.k, None)  # this step's decoding sequences, the k the governor chose, the text's kind
+        # This step's decoding sequences (0: prompt lookup matched nothing — no decision, no evidence),
+        # the k the governor chose, and the kind of text it was told (None: a proposer that cannot tell).
+        self._step = (0, self.k, None)
         self._left: list[tuple[Sequence, int, int]] | None = None  # step_done's measure while draining
         self.resolved = None  # the engine's Resolved, whose `speculation` says what was decided
         # Whether the engine's runner can verify a tree this step (the engine sets it); trees are
@@ -104,16 +107,16 @@ class Speculator:
 
     def propose(self, running: list[Sequence], waiting: int = 0) -> None:
         """Set ``draft_tokens`` of every running sequence (empty for those not speculating):
-        as many as the governor finds pays at this batch size — the configured k for a seeded
-        sampled request, whose random draws must not depend on timing (governor.py).
-        ``waiting``: requests that a place freed this step would go to (``step_done`` says why
-        it counts)."""
+        as many as the governor finds pays at this batch size — and, for prompt lookup, on this
+        kind of text (``ngram.kind_of_text``; a step in which no sequence matches proposes
+        nothing and asks the governor nothing) — the configured k for a seeded sampled request,
+        whose random draws must not depend on timing (governor.py). ``waiting``: requests that a
+        place freed this step would go to (``step_done`` says why it counts)."""
         decoding = [seq for seq in running if seq.is_decoding]
         batch = len(decoding)
-        matches, text = {}, None
-        if self.config.method == "ngram":  # what prompt lookup can tell before proposing
-            cfg = self.config
-            matches = {id(seq): ngram.match_length(seq.token_ids, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+        matches, text, cfg = {}, None, self.config
+        if cfg.method == "ngram" and (self.governor is not None or cfg.prompt_lookup_scaled):  # known before proposing
+            matches = {id(seq): ngram.match_length(self._texts.of(seq), cfg.prompt_lookup_max, cfg.prompt_lookup_min)
                        for seq in decoding if self.eligible(seq)}  # fmt: skip
             text = ngram.kind_of_text(list(matches.values()), batch)
             if text is None:  # nothing matches: nothing to propose, and no evidence for any k
@@ -132,7 +135,6 @@ class Speculator:
                 seqs.append(seq)
                 ks.append(k)
         self._draft_dists.clear()
-        cfg = self.config
         if cfg.topk > 1 and seqs and self.trees_verifiable():
             by_id, k_of = {s.request_id: s for s in seqs}, {s.request_id: k for s, k in zip(seqs, ks)}
             for rid, (tokens, parents) in self.draft.propose_trees(seqs, ks, cfg.topk, cfg.depth).items():
@@ -149,7 +151,8 @@ class Speculator:
                 by_id[rid].draft_tokens, self._draft_dists[rid] = tokens, dists
             return
         for seq, k in zip(seqs, ks):
-            seq.draft_tokens = self.look_up(seq, k, matches.get(id(seq)))
+            n = matches.get(id(seq))
+            seq.draft_tokens = self.look_up(seq, k, n) if n != 0 else []
 
     def look_up(self, seq: Sequence, k: int, n: int | None = None) -> list[int]:
         """Prompt lookup's guess for ``seq``, up to ``k`` tokens — as many as the match's length
@@ -238,6 +241,7 @@ class Speculator:
 
     def release(self, request_id: Hashable) -> None:
         """A finished, aborted or preempted request: its draft state goes (rebuilt if it returns)."""
+        self._texts.release(request_id)
         if self.draft is not None:
             self.draft.release(request_id)
 
