@@ -66,6 +66,7 @@ ENGINES = {
     "eagle chain k4 fixed": {**HEAD, "num_speculative_tokens": 4, "adaptive": False},
     "eagle tree 4x2 k6": tree(4, 2, 6),
     "eagle tree 4x2 k6 fixed": tree(4, 2, 6, adaptive=False),
+    "eagle tree 4x2 k6 trees only": tree(4, 2, 6),  # see build(): copying text gets trees too (before stop 77)
     "eagle tree 4x2 k8 branch8": tree(4, 2, 8) | {"ngram_branch": 8},
     "eagle tree 4x2 k6 min1": tree(4, 2, 6) | {"prompt_lookup_min": 1},
     "eagle tree 4x2 k6 min2": tree(4, 2, 6) | {"prompt_lookup_min": 2},
@@ -139,12 +140,15 @@ def workloads(num_chats: int, num_grounded: int = 4, copy: bool = False) -> dict
 
 def build(name: str):
     """SmolLM2-135M as it ships with engine ``name``'s ``speculative_config`` (``ENGINES``) —
-    a "one table" engine with its governor made to measure as before (``one_table``)."""
+    a "one table" engine with its governor made to measure as before (``one_table``); a "trees
+    only" engine proposing trees for sequences that copy their text too (``Speculator.copies``)."""
     from minillm import LLM
 
     llm = LLM("smollm2-135m", speculative_config=ENGINES[name])
     if name.endswith(" one table"):
         one_table(llm)
+    if name.endswith(" trees only"):  # a tree for every sequence, copying or not, and one governor table
+        llm.engine.speculator.copies = False
     return llm
 
 

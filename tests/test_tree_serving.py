@@ -20,6 +20,7 @@ from minillm.kvcache.addressing import kv_bytes_per_token
 from minillm.runtime.fast_path import ancestor_bits, token_rows
 from minillm.runtime.runner import ChunkInput
 from minillm.speculative.eagle import EagleProposer
+from minillm.speculative.ngram import COPYING, match_length, reach
 from minillm.speculative.tree import accept_tree_sampled, tree_attention_mask
 
 pytestmark = pytest.mark.skipif(
@@ -241,6 +242,51 @@ def test_prompt_lookups_branch_is_verified_with_the_tree(head_dir, reference, mo
     assert accepted[4] > accepted[0], accepted
     chain = LLM(TARGET, dtype="fp32", speculative_config={**tree_config(head_dir), "topk": 1})
     assert "prompt-lookup" not in chain.engine.resolved.speculation and chain.engine.speculator.config.ngram_branch == 0
+
+
+def proposals_by_kind(llm: LLM, copies: bool) -> dict[str, int]:
+    """Wrap ``llm``'s speculator: count the chains and trees it proposes, checking that a chain
+    goes to a sequence copying its text (and no further than its match vouches for), a tree to
+    every other."""
+    speculator = llm.engine.speculator
+    speculator.copies = copies
+    propose, kinds = speculator.propose, {"chain": 0, "tree": 0, "both in one step": 0}
+
+    def checked(running, waiting=0):
+        propose(running, waiting)
+        step = set()
+        for seq in running:
+            if not seq.draft_tokens:
+                continue
+            n = match_length(seq.token_ids)
+            kind = "chain" if seq.draft_parents is None else "tree"
+            assert kind == ("chain" if copies and n >= COPYING else "tree"), (copies, n, kind)
+            if kind == "chain":
+                assert len(seq.draft_tokens) <= reach(n, 5 + 4)
+            kinds[kind] += 1
+            step.add(kind)
+        kinds["both in one step"] += len(step) == 2
+
+    speculator.propose = checked
+    return kinds
+
+
+def test_a_sequence_copying_its_text_gets_prompt_lookups_chain_instead_of_a_tree(head_dir, reference):
+    """A sequence whose last 3 tokens or more occur earlier is copying: it gets prompt lookup's
+    chain, as deep as its match vouches for up to the tree's nodes and branch together (k + 4),
+    verified as a chain; the others get trees — in the same steps, the tokens the target's own.
+    ``Speculator.copies`` off: trees for every sequence."""
+    seen = {}
+    for copies in (True, False):
+        llm = LLM(TARGET, dtype="fp32", speculative_config=tree_config(head_dir, k=5))
+        assert llm.engine.speculator.copies
+        assert "copying text: prompt lookup's chain of up to k + 4" in llm.engine.resolved.speculation
+        kinds = proposals_by_kind(llm, copies)
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))
+        assert [o.token_ids for o in outs] == reference
+        seen[copies] = dict(kinds)
+    assert seen[True]["chain"] and seen[True]["tree"] and seen[True]["both in one step"], seen
+    assert seen[False]["chain"] == 0 and seen[False]["tree"], seen
 
 
 @pytest.mark.slow

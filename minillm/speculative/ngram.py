@@ -115,11 +115,16 @@ def kind_of_text(matches: list[int], batch: int) -> str | None:
     when none does (nothing to propose). With ``prompt_lookup_max`` below ``COPYING`` every
     match is free text.
 
-    Why the governor (governor.py) measures the two apart: how much proposing pays depends on
-    the text more than on anything else — on requests that copy their prompt, guessing 8
-    tokens made 3.2 tokens a verify step against 1.5 on chat (``probe_ngram_policy.py``) — and a
-    single measurement per batch size, learnt on one kind of text, was carried into the other:
-    k = 1 or 2 on copies after chat, and proposals on chat after copies."""
+    Why the governor (governor.py) measures the two apart at batch 1: how much proposing pays
+    depends on the text more than on anything else — on requests that copy their prompt,
+    guessing 8 tokens made 3.2 tokens a verify step against 1.5 on chat
+    (``probe_ngram_policy.py``) — and a single measurement, learnt on one kind of text, was
+    carried into the other: prompt lookup with k = 8 decoded copying requests at 2.12x the
+    default engine measuring the two together, 2.61x apart (``bench_eagle_tree.py --copy``,
+    Intel Xeon, 2026-12-07). A step of several sequences mixes texts, and one label for it
+    served worse: at batch 8, requests that copy a passage and then explain it ran at 1.06x
+    labelled by the majority against 1.23x with one measurement (k = 4), so there the governor
+    keeps one measurement per batch size (the engine asks only whether anything matches)."""
     if not any(matches):
         return None
     return "copying" if 2 * sum(n >= COPYING for n in matches) >= batch else "free text"

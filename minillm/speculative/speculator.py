@@ -56,6 +56,9 @@ class Speculator:
         self._step = (0, self.k, None)
         self._left: list[tuple[Sequence, int, int]] | None = None  # step_done's measure while draining
         self.resolved = None  # the engine's Resolved, whose `speculation` says what was decided
+        # An EAGLE tree with prompt lookup's branch: a sequence copying its text (a match of
+        # ngram.COPYING tokens or more) gets prompt lookup's chain instead of a tree (``propose``).
+        self.copies = config.method == "eagle" and config.topk > 1 and bool(config.ngram_branch)
         # Whether the engine's runner can verify a tree this step (the engine sets it); trees are
         # proposed only then (``config.topk > 1``), chains otherwise.
         self.trees_verifiable = lambda: False
@@ -85,6 +88,8 @@ class Speculator:
             what += f", trees of up to k nodes (top-{self.config.topk}, depth {self.config.depth})"
             if self.config.ngram_branch:
                 what += f" with a prompt-lookup branch of up to {self.config.ngram_branch}"
+            if self.copies:
+                what += f"; copying text: prompt lookup's chain of up to k + {self.config.ngram_branch}"
         return f"{what}, " + (self.governor.describe() if self.governor else f"k={self.k} always")
 
     def observe(self, chunks, hidden: list[torch.Tensor], seqs: list[Sequence]) -> None:
@@ -115,12 +120,17 @@ class Speculator:
         decoding = [seq for seq in running if seq.is_decoding]
         batch = len(decoding)
         matches, text, cfg = {}, None, self.config
-        if cfg.method == "ngram" and (self.governor is not None or cfg.prompt_lookup_scaled):  # known before proposing
+        prompt_lookup = cfg.method == "ngram" and (self.governor is not None or cfg.prompt_lookup_scaled)
+        if prompt_lookup or self.copies:  # what prompt lookup can tell before proposing
             matches = {id(seq): ngram.match_length(self._texts.of(seq), cfg.prompt_lookup_max, cfg.prompt_lookup_min)
                        for seq in decoding if self.eligible(seq)}  # fmt: skip
             text = ngram.kind_of_text(list(matches.values()), batch)
-            if text is None:  # nothing matches: nothing to propose, and no evidence for any k
+            if text is None and prompt_lookup:  # nothing matches: nothing to propose, and no evidence for any k
                 batch = 0
+            elif batch > 1:  # several sequences' texts: one measurement per batch size (ngram.kind_of_text)
+                text = None
+            elif text is None:  # the head proposes on any text
+                text = "free text"
         step_k = self.governor.choose(batch, text) if self.governor is not None and batch else self.k
         self._step = (batch, step_k, text)
         self._left = None
@@ -136,6 +146,12 @@ class Speculator:
                 ks.append(k)
         self._draft_dists.clear()
         if cfg.topk > 1 and seqs and self.trees_verifiable():
+            if self.copies:  # copying: prompt lookup's chain, as deep as the tree's nodes and branch together
+                chains = [(s, k) for s, k in zip(seqs, ks) if matches.get(id(s), 0) >= ngram.COPYING]
+                for seq, k in chains:
+                    seq.draft_tokens = self.look_up(seq, self.chain_room(seq, k + cfg.ngram_branch), matches[id(seq)])
+                copying = {id(s) for s, _ in chains}
+                seqs, ks = [s for s in seqs if id(s) not in copying], [k for s, k in zip(seqs, ks) if id(s) not in copying]
             by_id, k_of = {s.request_id: s for s in seqs}, {s.request_id: k for s, k in zip(seqs, ks)}
             for rid, (tokens, parents) in self.draft.propose_trees(seqs, ks, cfg.topk, cfg.depth).items():
                 seq = by_id[rid]
@@ -153,6 +169,12 @@ class Speculator:
         for seq, k in zip(seqs, ks):
             n = matches.get(id(seq))
             seq.draft_tokens = self.look_up(seq, k, n) if n != 0 else []
+
+    def chain_room(self, seq: Sequence, k: int) -> int:
+        """``k``, or fewer where ``seq`` ends sooner: a verified chain emits up to one token more
+        than it guesses, within ``max_tokens`` and the model's length (``eligible``'s limits,
+        without its cap at the configured k)."""
+        return max(0, min(k, seq.max_output - len(seq.output_token_ids) - 1, self.max_model_len - len(seq)))
 
     def look_up(self, seq: Sequence, k: int, n: int | None = None) -> list[int]:
         """Prompt lookup's guess for ``seq``, up to ``k`` tokens — as many as the match's length
