@@ -121,7 +121,7 @@ class Speculator:
         batch = len(decoding)
         matches, text, cfg = {}, None, self.config
         prompt_lookup = cfg.method == "ngram" and (self.governor is not None or cfg.prompt_lookup_scaled)
-        if prompt_lookup or self.copies:  # what prompt lookup can tell before proposing
+        if prompt_lookup or (self.copies and self.trees_verifiable()):  # what prompt lookup can tell before proposing
             matches = {id(seq): ngram.match_length(self._texts.of(seq), cfg.prompt_lookup_max, cfg.prompt_lookup_min)
                        for seq in decoding if self.eligible(seq)}  # fmt: skip
             text = ngram.kind_of_text(list(matches.values()), batch)
