@@ -164,7 +164,7 @@ def one_table(llm) -> None:
     propose, kind = speculator.propose, ngram.kind_of_text
 
     def propose_one_kind(running, waiting=0):
-        ngram.kind_of_text = lambda matches, batch: "any text"
+        ngram.kind_of_text = lambda matches: "any text"
         try:
             return propose(running, waiting)
         finally:

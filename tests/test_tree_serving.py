@@ -7,6 +7,8 @@ preemption and prefix hits."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from test_eagle import PROMPTS, TARGET, random_head
@@ -287,6 +289,12 @@ def test_a_sequence_copying_its_text_gets_prompt_lookups_chain_instead_of_a_tree
         seen[copies] = dict(kinds)
     assert seen[True]["chain"] and seen[True]["tree"] and seen[True]["both in one step"], seen
     assert seen[False]["chain"] == 0 and seen[False]["tree"], seen
+    # with its governor, the tree engine measures copying and free text apart at every batch size
+    llm = LLM(TARGET, dtype="fp32", speculative_config={**tree_config(head_dir, k=5), "adaptive": True})
+    assert [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))] == reference
+    said = llm.engine.resolved.speculation
+    assert "1 running, " not in said or re.search(r"1 running, (copying|free text): ", said), said
+    assert re.search(r"[248]\+ running, copying: ", said) and re.search(r"[248]\+ running, free text: ", said), said
 
 
 @pytest.mark.slow

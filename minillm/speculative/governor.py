@@ -17,14 +17,14 @@ rather than predicting it:
   by ±50 tok/s around 120): a moving average of weight 0.25 from the first step let one lucky
   step crown a worse candidate for a while.
 - Where the proposer can tell what kind of text a step decodes before it proposes, each kind is
-  measured apart: at batch 1, prompt lookup (and an EAGLE tree with its branch) tells text being
-  copied — its last 3 tokens or more occur earlier — from free text (``ngram.kind_of_text``).
-  Copying pays for many guesses and free text for few or none; measured together, the choice
-  learnt on one was carried into the other (k = 8 on copying requests: 2.12x the default engine
-  together, 2.61x apart). A step of several sequences mixes texts: one measurement per batch
-  size there (a majority label measured worse, ``ngram.kind_of_text``). A step in which
-  prompt lookup matches nothing at all proposes nothing and is no evidence. A draft model or
-  chain-drafting EAGLE head tells nothing before proposing: one measurement per batch size.
+  measured apart: prompt lookup tells text being copied — a sequence's last 3 tokens or more
+  occur earlier — from free text (``ngram.kind_of_text``), at batch 1; an EAGLE tree engine with
+  prompt lookup's branch, whose copying sequences get prompt lookup's chain instead of a tree,
+  at every batch size. Copying pays for many guesses and free text for few or none; measured
+  together, the choice learnt on one was carried into the other (``ngram.kind_of_text`` has the
+  figures). A step in which prompt lookup matches nothing at all proposes nothing and is no
+  evidence. A draft model or chain-drafting EAGLE head tells nothing before proposing: one
+  measurement per batch size.
 - A step uses the best candidate so far. A batch size seen for the first time starts with what
   the nearest batch size measured best on the same kind of text (the configured ``k`` when none
   has: the engine behaves as it always did until there is evidence), then tries every other

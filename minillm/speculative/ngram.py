@@ -107,24 +107,25 @@ def reach(n: int, k: int) -> int:
 COPYING = 3  # a match this long (4 guesses' reach) says the text is being copied
 
 
-def kind_of_text(matches: list[int], batch: int) -> str | None:
+def kind_of_text(matches: list[int]) -> str | None:
     """What prompt lookup can tell of a step's text before it proposes, from the match lengths
-    of the sequences that may speculate among ``batch`` decoding ones: ``"copying"`` when at
-    least half of the ``batch`` match ``COPYING`` tokens or more (one that may not speculate —
-    a repetition penalty — counts as no match), ``"free text"`` when any matches at all, None
-    when none does (nothing to propose). With ``prompt_lookup_max`` below ``COPYING`` every
-    match is free text.
+    of the sequences that may speculate: ``"copying"`` when one of them matches ``COPYING``
+    tokens or more, ``"free text"`` when any matches at all, None when none does (nothing to
+    propose). With ``prompt_lookup_max`` below ``COPYING`` every match is free text.
 
-    Why the governor (governor.py) measures the two apart at batch 1: how much proposing pays
-    depends on the text more than on anything else — on requests that copy their prompt,
-    guessing 8 tokens made 3.2 tokens a verify step against 1.5 on chat
-    (``probe_ngram_policy.py``) — and a single measurement, learnt on one kind of text, was
-    carried into the other: prompt lookup with k = 8 decoded copying requests at 2.12x the
-    default engine measuring the two together, 2.61x apart (``bench_eagle_tree.py --copy``,
-    Intel Xeon, 2026-12-07). A step of several sequences mixes texts, and one label for it
-    served worse: at batch 8, requests that copy a passage and then explain it ran at 1.06x
-    labelled by the majority against 1.23x with one measurement (k = 4), so there the governor
-    keeps one measurement per batch size (the engine asks only whether anything matches)."""
+    Why the governor (governor.py) measures the two apart: how much proposing pays depends on
+    the text more than on anything else — on requests that copy their prompt, guessing 8 tokens
+    made 3.2 tokens a verify step against 1.5 on chat (``probe_ngram_policy.py``) — and one
+    measurement, learnt on one kind of text, was carried into the other: prompt lookup with k = 8
+    decoded copying requests at batch 1 at 2.12x the default engine measuring the two together,
+    2.61x apart; an EAGLE tree engine, whose copying sequences get prompt lookup's chain instead
+    of a tree, learnt at batch 8 that proposing pays on copies and decoded chat at 0.92x the
+    default engine, 0.95x with the kinds apart (trees only: 0.96-0.98x). Prompt lookup alone at
+    batch 8 — one proposer for both kinds, several texts in a step — served copies better with one
+    measurement (1.35x against 1.23x labelled "copying" when any sequence copies, 1.23x against
+    1.06x on copy-then-explain requests labelled by the majority), so the speculator asks for the
+    kinds apart there only at batch 1 (``bench_eagle_tree.py --copy [--batch 8]``, Intel Xeon,
+    2026-12-07/08, docs/benchmarks.md, stop 77)."""
     if not any(matches):
         return None
-    return "copying" if 2 * sum(n >= COPYING for n in matches) >= batch else "free text"
+    return "copying" if any(n >= COPYING for n in matches) else "free text"

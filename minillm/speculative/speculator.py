@@ -124,10 +124,10 @@ class Speculator:
         if prompt_lookup or (self.copies and self.trees_verifiable()):  # what prompt lookup can tell before proposing
             matches = {id(seq): ngram.match_length(self._texts.of(seq), cfg.prompt_lookup_max, cfg.prompt_lookup_min)
                        for seq in decoding if self.eligible(seq)}  # fmt: skip
-            text = ngram.kind_of_text(list(matches.values()), batch)
+            text = ngram.kind_of_text(list(matches.values()))
             if text is None and prompt_lookup:  # nothing matches: nothing to propose, and no evidence for any k
                 batch = 0
-            elif batch > 1:  # several sequences' texts: one measurement per batch size (ngram.kind_of_text)
+            elif prompt_lookup and batch > 1:  # one proposer for both kinds, mixed texts: one measurement
                 text = None
             elif text is None:  # the head proposes on any text
                 text = "free text"
