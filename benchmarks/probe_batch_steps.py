@@ -8,10 +8,10 @@ untimed runs, then decodes the EAGLE recipe's held-out chats ``--batch`` at a ti
 ``--rounds`` times, the engines taking turns. Per run: tokens per second, the time in steps
 with a prefill chunk, in pure decode steps and outside any step; and per batch size class (1,
 2-3, 4-7, 8-15 decoding sequences) and number of proposals the governor chose: steps, time,
-ms a step, tokens a step and rows a step (a verify row per proposal) — for prompt lookup also by
-the kind of text the governor was told (copying, free text; "no match": a step in which no
-sequence matched, which proposes nothing and is timed apart, shown as size 1). The default engine
-has no governor: its steps all show as size 1, k=0. ``--grounded``: before each timed chat run, an
+ms a step, tokens a step and rows a step (a verify row per proposal) — also by the kind of text
+the governor was told (copying, free text: prompt lookup at batch 1, a tree engine at every size;
+"no match": a prompt-lookup step in which no sequence matched, which proposes nothing and is
+timed apart, shown as size 1). The default engine has no governor: its steps all show as size 1, k=0. ``--grounded``: before each timed chat run, an
 untimed run of ``--batch`` grounded requests (as ``bench_eagle_tree.py`` alternates its two
 workloads), so the governor comes to chat from text where proposals pay. ``--plain``: every
 governor made to choose 0 proposals — what the speculative engine's machinery costs when it

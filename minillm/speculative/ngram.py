@@ -41,8 +41,8 @@ def propose_ngram(tokens: list[int], k: int, max_n: int = 4, min_n: int = 1) -> 
 class TokenArrays:
     """Each speculating request's tokens as one NumPy array, grown as its tokens come, so that
     finding a step's match (``match_length``) costs the comparison — 3 µs at 600 tokens, 6 µs at
-    1,500 — and not joining and converting the whole text from its Python lists every step: 17
-    and 42 µs, which at 8 sequences is 0.8-2% of a 17 ms decode step, where speculation that does
+    1,500 — and not joining and converting the whole text from its Python lists every step: 18
+    and 43 µs, which at 8 sequences is 0.8-2% of a 17 ms decode step, where speculation that does
     not pay must cost nothing (Intel Xeon, 2026-12-07; ``benchmarks/bench_match_length.py``).
     A request's tokens are only ever appended; a new ``Sequence`` object under the same id (a
     request resumed another way) starts its array afresh. ``release`` drops a finished,

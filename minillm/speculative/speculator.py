@@ -49,7 +49,8 @@ class Speculator:
         self._texts = ngram.TokenArrays()  # prompt lookup's view of each request's tokens
         # A feature-level draft (EAGLE) reads the target's hidden states after every step.
         self.wants_hidden = bool(getattr(draft, "wants_hidden", False))
-        # How many to propose, measured per batch size and (prompt lookup) kind of text (governor.py); None: always k.
+        # How many to propose, measured per batch size and kind of text (prompt lookup at batch 1, a tree
+        # engine with `copies` at every size; governor.py); None: always k.
         self.governor = SpeculationGovernor(self.k) if config.adaptive else None
         # This step's decoding sequences (0: prompt lookup matched nothing — no decision, no evidence),
         # the k the governor chose, and the kind of text it was told (None: a proposer that cannot tell).
@@ -112,9 +113,11 @@ class Speculator:
 
     def propose(self, running: list[Sequence], waiting: int = 0) -> None:
         """Set ``draft_tokens`` of every running sequence (empty for those not speculating):
-        as many as the governor finds pays at this batch size — and, for prompt lookup, on this
-        kind of text (``ngram.kind_of_text``; a step in which no sequence matches proposes
-        nothing and asks the governor nothing) — the configured k for a seeded sampled request,
+        as many as the governor finds pays at this batch size — and on this kind of text
+        (``ngram.kind_of_text``), for prompt lookup at batch 1 and for an EAGLE tree with prompt
+        lookup's branch (``copies``) at every batch size (a tree step in which nothing matches is
+        free text; a prompt-lookup step in which nothing matches proposes nothing and asks the
+        governor nothing) — the configured k for a seeded sampled request,
         whose random draws must not depend on timing (governor.py). ``waiting``: requests that a
         place freed this step would go to (``step_done`` says why it counts)."""
         decoding = [seq for seq in running if seq.is_decoding]
